@@ -1,0 +1,250 @@
+"""The `prorag` command: world, index, serve, up, bench, run.
+
+Interface relied on by outside tools (keep stable): `prorag up [--port-offset N]`,
+`prorag serve <service> [--port N] [--http-port N]`, `prorag bench <target> --json`
+(last output line is one JSON object), and `runs/latest/results.json` from `prorag run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from prorag import paths
+from prorag.config import ConfigError, from_dict, load_file
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here; all models are local files
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _parse_sets(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise SystemExit(f"--set expects key=value, got {pair!r}")
+        k, v = pair.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------- world / index
+def cmd_world(args) -> int:
+    from prorag.embedded import ensure_world
+
+    summary = ensure_world(args.name, args.size, args.seed, force=args.force)
+    print(json.dumps(summary, indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_index(args) -> int:
+    from prorag.embedded import ensure_indexes
+
+    meta = ensure_indexes(args.world, faiss_type=args.faiss, encoder=args.encoder, pooling=args.pooling,
+                          query_prefix=args.query_prefix, doc_prefix=args.doc_prefix, corpus=args.corpus,
+                          out=args.out)
+    print(json.dumps(meta, indent=2, sort_keys=True, default=str))
+    return 0
+
+
+# ---------------------------------------------------------------- serve / up
+def _service_config(service: str, args) -> dict:
+    data = {}
+    if getattr(args, "config", None):
+        import yaml
+
+        data = yaml.safe_load(Path(args.config).read_text()) or {}
+    data.update(_parse_sets(getattr(args, "set", None)))
+    return data
+
+
+async def _serve(service: str, args) -> None:
+    from prorag.service import ServeConfig
+
+    default_http = paths.HTTP_PORTS.get(service, -1)
+    serve = from_dict(ServeConfig, {
+        "host": args.host,
+        "port": paths.GRPC_PORTS[service] if args.port is None else args.port,
+        "http_port": default_http if args.http_port is None else args.http_port,
+    })
+    overrides = _service_config(service, args)
+    if service == "retriever":
+        from services.retriever.server import RetrieverConfig, start
+
+        cfg = from_dict(RetrieverConfig, overrides)
+        if not cfg.index_root:
+            from prorag.embedded import ensure_indexes
+
+            ensure_indexes(cfg.world)
+        started = await start(serve, cfg)
+    else:
+        if overrides:
+            raise ConfigError(next(iter(overrides)), f"the {service} service takes no settings yet")
+        module = __import__(f"services.{service}.server", fromlist=["start"])
+        started = await module.start(serve)
+    http = f", HTTP on {serve.host}:{started.http_port}" if started.http_port else ""
+    print(f"{service}: gRPC on {serve.host}:{started.grpc_port}{http}", flush=True)
+    from prorag.grpc_server import serve_until_signal
+
+    await serve_until_signal([started.stop])
+
+
+def cmd_serve(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(_serve(args.service, args))
+    return 0
+
+
+def cmd_up(args) -> int:
+    """Start all five services as local processes; Ctrl-C or SIGTERM stops them all."""
+    from prorag.clients import wait_for_health
+    from prorag.embedded import ensure_indexes
+
+    ensure_indexes(args.world, size=args.size)  # build what is missing before any service starts
+    off = args.port_offset
+    procs: dict[str, subprocess.Popen] = {}
+    stopping = False
+
+    def stop_all(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop_all)
+    signal.signal(signal.SIGINT, stop_all)
+    try:
+        for svc in paths.SERVICES:
+            cmd = [sys.executable, "-m", "prorag.cli", "serve", svc, "--host", args.host,
+                   "--port", str(paths.GRPC_PORTS[svc] + off)]
+            if svc in paths.HTTP_PORTS:
+                cmd += ["--http-port", str(paths.HTTP_PORTS[svc] + off)]
+            if svc == "retriever":
+                cmd += ["--set", f"world={args.world}"]
+            procs[svc] = subprocess.Popen(cmd, start_new_session=True)
+        for svc in paths.SERVICES:
+            target = f"{args.host}:{paths.GRPC_PORTS[svc] + off}"
+            if not wait_for_health(target, "", timeout=args.start_timeout):
+                raise SystemExit(f"{svc} did not become live on {target} within {args.start_timeout}s")
+        print("all services up:")
+        for svc in paths.SERVICES:
+            http = f"  http://{args.host}:{paths.HTTP_PORTS[svc] + off}" if svc in paths.HTTP_PORTS else ""
+            print(f"  {svc:10s} grpc {args.host}:{paths.GRPC_PORTS[svc] + off}{http}")
+        sys.stdout.flush()
+        while not stopping:
+            for svc, p in procs.items():
+                if p.poll() is not None:
+                    print(f"{svc} exited with code {p.returncode}; stopping the others", file=sys.stderr)
+                    stopping = True
+            time.sleep(0.2)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return 0
+
+
+# ---------------------------------------------------------------- bench / run
+def cmd_bench(args) -> int:
+    from prorag import bench
+
+    fn = getattr(bench, f"bench_{args.target}", None)
+    if fn is None:
+        raise SystemExit(f"unknown bench target {args.target!r}; known: {', '.join(bench.TARGETS)}")
+    result = fn(args)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from prorag.pipeline import run_main_job
+
+    run_main_job(profile=args.profile, world=args.world, port_offset=args.port_offset)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prorag", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    w = sub.add_parser("world", help="generate the embedded multi-hop benchmark")
+    w.add_argument("--name", default="default")
+    w.add_argument("--size", default="default", choices=["tiny", "small", "default", "large"])
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--force", action="store_true", help="rebuild even if complete")
+    w.set_defaults(fn=cmd_world)
+
+    i = sub.add_parser("index", help="build dense (FAISS) and BM25 indexes; resumes after interruption")
+    i.add_argument("--world", default="default", help="embedded world whose corpus is indexed")
+    i.add_argument("--corpus", default=None, help="any wiki-18 style corpus.jsonl instead of the world's")
+    i.add_argument("--out", default=None, help="index root (default: data/indexes/<world>)")
+    i.add_argument("--faiss", default="flat", choices=["flat", "hnsw", "ivfpq"])
+    i.add_argument("--encoder", default="minilm", help="'minilm' (shipped) or a local HF encoder path (e5, bge)")
+    i.add_argument("--pooling", default="mean", choices=["mean", "cls"])
+    i.add_argument("--query-prefix", default="", help="e.g. 'query: ' for e5")
+    i.add_argument("--doc-prefix", default="", help="e.g. 'passage: ' for e5")
+    i.set_defaults(fn=cmd_index)
+
+    s = sub.add_parser("serve", help="start one service")
+    s.add_argument("service", choices=list(paths.SERVICES))
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=None, help="gRPC port (default: the documented one)")
+    s.add_argument("--http-port", type=int, default=None, help="HTTP port (-1 = off)")
+    s.add_argument("--config", default=None, help="YAML file with the service's settings")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting")
+    s.set_defaults(fn=cmd_serve)
+
+    u = sub.add_parser("up", help="start all five services on the documented ports")
+    u.add_argument("--port-offset", type=int, default=0)
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--world", default="default")
+    u.add_argument("--size", default="default", choices=["tiny", "small", "default", "large"])
+    u.add_argument("--start-timeout", type=float, default=180.0)
+    u.set_defaults(fn=cmd_up)
+
+    b = sub.add_parser("bench", help="benchmarks; --json prints one JSON object as the last line")
+    b.add_argument("target", help="retriever")
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--world", default="default")
+    b.add_argument("--batch", type=int, default=64)
+    b.add_argument("--iters", type=int, default=30)
+    b.add_argument("--repeats", type=int, default=3, help="repeated runs; medians are reported")
+    b.add_argument("--index", default="dense")
+    b.set_defaults(fn=cmd_bench)
+
+    r = sub.add_parser("run", help="the main job on the embedded default; writes runs/latest/results.json")
+    r.add_argument("--profile", default="default", choices=["tiny", "default"])
+    r.add_argument("--world", default=None)
+    r.add_argument("--port-offset", type=int, default=0)
+    r.set_defaults(fn=cmd_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

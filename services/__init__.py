@@ -1,0 +1,1 @@
+"""Service implementations (retriever, policy, PRM, judge, trainer)."""

@@ -1,0 +1,1 @@
+"""Retriever service: encoders, index building and the retrieval engine."""

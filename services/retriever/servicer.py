@@ -1,0 +1,49 @@
+"""Thin gRPC servicer for prorag.v1.Retriever: validate, convert, call the batched engine."""
+
+from __future__ import annotations
+
+import time
+
+from prorag.pb import common_pb2, retriever_pb2, retriever_pb2_grpc
+from services.retriever.frontend import SearchFrontend
+
+
+def _deadline(context) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def scored_doc_pb(d) -> common_pb2.ScoredDocument:
+    return common_pb2.ScoredDocument(
+        document=common_pb2.Document(id=d.doc_id, title=d.title, text=d.text, contents=d.contents),
+        score=float(d.score), rank=int(d.rank))
+
+
+class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
+    def __init__(self, frontend: SearchFrontend):
+        self.frontend = frontend
+
+    async def Search(self, request, context):
+        index, results = await self.frontend.search(list(request.queries), request.topk, request.index,
+                                                    deadline=_deadline(context))
+        return retriever_pb2.SearchResponse(
+            index=index,
+            results=[retriever_pb2.QueryResult(documents=[scored_doc_pb(d) for d in docs]) for docs in results])
+
+    async def ListIndexes(self, request, context):
+        engine = self.frontend.engine
+        infos = []
+        for info in engine.list_indexes():
+            infos.append(retriever_pb2.IndexInfo(
+                name=info["name"], kind=info["kind"], num_documents=int(info.get("num_documents", 0)),
+                encoder=info.get("encoder") or "", faiss_type=info.get("faiss_type") or "",
+                is_default=bool(info.get("is_default")),
+                extra={k: str(v) for k, v in (info.get("extra") or {}).items()}))
+        return retriever_pb2.ListIndexesResponse(indexes=infos, max_topk=engine.max_topk,
+                                                 max_batch=engine.max_batch,
+                                                 max_query_chars=engine.max_query_chars)
+
+    async def GetDocuments(self, request, context):
+        docs = self.frontend.engine.get_documents(list(request.ids))
+        return retriever_pb2.GetDocumentsResponse(documents=[
+            common_pb2.Document(id=d.doc_id, title=d.title, text=d.text, contents=d.contents) for d in docs])
