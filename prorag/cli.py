@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -107,12 +106,10 @@ def cmd_serve(args) -> int:
 
 def cmd_up(args) -> int:
     """Start all five services as local processes; Ctrl-C or SIGTERM stops them all."""
-    from prorag.clients import wait_for_health
     from prorag.embedded import ensure_indexes
+    from prorag.stack import ServiceStack
 
     ensure_indexes(args.world, size=args.size)  # build what is missing before any service starts
-    off = args.port_offset
-    procs: dict[str, subprocess.Popen] = {}
     stopping = False
 
     def stop_all(*_):
@@ -121,40 +118,20 @@ def cmd_up(args) -> int:
 
     signal.signal(signal.SIGTERM, stop_all)
     signal.signal(signal.SIGINT, stop_all)
-    try:
-        for svc in paths.SERVICES:
-            cmd = [sys.executable, "-m", "prorag.cli", "serve", svc, "--host", args.host,
-                   "--port", str(paths.GRPC_PORTS[svc] + off)]
-            if svc in paths.HTTP_PORTS:
-                cmd += ["--http-port", str(paths.HTTP_PORTS[svc] + off)]
-            if svc == "retriever":
-                cmd += ["--set", f"world={args.world}"]
-            procs[svc] = subprocess.Popen(cmd, start_new_session=True)
-        for svc in paths.SERVICES:
-            target = f"{args.host}:{paths.GRPC_PORTS[svc] + off}"
-            if not wait_for_health(target, "", timeout=args.start_timeout):
-                raise SystemExit(f"{svc} did not become live on {target} within {args.start_timeout}s")
+    stack = ServiceStack(host=args.host, port_offset=args.port_offset, world=args.world,
+                         start_timeout=args.start_timeout)
+    with stack:
         print("all services up:")
         for svc in paths.SERVICES:
-            http = f"  http://{args.host}:{paths.HTTP_PORTS[svc] + off}" if svc in paths.HTTP_PORTS else ""
-            print(f"  {svc:10s} grpc {args.host}:{paths.GRPC_PORTS[svc] + off}{http}")
+            http = f"  {stack.http_url(svc)}" if svc in paths.HTTP_PORTS else ""
+            print(f"  {svc:10s} grpc {stack.grpc_target(svc)}{http}")
         sys.stdout.flush()
         while not stopping:
-            for svc, p in procs.items():
-                if p.poll() is not None:
-                    print(f"{svc} exited with code {p.returncode}; stopping the others", file=sys.stderr)
-                    stopping = True
+            dead = stack.dead()
+            if dead:
+                print(f"{dead[0][0]} exited with code {dead[0][1]}; stopping the others", file=sys.stderr)
+                break
             time.sleep(0.2)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for p in procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
     return 0
 
 

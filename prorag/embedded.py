@@ -1,0 +1,51 @@
+"""The embedded default: build whatever is missing (world, indexes) and nothing that exists."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prorag import paths
+from prorag.config import from_dict
+from prorag.progress import progress_bars
+
+WORLD_SIZES = ("tiny", "small", "default", "large")
+
+
+def world_is_complete(name: str) -> bool:
+    return (paths.world_dir(name) / "DONE").exists()
+
+
+def ensure_world(name: str = "default", size: str | None = None, seed: int = 0, force: bool = False) -> dict:
+    """Generate the embedded benchmark ``name`` unless it is complete. ``size`` defaults to ``name``
+    when that is a size (so worlds "tiny" and "default" are what they say)."""
+    from prorag.data.world import WorldConfig, build_world, load_summary
+
+    out = paths.world_dir(name)
+    if world_is_complete(name) and not force:
+        return load_summary(out)
+    size = size or (name if name in WORLD_SIZES else "default")
+    cfg = from_dict(WorldConfig, {"size": size, "seed": seed})
+    with progress_bars() as progress:
+        summary = build_world(cfg, out, progress=progress)
+    return summary if isinstance(summary, dict) else summary.to_dict()
+
+
+def ensure_indexes(world: str = "default", size: str | None = None, faiss_type: str = "flat",
+                   encoder: str = "minilm", pooling: str = "mean", query_prefix: str = "",
+                   doc_prefix: str = "", corpus: str | None = None, out: str | None = None) -> dict:
+    """Build dense + BM25 indexes (+ docstore) for a corpus; resumes an interrupted build."""
+    from services.retriever.encoders import EncoderConfig
+    from services.retriever.indexing import BM25Config, DenseIndexConfig, build_all
+
+    if corpus is None:
+        ensure_world(world, size)
+        corpus_path = paths.world_dir(world) / "corpus.jsonl"
+    else:
+        corpus_path = Path(corpus)
+        if not corpus_path.exists():
+            raise SystemExit(f"corpus not found: {corpus_path}")
+    index_root = Path(out) if out else paths.index_dir(world)
+    dense_cfg = DenseIndexConfig(encoder=EncoderConfig(model=encoder, pooling=pooling, query_prefix=query_prefix,
+                                                       doc_prefix=doc_prefix), faiss_type=faiss_type)
+    with progress_bars() as progress:
+        return build_all(corpus_path, index_root, dense_cfg, BM25Config(), progress=progress)

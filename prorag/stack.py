@@ -1,0 +1,85 @@
+"""Run the five services as local processes (what `prorag up` and `prorag run` share)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from prorag import paths
+from prorag.clients import wait_for_health
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+@dataclass
+class ServiceStack:
+    host: str = "127.0.0.1"
+    port_offset: int = 0
+    world: str = "default"
+    services: tuple[str, ...] = paths.SERVICES
+    start_timeout: float = 180.0
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def grpc_target(self, svc: str) -> str:
+        return f"{self.host}:{paths.GRPC_PORTS[svc] + self.port_offset}"
+
+    def http_url(self, svc: str) -> str:
+        return f"http://{self.host}:{paths.HTTP_PORTS[svc] + self.port_offset}"
+
+    def start(self) -> "ServiceStack":
+        busy = [p for svc in self.services for p in
+                [paths.GRPC_PORTS[svc] + self.port_offset] + ([paths.HTTP_PORTS[svc] + self.port_offset]
+                                                              if svc in paths.HTTP_PORTS else [])
+                if not port_free(self.host, p)]
+        if busy:
+            raise SystemExit(f"ports already in use on {self.host}: {busy}; is another `prorag up` running? "
+                             f"Use --port-offset N to shift every port.")
+        for svc in self.services:
+            cmd = [sys.executable, "-m", "prorag.cli", "serve", svc, "--host", self.host,
+                   "--port", str(paths.GRPC_PORTS[svc] + self.port_offset)]
+            if svc in paths.HTTP_PORTS:
+                cmd += ["--http-port", str(paths.HTTP_PORTS[svc] + self.port_offset)]
+            if svc == "retriever":
+                cmd += ["--set", f"world={self.world}"]
+            self.procs[svc] = subprocess.Popen(cmd, start_new_session=True)
+        for svc in self.services:
+            if not wait_for_health(self.grpc_target(svc), "", timeout=self.start_timeout):
+                code = self.procs[svc].poll()
+                self.stop()
+                raise SystemExit(f"{svc} did not become live on {self.grpc_target(svc)} within "
+                                 f"{self.start_timeout:.0f}s (exit code {code})")
+        return self
+
+    def dead(self) -> list[tuple[str, int]]:
+        return [(svc, p.returncode) for svc, p in self.procs.items() if p.poll() is not None]
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        self.procs.clear()
+
+    def __enter__(self) -> "ServiceStack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

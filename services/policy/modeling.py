@@ -1,0 +1,247 @@
+"""The embedded policy: a byte-level BPE tokenizer and a small randomly initialised Qwen3.
+
+The same loading code serves any Hugging Face causal LM directory, so a Qwen3-8B checkpoint on
+a GPU host goes through :func:`load_policy` exactly like the CPU test model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from prorag.config import cfg_field, from_dict
+from prorag.errors import InvalidArgument, NotFound
+from prorag.io import atomic_dir, sha256_file
+from prorag.trajectory import CHAT_TOKENS, ENDOFTEXT, IM_END, TAGS
+
+#: Qwen3-style chat template (messages + generation prompt; empty think when enable_thinking=False),
+#: so apply_chat_template(..., enable_thinking=False) + "<step>\n" is exactly trajectory.render_prompt.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, out_dir: str | Path | None = None):
+    """Train a byte-level BPE on ``texts``; the chat tokens and 10 format tags are whole special tokens.
+
+    Ids: <|endoftext|>=0 (pad), <|im_start|>=1, <|im_end|>=2 (eos), <think>=3, </think>=4, tags 5..14.
+    Saved in Hugging Face format under ``out_dir`` (atomically) when given.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = list(CHAT_TOKENS) + list(TAGS)
+    if vocab_size < 256 + len(specials):
+        raise InvalidArgument(f"vocab_size must be >= {256 + len(specials)} (bytes + special tokens), got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT,
+                                 chat_template=CHAT_TEMPLATE, model_max_length=1 << 20)
+    add_format_tokens(hf)
+    if out_dir is not None:
+        with atomic_dir(out_dir) as tmp:
+            hf.save_pretrained(tmp)
+    return hf
+
+
+def add_format_tokens(tokenizer, model=None) -> int:
+    """Make the chat tokens and 10 tags special tokens of ``tokenizer`` (a no-op for ours).
+
+    For a stock checkpoint (e.g. Qwen3-8B before SFT) the missing ones are added and the
+    model's embeddings resized. Returns how many tokens were new.
+    """
+    before = len(tokenizer)
+    vocab = tokenizer.get_vocab()
+    extra = {str(t) for t in (tokenizer.extra_special_tokens or [])}
+    # tags are always registered as special (kept whole, listed); chat tokens only when absent
+    want = [t for t in TAGS if t not in extra] + [t for t in CHAT_TOKENS if t not in vocab and t not in extra]
+    if want:
+        tokenizer.add_special_tokens({"extra_special_tokens": want}, replace_extra_special_tokens=False)
+    added = len(tokenizer) - before
+    if model is not None and model.get_input_embeddings().weight.shape[0] < len(tokenizer):
+        model.resize_token_embeddings(len(tokenizer))
+    return added
+
+
+@dataclass
+class PolicyModelConfig:
+    """Shape of the embedded Qwen3 policy (the vocabulary comes from the tokenizer)."""
+
+    hidden_size: int = cfg_field(256, help="model width", min=8)
+    num_layers: int = cfg_field(6, help="decoder layers", min=1)
+    num_heads: int = cfg_field(8, help="query heads", min=1)
+    num_kv_heads: int = cfg_field(4, help="key/value heads (grouped-query attention); divides num_heads", min=1)
+    head_dim: int = cfg_field(32, help="per-head width", min=4)
+    intermediate_size: int = cfg_field(768, help="SwiGLU hidden width", min=8)
+    max_position_embeddings: int = cfg_field(4096, help="longest context, prompt + trajectory, in tokens", min=16)
+    rope_theta: float = cfg_field(1_000_000.0, help="RoPE base", min=1.0)
+    tie_word_embeddings: bool = cfg_field(True, help="share input embeddings and LM head")
+
+    def validate(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidArgument(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+
+#: "tiny": ~1M params with an 8k vocab, for tests. "small": ~8M params, measured on 2 CPU cores
+#: (see services/policy/README or the helper's report) to generate >= 1,500 tokens/s at batch 64.
+PRESETS: dict[str, PolicyModelConfig] = {
+    "tiny": PolicyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                              intermediate_size=192, max_position_embeddings=4096),
+    "small": PolicyModelConfig(),
+}
+
+
+def model_config(cfg: PolicyModelConfig | str | dict) -> PolicyModelConfig:
+    """A config from a preset name, a mapping (strict) or a config."""
+    if isinstance(cfg, PolicyModelConfig):
+        return cfg
+    if isinstance(cfg, str):
+        if cfg not in PRESETS:
+            raise InvalidArgument(f"unknown policy preset {cfg!r} (known: {', '.join(PRESETS)})")
+        return PRESETS[cfg]
+    return from_dict(PolicyModelConfig, cfg)
+
+
+def build_model(cfg: PolicyModelConfig | str | dict, tokenizer, seed: int = 0):
+    """A randomly initialised ``Qwen3ForCausalLM`` sized by ``cfg`` with the tokenizer's vocabulary."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = model_config(cfg)
+    hf_cfg = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(hf_cfg)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.eval()
+
+
+def num_parameters(model) -> int:
+    """Distinct parameters (tied embeddings counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+def save_pretrained(model, tokenizer, out_dir: str | Path) -> Path:
+    """Write model (safetensors) and tokenizer under ``out_dir``; readers never see a partial directory."""
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return out_dir
+
+
+def _dtype(dtype) -> torch.dtype | str:
+    if dtype is None or dtype == "auto":
+        return "auto"
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in table:
+        raise InvalidArgument(f"unknown dtype {dtype!r} (known: auto, {', '.join(table)})")
+    return table[dtype]
+
+
+def load_policy(path: str | Path, device: str = "cpu", dtype="float32"):
+    """Load any Hugging Face causal LM directory (or hub id) and its tokenizer; returns (model, tokenizer).
+
+    The model is in eval mode on ``device``; the tokenizer gets a pad token (eos when it has none)
+    and the format tags as special tokens (embeddings resized if they were missing).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    if p.is_absolute() or str(path).startswith("."):
+        if not p.is_dir():
+            raise NotFound(f"model directory {path} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dtype(dtype))
+    add_format_tokens(tokenizer, model)
+    return model.to(device).eval(), tokenizer
+
+
+def model_sha256(path: str | Path) -> str:
+    """Identity of a model directory: sha256 over the names and hashes of its safetensors files."""
+    p = Path(path)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
+    if not files:
+        raise NotFound(f"no .safetensors files under {path}")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}\0{sha256_file(f)}\n".encode())
+    return h.hexdigest()
+
+
+def pretrain_on_corpus(model, tokenizer, texts: Iterable[str], steps: int = 100, lr: float = 3e-4,
+                       batch_size: int = 16, seq_len: int = 256, seed: int = 0) -> list[float]:
+    """Causal-LM warm-up on raw texts (packed into ``seq_len`` blocks); returns the loss per step.
+
+    Gives a random model word statistics before SFT; it does not teach the step format.
+    """
+    ids: list[int] = []
+    for t in texts:
+        ids.extend(tokenizer.encode(t, add_special_tokens=False))
+        ids.append(tokenizer.pad_token_id)
+    n_blocks = len(ids) // seq_len
+    if n_blocks == 0:
+        raise InvalidArgument(f"corpus too small: {len(ids)} tokens < seq_len {seq_len}")
+    data = torch.tensor(ids[: n_blocks * seq_len]).view(n_blocks, seq_len)
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    losses = []
+    try:
+        for _ in range(steps):
+            batch = data[torch.randint(0, n_blocks, (min(batch_size, n_blocks),), generator=g)]
+            loss = model(input_ids=batch, labels=batch).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(float(loss))
+    finally:
+        model.eval()
+    return losses
+
+
+def describe_model(model) -> dict:
+    """Small JSON-able summary for ModelInfo."""
+    c = model.config
+    return {"architecture": type(model).__name__, "num_parameters": num_parameters(model),
+            "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_layers": c.num_hidden_layers,
+            "max_position_embeddings": c.max_position_embeddings, "dtype": str(next(model.parameters()).dtype)}
+
+
+__all__ = ["CHAT_TEMPLATE", "PolicyModelConfig", "PRESETS", "train_tokenizer", "add_format_tokens", "model_config",
+           "build_model", "num_parameters", "save_pretrained", "load_policy", "model_sha256",
+           "pretrain_on_corpus", "describe_model"]
