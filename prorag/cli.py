@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("world", help="generate the embedded multi-hop benchmark")
     w.add_argument("--name", default="default")
-    w.add_argument("--size", default="default", choices=["tiny", "small", "default", "large"])
+    w.add_argument("--size", default=None, choices=["tiny", "small", "default", "large"],
+                   help="default: the name when it is a size, else 'default'")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--force", action="store_true", help="rebuild even if complete")
     w.set_defaults(fn=cmd_world)
@@ -192,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--port-offset", type=int, default=0)
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--world", default="default")
-    u.add_argument("--size", default="default", choices=["tiny", "small", "default", "large"])
+    u.add_argument("--size", default=None, choices=["tiny", "small", "default", "large"])
     u.add_argument("--start-timeout", type=float, default=180.0)
     u.set_defaults(fn=cmd_up)
 

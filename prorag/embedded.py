@@ -18,15 +18,13 @@ def world_is_complete(name: str) -> bool:
 def ensure_world(name: str = "default", size: str | None = None, seed: int = 0, force: bool = False) -> dict:
     """Generate the embedded benchmark ``name`` unless it is complete. ``size`` defaults to ``name``
     when that is a size (so worlds "tiny" and "default" are what they say)."""
-    from prorag.data.world import WorldConfig, build_world, load_summary
+    from prorag.data.world import WorldConfig, build_world
 
     out = paths.world_dir(name)
-    if world_is_complete(name) and not force:
-        return load_summary(out)
     size = size or (name if name in WORLD_SIZES else "default")
-    cfg = from_dict(WorldConfig, {"size": size, "seed": seed})
+    cfg = from_dict(WorldConfig, {"name": name, "size": size, "seed": seed})
     with progress_bars() as progress:
-        summary = build_world(cfg, out, progress=progress)
+        summary = build_world(cfg, out, progress=progress, force=force)  # reuses a finished build of this config
     return summary if isinstance(summary, dict) else summary.to_dict()
 
 

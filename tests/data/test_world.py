@@ -1,0 +1,258 @@
+"""The embedded world: determinism, leakage-free splits, answerable gold decompositions."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from prorag.config import ConfigError, from_dict
+from prorag.data.loaders import load_corpus, load_split
+from prorag.data.world import SPLITS, WorldConfig, build_world, load_summary
+from prorag.metrics import normalize_answer
+
+FILES = ("corpus.jsonl", "train.jsonl", "dev.jsonl", "test.jsonl", "world.json", "DONE")
+
+
+def tiny(seed: int = 0, **kw) -> WorldConfig:
+    return from_dict(WorldConfig, {"name": "t", "size": "tiny", "seed": seed, **kw})
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    out = tmp_path_factory.mktemp("world")
+    t0 = time.perf_counter()
+    summary = build_world(tiny(0), out)
+    elapsed = time.perf_counter() - t0
+    docs = {d.id: d for d in load_corpus(out / "corpus.jsonl")}
+    splits = {s: load_split(out, s) for s in SPLITS}
+    return {"dir": out, "summary": summary, "elapsed": elapsed, "docs": docs, "splits": splits,
+            "meta": json.loads((out / "world.json").read_text())}
+
+
+def test_tiny_builds_fast_and_counts(world):
+    assert world["elapsed"] < 5.0
+    s = world["summary"]
+    assert s.splits == {"train": 300, "dev": 60, "test": 60}
+    assert s.n_docs == len(world["docs"]) == world["meta"]["counts"]["entities"]
+    assert 120 <= s.n_docs <= 180
+    for name in FILES:
+        assert (world["dir"] / name).exists()
+
+
+def test_same_seed_same_bytes_other_seed_differs(world, tmp_path):
+    a = tmp_path / "a"
+    build_world(tiny(0), a)
+    for name in FILES:
+        assert (a / name).read_bytes() == (world["dir"] / name).read_bytes(), name
+    b = tmp_path / "b"
+    build_world(tiny(1), b)
+    assert (b / "corpus.jsonl").read_bytes() != (a / "corpus.jsonl").read_bytes()
+    assert (b / "test.jsonl").read_bytes() != (a / "test.jsonl").read_bytes()
+
+
+def test_independent_of_string_hash_seed(world, tmp_path):
+    # sets of strings iterate in PYTHONHASHSEED order: output must not depend on it
+    code = ("import sys; from prorag.config import from_dict; from prorag.data.world import WorldConfig, build_world;"
+            "build_world(from_dict(WorldConfig, {'name': 't', 'size': 'tiny', 'seed': 0}), sys.argv[1])")
+    env = {**os.environ, "PYTHONHASHSEED": "4242"}
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, env=env)
+    for name in FILES:
+        assert (tmp_path / name).read_bytes() == (world["dir"] / name).read_bytes(), name
+
+
+def test_row_schema_exact(world):
+    for line in (world["dir"] / "corpus.jsonl").read_text().splitlines()[:50]:
+        row = json.loads(line)
+        assert set(row) == {"id", "contents"}
+        assert row["contents"].startswith('"') and '"\n' in row["contents"]
+    for line in (world["dir"] / "train.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        assert set(row) == {"id", "question", "golden_answers", "metadata"}
+        m = row["metadata"]
+        assert set(m) == {"type", "hops", "decomposition", "supporting_doc_ids", "chain"}
+        assert m["type"] in ("compositional", "comparison", "bridge_comparison")
+        assert isinstance(m["hops"], int) and row["golden_answers"] and all(isinstance(a, str) for a in
+                                                                            row["golden_answers"])
+        for step in m["decomposition"]:
+            assert set(step) == {"question", "answer", "answer_aliases", "doc_id", "title"}
+
+
+def test_splits_disjoint_by_chain_and_text(world):
+    sp = world["splits"]
+    chains = {s: {q.metadata["chain"] for q in sp[s]} for s in SPLITS}
+    texts = {s: {q.question for q in sp[s]} for s in SPLITS}
+    for s in ("dev", "test"):
+        assert not chains[s] & chains["train"]
+        assert not texts[s] & texts["train"]
+    assert not chains["dev"] & chains["test"]
+    for s in SPLITS:  # no duplicates within a split either
+        assert len(chains[s]) == len(sp[s]) == len(texts[s])
+    ids = [q.id for s in SPLITS for q in sp[s]]
+    assert len(ids) == len(set(ids))
+
+
+def _contains(haystack: str, needle: str) -> bool:
+    return f" {normalize_answer(needle)} " in f" {normalize_answer(haystack)} "
+
+
+def test_decompositions_are_supported_by_their_documents(world):
+    docs = world["docs"]
+    for s in SPLITS:
+        for q in world["splits"][s]:
+            steps = q.decomposition
+            assert steps and q.hops == q.metadata["hops"]
+            retrieval = [st for st in steps if st.doc_id]
+            assert len(retrieval) == q.hops
+            assert q.supporting_doc_ids == list(dict.fromkeys(st.doc_id for st in retrieval))
+            for st in retrieval:
+                doc = docs[st.doc_id]
+                assert doc.title == st.title
+                assert _contains(doc.title + " " + doc.text, st.answer), (q.id, st, doc.contents)
+                assert st.answer in st.answer_aliases
+                assert st.question.endswith("?")
+            if q.qtype == "compositional":
+                assert steps[-1].answer in q.golden_answers
+                assert steps[-1].answer_aliases == q.golden_answers
+            else:
+                assert steps[-1].doc_id == "" and steps[-1].answer in q.golden_answers
+                assert steps[-1].question == q.question
+
+
+def test_subquestions_name_previous_answer(world):
+    # hop k+1's sub-question mentions hop k's answer explicitly (the decomposition is self-contained)
+    for q in world["splits"]["train"]:
+        if q.qtype != "compositional":
+            continue
+        steps = q.decomposition
+        for prev, nxt in zip(steps, steps[1:]):
+            assert prev.answer.lower() in nxt.question.lower(), (prev, nxt)
+
+
+def test_chains_follow_the_entity_graph(world):
+    ents = {e["id"]: e for e in world["meta"]["entities"]}
+    literal = {"birth_year": lambda e: e["attrs"]["birth_year"], "release_year": lambda e: e["attrs"]["release_year"],
+               "founded_year": lambda e: e["attrs"]["founded_year"], "continent": lambda e: e["attrs"]["continent"],
+               "occupation": lambda e: e["kind"]}
+    for q in world["splits"]["train"]:
+        if q.qtype != "compositional":
+            continue
+        edges = [edge.rsplit(".", 1) for edge in q.metadata["chain"].split(">")]
+        assert [eid for eid, _ in edges] == [st.doc_id for st in q.decomposition]
+        for (eid, rel), st in zip(edges, q.decomposition):
+            e = ents[eid]
+            value = ents[e["rels"][rel]]["name"] if rel in e["rels"] else str(literal[rel](e))
+            assert value == st.answer
+
+
+def _qualified(e: dict) -> str:
+    if e["type"] == "city":
+        return f"the city of {e['name']}"
+    if e["type"] == "org":
+        q = e["attrs"].get("industry") or ("football club" if e["kind"] == "club" else e["kind"])
+        return f"the {q} {e['name']}"
+    return f"the {e['kind']} {e['name']}"
+
+
+def test_shared_names_are_always_qualified(world):
+    # an entity whose name is shared is named with its kind ("the painter X") in every (sub-)question
+    ents = {e["id"]: e for e in world["meta"]["entities"]}
+    n_checked = 0
+    for s in SPLITS:
+        for q in world["splits"][s]:
+            subjects = [ents[st.doc_id] for st in q.decomposition if st.doc_id]
+            for st, e in zip([st for st in q.decomposition if st.doc_id], subjects):
+                if e["shared_name"]:
+                    assert _qualified(e).lower() in st.question.lower(), (st.question, e["name"])
+                    n_checked += 1
+            if q.qtype == "compositional" and subjects[0]["shared_name"]:
+                assert _qualified(subjects[0]).lower() in q.question.lower()
+    assert n_checked > 0
+
+
+def test_distractors_exist(world):
+    docs = world["docs"].values()
+    bare = Counter(normalize_answer(re.sub(r" \([^)]*\)$", "", d.title)) for d in docs)
+    assert max(bare.values()) >= 2, "no shared names"
+    assert any(re.search(r" \([^)]*\)$", d.title) for d in docs)
+    assert len({d.title for d in docs}) == len(docs)  # titles themselves stay unique
+    # namesakes differ in their qualifier, so "the painter X" / "the album X" pick one
+    ents = world["meta"]["entities"]
+    groups: dict[str, list] = {}
+    for e in ents:
+        groups.setdefault(normalize_answer(e["name"]), []).append(e)
+    for g in groups.values():
+        if len(g) > 1:
+            assert all(e["shared_name"] for e in g)
+            assert sum(e["title"] == e["name"] for e in g) <= 1
+
+
+def test_hop_and_type_distribution(world):
+    for s in SPLITS:
+        qs = world["splits"][s]
+        hops = Counter(q.hops for q in qs if q.qtype == "compositional")
+        assert set(hops) == {1, 2, 3, 4}
+        types = Counter(q.qtype for q in qs)
+        assert types["comparison"] > 0 and types["bridge_comparison"] > 0
+    train = world["splits"]["train"]
+    n = len(train)
+    hops = Counter(q.hops for q in train if q.qtype == "compositional")
+    assert hops[1] == pytest.approx(0.25 * n, abs=2) and hops[2] == pytest.approx(0.30 * n, abs=2)
+    yn = Counter(q.golden_answers[0] for q in train if q.golden_answers[0] in ("yes", "no"))
+    assert yn["yes"] > 0 and yn["no"] > 0
+
+
+def test_mix_is_configurable(tmp_path):
+    s = build_world(tiny(3, n_train=40, n_dev=10, n_test=10, frac_1hop=1, frac_2hop=0, frac_3hop=0,
+                         frac_4hop=0, frac_comparison=0, frac_bridge_comparison=0), tmp_path)
+    assert s.by_hops["train"] == {"1": 40} and s.by_type["test"] == {"compositional": 10}
+
+
+def test_done_marker_reuse_and_partial_rebuild(tmp_path):
+    s1 = build_world(tiny(5), tmp_path)
+    assert not s1.reused
+    s2 = build_world(tiny(5), tmp_path)
+    assert s2.reused and s2.splits == s1.splits
+    loaded = load_summary(tmp_path)
+    assert loaded["splits"] == s1.splits and loaded["by_hops"] == s1.by_hops and loaded["seed"] == 5
+    corpus = (tmp_path / "corpus.jsonl").read_bytes()
+    (tmp_path / "DONE").unlink()  # as if the build died before finishing
+    (tmp_path / "test.jsonl").write_text("garbage")
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        load_split(tmp_path, "test")
+    with pytest.raises(FileNotFoundError, match="DONE"):
+        load_summary(tmp_path)
+    s3 = build_world(tiny(5), tmp_path)
+    assert not s3.reused and (tmp_path / "DONE").exists()
+    assert (tmp_path / "corpus.jsonl").read_bytes() == corpus
+    assert len(load_split(tmp_path, "test")) == 60
+    # another config in the same folder is rebuilt, not reused
+    assert not build_world(tiny(6), tmp_path).reused
+
+
+def test_config_is_strict():
+    with pytest.raises(ConfigError, match="size"):
+        from_dict(WorldConfig, {"size": "huge"})
+    with pytest.raises(ConfigError, match="unknown"):
+        from_dict(WorldConfig, {"sizes": "tiny"})
+    with pytest.raises(ConfigError):
+        from_dict(WorldConfig, {"frac_1hop": 0, "frac_2hop": 0, "frac_3hop": 0, "frac_4hop": 0,
+                                "frac_comparison": 0, "frac_bridge_comparison": 0})
+    assert from_dict(WorldConfig, {"size": "small"}).resolved()["entities"] == 600
+
+
+def test_summary_paths_and_progress(tmp_path):
+    seen = []
+    s = build_world(tiny(2), tmp_path, progress=lambda stage, done, total: seen.append(stage))
+    assert {"entities", "documents", "questions train", "written"} <= set(seen)
+    for p in s.paths.values():
+        assert Path(p).exists()
+    d = s.to_dict()
+    assert d["by_type"]["train"]["compositional"] > 0 and json.dumps(d)
