@@ -86,6 +86,10 @@ async def _serve(service: str, args) -> None:
 
             ensure_indexes(cfg.world)
         started = await start(serve, cfg)
+    elif service == "trainer":
+        from services.trainer.server import TrainerConfig, start
+
+        started = await start(serve, from_dict(TrainerConfig, overrides))
     else:
         if overrides:
             raise ConfigError(next(iter(overrides)), f"the {service} service takes no settings yet")

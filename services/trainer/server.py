@@ -1,19 +1,77 @@
-"""trainer service process. Until its engine is built it starts, reports itself live
-but not ready, and answers every RPC with UNIMPLEMENTED and the reason."""
+"""trainer service process: persistent training jobs (StartJob / WatchJob / CancelJob / GetJob / ListJobs).
+
+Jobs live under ``<PRORAG_HOME>/runs/jobs`` and survive restarts: a job a killed trainer
+left running is re-queued at the next start and resumes from its last checkpoint. The
+service reports NOT_SERVING until the job store is loaded.
+"""
 
 from __future__ import annotations
 
-from prorag.grpc_server import ServerSpec, start_server, unimplemented_servicer
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from prorag import paths
+from prorag.config import cfg_field
+from prorag.grpc_server import ServerSpec, start_server
 from prorag.pb import trainer_pb2_grpc
 from prorag.service import ServeConfig, Started
+from services.trainer.jobs import JobManager
+from services.trainer.servicer import TrainerServicer
+from services.trainer.stages import load_stage_modules
 
 SERVICE = "prorag.v1.Trainer"
-REASON = "training jobs arrive with the trainer/SFT issue"
+log = logging.getLogger("prorag.trainer")
 
 
-async def start(serve: ServeConfig, **_: object) -> Started:
-    servicer = unimplemented_servicer(trainer_pb2_grpc.TrainerServicer, SERVICE, REASON)
-    spec = ServerSpec(name="trainer", services=[(SERVICE, lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s))],
+@dataclass
+class TrainerConfig:
+    jobs_root: str = cfg_field("", help="where jobs live; '' = <PRORAG_HOME>/runs/jobs (PRORAG_RUNS moves runs/)")
+    keep_checkpoints: int = cfg_field(2, help="checkpoints kept per job (older ones are deleted)", min=1, max=1000)
+    tracking: str = cfg_field("", help="default tracking for stages that do not choose: 'wandb' (offline unless "
+                                       "WANDB_API_KEY is set) or 'local' (metrics.jsonl only); '' = $PRORAG_TRACKING "
+                                       "or 'wandb'", choices=("", "wandb", "local"))
+    stage_modules: list[str] = cfg_field(help="extra modules that register stages on import "
+                                              "(services.trainer.stage_* are always loaded)", factory=list)
+    stop_timeout_s: float = cfg_field(30.0, help="seconds the running stage gets to checkpoint at shutdown", min=0)
+
+    def resolved_root(self) -> Path:
+        return Path(self.jobs_root) if self.jobs_root else paths.runs_dir() / "jobs"
+
+    def resolved_tracking(self) -> str:
+        mode = self.tracking or os.environ.get("PRORAG_TRACKING", "") or "wandb"
+        if mode not in ("wandb", "local"):
+            raise ValueError(f"PRORAG_TRACKING must be 'wandb' or 'local', got {mode!r}")
+        return mode
+
+
+async def start(serve: ServeConfig, cfg: TrainerConfig | None = None, **_: object) -> Started:
+    cfg = cfg or TrainerConfig()
+    load_stage_modules(cfg.stage_modules)
+    manager = JobManager(cfg.resolved_root(), keep_checkpoints=cfg.keep_checkpoints,
+                         tracking=cfg.resolved_tracking())
+    servicer = TrainerServicer(manager)
+    spec = ServerSpec(name="trainer",
+                      services=[(SERVICE, lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s))],
                       ready={SERVICE: False})
     running = await start_server(spec, serve.port, serve.host, serve.max_message_mb)
-    return Started("trainer", running.port, None, [lambda: running.stop(serve.grace_s)])
+    try:
+        await asyncio.to_thread(manager.load)
+    except BaseException:
+        await running.stop(0)
+        raise
+    manager.start()
+    await running.set_ready(SERVICE, True)
+
+    async def stop() -> None:
+        servicer.close()
+        await running.set_ready(SERVICE, False)
+        # The stage checkpoints before the process exits, so the job resumes on restart.
+        await asyncio.to_thread(manager.stop, cfg.stop_timeout_s)
+        await running.stop(serve.grace_s)
+
+    started = Started("trainer", running.port, None, [stop])
+    started.manager = manager  # type: ignore[attr-defined]  # for in-process callers and tests
+    return started

@@ -1,0 +1,138 @@
+"""Training checkpoints: atomic, self-describing, last K kept.
+
+A checkpoint is one ``torch.save`` file ``step-<N>.pt`` holding whatever the stage
+passes (model / optimizer / scheduler state dicts, data position) plus the RNG states
+of torch, numpy and Python's ``random``. It is written to a temporary sibling,
+fsynced and renamed into place, so a crash at any moment leaves either the previous
+checkpoint set or the new one, never a truncated file under a real name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from prorag.io import atomic_path
+
+log = logging.getLogger("prorag.trainer.checkpoint")
+
+_NAME = re.compile(r"^step-(\d{9})\.pt$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:09d}.pt"
+
+
+def capture_rng() -> dict:
+    """RNG states of torch, numpy and random as plain values (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        # random's state is a tuple of ints; a list survives the weights_only loader
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+
+
+def restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def list_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint, oldest first; temp files are not listed."""
+    d = Path(ckpt_dir)
+    if not d.is_dir():
+        return []
+    out = []
+    for p in d.iterdir():
+        m = _NAME.match(p.name)
+        if m:
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def _fsync_dir(d: Path) -> None:
+    # The rename is only durable once the directory entry is on disk.
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save(ckpt_dir: str | Path, state: dict, step: int, keep: int = 2, include_rng: bool = True) -> Path:
+    """Write ``state`` as the checkpoint for ``step`` atomically, then drop all but the last ``keep``."""
+    if keep < 1:
+        raise ValueError("keep must be >= 1")
+    d = Path(ckpt_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    payload = dict(state)
+    payload["step"] = int(step)
+    if include_rng:
+        payload["rng"] = capture_rng()
+    path = d / checkpoint_name(step)
+    with atomic_path(path) as tmp:
+        torch.save(payload, tmp)
+    _fsync_dir(d)
+    for _, old in list_checkpoints(d)[:-keep]:
+        try:
+            old.unlink()
+        except FileNotFoundError:
+            pass
+    return path
+
+
+def load(path: str | Path) -> dict:
+    # weights_only: a checkpoint is data; it never needs to run code to load.
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_latest(ckpt_dir: str | Path) -> tuple[dict, Path] | None:
+    """The newest checkpoint that loads; an unreadable one is skipped with a warning."""
+    for step, path in reversed(list_checkpoints(ckpt_dir)):
+        try:
+            return load(path), path
+        except Exception as exc:  # noqa: BLE001 - fall back to the previous checkpoint
+            log.warning("checkpoint %s (step %d) is unreadable, trying an older one: %s", path, step, exc)
+    return None
+
+
+def cleanup_temp(ckpt_dir: str | Path) -> int:
+    """Remove temp files a killed writer left behind; returns how many."""
+    d = Path(ckpt_dir)
+    n = 0
+    if d.is_dir():
+        for p in d.iterdir():
+            if p.name.startswith(".") and p.name.endswith(".tmp"):
+                p.unlink(missing_ok=True)
+                n += 1
+    return n
+
+
+def state_to_device(obj: Any, device: str | torch.device) -> Any:
+    """Move every tensor in a nested state to ``device`` (checkpoints load on CPU)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: state_to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(state_to_device(v, device) for v in obj)
+    return obj

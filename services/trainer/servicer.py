@@ -1,0 +1,112 @@
+"""The Trainer gRPC servicer: converts messages and calls the JobManager; errors map via the interceptor."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from prorag.errors import InvalidArgument, NotFound, Unavailable
+from prorag.pb import trainer_pb2, trainer_pb2_grpc
+from services.trainer.jobs import TERMINAL, JobManager
+from services.trainer.stages import known_stages
+
+STATE_TO_PB = {
+    "QUEUED": trainer_pb2.JOB_STATE_QUEUED,
+    "RUNNING": trainer_pb2.JOB_STATE_RUNNING,
+    "SUCCEEDED": trainer_pb2.JOB_STATE_SUCCEEDED,
+    "FAILED": trainer_pb2.JOB_STATE_FAILED,
+    "CANCELLED": trainer_pb2.JOB_STATE_CANCELLED,
+}
+
+#: a watcher re-checks the job this often even without a wake-up (belt and braces)
+POLL_S = 1.0
+
+
+def _artifacts(run_dir: str, arts: list[dict]) -> list[trainer_pb2.Artifact]:
+    # Records keep paths relative to the run dir; callers get absolute ones.
+    return [trainer_pb2.Artifact(name=a["name"], path=str(Path(run_dir) / a["path"]), sha256=a["sha256"])
+            for a in arts]
+
+
+def job_to_pb(rec: dict) -> trainer_pb2.Job:
+    return trainer_pb2.Job(
+        job_id=rec["job_id"], stage=rec["stage"], state=STATE_TO_PB[rec["state"]], config_json=rec["config_json"],
+        run_dir=rec["run_dir"], step=rec["step"], total_steps=rec["total_steps"], error=rec["error"],
+        artifacts=_artifacts(rec["run_dir"], rec["artifacts"]), created_at=rec["created_at"],
+        updated_at=rec["updated_at"], metrics=rec["metrics"])
+
+
+def event_to_pb(ev: dict, run_dir: str) -> trainer_pb2.JobEvent:
+    return trainer_pb2.JobEvent(
+        job_id=ev["job_id"], seq=ev["seq"], state=STATE_TO_PB[ev["state"]], step=ev.get("step", 0),
+        total_steps=ev.get("total_steps", 0), loss=ev.get("loss") or 0.0, tokens_per_s=ev.get("tokens_per_s") or 0.0,
+        eta_s=ev.get("eta_s") or 0.0, message=ev.get("message", ""),
+        artifacts=_artifacts(run_dir, ev.get("artifacts") or []), metrics=ev.get("metrics") or {})
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, manager: JobManager):
+        self.manager = manager
+        self._closing = asyncio.Event()
+
+    def close(self) -> None:
+        """End open watch streams with UNAVAILABLE so clients re-watch after a restart."""
+        self._closing.set()
+
+    async def StartJob(self, request, context):
+        if not request.stage:
+            raise InvalidArgument(f"stage is required; known stages: {', '.join(known_stages())}")
+        # Submission touches the disk (fsync); keep the event loop free for watchers.
+        rec = await asyncio.to_thread(self.manager.submit, request.stage, request.config_json, request.job_id)
+        return job_to_pb(rec)
+
+    async def CancelJob(self, request, context):
+        return job_to_pb(await asyncio.to_thread(self.manager.cancel, request.job_id))
+
+    async def GetJob(self, request, context):
+        return job_to_pb(self.manager.get(request.job_id))
+
+    async def ListJobs(self, request, context):
+        return trainer_pb2.ListJobsResponse(jobs=[job_to_pb(r) for r in self.manager.list(request.stage)])
+
+    async def WatchJob(self, request, context):
+        job_id = request.job_id
+        if not job_id:
+            raise NotFound("job_id is required")
+        run_dir = self.manager.get(job_id)["run_dir"]  # NOT_FOUND before the stream starts
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+
+        def notify() -> None:  # called from the job's thread
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # loop closed: the server is gone
+                pass
+
+        self.manager.add_listener(job_id, notify)
+        seq = request.after_seq
+        try:
+            while True:
+                wake.clear()
+                events = self.manager.events_after(job_id, seq)
+                if not events and self.manager.get(job_id)["state"] in TERMINAL:
+                    # State and its final event change under one lock: one more read drains the tail.
+                    events = self.manager.events_after(job_id, seq)
+                    if not events:
+                        return
+                for ev in events:
+                    yield event_to_pb(ev, run_dir)
+                    seq = ev["seq"]
+                if events:
+                    continue
+                if self._closing.is_set():
+                    raise Unavailable("the trainer is shutting down; watch again from the last seq after it restarts")
+                closing = asyncio.ensure_future(self._closing.wait())
+                woken = asyncio.ensure_future(wake.wait())
+                try:
+                    await asyncio.wait({closing, woken}, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    closing.cancel()
+                    woken.cancel()
+        finally:
+            self.manager.remove_listener(job_id, notify)

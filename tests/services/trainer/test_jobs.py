@@ -1,0 +1,302 @@
+"""JobStore and JobManager in process: persistence, idempotency, validation, inputs, failure, cancel, resume."""
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from prorag.config import cfg_field
+from prorag.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from prorag.io import sha256_file
+from services.trainer import stages
+from services.trainer.jobs import JobManager, JobStore
+from services.trainer.stages import register_stage, unregister_stage
+from services.trainer.tracking import Tracker
+
+FAST = {"steps": 40, "checkpoint_every": 10, "log_every": 10, "tracking": "local"}
+
+
+@pytest.fixture
+def managers(tmp_path):
+    made = []
+
+    def make(root=None):
+        m = JobManager(root or tmp_path / "jobs", tracking="local")
+        m.start()
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.stop(10)
+
+
+@dataclass
+class NeedsPolicyConfig:
+    policy: str = cfg_field("", help="manifest of an earlier run")
+    note: str = cfg_field("", help="free text")
+
+
+@pytest.fixture
+def needs_policy_stage():
+    seen = {}
+
+    def fn(ctx):
+        seen["inputs"] = dict(ctx.inputs)
+        return {"ok": 1}
+
+    register_stage("needs_policy", NeedsPolicyConfig, fn, inputs=["policy"], replace=True)
+    yield seen
+    unregister_stage("needs_policy")
+
+
+# ---------------------------------------------------------------- store
+def test_torn_last_event_line_is_ignored_and_seq_continues(tmp_path, managers):
+    root = tmp_path / "jobs"
+    m = JobManager(root, tracking="local")
+    m.load()  # loaded but no worker: the job stays QUEUED
+    m.submit("selftest", FAST, job_id="torn")
+    events_file = root / "torn" / "events.jsonl"
+    with open(events_file, "ab") as fh:
+        fh.write(b'{"job_id": "torn", "seq": 2, "state": "RUN')  # a kill mid-append
+    assert [e["seq"] for e in JobStore(root).read_events("torn")] == [1]
+
+    m2 = managers(root)  # the restarted trainer
+    done = m2.wait("torn", 60)
+    assert done["state"] == "SUCCEEDED"
+    seqs = [e["seq"] for e in m2.events_after("torn")]
+    assert seqs == list(range(1, len(seqs) + 1))
+    lines = events_file.read_text().splitlines()
+    assert [json.loads(line)["seq"] for line in lines] == seqs  # every line parses: the torn one was cut
+    assert any("re-queued after a trainer restart" in e["message"] for e in m2.events_after("torn"))
+
+
+def test_job_layout_and_manifest(tmp_path, managers):
+    m = managers()
+    job = m.wait(m.submit("selftest", FAST, job_id="lay")["job_id"], 60)
+    assert job["state"] == "SUCCEEDED" and job["step"] == 40 and job["total_steps"] == 40
+    run = tmp_path / "jobs" / "lay" / "run"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["stage"] == "selftest" and manifest["job_id"] == "lay"
+    assert manifest["config"]["steps"] == 40 and manifest["code_version"]
+    assert set(manifest["metrics"]) == {"final_loss", "train_loss", "weight_error"}
+    assert manifest["started_at"] <= manifest["finished_at"]
+    [art] = manifest["artifacts"]
+    assert art["name"] == "weights" and sha256_file(run / art["path"]) == art["sha256"]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [10, 20, 30, 40] and all("loss" in r for r in rows)
+    assert len(list((tmp_path / "jobs" / "lay" / "checkpoints").glob("step-*.pt"))) == 2  # keep last K
+    assert not [p for p in run.rglob(".*") if p.name.endswith(".tmp")]
+
+
+# ---------------------------------------------------------------- submission
+def test_start_is_idempotent_and_conflicting_id_is_refused(managers):
+    m = managers()
+    a = m.submit("selftest", dict(FAST), job_id="same")
+    b = m.submit("selftest", json.dumps({**FAST, "seed": 0}), job_id="same")  # same config after defaults
+    assert a["job_id"] == b["job_id"] == "same" and a["created_at"] == b["created_at"]
+    assert len(m.list()) == 1
+    with pytest.raises(AlreadyExists, match="different config"):
+        m.submit("selftest", {**FAST, "seed": 1}, job_id="same")
+    m.wait("same", 60)
+    assert m.submit("selftest", FAST, job_id="same")["state"] == "SUCCEEDED"  # still idempotent when done
+
+
+@pytest.mark.parametrize("config, fragment", [
+    ({"lr": 2.0}, "config.lr: must be <= 1.0"),
+    ({"steps": 0}, "config.steps: must be >= 1"),
+    ({"bogus": 1}, "config.bogus: unknown key"),
+    ({"steps": "many"}, "config.steps: expected an integer"),
+    ({"tracking": "tensorboard"}, "config.tracking: must be one of"),
+    ("{not json", "config_json is not valid JSON"),
+    ("[1, 2]", "config must be a JSON object"),
+])
+def test_bad_config_is_refused_naming_the_field(managers, config, fragment):
+    m = managers()
+    with pytest.raises(InvalidArgument) as ei:
+        m.submit("selftest", config)
+    assert fragment in str(ei.value)
+    assert m.list() == []
+
+
+def test_unknown_stage_lists_known_stages(managers):
+    with pytest.raises(InvalidArgument, match="known stages: .*selftest"):
+        managers().submit("nope", {})
+
+
+def test_bad_job_id_is_refused(managers):
+    with pytest.raises(InvalidArgument, match="job_id"):
+        managers().submit("selftest", FAST, job_id="../escape")
+
+
+def test_missing_or_incomplete_input_is_a_failed_precondition(tmp_path, managers, needs_policy_stage):
+    m = managers()
+    with pytest.raises(InvalidArgument, match="config.policy: input 'policy' is required"):
+        m.submit("needs_policy", {})
+    with pytest.raises(FailedPrecondition, match="input 'policy'.*not a complete run"):
+        m.submit("needs_policy", {"policy": str(tmp_path / "nowhere" / "manifest.json")})
+    half = tmp_path / "half-run"
+    half.mkdir()
+    (half / "weights.pt").write_bytes(b"x")  # outputs but no manifest: not complete
+    with pytest.raises(FailedPrecondition, match="input 'policy'"):
+        m.submit("needs_policy", {"policy": str(half)})
+    with pytest.raises(FailedPrecondition, match="job 'ghost' is unknown"):
+        m.submit("needs_policy", {"policy": "job:ghost"})
+    assert m.list() == []
+
+    # A complete run is accepted by path, run dir or job:<id>; its manifest digest is recorded.
+    first = m.wait(m.submit("selftest", FAST, job_id="base")["job_id"], 60)
+    manifest = f"{first['run_dir']}/manifest.json"
+    for i, ref in enumerate([manifest, first["run_dir"], "job:base"]):
+        job = m.wait(m.submit("needs_policy", {"policy": ref, "note": str(i)})["job_id"], 30)
+        assert job["state"] == "SUCCEEDED", job["error"]
+        recorded = json.loads(open(f"{job['run_dir']}/manifest.json").read())["inputs"]["policy"]
+        assert recorded == {"path": manifest, "sha256": sha256_file(manifest)}
+    assert str(needs_policy_stage["inputs"]["policy"]) == manifest
+
+
+def test_input_chain_uses_earlier_weights(managers):
+    m = managers()
+    m.wait(m.submit("selftest", FAST, job_id="a")["job_id"], 60)
+    b = m.wait(m.submit("selftest", {**FAST, "init_from": "job:a", "steps": 10})["job_id"], 60)
+    assert b["state"] == "SUCCEEDED", b["error"]
+
+
+# ---------------------------------------------------------------- running
+def test_failed_stage_records_error_and_traceback(managers, caplog):
+    m = managers()
+    with caplog.at_level(logging.ERROR, logger="prorag.trainer.jobs"):
+        job = m.wait(m.submit("selftest", {**FAST, "fail_at_step": 15})["job_id"], 60)
+    assert job["state"] == "FAILED"
+    assert "failing at step 15" in job["error"] and "Traceback" in job["traceback"]
+    assert "failing at step 15" in caplog.text
+    assert m.events_after(job["job_id"])[-1]["state"] == "FAILED"
+    assert not (m.store.run_dir(job["job_id"]) / "manifest.json").exists()
+
+
+def test_cancel_running_queued_and_finished(managers):
+    m = managers()
+    slow = m.submit("selftest", {**FAST, "steps": 10_000, "step_sleep_s": 0.01}, job_id="slow")
+    queued = m.submit("selftest", FAST, job_id="behind")
+    deadline = threading.Event()
+    while m.get("slow")["step"] < 10 and not deadline.wait(0.05):
+        pass
+    assert m.cancel("behind")["state"] == "CANCELLED"  # never ran
+    assert m.cancel("slow")["state"] in ("RUNNING", "CANCELLED")
+    job = m.wait("slow", 30)
+    assert job["state"] == "CANCELLED" and job["step"] < 10_000
+    assert not (m.store.run_dir("slow") / "manifest.json").exists()
+    with pytest.raises(FailedPrecondition, match="already CANCELLED"):
+        m.cancel("slow")
+    with pytest.raises(NotFound):
+        m.cancel("missing")
+    assert queued["state"] == "QUEUED"
+
+
+def test_list_filters_by_stage_and_get_unknown_is_not_found(managers, needs_policy_stage):
+    m = managers()
+    m.wait(m.submit("selftest", FAST, job_id="s1")["job_id"], 60)
+    m.wait(m.submit("needs_policy", {"policy": "job:s1"}, job_id="n1")["job_id"], 60)
+    assert [j["job_id"] for j in m.list()] == ["s1", "n1"]
+    assert [j["job_id"] for j in m.list("needs_policy")] == ["n1"]
+    assert m.list("rl") == []
+    with pytest.raises(NotFound, match="'zzz' not found"):
+        m.get("zzz")
+
+
+def test_graceful_stop_and_restart_resumes_to_identical_weights(tmp_path, managers):
+    cfg = {**FAST, "steps": 200, "checkpoint_every": 25, "step_sleep_s": 0.005}
+    m1 = JobManager(tmp_path / "a", tracking="local")
+    m1.start()
+    m1.submit("selftest", cfg, job_id="r")
+    while m1.get("r")["step"] < 60:
+        threading.Event().wait(0.05)
+    m1.stop(30)  # the stage checkpoints at its next step; the job stays RUNNING on disk
+    assert m1.get("r")["state"] == "RUNNING"
+    stopped_at = json.loads((tmp_path / "a" / "r" / "job.json").read_text())["step"]
+    assert stopped_at < 200
+
+    m2 = managers(tmp_path / "a")
+    resumed = m2.wait("r", 60)
+    assert resumed["state"] == "SUCCEEDED" and resumed["attempts"] == 2
+    msgs = [e["message"] for e in m2.events_after("r")]
+    assert any(msg.startswith("resumed from step") for msg in msgs)
+    assert resumed["resumed_from_step"] >= 60
+
+    ref = managers(tmp_path / "b")
+    straight = ref.wait(ref.submit("selftest", cfg, job_id="r")["job_id"], 60)
+    w1 = torch.load(tmp_path / "a" / "r" / "run" / "weights.pt", weights_only=True)
+    w2 = torch.load(tmp_path / "b" / "r" / "run" / "weights.pt", weights_only=True)
+    for k in w2:
+        assert torch.allclose(w1[k], w2[k], atol=1e-6), k
+    assert resumed["metrics"]["final_loss"] == pytest.approx(straight["metrics"]["final_loss"], abs=1e-6)
+    # metrics.jsonl was rewound at resume: each step logged once
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "a" / "r" / "run" / "metrics.jsonl")]
+    assert steps == sorted(set(steps))
+
+
+def test_restart_recovers_a_job_killed_after_its_manifest(tmp_path, managers):
+    m = managers(tmp_path / "jobs")
+    job = m.wait(m.submit("selftest", FAST, job_id="late")["job_id"], 60)
+    m.stop(5)
+    # Rewind the record as if the kill came after manifest.json but before job.json said SUCCEEDED.
+    path = tmp_path / "jobs" / "late" / "job.json"
+    rec = json.loads(path.read_text())
+    rec["state"] = "RUNNING"
+    path.write_text(json.dumps(rec))
+    again = managers(tmp_path / "jobs")
+    assert again.get("late")["state"] == "SUCCEEDED"
+    assert again.get("late")["metrics"]["final_loss"] == job["metrics"]["final_loss"]
+
+
+# ---------------------------------------------------------------- tracking
+def test_tracking_falls_back_to_local_when_wandb_init_fails(tmp_path, monkeypatch, caplog):
+    import wandb
+
+    def boom(**_):
+        raise RuntimeError("no wandb here")
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setattr(wandb, "init", boom)
+    with caplog.at_level(logging.WARNING, logger="prorag.trainer.tracking"):
+        t = Tracker(tmp_path, "job-1", "selftest", {"a": 1}, mode="wandb")
+    assert not t.wandb_active and "wandb.init failed" in caplog.text
+    t.log(1, {"loss": 0.5, "note": "not a number"})
+    t.log(2, {"loss": 0.25})
+    t.rewind(1)
+    t.log(2, {"loss": 0.2})
+    t.finish()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.2}]
+
+
+def test_wandb_mode_defaults(monkeypatch):
+    from services.trainer.tracking import wandb_mode
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert wandb_mode() == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode() == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_mode() == "disabled"
+
+
+def test_register_stage_checks_inputs_are_config_fields():
+    with pytest.raises(TypeError, match="input 'model'"):
+        register_stage("bad_inputs", NeedsPolicyConfig, lambda ctx: {}, inputs=["model"])
+    assert "bad_inputs" not in stages.known_stages()
+
+
+def test_job_with_wandb_offline_tracking(tmp_path, managers, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    m = managers()
+    job = m.wait(m.submit("selftest", {**FAST, "tracking": "wandb"}, job_id="wb")["job_id"], 60)
+    assert job["state"] == "SUCCEEDED", job["error"]
+    run = tmp_path / "jobs" / "wb" / "run"
+    assert list((run / "wandb").glob("offline-run-*")), "wandb wrote its offline run into the run dir"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
