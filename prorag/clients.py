@@ -61,6 +61,10 @@ class RetrieverClient:
         return [[RetrievedDoc(d.document.id, d.document.title, d.document.text, d.document.contents, d.score, d.rank)
                  for d in r.documents] for r in resp.results]
 
+    def get_documents(self, ids: list[str], timeout: float | None = None) -> list[RetrievedDoc]:
+        resp = self._stub.GetDocuments(retriever_pb2.GetDocumentsRequest(ids=ids), timeout=timeout or self.timeout)
+        return [RetrievedDoc(d.id, d.title, d.text, d.contents, 0.0, 0) for d in resp.documents]
+
     def list_indexes(self, timeout: float | None = None) -> retriever_pb2.ListIndexesResponse:
         return self._stub.ListIndexes(retriever_pb2.ListIndexesRequest(), timeout=timeout or self.timeout)
 

@@ -14,7 +14,7 @@ class SearchFrontend:
     def _run(self, index: str, items: list[tuple[str, int]]) -> list:
         # One engine call at the largest topk of the group; each caller gets its own cut.
         k = max(topk for _, topk in items)
-        results = self.engine.search([q for q, _ in items], k, index)
+        results = self.engine.search([q for q, _ in items], k, index, enforce_max_batch=False)
         return [docs[:topk] for docs, (_, topk) in zip(results, items)]
 
     async def search(self, queries: list[str], topk: int, index: str = "", deadline: float | None = None):

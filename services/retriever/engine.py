@@ -1,0 +1,429 @@
+"""Search over the built indexes: dense (FAISS), BM25 (bm25s), hybrid fusion, optional Lucene.
+
+Every retriever answers a batch of queries with scored rows (higher = better); the
+:class:`RetrievalEngine` validates requests, picks the index by name and hydrates rows
+into documents from the shared :class:`~services.retriever.indexing.DocStore`. It holds
+no transport code: the gRPC and HTTP front ends call it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from prorag.data.loaders import Document
+from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
+
+from .encoders import Encoder, EncoderConfig
+from .indexing import BM25Config, DocStore, build_all, make_bm25_tokenizer, read_meta, resolve_use_gpu
+
+__all__ = ["ScoredDoc", "StoredDoc", "Retriever", "DenseRetriever", "BM25Retriever", "HybridRetriever",
+           "PyseriniBM25Retriever", "RetrievalEngine", "build_all"]
+
+log = logging.getLogger(__name__)
+
+Hits = list[list[tuple[int, float]]]  # per query: (row index, score), best first
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredDoc:
+    doc_index: int  # row in the doc store (-1 when the store does not hold it)
+    doc_id: str
+    title: str
+    text: str
+    contents: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoredDoc(StoredDoc):
+    score: float = 0.0  # higher = better, on the retriever's own scale
+    rank: int = 0  # 1-based
+
+
+def _stored(idx: int, d: Document) -> StoredDoc:
+    return StoredDoc(idx, d.id, d.title, d.text, d.contents)
+
+
+class Retriever:
+    """Base: subclasses implement :meth:`search_raw`; :meth:`search` hydrates rows."""
+
+    kind = ""
+
+    def __init__(self, docstore: DocStore | None):
+        self.docstore = docstore
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.docstore) if self.docstore is not None else 0
+
+    def search_raw(self, queries: list[str], k: int) -> Hits:
+        raise NotImplementedError
+
+    def search(self, queries: list[str], topk: int) -> list[list[ScoredDoc]]:
+        return [[self._hydrate(i, s, r) for r, (i, s) in enumerate(hits, 1)]
+                for hits in self.search_raw(queries, topk)]
+
+    def _hydrate(self, idx: int, score: float, rank: int) -> ScoredDoc:
+        d = self.docstore.get(idx)
+        return ScoredDoc(idx, d.id, d.title, d.text, d.contents, float(score), rank)
+
+    def info(self) -> dict:
+        return {"kind": self.kind, "num_documents": self.num_documents, "encoder": "", "faiss_type": "", "extra": {}}
+
+
+def _encoder_cfg(meta: dict, device: str) -> EncoderConfig:
+    """The query encoder an index was built with (its passage settings included, for identity checks)."""
+    e = meta["encoder"]
+    return EncoderConfig(model=e["model"], pooling=e["pooling"], query_prefix=e["query_prefix"],
+                         doc_prefix=e["doc_prefix"], max_length=e["max_length"], normalize=e["normalize"],
+                         fp16=e["fp16"], device=device)
+
+
+def _check_same_corpus(meta: dict, docstore: DocStore, where: Path) -> None:
+    if meta.get("corpus_sha256") != docstore.corpus_sha256 or meta.get("n_docs") != len(docstore):
+        raise FailedPrecondition(
+            f"{where} was built from a different corpus than the doc store {docstore.path}; "
+            "rebuild both from one corpus with `prorag index`")
+
+
+class DenseRetriever(Retriever):
+    """A FAISS inner-product index plus the encoder it was built with."""
+
+    kind = "dense"
+
+    def __init__(self, index_dir: str | Path, docstore: DocStore, *, encoder: Encoder | None = None,
+                 device: str = "auto", use_gpu: str = "auto", nprobe: int | None = None, ef_search: int | None = None):
+        import faiss
+
+        super().__init__(docstore)
+        self.path = Path(index_dir)
+        meta = read_meta(self.path)
+        if meta is None or meta.get("kind") != "dense" or not (self.path / "index.faiss").is_file():
+            raise FailedPrecondition(f"{self.path} holds no finished dense index (no meta.json); run `prorag index`")
+        _check_same_corpus(meta, docstore, self.path)
+        self.meta = meta
+        enc_cfg = _encoder_cfg(meta, device)
+        if encoder is not None and encoder.cfg.identity() != enc_cfg.identity():
+            raise InvalidArgument(f"the encoder passed in differs from the one {self.path} was built with")
+        self.encoder = encoder or Encoder(enc_cfg)
+        index = faiss.read_index(str(self.path / "index.faiss"))
+        self.on_gpu = False
+        if meta["faiss_type"] in ("flat", "ivfpq") and resolve_use_gpu(use_gpu):
+            try:
+                co = faiss.GpuMultipleClonerOptions()
+                co.useFloat16 = True  # halves GPU memory: the flat-e5 OOM users hit
+                co.shard = True  # split rows across GPUs instead of a full copy on each
+                index = faiss.index_cpu_to_all_gpus(index, co)
+                self.on_gpu = True
+            except RuntimeError as err:
+                if use_gpu == "true":
+                    raise FailedPrecondition(f"cannot move {self.path} to GPU: {err}") from None
+                log.warning("dense index %s stays on CPU: %s", self.path, err)
+        defaults = meta.get("search_defaults", {})
+        self.nprobe = min(nprobe or defaults.get("nprobe") or 1, meta["params"].get("nlist", 1 << 30))
+        self.ef_search = ef_search or defaults.get("ef_search")
+        ps = faiss.GpuParameterSpace() if self.on_gpu else faiss.ParameterSpace()
+        if meta["faiss_type"] == "ivfpq":
+            ps.set_index_parameter(index, "nprobe", int(self.nprobe))
+        elif meta["faiss_type"] == "hnsw":
+            ps.set_index_parameter(index, "efSearch", int(self.ef_search))
+        self.index = index
+        # GPU indexes are not safe for concurrent searches; CPU ones gain nothing (OpenMP uses every core).
+        self._lock = threading.Lock()
+
+    def search_raw(self, queries: list[str], k: int) -> Hits:
+        k = min(k, self.index.ntotal)
+        q = self.encoder.encode_queries(queries)
+        with self._lock:
+            scores, rows = self.index.search(q, k)
+        return [[(int(i), float(s)) for i, s in zip(r, sc) if i >= 0] for r, sc in zip(rows, scores)]
+
+    def info(self) -> dict:
+        m = self.meta
+        extra = {"faiss_factory": m["faiss_factory"], "dim": str(m["dim"]), "on_gpu": str(self.on_gpu).lower(),
+                 "path": str(self.path)}
+        if m["faiss_type"] == "ivfpq":
+            extra["nprobe"] = str(self.nprobe)
+        if m["faiss_type"] == "hnsw":
+            extra["ef_search"] = str(self.ef_search)
+        if m.get("notes"):
+            extra["notes"] = "; ".join(m["notes"])
+        return {"kind": "dense", "num_documents": self.num_documents, "encoder": m["encoder"]["model_id"],
+                "faiss_type": m["faiss_type"], "extra": extra}
+
+
+class BM25Retriever(Retriever):
+    """A bm25s index queried with the tokenizer vocabulary it was built with."""
+
+    kind = "bm25"
+
+    def __init__(self, index_dir: str | Path, docstore: DocStore, *, n_threads: int = 0, mmap: bool = False):
+        import bm25s
+
+        super().__init__(docstore)
+        self.path = Path(index_dir)
+        meta = read_meta(self.path)
+        if meta is None or meta.get("kind") != "bm25":
+            raise FailedPrecondition(f"{self.path} holds no finished BM25 index (no meta.json); run `prorag index`")
+        _check_same_corpus(meta, docstore, self.path)
+        self.meta = meta
+        self.model = bm25s.BM25.load(str(self.path), mmap=mmap, load_vocab=True, show_progress=False)
+        self.tokenizer = make_bm25_tokenizer(BM25Config(**meta["config"]))
+        self.tokenizer.load_vocab(str(self.path))
+        self.tokenizer.load_stopwords(str(self.path))
+        self.n_threads = n_threads
+
+    def search_raw(self, queries: list[str], k: int) -> Hits:
+        k = min(k, self.meta["n_docs"])
+        ids = self.tokenizer.tokenize(list(queries), update_vocab=False, return_as="ids", show_progress=False)
+        # bm25s threads only pay off for larger batches; small ones stay on the caller's thread.
+        threads = self.n_threads or (min(os.cpu_count() or 1, 4) if len(queries) >= 16 else 0)
+        rows, scores = self.model.retrieve(ids, k=k, show_progress=False, n_threads=threads)
+        # Zero score = no query term in the document: an arbitrary row, not a hit.
+        return [[(int(i), float(s)) for i, s in zip(r, sc) if s > 0] for r, sc in zip(rows, scores)]
+
+    def info(self) -> dict:
+        c = self.meta["config"]
+        return {"kind": "bm25", "num_documents": self.num_documents, "encoder": "", "faiss_type": "",
+                "extra": {"k1": str(c["k1"]), "b": str(c["b"]), "method": c["method"], "path": str(self.path)}}
+
+
+class HybridRetriever(Retriever):
+    """Fuses a dense and a sparse retriever's candidate lists per query.
+
+    ``rrf``: sum of 1/(rrf_k + rank) over the lists (scale-free, the default).
+    ``weighted``: alpha * minmax(dense) + (1 - alpha) * minmax(sparse), per query.
+    """
+
+    kind = "hybrid"
+
+    def __init__(self, dense: Retriever, sparse: Retriever, method: str = "rrf", rrf_k: int = 60,
+                 candidate_k: int = 100, alpha: float = 0.5):
+        if method not in ("rrf", "weighted"):
+            raise InvalidArgument(f"hybrid method must be 'rrf' or 'weighted', got {method!r}")
+        if rrf_k < 0 or candidate_k < 1 or not 0.0 <= alpha <= 1.0:
+            raise InvalidArgument("hybrid needs rrf_k >= 0, candidate_k >= 1 and 0 <= alpha <= 1")
+        if dense.num_documents != sparse.num_documents:
+            raise FailedPrecondition("hybrid parts index different corpora (document counts differ)")
+        super().__init__(dense.docstore)
+        self.dense, self.sparse = dense, sparse
+        self.method, self.rrf_k, self.candidate_k, self.alpha = method, rrf_k, candidate_k, alpha
+
+    def search_raw(self, queries: list[str], k: int) -> Hits:
+        ck = max(self.candidate_k, k)
+        dense, sparse = self.dense.search_raw(queries, ck), self.sparse.search_raw(queries, ck)
+        return [self._fuse(d, s)[:k] for d, s in zip(dense, sparse)]
+
+    def _fuse(self, dense: list[tuple[int, float]], sparse: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        fused: dict[int, float] = {}
+        for hits, weight in ((dense, self.alpha), (sparse, 1.0 - self.alpha)):
+            if not hits:
+                continue
+            if self.method == "rrf":
+                for rank, (i, _) in enumerate(hits, 1):
+                    fused[i] = fused.get(i, 0.0) + 1.0 / (self.rrf_k + rank)
+            else:
+                s = np.array([x for _, x in hits], dtype=np.float64)
+                span = s.max() - s.min()
+                norm = (s - s.min()) / span if span > 0 else np.ones_like(s)
+                for (i, _), v in zip(hits, norm):
+                    fused[i] = fused.get(i, 0.0) + weight * float(v)
+        return sorted(fused.items(), key=lambda t: (-t[1], t[0]))
+
+    def info(self) -> dict:
+        d = self.dense.info()
+        extra = {"method": self.method, "candidate_k": str(self.candidate_k)}
+        extra.update({"rrf_k": str(self.rrf_k)} if self.method == "rrf" else {"alpha": str(self.alpha)})
+        return {"kind": "hybrid", "num_documents": self.num_documents, "encoder": d["encoder"],
+                "faiss_type": d["faiss_type"], "extra": extra}
+
+
+class PyseriniBM25Retriever(Retriever):
+    """BM25 over an existing Lucene index (e.g. a prebuilt wiki-18 one) through pyserini.
+
+    Rows are mapped to the doc store by id when one is given; without a store the
+    documents come from the Lucene index's stored raw JSON.
+    """
+
+    kind = "bm25-lucene"
+
+    def __init__(self, index_dir: str | Path, docstore: DocStore | None = None, *, k1: float = 0.9, b: float = 0.4,
+                 threads: int = 1):
+        try:
+            from pyserini.search.lucene import LuceneSearcher
+        except Exception as e:  # ImportError, or the JVM failing to start inside pyserini's import
+            raise FailedPrecondition(
+                f"the Lucene BM25 index needs pyserini and a JDK 21: pip install 'prorag[pyserini]' and put "
+                f"a JDK 21 on PATH/JAVA_HOME ({type(e).__name__}: {e})") from None
+        super().__init__(docstore)
+        self.path = Path(index_dir)
+        if not self.path.is_dir():
+            raise FailedPrecondition(f"Lucene index {self.path} does not exist")
+        self.searcher = LuceneSearcher(str(self.path))
+        self.searcher.set_bm25(k1, b)
+        self.threads = threads
+        self._n = self.searcher.num_docs
+
+    @property
+    def num_documents(self) -> int:
+        return self._n
+
+    def _lucene(self, queries: list[str], k: int):
+        qids = [str(i) for i in range(len(queries))]
+        res = self.searcher.batch_search(list(queries), qids, k=k, threads=self.threads)
+        return [res.get(q, []) for q in qids]
+
+    def search_raw(self, queries: list[str], k: int) -> Hits:
+        if self.docstore is None:
+            raise FailedPrecondition("mapping Lucene hits to rows needs a doc store over the same corpus")
+        try:
+            return [[(self.docstore.index_of(h.docid), float(h.score)) for h in hits]
+                    for hits in self._lucene(queries, k)]
+        except NotFound as e:
+            raise FailedPrecondition(f"Lucene index {self.path} and the doc store disagree: {e}") from None
+
+    def search(self, queries: list[str], topk: int) -> list[list[ScoredDoc]]:
+        if self.docstore is not None:
+            return super().search(queries, topk)
+        import json
+
+        from .indexing import row_to_doc
+
+        out = []
+        for hits in self._lucene(queries, topk):
+            docs = []
+            for rank, h in enumerate(hits, 1):
+                d = row_to_doc(json.loads(self.searcher.doc(h.docid).raw()), f"{self.path}:{h.docid}")
+                docs.append(ScoredDoc(-1, d.id, d.title, d.text, d.contents, float(h.score), rank))
+            out.append(docs)
+        return out
+
+
+class RetrievalEngine:
+    """Named retrievers over one doc store, with request validation."""
+
+    def __init__(self, indexes: dict[str, Retriever], docstore: DocStore, default: str = "hybrid", *,
+                 max_topk: int = 100, max_batch: int = 512, max_query_chars: int = 4096):
+        if not indexes:
+            raise FailedPrecondition("no index to serve; build some with `prorag index`")
+        if default not in indexes:
+            raise FailedPrecondition(f"default index {default!r} is not built (have: {', '.join(indexes)}); "
+                                     "pick one of those as the default")
+        self.indexes = dict(indexes)
+        self.docstore = docstore
+        self.default = default
+        self.max_topk, self.max_batch, self.max_query_chars = max_topk, max_batch, max_query_chars
+
+    def resolve_index(self, index_name: str = "") -> str:
+        name = index_name or self.default
+        if name not in self.indexes:
+            raise NotFound(f"unknown index {name!r}; known indexes: {', '.join(sorted(self.indexes))}")
+        return name
+
+    def validate(self, queries: list[str], topk: int, index_name: str = "", *, enforce_max_batch: bool = True) -> str:
+        """Raise InvalidArgument / NotFound for a bad request; return the index name that will answer."""
+        name = self.resolve_index(index_name)
+        if isinstance(queries, (str, bytes)) or not isinstance(queries, (list, tuple)):
+            raise InvalidArgument(f"queries must be a list of strings, got {type(queries).__name__}")
+        if not queries:
+            raise InvalidArgument("no queries given; send 1 to max_batch queries")
+        if enforce_max_batch and len(queries) > self.max_batch:
+            raise InvalidArgument(f"{len(queries)} queries in one call; the limit is {self.max_batch} (max_batch): "
+                                  "split the batch")
+        for i, q in enumerate(queries):
+            if not isinstance(q, str):
+                raise InvalidArgument(f"queries[{i}] is a {type(q).__name__}, not a string")
+            if not q.strip():
+                raise InvalidArgument(f"queries[{i}] is blank; every query needs text")
+            if len(q) > self.max_query_chars:
+                raise InvalidArgument(f"queries[{i}] has {len(q)} characters; the limit is {self.max_query_chars} "
+                                      "(max_query_chars): shorten it")
+        if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or not 1 <= topk <= self.max_topk:
+            raise InvalidArgument(f"topk must be an integer from 1 to {self.max_topk} (max_topk), got {topk!r}")
+        return name
+
+    def search(self, queries: list[str], topk: int, index_name: str = "", *,
+               enforce_max_batch: bool = True) -> list[list[ScoredDoc]]:
+        """Top ``topk`` documents per query, best first, in request order (fewer when the corpus is smaller).
+
+        ``enforce_max_batch=False`` is for a batcher that merged several already validated
+        requests into one call (max_batch limits a caller's request, not the merged call).
+        """
+        name = self.validate(queries, topk, index_name, enforce_max_batch=enforce_max_batch)
+        return self.indexes[name].search(list(queries), int(topk))
+
+    def list_indexes(self) -> list[dict]:
+        return [{"name": name, **r.info(), "is_default": name == self.default} for name, r in self.indexes.items()]
+
+    def get_documents(self, ids: list[str]) -> list[StoredDoc]:
+        """Documents by id, in the order asked; NotFound names every unknown id (up to 10)."""
+        if isinstance(ids, (str, bytes)):
+            raise InvalidArgument("ids must be a list of document ids, not a single string")
+        if len(ids) > self.max_batch:
+            raise InvalidArgument(f"{len(ids)} ids in one call; the limit is {self.max_batch} (max_batch)")
+        rows, missing = [], []
+        for doc_id in ids:
+            try:
+                rows.append(self.docstore.index_of(str(doc_id)))
+            except NotFound:
+                missing.append(str(doc_id))
+        if missing:
+            shown = ", ".join(repr(m) for m in missing[:10]) + (" ..." if len(missing) > 10 else "")
+            raise NotFound(f"{len(missing)} unknown document id(s): {shown}")
+        return [_stored(r, self.docstore.get(r)) for r in rows]
+
+    def close(self) -> None:
+        self.docstore.close()
+
+    @classmethod
+    def from_dir(cls, index_root: str | Path, default: str = "hybrid", *, max_topk: int = 100, max_batch: int = 512,
+                 max_query_chars: int = 4096, device: str = "auto", use_gpu: str = "auto", nprobe: int | None = None,
+                 ef_search: int | None = None, hybrid_method: str = "rrf", rrf_k: int = 60, candidate_k: int = 100,
+                 alpha: float = 0.5, bm25_threads: int = 0, bm25_mmap: bool = False,
+                 corpus_path: str | Path | None = None, lucene_index: str | Path | None = None,
+                 encoder: Encoder | None = None) -> "RetrievalEngine":
+        """Open what ``build_all`` wrote: ``docstore/``, ``dense/`` and ``dense-*/`` variants, ``bm25/``.
+
+        "hybrid" is composed from "dense" (else the first variant) and "bm25" when both exist;
+        ``lucene_index`` adds a pyserini "bm25-lucene" index. ``encoder`` is reused by every dense
+        index built with the same encoder settings (tests, or one process serving variants).
+        """
+        root = Path(index_root)
+        if not (root / "docstore" / "meta.json").is_file():
+            raise FailedPrecondition(f"{root} has no finished doc store (docstore/meta.json); run `prorag index` first")
+        docstore = DocStore(root / "docstore", corpus_path=corpus_path)
+        indexes: dict[str, Retriever] = {}
+        encoders: dict[str, Encoder] = {}
+        if encoder is not None:
+            encoders[repr(sorted(encoder.cfg.identity().items()))] = encoder
+        dense_dirs = sorted(p for p in root.iterdir() if p.is_dir() and (p.name == "dense" or p.name.startswith("dense-")))
+        for d in dense_dirs:
+            meta = read_meta(d)
+            if meta is None or meta.get("kind") != "dense":
+                log.warning("skipping %s: no finished dense index there (interrupted build?)", d)
+                continue
+            ek = repr(sorted(_encoder_cfg(meta, device).identity().items()))
+            r = DenseRetriever(d, docstore, encoder=encoders.get(ek), device=device, use_gpu=use_gpu,
+                               nprobe=nprobe, ef_search=ef_search)
+            encoders[ek] = r.encoder
+            indexes[d.name] = r
+        if (root / "bm25" / "meta.json").is_file():
+            indexes["bm25"] = BM25Retriever(root / "bm25", docstore, n_threads=bm25_threads, mmap=bm25_mmap)
+        dense_names = [n for n in indexes if n == "dense" or n.startswith("dense-")]
+        if dense_names and "bm25" in indexes:
+            main = "dense" if "dense" in indexes else dense_names[0]
+            indexes["hybrid"] = HybridRetriever(indexes[main], indexes["bm25"], method=hybrid_method, rrf_k=rrf_k,
+                                                candidate_k=candidate_k, alpha=alpha)
+        if lucene_index is not None:
+            indexes["bm25-lucene"] = PyseriniBM25Retriever(lucene_index, docstore)
+        return cls(indexes, docstore, default, max_topk=max_topk, max_batch=max_batch,
+                   max_query_chars=max_query_chars)
+

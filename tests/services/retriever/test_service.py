@@ -1,0 +1,196 @@
+"""The retriever service over real gRPC and HTTP on loopback (port 0), on the tiny embedded world."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from prorag.clients import RetrieverClient
+from prorag.pb import retriever_pb2, retriever_pb2_grpc
+from prorag.service import ServeConfig
+
+
+@pytest.fixture(scope="module")
+def world_home(tmp_path_factory):
+    import os
+
+    home = tmp_path_factory.mktemp("home")
+    old = os.environ.get("PRORAG_DATA")
+    os.environ["PRORAG_DATA"] = str(home / "data")
+    from prorag.embedded import ensure_indexes
+
+    ensure_indexes("tiny")
+    yield home
+    if old is None:
+        os.environ.pop("PRORAG_DATA", None)
+    else:
+        os.environ["PRORAG_DATA"] = old
+
+
+@pytest.fixture(scope="module")
+def server(world_home):
+    from services.retriever.server import RetrieverConfig, start
+
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    cfg = RetrieverConfig(world="tiny", max_topk=20, max_batch=32, max_query_chars=200)
+    started = asyncio.run_coroutine_threadsafe(start(ServeConfig(port=0, http_port=0), cfg), loop).result(120)
+    yield started
+    asyncio.run_coroutine_threadsafe(started.stop(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    t.join(5)
+
+
+@pytest.fixture(scope="module")
+def test_questions(world_home):
+    from prorag import paths
+    from prorag.data.loaders import load_split
+
+    return load_split(paths.world_dir("tiny"), "test")
+
+
+def _post(port: int, body, raw: bytes | None = None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/retrieve", data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_reflection_and_health(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as ch:
+        assert "prorag.v1.Retriever" in ProtoReflectionDescriptorDatabase(ch).get_services()
+        health = health_pb2_grpc.HealthStub(ch)
+        for svc in ("", "prorag.v1.Retriever"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
+
+
+def test_grpc_search_finds_gold_documents(server, test_questions):
+    subs = [s for q in test_questions for s in q.decomposition if s.doc_id][:32]
+    with RetrieverClient(f"127.0.0.1:{server.grpc_port}") as client:
+        info = client.list_indexes()
+        assert {i.name for i in info.indexes} >= {"dense", "bm25", "hybrid"}
+        assert info.max_topk == 20
+        for index in ("dense", "bm25", "hybrid"):
+            results = client.search([s.question for s in subs], topk=5, index=index)
+            assert len(results) == len(subs)
+            hits = sum(s.doc_id in [d.id for d in docs] for s, docs in zip(subs, results))
+            assert hits / len(subs) >= 0.6, (index, hits)
+            for docs in results:
+                scores = [d.score for d in docs]
+                assert scores == sorted(scores, reverse=True)
+                assert all(d.contents.startswith(f'"{d.title}"\n') for d in docs)
+
+
+def test_http_is_search_r1_compatible(server, test_questions):
+    """The request/response shape Search-R1's rollout code sends and reads."""
+    queries = [test_questions[0].question, test_questions[1].question]
+    for return_scores in (True, False):
+        status, body = _post(server.http_port, {"queries": queries, "topk": 3, "return_scores": return_scores})
+        assert status == 200
+        assert len(body["result"]) == 2
+        for docs in body["result"]:
+            assert len(docs) == 3
+            for item in docs:
+                # Search-R1's _passages2string: title = contents.split("\n")[0], text = the rest
+                content = item["document"]["contents"]
+                title, text = content.split("\n")[0], "\n".join(content.split("\n")[1:])
+                assert title.startswith('"') and text
+                assert isinstance(item["score"], float)
+                assert set(item["document"]) == {"id", "contents"}
+    status, body = _post(server.http_port, {"queries": queries})  # topk omitted -> the default 3
+    assert status == 200 and all(len(d) == 3 for d in body["result"])
+
+
+@pytest.mark.parametrize("request_kwargs, code, fragment", [
+    (dict(queries=[], topk=3), grpc.StatusCode.INVALID_ARGUMENT, "queries"),
+    (dict(queries=["ok", "   "], topk=3), grpc.StatusCode.INVALID_ARGUMENT, "1"),
+    (dict(queries=["x" * 201], topk=3), grpc.StatusCode.INVALID_ARGUMENT, "200"),
+    (dict(queries=["q"] * 33, topk=3), grpc.StatusCode.INVALID_ARGUMENT, "32"),
+    (dict(queries=["q"], topk=0), grpc.StatusCode.INVALID_ARGUMENT, "topk"),
+    (dict(queries=["q"], topk=-2), grpc.StatusCode.INVALID_ARGUMENT, "topk"),
+    (dict(queries=["q"], topk=21), grpc.StatusCode.INVALID_ARGUMENT, "20"),
+    (dict(queries=["q"], topk=3, index="nope"), grpc.StatusCode.NOT_FOUND, "hybrid"),
+])
+def test_grpc_bad_input_gets_clear_status_and_server_keeps_serving(server, request_kwargs, code, fragment):
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as ch:
+        stub = retriever_pb2_grpc.RetrieverStub(ch)
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Search(retriever_pb2.SearchRequest(**request_kwargs), timeout=30)
+        assert ei.value.code() == code
+        assert fragment in ei.value.details()
+        ok = stub.Search(retriever_pb2.SearchRequest(queries=["capital city"], topk=2), timeout=30)
+        assert len(ok.results[0].documents) == 2
+
+
+def test_grpc_oversized_message_is_refused(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as ch:
+        stub = retriever_pb2_grpc.RetrieverStub(ch)
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Search(retriever_pb2.SearchRequest(queries=["x" * (65 * 1024 * 1024)], topk=1), timeout=60)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_get_documents(server, test_questions):
+    doc_id = test_questions[0].decomposition[0].doc_id
+    with RetrieverClient(f"127.0.0.1:{server.grpc_port}") as client:
+        (doc,) = client.get_documents([doc_id])
+        assert doc.id == doc_id and doc.title == test_questions[0].decomposition[0].title
+        with pytest.raises(grpc.RpcError) as ei:
+            client.get_documents(["no-such-doc"])
+        assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("body, raw, status, fragment", [
+    (None, b"{not json", 400, "JSON"),
+    ([1, 2], None, 400, "object"),
+    ({"queries": "one string"}, None, 400, "list of strings"),
+    ({"queries": ["q"], "topk": "3"}, None, 400, "integer"),
+    ({"queries": ["q"], "topk": 0}, None, 400, "topk"),
+    ({"queries": []}, None, 400, "queries"),
+    ({"queries": ["q"], "index": "nope"}, None, 404, "nope"),
+    ({"queries": ["q"], "bogus": 1}, None, 400, "bogus"),
+])
+def test_http_bad_input(server, body, raw, status, fragment):
+    got, payload = _post(server.http_port, body, raw)
+    assert got == status
+    assert fragment in payload["error"]
+    ok, payload = _post(server.http_port, {"queries": ["capital"], "topk": 1})
+    assert ok == 200 and len(payload["result"][0]) == 1
+
+
+def test_concurrent_callers_are_batched(server, test_questions):
+    from services.retriever.frontend import SearchFrontend  # noqa: F401 - the batcher lives here
+
+    queries = [q.question for q in test_questions]
+    results, errors = {}, []
+
+    def call(i):
+        try:
+            with RetrieverClient(f"127.0.0.1:{server.grpc_port}") as c:
+                results[i] = c.search(queries[i * 2:i * 2 + 2], topk=3)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    with RetrieverClient(f"127.0.0.1:{server.grpc_port}") as c:
+        for i in range(16):  # each caller got its own queries' results, not a neighbour's
+            assert [d.id for d in results[i][0]] == [d.id for d in c.search([queries[i * 2]], topk=3)[0]]
