@@ -86,6 +86,11 @@ async def _serve(service: str, args) -> None:
 
             ensure_indexes(cfg.world)
         started = await start(serve, cfg)
+    elif service == "policy":
+        from services.policy.server import PolicyConfig, start
+
+        overrides.setdefault("retriever", f"127.0.0.1:{paths.GRPC_PORTS['retriever'] + args.port_offset}")
+        started = await start(serve, from_dict(PolicyConfig, overrides))
     elif service == "trainer":
         from services.trainer.server import TrainerConfig, start
 
@@ -113,7 +118,10 @@ def cmd_up(args) -> int:
     from prorag.embedded import ensure_indexes
     from prorag.stack import ServiceStack
 
+    from prorag.embedded import ensure_policy_model
+
     ensure_indexes(args.world, size=args.size)  # build what is missing before any service starts
+    ensure_policy_model(args.world)
     stopping = False
 
     def stop_all(*_):
@@ -191,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--http-port", type=int, default=None, help="HTTP port (-1 = off)")
     s.add_argument("--config", default=None, help="YAML file with the service's settings")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting")
+    s.add_argument("--port-offset", type=int, default=0, help="shift of the ports of the other services it calls")
     s.set_defaults(fn=cmd_serve)
 
     u = sub.add_parser("up", help="start all five services on the documented ports")

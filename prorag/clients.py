@@ -61,9 +61,13 @@ class RetrieverClient:
         return [[RetrievedDoc(d.document.id, d.document.title, d.document.text, d.document.contents, d.score, d.rank)
                  for d in r.documents] for r in resp.results]
 
-    def get_documents(self, ids: list[str], timeout: float | None = None) -> list[RetrievedDoc]:
-        resp = self._stub.GetDocuments(retriever_pb2.GetDocumentsRequest(ids=ids), timeout=timeout or self.timeout)
-        return [RetrievedDoc(d.id, d.title, d.text, d.contents, 0.0, 0) for d in resp.documents]
+    def get_documents(self, ids: list[str], timeout: float | None = None, chunk: int = 256) -> list[RetrievedDoc]:
+        out = []
+        for i in range(0, len(ids), chunk):  # chunks stay under any server's max_batch
+            resp = self._stub.GetDocuments(retriever_pb2.GetDocumentsRequest(ids=ids[i:i + chunk]),
+                                           timeout=timeout or self.timeout)
+            out += [RetrievedDoc(d.id, d.title, d.text, d.contents, 0.0, 0) for d in resp.documents]
+        return out
 
     def list_indexes(self, timeout: float | None = None) -> retriever_pb2.ListIndexesResponse:
         return self._stub.ListIndexes(retriever_pb2.ListIndexesRequest(), timeout=timeout or self.timeout)
@@ -76,3 +80,95 @@ class RetrieverClient:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class PolicyClient:
+    """Typed client of prorag.v1.Policy (generation, rollouts, adapters)."""
+
+    def __init__(self, target: str, timeout: float = 600.0, max_message_mb: int = 64):
+        from prorag.pb import policy_pb2, policy_pb2_grpc
+
+        self._pb = policy_pb2
+        self.target = target
+        self.timeout = timeout
+        self._channel = channel(target, max_message_mb)
+        self._stub = policy_pb2_grpc.PolicyStub(self._channel)
+
+    def sampling(self, n: int = 1, temperature: float = 0.0, top_p: float = 1.0, max_tokens: int = 0,
+                 stop: list[str] | None = None, seed: int = 0):
+        return self._pb.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                       stop=stop or [], seed=seed)
+
+    def generate_steps(self, prefixes: list, sampling=None, adapter: str = "", timeout: float | None = None):
+        """prefixes: list of str (text) or list[int] (token ids)."""
+        pbs = [self._pb.Prefix(text=p) if isinstance(p, str) else self._pb.Prefix(token_ids=list(p)) for p in prefixes]
+        return self._stub.GenerateSteps(self._pb.GenerateStepsRequest(
+            prefixes=pbs, sampling=sampling or self.sampling(), adapter=adapter), timeout=timeout or self.timeout)
+
+    def rollout(self, questions: list[tuple[str, str]], sampling=None, max_steps: int = 0, topk: int = 0,
+                retriever_index: str = "", adapter: str = "", timeout: float | None = None):
+        """Yields Trajectory messages as they finish, then returns (the summary is yielded last as a RolloutSummary)."""
+        req = self._pb.RolloutRequest(questions=[self._pb.RolloutQuestion(id=i, question=q) for i, q in questions],
+                                      sampling=sampling or self.sampling(), max_steps=max_steps, topk=topk,
+                                      retriever_index=retriever_index, adapter=adapter)
+        for ev in self._stub.Rollout(req, timeout=timeout or self.timeout):
+            yield ev.trajectory if ev.HasField("trajectory") else ev.summary
+
+    def load_adapter(self, name: str, version: str, path: str = "", timeout: float | None = None):
+        from prorag.pb import common_pb2
+
+        return self._stub.LoadAdapter(self._pb.LoadAdapterRequest(ref=common_pb2.AdapterRef(name=name, version=version),
+                                                                  path=path), timeout=timeout or self.timeout)
+
+    def activate_adapter(self, name: str, version: str, timeout: float | None = None):
+        from prorag.pb import common_pb2
+
+        return self._stub.ActivateAdapter(self._pb.ActivateAdapterRequest(
+            ref=common_pb2.AdapterRef(name=name, version=version)), timeout=timeout or self.timeout)
+
+    def unload_adapter(self, name: str, version: str, timeout: float | None = None):
+        from prorag.pb import common_pb2
+
+        return self._stub.UnloadAdapter(self._pb.UnloadAdapterRequest(
+            ref=common_pb2.AdapterRef(name=name, version=version)), timeout=timeout or self.timeout)
+
+    def list_adapters(self, timeout: float | None = None):
+        return self._stub.ListAdapters(self._pb.ListAdaptersRequest(), timeout=timeout or self.timeout)
+
+    def model_info(self, timeout: float | None = None):
+        return self._stub.GetModelInfo(self._pb.GetModelInfoRequest(), timeout=timeout or self.timeout)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def push_adapter(replicas: list[str], name: str, version: str, activate: bool = True,
+                 timeout: float = 120.0) -> list:
+    """Load (and activate) ``name@version`` on every policy replica; one ReplicaAck per replica.
+
+    Replicas are addressed directly (a headless Service's pod IPs in k8s); every replica is
+    attempted even when one fails, so the caller sees exactly which ones hold the version."""
+    import concurrent.futures as cf
+
+    from prorag.pb import common_pb2
+
+    def one(target: str):
+        t0 = time.monotonic()
+        try:
+            with PolicyClient(target, timeout=timeout) as c:
+                c.load_adapter(name, version)
+                if activate:
+                    c.activate_adapter(name, version)
+            return common_pb2.ReplicaAck(replica=target, ok=True, latency_s=time.monotonic() - t0)
+        except grpc.RpcError as e:
+            return common_pb2.ReplicaAck(replica=target, ok=False, error=f"{e.code().name}: {e.details()}",
+                                         latency_s=time.monotonic() - t0)
+
+    with cf.ThreadPoolExecutor(max_workers=max(1, len(replicas))) as pool:
+        return list(pool.map(one, replicas))

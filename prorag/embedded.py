@@ -47,3 +47,38 @@ def ensure_indexes(world: str = "default", size: str | None = None, faiss_type: 
                                                        doc_prefix=doc_prefix), faiss_type=faiss_type)
     with progress_bars() as progress:
         return build_all(corpus_path, index_root, dense_cfg, BM25Config(), progress=progress)
+
+
+def policy_base_dir(world: str = "default") -> Path:
+    return paths.data_dir() / "models" / world / "policy-base"
+
+
+def ensure_policy_model(world: str = "default", preset: str = "small", vocab_size: int = 8192, seed: int = 0,
+                        pretrain_steps: int = 0) -> Path:
+    """The embedded policy: a BPE tokenizer trained on the world's corpus and questions (plus the
+    format's special tokens) and a randomly initialised Qwen3-architecture model, saved in HF format.
+    ``pretrain_steps`` > 0 adds a causal-LM warm-up on the corpus text."""
+    import json
+
+    from prorag.data.loaders import iter_corpus, load_split
+    from services.policy.modeling import build_model, pretrain_on_corpus, save_pretrained, train_tokenizer
+
+    out = policy_base_dir(world)
+    marker = out / "embedded.json"
+    want = {"world": world, "preset": preset, "vocab_size": vocab_size, "seed": seed, "pretrain_steps": pretrain_steps}
+    if marker.exists() and json.loads(marker.read_text()) == want:
+        return out
+    ensure_world(world)
+    wdir = paths.world_dir(world)
+    corpus = [d.contents for d in iter_corpus(wdir / "corpus.jsonl")]
+    questions = [q.question for split in ("train", "dev") for q in load_split(wdir, split)]
+    subs = [s.question for q in load_split(wdir, "train") for s in q.decomposition]
+    tokenizer = train_tokenizer(corpus + questions + subs, vocab_size=vocab_size)
+    model = build_model(preset, tokenizer, seed=seed)
+    if pretrain_steps:
+        pretrain_on_corpus(model, tokenizer, corpus, steps=pretrain_steps, seed=seed)
+    save_pretrained(model, tokenizer, out)
+    from prorag.io import write_json
+
+    write_json(marker, want)
+    return out

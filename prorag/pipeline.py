@@ -16,7 +16,7 @@ from rich.table import Table
 from prorag import paths
 from prorag.clients import RetrieverClient
 from prorag.data.loaders import load_split
-from prorag.embedded import ensure_indexes
+from prorag.embedded import ensure_indexes, ensure_policy_model
 from prorag.evaluation import grouped_mean_ci, recall_at_k, retrieval_queries
 from prorag.runs import code_version, new_run_dir, write_results
 from prorag.stack import ServiceStack
@@ -71,6 +71,7 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
     timings = {}
     t0 = time.monotonic()
     ensure_indexes(world)
+    ensure_policy_model(world)
     timings["build_world_and_indexes_s"] = time.monotonic() - t0
     run_dir = new_run_dir(f"run-{profile}")
     t1 = time.monotonic()

@@ -48,10 +48,10 @@ class ServiceStack:
                              f"Use --port-offset N to shift every port.")
         for svc in self.services:
             cmd = [sys.executable, "-m", "prorag.cli", "serve", svc, "--host", self.host,
-                   "--port", str(paths.GRPC_PORTS[svc] + self.port_offset)]
+                   "--port", str(paths.GRPC_PORTS[svc] + self.port_offset), "--port-offset", str(self.port_offset)]
             if svc in paths.HTTP_PORTS:
                 cmd += ["--http-port", str(paths.HTTP_PORTS[svc] + self.port_offset)]
-            if svc == "retriever":
+            if svc in ("retriever", "policy"):
                 cmd += ["--set", f"world={self.world}"]
             self.procs[svc] = subprocess.Popen(cmd, start_new_session=True)
         for svc in self.services:

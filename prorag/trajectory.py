@@ -134,7 +134,8 @@ def _one_line(s: str) -> str:
     return " ".join(_ANY_TAG.sub(" ", str(s)).split())
 
 
-def _as_doc(d: RetrievedDoc | Sequence[str] | Mapping) -> RetrievedDoc:
+def as_doc(d: RetrievedDoc | Sequence[str] | Mapping) -> RetrievedDoc:
+    """A RetrievedDoc from itself, a (title, text) pair or a mapping with title/text[/id/score]."""
     if isinstance(d, RetrievedDoc):
         return d
     if isinstance(d, Mapping):
@@ -144,10 +145,16 @@ def _as_doc(d: RetrievedDoc | Sequence[str] | Mapping) -> RetrievedDoc:
     return RetrievedDoc(title=str(title), text=str(text))
 
 
+def clean_doc(d: RetrievedDoc | Sequence[str] | Mapping) -> RetrievedDoc:
+    """The document as the policy sees it: title and text on one line, without tags (id/score kept)."""
+    d = as_doc(d)
+    return RetrievedDoc(title=_one_line(d.title), text=_one_line(d.text), id=d.id, score=d.score)
+
+
 def render_docs(docs: Iterable[RetrievedDoc | Sequence[str] | Mapping]) -> str:
     """``Doc {i}(Title: {title}) {text}`` one per line, i from 1 (whitespace collapsed to one line)."""
     return "\n".join(DOC_TEMPLATE.format(i=i, title=_one_line(d.title), text=_one_line(d.text))
-                     for i, d in enumerate((_as_doc(x) for x in docs), 1))
+                     for i, d in enumerate((as_doc(x) for x in docs), 1))
 
 
 def retrieval_block(docs: Iterable[RetrievedDoc | Sequence[str] | Mapping]) -> str:
@@ -342,7 +349,7 @@ def format_loss_weights(token_ids: Sequence[int], tag_token_ids: Mapping[str, in
 __all__ = [
     "TAGS", "STOP_TAGS", "CHAT_TOKENS", "KINDS", "INVALID", "SYSTEM_PROMPT", "EMPTY_THINK", "STEP_OPEN",
     "NEXT_STEP", "RETRIEVAL_OPEN", "RETRIEVAL_CLOSE", "FINAL", "FORMAT_LOSS_WEIGHTS", "FORMAT_REGEX",
-    "RetrievedDoc", "Step", "render_prompt", "render_docs", "retrieval_block", "glue_after", "render_step",
+    "RetrievedDoc", "Step", "as_doc", "clean_doc", "render_prompt", "render_docs", "retrieval_block", "glue_after", "render_step",
     "render_trajectory", "parse_step", "parse_docs", "parse_trajectory", "tag_sequence", "is_valid_format",
     "extract_answer", "format_loss_weights",
 ]

@@ -1,19 +1,109 @@
-"""policy service process. Until its engine is built it starts, reports itself live
-but not ready, and answers every RPC with UNIMPLEMENTED and the reason."""
+"""Policy service process: gRPC prorag.v1.Policy + OpenAI-compatible HTTP, one engine behind both."""
 
 from __future__ import annotations
 
-from prorag.grpc_server import ServerSpec, start_server, unimplemented_servicer
+from dataclasses import dataclass
+from pathlib import Path
+
+from prorag import paths
+from prorag.config import cfg_field
+from prorag.grpc_server import ServerSpec, start_server
 from prorag.pb import policy_pb2_grpc
 from prorag.service import ServeConfig, Started
 
 SERVICE = "prorag.v1.Policy"
-REASON = "step generation, rollouts and LoRA hot reload arrive with the policy issue"
 
 
-async def start(serve: ServeConfig, **_: object) -> Started:
-    servicer = unimplemented_servicer(policy_pb2_grpc.PolicyServicer, SERVICE, REASON)
-    spec = ServerSpec(name="policy", services=[(SERVICE, lambda s: policy_pb2_grpc.add_PolicyServicer_to_server(servicer, s))],
-                      ready={SERVICE: False})
+@dataclass
+class PolicyConfig:
+    """Which model the policy serves, on which engine, and the limits it enforces on callers."""
+
+    model: str = cfg_field("", help="HF model dir (Qwen3-8B on GPU hosts); '' = the embedded model of `world`")
+    world: str = cfg_field("default", help="embedded world whose model is served when model is ''")
+    engine: str = cfg_field("transformers", help="generation engine", choices=("transformers", "vllm"))
+    device: str = cfg_field("cpu", help="transformers engine device (cpu, cuda, cuda:1)")
+    dtype: str = cfg_field("float32", help="weights dtype", choices=("float32", "bfloat16", "float16", "auto"))
+    max_batch_size: int = cfg_field(256, help="sequences decoded together by the transformers engine", min=1)
+    gpu_memory_utilization: float = cfg_field(0.85, help="vLLM: fraction of GPU memory", min=0.05, max=1.0)
+    max_loras: int = cfg_field(2, help="vLLM: adapters resident on the GPU at once (>=2 for swaps)", min=1)
+    adapter_root: str = cfg_field("", help="the only directory adapters load from ('' = data/adapters/<world>)")
+    retriever: str = cfg_field("127.0.0.1:50051", help="retriever service used by rollouts (host:port)")
+    retriever_timeout_s: float = cfg_field(60.0, help="deadline of one retriever call", min=0.1)
+    max_n: int = cfg_field(64, help="most samples per prefix/question", min=1)
+    max_tokens: int = cfg_field(1024, help="cap on max_tokens of one step", min=1)
+    default_step_tokens: int = cfg_field(128, help="max_tokens of a step when the request leaves it 0", min=1)
+    max_prefix_tokens: int = cfg_field(8192, help="longest prefix accepted", min=1)
+    max_prefixes: int = cfg_field(4096, help="most prefixes in one GenerateSteps request", min=1)
+    max_questions: int = cfg_field(4096, help="most questions in one Rollout request", min=1)
+    max_question_chars: int = cfg_field(4096, help="longest question accepted", min=1)
+    default_max_steps: int = cfg_field(13, help="step limit of a rollout (ProRAG: 13 for inference)", min=1)
+    max_steps: int = cfg_field(64, help="largest step limit a request may ask for", min=1)
+    default_topk: int = cfg_field(3, help="documents per subquery", min=1)
+    max_topk: int = cfg_field(20, help="largest topk a rollout may ask for", min=1)
+    max_concurrent_rollouts: int = cfg_field(16, help="Rollout requests running at once", min=1)
+    max_batch_items: int = cfg_field(1024, help="most prompts merged into one engine call across callers", min=1)
+
+    def validate(self) -> None:
+        from prorag.config import ConfigError
+
+        for low, high in (("default_max_steps", "max_steps"), ("default_topk", "max_topk"),
+                          ("default_step_tokens", "max_tokens")):
+            if getattr(self, low) > getattr(self, high):
+                raise ConfigError(low, f"{getattr(self, low)} exceeds {high} ({getattr(self, high)})")
+
+    def resolved_model(self) -> Path:
+        if self.model:
+            return Path(self.model)
+        from prorag.embedded import ensure_policy_model
+
+        return ensure_policy_model(self.world)
+
+    def resolved_adapter_root(self) -> Path:
+        return Path(self.adapter_root) if self.adapter_root else paths.data_dir() / "adapters" / self.world
+
+
+def build_engine(cfg: PolicyConfig, model_path: Path):
+    if cfg.engine == "vllm":
+        from services.policy.vllm_engine import VLLMEngine
+
+        return VLLMEngine(str(model_path), max_loras=cfg.max_loras, gpu_memory_utilization=cfg.gpu_memory_utilization)
+    from services.policy.engine import TransformersEngine
+
+    return TransformersEngine(model_path, device=cfg.device, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size)
+
+
+async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None) -> Started:
+    import asyncio
+
+    from services.policy.manager import AdapterManager
+    from services.policy.modeling import model_sha256
+    from services.policy.openai_http import make_app
+    from services.policy.scheduler import GenerationScheduler
+    from services.policy.servicer import PolicyServicer, retriever_search_factory
+    from services.retriever.http import start_http
+
+    cfg = cfg or PolicyConfig()
+    model_path = cfg.resolved_model()
+    engine = engine or build_engine(cfg, model_path)
+    model_info = {"model_id": str(model_path), "sha256": model_sha256(model_path)}
+    root = cfg.resolved_adapter_root()
+    root.mkdir(parents=True, exist_ok=True)
+    manager = AdapterManager(engine, root, str(model_path), model_info["sha256"])
+    scheduler = GenerationScheduler(engine, max_items=cfg.max_batch_items)
+    scheduler.bind(asyncio.get_running_loop())
+    servicer = PolicyServicer(engine, scheduler, manager, cfg,
+                              retriever_search_factory(cfg.retriever, cfg.retriever_timeout_s), model_info)
+    spec = ServerSpec(name="policy", services=[(SERVICE, lambda s: policy_pb2_grpc.add_PolicyServicer_to_server(servicer, s))])
     running = await start_server(spec, serve.port, serve.host, serve.max_message_mb)
-    return Started("policy", running.port, None, [lambda: running.stop(serve.grace_s)])
+    stoppers = [lambda: running.stop(serve.grace_s)]
+    http_port = None
+    if serve.http_port >= 0:
+        runner, http_port = await start_http(make_app(servicer, model_name=str(model_path)), serve.host, serve.http_port)
+        stoppers.insert(0, runner.cleanup)
+
+    async def close():
+        await scheduler.close()
+        servicer.close()
+
+    stoppers.append(close)
+    return Started("policy", running.port, http_port, stoppers)

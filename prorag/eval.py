@@ -1,0 +1,152 @@
+"""`prorag eval`: a policy (any model or adapter version) over a split, through the services.
+
+Methods: ``agent`` (ProRAG step format, server-side rollouts with live retrieval; used for sft,
+rft, rl...), ``no_retrieval`` (question -> answer) and ``standard_rag`` (the question's top-k
+documents, then the answer). Every prediction and trajectory is saved; scores are EM/F1 with
+95% bootstrap CIs overall, per hop count and per question type.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable
+
+from prorag.metrics import bootstrap_ci, qa_scores
+from prorag.trajectory import ANSWER_END, IM_END, extract_answer, parse_step
+
+METHOD_KINDS = {"no_retrieval": "no_retrieval", "standard_rag": "standard_rag"}  # anything else is an agent
+
+
+def _stat(em: list[float], f1: list[float], seed: int = 0) -> dict:
+    lo, hi = bootstrap_ci(f1, seed=seed) if len(f1) > 1 else (f1[0], f1[0])
+    elo, ehi = bootstrap_ci(em, seed=seed) if len(em) > 1 else (em[0], em[0])
+    return {"n": len(f1), "em": sum(em) / len(em), "f1": sum(f1) / len(f1), "f1_ci": [float(lo), float(hi)],
+            "em_ci": [float(elo), float(ehi)]}
+
+
+def score_records(records: list[dict]) -> dict:
+    """records: [{"em", "f1", "hops", "type"}] -> {"overall": M, "by_hops": {h: M}, "by_type": {t: M}}."""
+    if not records:
+        raise ValueError("no predictions to score")
+    by_hops, by_type = defaultdict(list), defaultdict(list)
+    for r in records:
+        by_hops[str(r["hops"])].append(r)
+        by_type[r["type"]].append(r)
+
+    def m(rs):
+        return _stat([r["em"] for r in rs], [r["f1"] for r in rs])
+
+    return {"overall": m(records), "by_hops": {h: m(rs) for h, rs in sorted(by_hops.items())},
+            "by_type": {t: m(rs) for t, rs in sorted(by_type.items())}}
+
+
+def _record(q, prediction: str | None, extra: dict) -> dict:
+    s = qa_scores(prediction or "", q.golden_answers)
+    return {"id": q.id, "question": q.question, "golden_answers": q.golden_answers, "prediction": prediction,
+            "hops": q.hops, "type": q.qtype, "em": s["em"], "f1": s["f1"], "cover_em": s["cover_em"], **extra}
+
+
+def run_agent(policy, questions, *, max_steps: int = 13, topk: int = 3, adapter: str = "", chunk: int = 128,
+              progress=None) -> list[dict]:
+    """Greedy rollouts through the policy service (which calls the retriever)."""
+    from google.protobuf.json_format import MessageToDict
+
+    by_id = {q.id: q for q in questions}
+    records = []
+    for i in range(0, len(questions), chunk):
+        part = questions[i:i + chunk]
+        for t in policy.rollout([(q.id, q.question) for q in part], policy.sampling(n=1, temperature=0.0),
+                                max_steps=max_steps, topk=topk, adapter=adapter):
+            if not hasattr(t, "question_id"):
+                continue  # the summary
+            q = by_id[t.question_id]
+            traj = MessageToDict(t, preserving_proto_field_name=True)
+            traj.pop("trace", None)  # token ids are large; the text and steps are kept
+            records.append(_record(q, t.answer if t.finish_reason == "answer" else None,
+                                   {"finish_reason": t.finish_reason, "format_valid": t.format_valid,
+                                    "adapter_version": t.adapter_version, "trajectory": traj}))
+            if progress:
+                progress(len(records), len(questions))
+    return records
+
+
+def run_baseline(policy, retriever, questions, mode: str, *, topk: int = 3, chunk: int = 256,
+                 max_tokens: int = 96, progress=None) -> list[dict]:
+    """One answer step per question; standard RAG first retrieves the question's top-k documents."""
+    from prorag.sft_data import baseline_prompt
+    from prorag.trajectory import RetrievedDoc
+
+    records = []
+    for i in range(0, len(questions), chunk):
+        part = questions[i:i + chunk]
+        docs = [None] * len(part)
+        if mode == "standard_rag":
+            found = retriever.search([q.question for q in part], topk=topk, timeout=600)
+            docs = [[RetrievedDoc(title=d.title, text=d.text, id=d.id) for d in ds] for ds in found]
+        prompts = [baseline_prompt(q.question, d) for q, d in zip(part, docs)]
+        resp = policy.generate_steps(prompts, policy.sampling(n=1, temperature=0.0, max_tokens=max_tokens,
+                                                              stop=[ANSWER_END, IM_END]))
+        for q, d, res in zip(part, docs, resp.results):
+            text = res.completions[0].text
+            step = parse_step(text)
+            answer = step.content if step.kind == "answer" else extract_answer(text)
+            records.append(_record(q, answer, {"generated": text, "format_valid": step.kind == "answer",
+                                               "retrieved_ids": [x.id for x in d] if d else [],
+                                               "adapter_version": resp.adapter_version}))
+        if progress:
+            progress(len(records), len(questions))
+    return records
+
+
+def save_records(path: Path, records: Iterable[dict]) -> None:
+    from prorag.io import write_jsonl
+
+    write_jsonl(path, records)
+
+
+def evaluate(method: str, policy, retriever, questions, out_dir: Path | None = None, **kw) -> dict:
+    kind = METHOD_KINDS.get(method, "agent")
+    if kind == "agent":
+        records = run_agent(policy, questions, **kw)
+    else:
+        records = run_baseline(policy, retriever, questions, kind, **kw)
+    result = score_records(records)
+    result["format_valid_rate"] = sum(bool(r.get("format_valid")) for r in records) / len(records)
+    if out_dir is not None:
+        save_records(Path(out_dir) / method / "predictions.jsonl", records)
+        from prorag.io import write_json
+
+        write_json(Path(out_dir) / method / "scores.json", result)
+    return result
+
+
+def format_table(methods: dict[str, dict]) -> "object":
+    """A rich Table: F1 [95% CI] per hop count and type, one row per method."""
+    from rich.table import Table
+
+    cols = sorted({h for m in methods.values() for h in m["by_hops"]}, key=lambda h: int(h))
+    types = sorted({t for m in methods.values() for t in m["by_type"]} - {"compositional"})
+    table = Table(title="Test split: F1 (x100) [95% bootstrap CI]; EM overall")
+    table.add_column("method")
+    table.add_column("EM", justify="right")
+    table.add_column("F1 overall", justify="right")
+    for h in cols:
+        table.add_column(f"{h}-hop", justify="right")
+    for t in types:
+        table.add_column(t, justify="right")
+
+    def cell(m):
+        if not m:
+            return "-"
+        return f"{100 * m['f1']:.1f} [{100 * m['f1_ci'][0]:.1f},{100 * m['f1_ci'][1]:.1f}]"
+
+    for name, m in methods.items():
+        table.add_row(name, f"{100 * m['overall']['em']:.1f}", cell(m["overall"]),
+                      *[cell(m["by_hops"].get(h)) for h in cols], *[cell(m["by_type"].get(t)) for t in types])
+    return table
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True)

@@ -1,0 +1,126 @@
+"""Training samples for SFT warm-up and its baselines, built from gold decompositions.
+
+Pure functions (no I/O): the caller supplies retrieved documents and a thought writer.
+
+- ``agent``: ProRAG's step-by-step trajectory (subquery -> retrieval -> subanswer per hop,
+  then the answer), the documents being what the retriever returns for the gold sub-question
+  (with the supporting document guaranteed among them so every subanswer is grounded).
+- ``no_retrieval``: question -> answer step.
+- ``standard_rag``: the question's top-k documents + question -> answer step.
+
+ProRAG builds one training sample per step (the prefix up to that step as context). Packing a
+trajectory's steps into one sequence, with the loss only on generated tokens, gives every step
+the same context and gradient at a fraction of the compute, so samples here are whole
+trajectories; the per-token weights implement the format-aware loss.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from prorag.trajectory import (SYSTEM_PROMPT, RetrievedDoc, Step, glue_after, render_docs, render_prompt,
+                               FORMAT_LOSS_WEIGHTS)
+
+MODES = ("agent", "no_retrieval", "standard_rag")
+
+BASELINE_SYSTEM_PROMPT = (
+    "Answer the question. Write a short thought, close it with </step>, then give the final short answer "
+    "inside <answer>\n...</answer>."
+)
+
+# Offline thoughts: short first-person templates, chosen per question by a seeded rng (an LLM
+# rewrites them when an OpenAI-compatible endpoint is configured).
+_SEARCH = ("I need to find out: {q}", "Next I should look up: {q}", "Let me search for this: {q}",
+           "To continue, I must know: {q}")
+_READ = ("The documents answer this.", "According to the retrieved documents, I have the answer.",
+         "The search results say it.", "I found it in the documents.")
+_FINAL = ("Now I can answer the question.", "I have everything I need.", "So the final answer is clear.",
+          "That resolves the question.")
+_COMPARE = ("Comparing the facts I found answers the question.", "Putting the two facts side by side gives the answer.")
+_DIRECT = ("I will answer from what I know.", "Let me answer directly.")
+_GROUNDED = ("The documents contain what I need.", "I can answer from the documents.")
+
+ThoughtFn = Callable[[str, str, dict], str]
+
+
+def template_thought(kind: str, question_id: str, ctx: dict) -> str:
+    """Deterministic offline thought for a step. kind: search|read|final|compare|direct|grounded."""
+    table = {"search": _SEARCH, "read": _READ, "final": _FINAL, "compare": _COMPARE, "direct": _DIRECT,
+             "grounded": _GROUNDED}[kind]
+    rng = random.Random(f"{question_id}/{kind}/{ctx.get('hop', 0)}")
+    return rng.choice(table).format(**ctx)
+
+
+def ensure_gold(docs: Sequence[RetrievedDoc], gold: RetrievedDoc, topk: int) -> list[RetrievedDoc]:
+    """The retrieved top-k with the gold document present (replacing the last one if it was missed)."""
+    docs = list(docs[:topk])
+    if any(d.id == gold.id for d in docs if gold.id):
+        return docs
+    return (docs[:topk - 1] + [gold]) if docs else [gold]
+
+
+def agent_steps(question, retrieved: Mapping[str, Sequence[RetrievedDoc]], gold_docs: Mapping[str, RetrievedDoc],
+                topk: int = 3, thought: ThoughtFn = template_thought) -> list[Step]:
+    """Gold step-by-step trajectory for a Question with a decomposition.
+
+    retrieved: sub-question -> retriever results; gold_docs: doc id -> the supporting document.
+    """
+    steps: list[Step] = []
+    hops = [s for s in question.decomposition if s.doc_id]
+    for i, sub in enumerate(hops):
+        docs = ensure_gold(retrieved.get(sub.question, []), gold_docs[sub.doc_id], topk)
+        ctx = {"q": sub.question, "hop": i}
+        steps.append(Step("subquery", thought=thought("search", question.id, ctx), content=sub.question, docs=docs))
+        steps.append(Step("subanswer", thought=thought("read", question.id, ctx), content=sub.answer))
+    final_kind = "final" if question.qtype == "compositional" else "compare"
+    steps.append(Step("answer", thought=thought(final_kind, question.id, {"hop": len(hops)}),
+                      content=question.golden_answers[0]))
+    return steps
+
+
+def baseline_prompt(question: str, docs: Sequence[RetrievedDoc] | None = None) -> str:
+    """Prompt of the no-retrieval (docs None) and standard-RAG baselines, in the same chat layout."""
+    user = question if docs is None else f"Documents:\n{render_docs(docs)}\n\nQuestion: {question}"
+    return render_prompt(user, BASELINE_SYSTEM_PROMPT)
+
+
+def baseline_steps(question, grounded: bool, thought: ThoughtFn = template_thought) -> list[Step]:
+    return [Step("answer", thought=thought("grounded" if grounded else "direct", question.id, {}),
+                 content=question.golden_answers[0])]
+
+
+@dataclass
+class EncodedSample:
+    """token_ids [T]; loss_mask [T] (1 = generated by the policy, trained on); weights [T]."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    weights: list[float]
+
+
+def encode_segments(tokenizer, prompt: str, steps: Sequence[Step], tag_ids: Mapping[str, int],
+                    loss_weights: Mapping[str, float] = FORMAT_LOSS_WEIGHTS) -> EncodedSample:
+    """Tokenise segment by segment exactly as a rollout appends them (prompt, step, glue, step...),
+    so training sees the same ids the policy produces at inference."""
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    mask = [0] * len(ids)
+    weights = [0.0] * len(ids)
+    by_id = {tag_ids[t]: float(w) for t, w in loss_weights.items() if t in tag_ids}
+    for step in steps:
+        gen = tokenizer.encode(step.text, add_special_tokens=False)
+        ids += gen
+        mask += [1] * len(gen)
+        weights += [by_id.get(t, 1.0) for t in gen]
+        glue = glue_after(step)
+        if glue:
+            g = tokenizer.encode(glue, add_special_tokens=False)
+            ids += g
+            mask += [0] * len(g)
+            weights += [0.0] * len(g)
+    return EncodedSample(ids, mask, weights)
+
+
+def agent_prompt(question: str) -> str:
+    return render_prompt(question, SYSTEM_PROMPT)

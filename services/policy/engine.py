@@ -1,0 +1,547 @@
+"""Generation engines: one protocol, a transformers implementation (CPU or GPU) here, vLLM beside it.
+
+Prompts and outputs are token ids: the rollout loop carries ids across turns and never
+re-encodes text. Every generated token comes with its raw log-prob (log-softmax of the model's
+logits at temperature 1, before top-p), which is what the RL loss needs and what vLLM returns
+by default.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from prorag.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling for one generate call. temperature 0 = greedy; seed 0 = unseeded."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def validate(self) -> "SamplingSpec":
+        if not isinstance(self.n, int) or self.n < 1:
+            raise InvalidArgument(f"n must be >= 1, got {self.n!r}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        return self
+
+
+@dataclass
+class GeneratedSeq:
+    """One completion: ids (the stop token included), their raw log-probs, why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    stop_token_id: int | None = None
+
+
+def derive_seed(seed: int, *path: int) -> int:
+    """A stable 63-bit seed for a sub-stream (sample j of prompt i, round r...); 0 stays 0 (unseeded).
+
+    >>> derive_seed(0, 1, 2)
+    0
+    >>> derive_seed(7, 1) == derive_seed(7, 1) != derive_seed(7, 2)
+    True
+    """
+    if seed == 0:
+        return 0
+    h = hashlib.blake2b(repr((int(seed),) + tuple(int(p) for p in path)).encode(), digest_size=8).digest()
+    return (int.from_bytes(h, "big") >> 1) or 1
+
+
+def validate_adapter_dir(path: str | Path) -> Path:
+    """The directory must hold adapter_config.json and adapter_model.safetensors (PEFT layout)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise NotFound(f"adapter directory {path} does not exist")
+    missing = [f for f in ADAPTER_FILES if not (p / f).is_file()]
+    if missing:
+        raise InvalidArgument(f"adapter directory {path} lacks {', '.join(missing)}")
+    return p
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_model_len: int) -> None:
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidArgument("prompts must be a list of token-id lists")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise InvalidArgument(f"prompt {i} is empty")
+        if len(p) >= max_model_len:
+            raise InvalidArgument(f"prompt {i} has {len(p)} tokens; the model holds at most {max_model_len} "
+                                  "(prompt + at least one generated token)")
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= vocab_size:
+            raise InvalidArgument(f"prompt {i} has token id {lo if lo < 0 else hi} outside [0, {vocab_size})")
+
+
+class GenerationEngine(abc.ABC):
+    """What the policy service needs from an engine (transformers or vLLM).
+
+    ``generate`` runs every prompt x n samples under one adapter (``None`` = the base model);
+    adapters are addressed by caller-chosen keys (the service uses "name@version").
+    """
+
+    name: str = "abstract"
+    tokenizer = None
+    max_model_len: int = 0
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingSpec, adapter: str | None = None,
+                 seeds: Sequence[int] | None = None) -> list[list[GeneratedSeq]]:
+        """[P prompts] -> [P][n] completions. ``seeds`` (one per prompt) overrides params.seed."""
+
+    @abc.abstractmethod
+    def load_adapter(self, key: str, path: str) -> None:
+        """Load a PEFT LoRA directory under ``key``; the same key and path again is a no-op."""
+
+    @abc.abstractmethod
+    def unload_adapter(self, key: str) -> None: ...
+
+    @abc.abstractmethod
+    def adapters(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    def info(self) -> dict: ...
+
+    def close(self) -> None:
+        """Release resources (optional)."""
+
+
+# --- sampling (pure) -------------------------------------------------------------------------
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) tokens outside the smallest set whose probability reaches ``top_p``.
+
+    logits: [B, V] -> [B, V]; the most likely token always survives.
+    """
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(-1) - probs  # mass strictly above each token
+    drop_sorted = before >= top_p
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
+                  generators: Sequence[torch.Generator | None] | None = None) -> torch.Tensor:
+    """Next token per row. logits: [B, V] float32 -> [B] int64.
+
+    temperature 0 = argmax. ``generators`` (one per row, or None) make each row's draw
+    independent of the rest of the batch, so a seeded sample does not depend on its batch-mates.
+    """
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(top_p_filter(logits / temperature, top_p), dim=-1)
+    B = probs.shape[0]
+    # inverse-CDF sampling: one uniform per row, drawn from that row's own generator
+    # (a per-row multinomial call costs ~50x more at an 8k vocabulary)
+    if not generators or all(g is None for g in generators):
+        u = torch.rand(B)
+    else:
+        u = torch.cat([torch.rand(1, generator=g) if g is not None else torch.rand(1) for g in generators])
+    u = (1.0 - u).to(probs.device)  # in (0, 1]: never lands on a leading zero-probability token
+    cdf = probs.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+# --- prefix KV cache -------------------------------------------------------------------------
+
+_HASH_BASE = 0x9E3779B97F4A7C15
+
+
+def prefix_hashes(ids: Sequence[int]) -> np.ndarray:
+    """[n] ids -> [n] uint64: entry i hashes ids[:i+1] (polynomial, wrapping mod 2**64).
+
+    >>> h = prefix_hashes([5, 6, 7]); bool(h[1] == prefix_hashes([5, 6])[1])
+    True
+    """
+    a = np.asarray(ids, dtype=np.uint64) + np.uint64(1)
+    powers = np.cumprod(np.full(len(a), _HASH_BASE, dtype=np.uint64))
+    return np.cumsum(a * powers, dtype=np.uint64)
+
+
+@dataclass
+class _Entry:
+    ids: tuple[int, ...]
+    keys: list[torch.Tensor]    # per layer [kv_heads, len, head_dim]
+    values: list[torch.Tensor]
+    nbytes: int
+
+
+class PrefixKVCache:
+    """LRU of per-sequence KV states, keyed by (adapter, token prefix).
+
+    A rollout's next prompt is its previous prompt + step + inserted glue, so the KV of
+    everything but the glue can be reused instead of prefilled again (vLLM's prefix caching,
+    reduced to what a CPU engine needs). Entries of an adapter are dropped when it unloads.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self.bytes = 0
+        self._entries: "OrderedDict[tuple, _Entry]" = OrderedDict()
+        self._lengths: dict[str | None, dict[int, int]] = {}  # adapter -> length -> entry count
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, adapter: str | None, ids: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]):
+        nbytes = sum(k.numel() * k.element_size() for k in keys) * 2
+        if self.max_bytes <= 0 or nbytes > self.max_bytes or not ids:
+            return
+        key = (adapter, len(ids), int(prefix_hashes(ids)[-1]))
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        self._entries[key] = _Entry(tuple(ids), keys, values, nbytes)
+        self.bytes += nbytes
+        counts = self._lengths.setdefault(adapter, {})
+        counts[len(ids)] = counts.get(len(ids), 0) + 1
+        while self.bytes > self.max_bytes:
+            self._pop(next(iter(self._entries)))
+
+    def _pop(self, key) -> None:
+        e = self._entries.pop(key)
+        self.bytes -= e.nbytes
+        counts = self._lengths[key[0]]
+        counts[key[1]] -= 1
+        if not counts[key[1]]:
+            del counts[key[1]]
+
+    def longest_prefix(self, adapter: str | None, ids: Sequence[int], max_len: int) -> _Entry | None:
+        """The longest cached proper prefix of ``ids`` of at most ``max_len`` tokens."""
+        counts = self._lengths.get(adapter)
+        if not counts or max_len <= 0:
+            return None
+        h = None
+        for n in sorted((n for n in counts if n <= max_len), reverse=True):
+            if h is None:
+                h = prefix_hashes(ids[:max_len])
+            key = (adapter, n, int(h[n - 1]))
+            e = self._entries.get(key)
+            if e is not None and e.ids == tuple(ids[:n]):
+                self._entries.move_to_end(key)
+                return e
+        return None
+
+    def drop_adapter(self, adapter: str | None) -> None:
+        for key in [k for k in self._entries if k[0] == adapter]:
+            self._pop(key)
+
+    def clear(self) -> None:
+        for key in list(self._entries):
+            self._pop(key)
+
+
+# --- transformers engine ---------------------------------------------------------------------
+
+@dataclass
+class _Row:
+    prompt: list[int]
+    max_new: int
+    generator: torch.Generator | None
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str = ""
+    stop: int | None = None
+    reuse: _Entry | None = None  # cached KV of a prefix of the prompt
+
+
+class TransformersEngine(GenerationEngine):
+    """Batched KV-cache decoding with transformers; LoRA adapters through PEFT.
+
+    One lock serialises generation and adapter changes, so a batch always finishes on the
+    weights it started with. Identical prompts in a call are prefilled once, and the KV of
+    finished sequences is kept (up to ``prefix_cache_bytes``) so a later prompt that extends
+    one (the next round of a rollout) prefills only its new tokens.
+    """
+
+    name = "transformers"
+
+    def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
+                 max_batch_size: int = 256, max_model_len: int | None = None, cache: str = "static",
+                 compact_below: float = 0.75, prefix_cache_bytes: int = 1 << 30, model=None, tokenizer=None):
+        """model_path: any HF causal LM directory; ``model``/``tokenizer`` may be passed pre-loaded.
+
+        cache: "static" (preallocated per chunk, no per-token copies) or "dynamic".
+        compact_below: drop finished rows from the batch once the live fraction falls below this.
+        prefix_cache_bytes: memory for reusable KV of finished sequences; 0 turns reuse off.
+        """
+        from .modeling import load_policy
+
+        if max_batch_size < 1:
+            raise InvalidArgument(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if cache not in ("static", "dynamic"):
+            raise InvalidArgument(f"cache must be 'static' or 'dynamic', got {cache!r}")
+        self.model_path = str(model_path)
+        self.device = torch.device(device)
+        if model is None or tokenizer is None:
+            model, tokenizer = load_policy(model_path, device=device, dtype=dtype)
+        self.base = model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self._peft = None  # PeftModel wrapping self.base once an adapter is loaded
+        self._adapters: dict[str, tuple[str, str]] = {}  # key -> (peft adapter name, path)
+        self._counter = 0
+        self._lock = threading.Lock()
+        self.max_batch_size = int(max_batch_size)
+        cfg_len = int(getattr(self.base.config, "max_position_embeddings", 0) or 1 << 30)
+        self.max_model_len = min(cfg_len, int(max_model_len)) if max_model_len else cfg_len
+        self.cache = cache
+        self.compact_below = float(compact_below)
+        self.prefix_cache = PrefixKVCache(prefix_cache_bytes)
+        self.vocab_size = int(self.base.get_output_embeddings().weight.shape[0])
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_id = tokenizer.eos_token_id
+        self.stats = {"generate_calls": 0, "generated_tokens": 0, "generate_s": 0.0,
+                      "prefill_tokens": 0, "reused_tokens": 0}
+
+    # -- adapters --
+
+    def load_adapter(self, key: str, path: str) -> None:
+        if not key:
+            raise InvalidArgument("adapter key must be non-empty")
+        p = str(validate_adapter_dir(path).resolve())
+        with self._lock:
+            if key in self._adapters:
+                if self._adapters[key][1] == p:
+                    return
+                raise AlreadyExists(f"adapter {key!r} is already loaded from {self._adapters[key][1]}")
+            # PEFT names become module keys: a "." (as in "v1.2") would break them, so use our own
+            self._counter += 1
+            name = f"a{self._counter}"
+            try:
+                if self._peft is None:
+                    from peft import PeftModel
+
+                    self._peft = PeftModel.from_pretrained(self.base, p, adapter_name=name, is_trainable=False)
+                else:
+                    self._peft.load_adapter(p, adapter_name=name, is_trainable=False)
+            except (ValueError, RuntimeError, KeyError) as e:
+                raise FailedPrecondition(f"adapter {key!r} at {path} does not fit the base model: {e}") from e
+            self._peft.eval()
+            self._adapters[key] = (name, p)
+
+    def unload_adapter(self, key: str) -> None:
+        with self._lock:
+            if key not in self._adapters:
+                raise NotFound(f"adapter {key!r} is not loaded")
+            name, _ = self._adapters.pop(key)
+            self.prefix_cache.drop_adapter(key)  # a later load under this key may hold other weights
+            if not self._adapters:
+                # removing the last adapter strips the LoRA layers: the base runs as before any load
+                self.base = self._peft.unload()
+                self._peft = None
+            else:
+                if self._peft.active_adapter == name:
+                    # move off the doomed adapter first (PEFT warns when the active one is deleted)
+                    self._peft.set_adapter(next(iter(self._adapters.values()))[0], inference_mode=True)
+                self._peft.delete_adapter(name)
+
+    def adapters(self) -> list[str]:
+        return list(self._adapters)
+
+    def info(self) -> dict:
+        from .modeling import num_parameters
+
+        return {"engine": self.name, "model_path": self.model_path, "device": str(self.device),
+                "dtype": str(next(self.base.parameters()).dtype).replace("torch.", ""),
+                "num_parameters": num_parameters(self.base), "max_model_len": self.max_model_len,
+                "vocab_size": self.vocab_size, "max_batch_size": self.max_batch_size,
+                "adapters": self.adapters(), "prefix_cache_entries": len(self.prefix_cache),
+                "prefix_cache_bytes": self.prefix_cache.bytes, **self.stats}
+
+    # -- generation --
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingSpec, adapter: str | None = None,
+                 seeds: Sequence[int] | None = None) -> list[list[GeneratedSeq]]:
+        params.validate()
+        check_prompts(prompts, self.vocab_size, self.max_model_len)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise InvalidArgument(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
+        stops = set(int(t) for t in params.stop_token_ids)
+        if self.eos_id is not None:
+            stops.add(int(self.eos_id))  # like vLLM: EOS always ends a sequence
+        rows: list[_Row] = []
+        for i, p in enumerate(prompts):
+            # prompt i's stream: its own seed, else one derived from params.seed (as VLLMEngine does)
+            prompt_seed = derive_seed(params.seed, i) if seeds is None else int(seeds[i])
+            for j in range(params.n):
+                s = derive_seed(prompt_seed, j)
+                g = torch.Generator().manual_seed(s) if s else None
+                rows.append(_Row(prompt=[int(t) for t in p], generator=g,
+                                 max_new=min(params.max_tokens, self.max_model_len - len(p))))
+        t0 = time.perf_counter()
+        with self._lock:
+            if adapter is not None and adapter not in self._adapters:
+                raise NotFound(f"adapter {adapter!r} is not loaded (loaded: {', '.join(self._adapters) or 'none'})")
+            found: dict[tuple, _Entry | None] = {}
+            for r in rows:
+                key = tuple(r.prompt)
+                if key not in found:  # at least one token is always prefilled: it yields the first logits
+                    found[key] = self.prefix_cache.longest_prefix(adapter, r.prompt, len(r.prompt) - 1)
+                r.reuse = found[key]
+            # rows with similar numbers of new tokens share a chunk (the prefill pads to the largest);
+            # identical prompts stay adjacent so a chunk prefills each once
+            order = sorted(range(len(rows)), key=lambda k: (
+                len(rows[k].prompt) - (len(rows[k].reuse.ids) if rows[k].reuse else 0), rows[k].prompt))
+            with self._adapter_context(adapter), torch.inference_mode():
+                for c in range(0, len(order), self.max_batch_size):
+                    self._decode([rows[k] for k in order[c:c + self.max_batch_size]], params, stops, adapter)
+        for r in rows:
+            r.reuse = None
+        self.stats["generate_calls"] += 1
+        self.stats["generated_tokens"] += sum(len(r.out) for r in rows)
+        self.stats["generate_s"] += time.perf_counter() - t0
+        seqs = [GeneratedSeq(r.out, r.logprobs, r.finish, r.stop) for r in rows]
+        return [seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def _adapter_context(self, adapter: str | None):
+        if self._peft is None:
+            return contextlib.nullcontext()
+        if adapter is None:
+            return self._peft.disable_adapter()
+        self._peft.set_adapter(self._adapters[adapter][0], inference_mode=True)
+        return contextlib.nullcontext()
+
+    def _prefill(self, uniq: list[_Row], T: int):
+        """Prefill each distinct prompt once, reusing cached prefix KV.
+
+        Layout: [U, C + Q] with every sequence right-aligned: C cached columns (a row's reused
+        prefix, left-padded) then Q query columns (the tokens actually run). Returns
+        (cache, last logits [U, V], attention mask [U, C + Q], next position [U]).
+        """
+        from transformers import DynamicCache, StaticCache
+
+        dev, model = self.device, self.base
+        U = len(uniq)
+        Q = max(len(r.prompt) - (len(r.reuse.ids) if r.reuse else 0) for r in uniq)
+        reuse = [max(0, len(r.prompt) - Q) for r in uniq]  # <= the cached length by the choice of Q
+        C = max(reuse)
+        ids = torch.full((U, Q), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((U, C + Q), dtype=torch.long)
+        for u, r in enumerate(uniq):
+            tail = r.prompt[reuse[u]:]
+            ids[u, Q - len(tail):] = torch.tensor(tail)
+            attn[u, C - reuse[u]:C] = 1
+            attn[u, C + Q - len(tail):] = 1
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, C:]
+        if self.cache == "static":
+            cache = StaticCache(config=model.config, max_cache_len=C + Q + T)
+        else:
+            cache = DynamicCache(config=model.config)
+        if C:
+            for layer in range(len(uniq[reuse.index(C)].reuse.keys)):
+                k0 = next(r.reuse.keys[layer] for r, n in zip(uniq, reuse) if n)
+                ks = k0.new_zeros((U, k0.shape[0], C, k0.shape[2]))
+                vs = ks.clone()
+                for u, r in enumerate(uniq):
+                    if reuse[u]:
+                        ks[u, :, C - reuse[u]:] = r.reuse.keys[layer][:, :reuse[u]]
+                        vs[u, :, C - reuse[u]:] = r.reuse.values[layer][:, :reuse[u]]
+                cache.update(ks, vs, layer)  # the public way in: works for static and dynamic caches
+        self.stats["prefill_tokens"] += int(attn[:, C:].sum())
+        self.stats["reused_tokens"] += sum(reuse)
+        ids, attn, pos = ids.to(dev), attn.to(dev), pos.to(dev)
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        return cache, out.logits[:, -1, :].float(), attn, pos[:, -1] + 1
+
+    def _keep_kv(self, rows: list[_Row], k: int, cache, attn_row: torch.Tensor, slot: int, adapter) -> None:
+        """Store the KV of row k's prompt + generated tokens (all but the last, never fed back)."""
+        if self.prefix_cache.max_bytes <= 0:
+            return
+        r = rows[k]
+        cols = attn_row.nonzero().squeeze(-1)
+        ids = r.prompt + r.out[:-1]
+        if len(cols) != len(ids):  # cannot happen; never store something misaligned
+            return
+        keys = [layer.keys[slot, :, cols].clone() for layer in cache.layers]
+        values = [layer.values[slot, :, cols].clone() for layer in cache.layers]
+        self.prefix_cache.put(adapter, ids, keys, values)
+
+    def _decode(self, rows: list[_Row], params: SamplingSpec, stops: set[int], adapter: str | None) -> None:
+        """Prefill, then one token per step for the live rows only."""
+        dev, model = self.device, self.base
+        T = max(r.max_new for r in rows)
+        index: dict[tuple, int] = {}
+        uniq: list[_Row] = []
+        expand = []
+        for r in rows:
+            key = tuple(r.prompt)
+            if key not in index:
+                index[key] = len(uniq)
+                uniq.append(r)
+            expand.append(index[key])
+        cache, logits, attn, next_pos = self._prefill(uniq, T)
+        if len(uniq) < len(rows):
+            idx = torch.tensor(expand, dtype=torch.long, device=dev)
+            cache.reorder_cache(idx)  # n samples of one prompt share its prefill
+            logits, attn, next_pos = logits[idx], attn[idx], next_pos[idx]
+        live = list(range(len(rows)))  # batch slot -> row index
+        stop_t = torch.tensor(sorted(stops), dtype=torch.long, device=dev) if stops else None
+        for _ in range(T):
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = sample_tokens(logits, params.temperature, params.top_p,
+                                [rows[k].generator for k in live]).to(dev)
+            tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+            is_stop = torch.isin(tok, stop_t) if stop_t is not None else torch.zeros_like(tok, dtype=torch.bool)
+            tok_l, lp_l, stop_l = tok.tolist(), tok_lp.tolist(), is_stop.tolist()
+            keep = []
+            for slot, k in enumerate(live):
+                r = rows[k]
+                r.out.append(tok_l[slot])
+                r.logprobs.append(lp_l[slot])
+                if stop_l[slot]:
+                    r.finish, r.stop = "stop", tok_l[slot]
+                elif len(r.out) >= r.max_new:
+                    r.finish = "length"
+                else:
+                    keep.append(slot)
+                    continue
+                self._keep_kv(rows, k, cache, attn[slot], slot, adapter)
+            if not keep:
+                break
+            if len(keep) < len(live) * self.compact_below:
+                # finished rows stop costing compute: keep only the live slots in every tensor
+                idx = torch.tensor(keep, dtype=torch.long, device=dev)
+                cache.reorder_cache(idx)
+                tok, attn, next_pos = tok[idx], attn[idx], next_pos[idx]
+                live = [live[s] for s in keep]
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
+            out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                        past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1, :].float()
+            next_pos = next_pos + 1
+
+
+__all__ = ["SamplingSpec", "GeneratedSeq", "GenerationEngine", "TransformersEngine", "PrefixKVCache",
+           "derive_seed", "prefix_hashes", "validate_adapter_dir", "check_prompts", "top_p_filter",
+           "sample_tokens", "ADAPTER_FILES"]

@@ -1,0 +1,94 @@
+"""Adapter lifecycle in the policy service: verify -> load -> warm -> switch -> drain -> unload.
+
+Requests pin the adapter they start with (``acquire``), so an activation never changes the
+weights under a request in flight; unloading waits for no one and refuses while a version is
+active or pinned. All state changes happen under one asyncio lock (one event loop owns them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prorag.errors import FailedPrecondition, NotFound
+from services.policy.adapters import AdapterRef, Manifest, verify
+from services.policy.engine import GenerationEngine, SamplingSpec
+
+
+@dataclass
+class LoadedAdapter:
+    ref: AdapterRef
+    path: Path
+    manifest: Manifest
+    in_flight: int = 0
+
+
+@dataclass
+class AdapterManager:
+    engine: GenerationEngine
+    root: Path
+    base_model: str
+    base_model_sha256: str
+    loaded: dict[str, LoadedAdapter] = field(default_factory=dict)
+    active: str | None = None  # "name@version" or None = base model
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def load(self, ref: AdapterRef, path: str = "") -> LoadedAdapter:
+        async with self._lock:
+            if ref.key in self.loaded:
+                return self.loaded[ref.key]
+            resolved, manifest = verify(self.root, ref, path, base_model_sha256=self.base_model_sha256)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.engine.load_adapter, ref.key, str(resolved))
+            # Warm: one token through the new weights, so the first real request pays no lazy init.
+            warm_prompt = [[int(self.engine.tokenizer.eos_token_id or 0)]]
+            await loop.run_in_executor(None, lambda: self.engine.generate(
+                warm_prompt, SamplingSpec(n=1, temperature=0.0, max_tokens=1), ref.key))
+            entry = LoadedAdapter(ref, resolved, manifest)
+            self.loaded[ref.key] = entry
+            return entry
+
+    async def activate(self, ref: AdapterRef | None, path: str = "") -> str | None:
+        """Make ``ref`` (None = base model) what new requests use; loads it first if needed."""
+        if ref is not None and ref.key not in self.loaded:
+            await self.load(ref, path)
+        async with self._lock:
+            self.active = None if ref is None else ref.key
+            return self.active
+
+    async def unload(self, ref: AdapterRef) -> None:
+        async with self._lock:
+            entry = self.loaded.get(ref.key)
+            if entry is None:
+                raise NotFound(f"adapter {ref} is not loaded (loaded: {', '.join(self.loaded) or 'none'})")
+            if self.active == ref.key:
+                raise FailedPrecondition(f"adapter {ref} is active; activate another version before unloading it")
+            if entry.in_flight:
+                raise FailedPrecondition(f"adapter {ref} is serving {entry.in_flight} request(s); retry when they finish")
+            del self.loaded[ref.key]  # first, so no new request can pin it while the engine drops it
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.unload_adapter, ref.key)
+
+    def resolve(self, requested: str) -> str | None:
+        """The adapter a new request runs on: the named one (must be loaded) or the active one."""
+        if not requested:
+            return self.active
+        key = AdapterRef.parse(requested).key
+        if key not in self.loaded:
+            raise NotFound(f"adapter {key} is not loaded (loaded: {', '.join(self.loaded) or 'none'}); "
+                           f"call LoadAdapter first")
+        return key
+
+    @contextlib.contextmanager
+    def acquire(self, requested: str = ""):
+        """Pin the adapter for one request's whole life; yields its key (None = base)."""
+        key = self.resolve(requested)
+        entry = self.loaded.get(key) if key else None
+        if entry:
+            entry.in_flight += 1
+        try:
+            yield key
+        finally:
+            if entry:
+                entry.in_flight -= 1

@@ -1,0 +1,146 @@
+"""OpenAI-compatible HTTP on the policy (as vLLM offers): /v1/models, /v1/completions,
+/v1/chat/completions, so the judge and other tools can use the policy with the openai client.
+
+Stop sequences must be single tokens of the policy's tokenizer (the format's tags,
+<|im_end|>): the engine stops on token ids, never on re-decoded text.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+from prorag.errors import InvalidArgument, ProragError
+from prorag.trajectory import IM_END
+from services.policy.engine import SamplingSpec, derive_seed
+from services.policy.rollout import decode
+
+
+def _err(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def make_app(servicer, model_name: str, max_body_mb: int = 16) -> web.Application:
+    tok = servicer.tokenizer
+    limits = servicer.limits
+
+    def sampling(body: dict, default_stop: list[str]) -> SamplingSpec:
+        n = body.get("n", 1)
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens", limits.default_step_tokens))
+        temperature = body.get("temperature", 1.0)
+        top_p = body.get("top_p", 1.0)
+        for name, v in (("n", n), ("max_tokens", max_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise InvalidArgument(f"{name} must be an integer")
+        for name, v in (("temperature", temperature), ("top_p", top_p)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise InvalidArgument(f"{name} must be a number")
+        if not 1 <= n <= limits.max_n:
+            raise InvalidArgument(f"n must be in 1..{limits.max_n}")
+        if not 1 <= max_tokens <= limits.max_tokens:
+            raise InvalidArgument(f"max_tokens must be in 1..{limits.max_tokens}")
+        stop = body.get("stop") or default_stop
+        if isinstance(stop, str):
+            stop = [stop]
+        stop_ids = []
+        for s in stop:
+            ids = tok.encode(s, add_special_tokens=False) if isinstance(s, str) else []
+            if len(ids) != 1:
+                raise InvalidArgument(f"stop {s!r} is not a single token of this model; use the format tags or {IM_END}")
+            stop_ids.append(ids[0])
+        return SamplingSpec(n=n, temperature=float(temperature), top_p=float(top_p) or 1.0, max_tokens=max_tokens,
+                            stop_token_ids=tuple(stop_ids), seed=int(body.get("seed") or 0)).validate()
+
+    async def run(prompts: list[list[int]], spec: SamplingSpec, adapter_req: str):
+        for i, p in enumerate(prompts):
+            if not p:
+                raise InvalidArgument(f"prompt {i} is empty")
+            if len(p) >= min(limits.max_prefix_tokens, servicer.engine.max_model_len):
+                raise InvalidArgument(f"prompt {i} has {len(p)} tokens; too long for this model")
+        with servicer.manager.acquire(adapter_req) as adapter:
+            outs = await servicer.scheduler.generate(prompts, spec, adapter,
+                                                     [derive_seed(spec.seed, i) for i in range(len(prompts))])
+        return outs, adapter
+
+    def usage(prompts, outs):
+        p = sum(len(x) for x in prompts)
+        c = sum(len(s.token_ids) for seqs in outs for s in seqs)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def adapter_of(body: dict) -> str:
+        # "model" may name an adapter (name@version), as vLLM serves LoRAs under their own names
+        m = body.get("model") or ""
+        return m if "@" in m else ""
+
+    async def parse(request: web.Request) -> dict:
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InvalidArgument(f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise InvalidArgument("request body must be a JSON object")
+        return body
+
+    async def completions(request: web.Request) -> web.Response:
+        try:
+            body = await parse(request)
+            prompt = body.get("prompt")
+            if isinstance(prompt, str):
+                prompt = [prompt]
+            if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) for p in prompt):
+                raise InvalidArgument('"prompt" must be a string or a non-empty list of strings')
+            spec = sampling(body, [IM_END])
+            prompts = [tok.encode(p, add_special_tokens=False) for p in prompt]
+            outs, adapter = await run(prompts, spec, adapter_of(body))
+        except ProragError as e:
+            return _err(e.http_status, str(e))
+        want_lp = body.get("logprobs") is not None
+        choices = []
+        for i, seqs in enumerate(outs):
+            for s in seqs:
+                c = {"index": len(choices), "text": decode(tok, s.token_ids), "finish_reason": s.finish_reason}
+                if want_lp:
+                    c["logprobs"] = {"tokens": [decode(tok, [t]) for t in s.token_ids], "token_logprobs": s.logprobs}
+                choices.append(c)
+        return web.json_response({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                                  "created": int(time.time()), "model": adapter or model_name,
+                                  "choices": choices, "usage": usage(prompts, outs)})
+
+    async def chat(request: web.Request) -> web.Response:
+        try:
+            body = await parse(request)
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in
+                    ("system", "user", "assistant") for m in messages):
+                raise InvalidArgument('"messages" must be a non-empty list of {"role": system|user|assistant, '
+                                      '"content": str}')
+            spec = sampling(body, [IM_END])
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            prompts = [tok.encode(text, add_special_tokens=False)]
+            outs, adapter = await run(prompts, spec, adapter_of(body))
+        except ProragError as e:
+            return _err(e.http_status, str(e))
+        choices = []
+        for s in outs[0]:
+            ids = [t for t in s.token_ids if t not in spec.stop_token_ids]
+            choices.append({"index": len(choices), "finish_reason": s.finish_reason,
+                            "message": {"role": "assistant", "content": decode(tok, ids)}})
+        return web.json_response({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                                  "created": int(time.time()), "model": adapter or model_name,
+                                  "choices": choices, "usage": usage(prompts, outs)})
+
+    async def models(request: web.Request) -> web.Response:
+        data = [{"id": model_name, "object": "model", "owned_by": "prorag"}]
+        data += [{"id": k, "object": "model", "owned_by": "prorag", "parent": model_name}
+                 for k in servicer.manager.loaded]
+        return web.json_response({"object": "list", "data": data})
+
+    app = web.Application(client_max_size=max_body_mb * 1024 * 1024)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    return app

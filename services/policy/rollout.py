@@ -1,0 +1,217 @@
+"""Agentic rollouts with live retrieval: pure orchestration over an engine and a search function.
+
+All questions x n samples advance together in rounds. Each round makes one ``engine.generate``
+call for every unfinished trajectory and one ``search_fn`` call for all of the round's
+subqueries. Token ids are carried, never re-encoded: generated ids are appended as the engine
+returned them (mask 1, with their log-probs) and the environment's glue and documents are
+tokenised on their own and appended (mask 0, log-prob 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from prorag.errors import InvalidArgument
+from prorag.trajectory import (
+    FINAL, IM_END, NEXT_STEP, STOP_TAGS, RetrievedDoc, Step, clean_doc, is_valid_format, parse_step, render_prompt,
+    retrieval_block,
+)
+
+from .engine import GenerationEngine, SamplingSpec, derive_seed
+
+SearchFn = Callable[[list[str], int], list[list[RetrievedDoc]]]
+FINISH_REASONS = ("answer", "max_steps", "length", "invalid_format")
+
+
+@dataclass
+class TrajectoryResult:
+    """One finished trajectory. token_ids/generated_mask/logprobs are aligned, prompt included.
+
+    finish_reason: "answer" | "max_steps" | "length" | "invalid_format".
+    text: the decoded trajectory after the prompt (generated pieces and glue, as appended).
+    """
+
+    question_id: str
+    sample_index: int
+    question: str
+    steps: list[Step] = field(default_factory=list)
+    answer: str | None = None
+    format_valid: bool = False
+    finish_reason: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    generated_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prompt_length: int = 0
+    generated_tokens: int = 0
+    adapter: str | None = None
+    text: str = ""
+    rounds: int = 0
+
+    def _append(self, ids: Sequence[int], generated: bool, logprobs: Sequence[float] | None = None) -> None:
+        self.token_ids.extend(ids)
+        self.generated_mask.extend([1 if generated else 0] * len(ids))
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        if generated:
+            self.generated_tokens += len(ids)
+
+
+def decode(tokenizer, ids: Sequence[int]) -> str:
+    """Ids to text exactly: special tokens kept, no clean-up of spaces."""
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def format_stop_ids(tokenizer) -> tuple[int, ...]:
+    """Token ids of the format's stop tags; each must be a single token of ``tokenizer``."""
+    ids = []
+    for tag in STOP_TAGS:
+        enc = tokenizer.encode(tag, add_special_tokens=False)
+        if len(enc) != 1:
+            raise InvalidArgument(f"stop tag {tag!r} is not a single token of this tokenizer ({enc})")
+        ids.append(enc[0])
+    return tuple(ids)
+
+
+def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[str, str]], params: SamplingSpec,
+                 search_fn: SearchFn, max_steps: int = 13, topk: int = 3, adapter: str | None = None,
+                 on_finished: Callable[[TrajectoryResult], None] | None = None,
+                 max_model_len: int | None = None) -> list[TrajectoryResult]:
+    """Run ``params.n`` trajectories per (id, question); returns them question-major, sample-minor.
+
+    params: n = samples per question; max_tokens caps one step; stop ids are the format's own.
+    Seeds: trajectory (q, j) at round r samples with ``derive_seed(params.seed, q, j, r)``
+    (unseeded when params.seed is 0), so a seeded run does not depend on batching.
+    ``on_finished`` is called as each trajectory ends, before the next round.
+    Every round either ends a trajectory or adds a step, so at most ``max_steps`` rounds run.
+    """
+    params.validate()
+    if max_steps < 1:
+        raise InvalidArgument(f"max_steps must be >= 1, got {max_steps}")
+    if topk < 1:
+        raise InvalidArgument(f"topk must be >= 1, got {topk}")
+    limit = int(max_model_len or getattr(engine, "max_model_len", 0) or 0)
+    if limit <= 0:
+        raise InvalidArgument("the engine reports no max_model_len; pass max_model_len")
+    stop_ids = format_stop_ids(tokenizer)
+    im_end_id = stop_ids[STOP_TAGS.index(IM_END)]
+    final_ids = tokenizer.encode(FINAL, add_special_tokens=False)
+    next_step_ids = tokenizer.encode(NEXT_STEP, add_special_tokens=False)
+    step_spec = SamplingSpec(n=1, temperature=params.temperature, top_p=params.top_p,
+                             max_tokens=params.max_tokens, stop_token_ids=stop_ids, seed=params.seed)
+
+    results: list[TrajectoryResult] = []
+    texts: list[list[str]] = []
+    for qi, (qid, question) in enumerate(questions):
+        if not isinstance(question, str) or not question.strip():
+            raise InvalidArgument(f"question {qid!r} is empty")
+        prompt_ids = tokenizer.encode(render_prompt(question), add_special_tokens=False)
+        for j in range(params.n):
+            r = TrajectoryResult(question_id=str(qid), sample_index=j, question=question,
+                                 prompt_length=len(prompt_ids), adapter=adapter)
+            r._append(prompt_ids, generated=False)
+            results.append(r)
+            texts.append([])
+
+    def finish(k: int, reason: str) -> None:
+        r = results[k]
+        r.finish_reason = reason
+        r.format_valid = reason == "answer" and is_valid_format(r.steps)
+        r.answer = r.steps[-1].content if r.steps and r.steps[-1].kind == "answer" else None
+        r.text = "".join(texts[k])
+        if on_finished is not None:
+            on_finished(r)
+
+    def append_glue(k: int, ids: list[int], text: str) -> bool:
+        # inserted text that would overflow the context ends the trajectory instead
+        if len(results[k].token_ids) + len(ids) > limit:
+            return False
+        results[k]._append(ids, generated=False)
+        texts[k].append(text)
+        return True
+
+    active = []
+    for k, r in enumerate(results):
+        if len(r.token_ids) >= limit:
+            finish(k, "length")
+        else:
+            active.append(k)
+
+    rnd = 0
+    while active:
+        seeds = [derive_seed(params.seed, k // params.n, results[k].sample_index, rnd) for k in active]
+        outs = engine.generate([results[k].token_ids for k in active], step_spec, adapter=adapter, seeds=seeds)
+        rnd += 1
+        searches: list[int] = []
+        still: list[int] = []
+        for k, seqs in zip(active, outs):
+            r, seq = results[k], seqs[0]
+            r.rounds = rnd
+            room = limit - len(r.token_ids)
+            gen_ids, gen_lps = list(seq.token_ids), list(seq.logprobs)
+            if len(gen_ids) > room:
+                # only when max_model_len is below the engine's own limit: cut the step to fit
+                gen_ids, gen_lps = gen_ids[:room], gen_lps[:room]
+            r._append(gen_ids, generated=True, logprobs=gen_lps)
+            gen_text = decode(tokenizer, gen_ids)
+            texts[k].append(gen_text)
+            step = parse_step(gen_text)
+            r.steps.append(step)
+            if step.kind == "answer":
+                if not append_glue(k, final_ids, FINAL):
+                    finish(k, "length")
+                    continue
+                finish(k, "answer")
+            elif step.kind == "invalid":
+                # a step cut by the context limit is a length stop, not a format error
+                hit_limit = len(r.token_ids) >= limit and (seq.finish_reason == "length" or len(gen_ids) < len(seq.token_ids))
+                finish(k, "length" if hit_limit else "invalid_format")
+            elif step.kind == "subquery":
+                searches.append(k)
+            else:  # subanswer
+                if not append_glue(k, next_step_ids, NEXT_STEP):
+                    finish(k, "length")
+                elif len(r.steps) >= max_steps:
+                    finish(k, "max_steps")
+                else:
+                    still.append(k)
+        if searches:
+            queries = [results[k].steps[-1].content for k in searches]
+            found = search_fn(queries, topk)
+            if len(found) != len(queries):
+                raise InvalidArgument(f"search_fn returned {len(found)} results for {len(queries)} queries")
+            for k, docs in zip(searches, found):
+                step = results[k].steps[-1]
+                docs = [clean_doc(d) for d in list(docs)[:topk]]
+                block = retrieval_block(docs)
+                if not append_glue(k, tokenizer.encode(block, add_special_tokens=False), block):
+                    finish(k, "length")
+                    continue
+                step.docs = docs
+                if len(results[k].steps) >= max_steps:
+                    finish(k, "max_steps")
+                else:
+                    still.append(k)
+        # keep the input order among survivors so batches stay stable across rounds
+        still.sort()
+        active = []
+        for k in still:
+            if len(results[k].token_ids) >= limit:
+                finish(k, "length")
+            else:
+                active.append(k)
+    return results
+
+
+def summarize(results: Sequence[TrajectoryResult]) -> dict:
+    """Counts for logs: finish reasons, valid-format rate, tokens."""
+    reasons = {r: 0 for r in FINISH_REASONS}
+    for t in results:
+        reasons[t.finish_reason] = reasons.get(t.finish_reason, 0) + 1
+    n = max(len(results), 1)
+    return {"trajectories": len(results), "finish_reasons": reasons,
+            "format_valid_rate": sum(t.format_valid for t in results) / n,
+            "generated_tokens": sum(t.generated_tokens for t in results),
+            "mean_steps": sum(len(t.steps) for t in results) / n}
+
+
+__all__ = ["TrajectoryResult", "SearchFn", "FINISH_REASONS", "run_rollouts", "format_stop_ids", "decode", "summarize"]

@@ -1,0 +1,253 @@
+"""Thin gRPC servicer for prorag.v1.Policy: validate, convert, call the scheduler/manager."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from prorag.errors import InvalidArgument, NotFound, Unavailable
+from prorag.pb import common_pb2, policy_pb2, policy_pb2_grpc
+from prorag.trajectory import STOP_TAGS, RetrievedDoc
+from services.policy.adapters import AdapterRef
+from services.policy.engine import SamplingSpec, derive_seed
+from services.policy.rollout import TrajectoryResult, decode, run_rollouts
+
+STEP_KIND = {"subquery": common_pb2.STEP_KIND_SUBQUERY, "subanswer": common_pb2.STEP_KIND_SUBANSWER,
+             "answer": common_pb2.STEP_KIND_ANSWER, "invalid": common_pb2.STEP_KIND_INVALID}
+
+
+def _deadline(context) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def step_pb(step) -> common_pb2.Step:
+    docs = [common_pb2.ScoredDocument(document=common_pb2.Document(id=d.id, title=d.title, text=d.text),
+                                      score=d.score, rank=i) for i, d in enumerate(step.docs or [])]
+    return common_pb2.Step(kind=STEP_KIND.get(step.kind, common_pb2.STEP_KIND_INVALID), thought=step.thought,
+                           content=step.content, retrieved=docs, text=step.text)
+
+
+def trajectory_pb(t: TrajectoryResult, adapter_version: str) -> policy_pb2.Trajectory:
+    return policy_pb2.Trajectory(
+        question_id=t.question_id, sample_index=t.sample_index, question=t.question,
+        steps=[step_pb(s) for s in t.steps], answer=t.answer or "", format_valid=t.format_valid,
+        finish_reason=t.finish_reason, prompt_length=t.prompt_length, adapter_version=adapter_version,
+        text=t.text, trace=common_pb2.TokenTrace(token_ids=t.token_ids, generated_mask=t.generated_mask,
+                                                 logprobs=t.logprobs))
+
+
+class PolicyServicer(policy_pb2_grpc.PolicyServicer):
+    def __init__(self, engine, scheduler, manager, limits, search_fn_factory, model_info: dict):
+        self.engine = engine
+        self.scheduler = scheduler
+        self.manager = manager
+        self.limits = limits
+        self.search_fn_factory = search_fn_factory
+        self.model_info = model_info
+        self.tokenizer = engine.tokenizer
+        self._stop_ids = {}
+        for tag in STOP_TAGS:
+            ids = self.tokenizer.encode(tag, add_special_tokens=False)
+            if len(ids) == 1:
+                self._stop_ids[tag] = ids[0]
+        self._rollout_pool = ThreadPoolExecutor(max_workers=limits.max_concurrent_rollouts,
+                                                thread_name_prefix="rollout")
+
+    # -- validation --
+    def _sampling(self, sp: policy_pb2.SamplingParams, *, default_max_tokens: int) -> SamplingSpec:
+        L = self.limits
+        if sp.n < 1:
+            raise InvalidArgument(f"sampling.n must be >= 1, got {sp.n}")
+        if sp.n > L.max_n:
+            raise InvalidArgument(f"sampling.n is {sp.n}; this server allows at most {L.max_n}")
+        max_tokens = sp.max_tokens or default_max_tokens
+        if max_tokens < 0 or max_tokens > L.max_tokens:
+            raise InvalidArgument(f"sampling.max_tokens is {sp.max_tokens}; allowed 1..{L.max_tokens} (0 = default)")
+        if not (sp.temperature >= 0) or sp.temperature > 10:
+            raise InvalidArgument(f"sampling.temperature must be in [0, 10], got {sp.temperature}")
+        top_p = sp.top_p or 1.0
+        if not 0 < top_p <= 1:
+            raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {sp.top_p}")
+        if sp.stop:
+            unknown = [s for s in sp.stop if s not in self._stop_ids]
+            if unknown:
+                raise InvalidArgument(f"unknown stop tag(s) {unknown}; allowed: {sorted(self._stop_ids)}")
+            stops = tuple(self._stop_ids[s] for s in sp.stop)
+        else:
+            stops = tuple(self._stop_ids.values())
+        return SamplingSpec(n=sp.n, temperature=sp.temperature, top_p=top_p, max_tokens=max_tokens,
+                            stop_token_ids=stops, seed=sp.seed)
+
+    def _prefix_ids(self, i: int, prefix: policy_pb2.Prefix) -> list[int]:
+        if prefix.token_ids:
+            ids = list(prefix.token_ids)
+            vocab = self.engine.vocab_size if hasattr(self.engine, "vocab_size") else len(self.tokenizer)
+            bad = [t for t in ids if t < 0 or t >= vocab]
+            if bad:
+                raise InvalidArgument(f"prefix {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+        elif prefix.text:
+            ids = self.tokenizer.encode(prefix.text, add_special_tokens=False)
+        else:
+            raise InvalidArgument(f"prefix {i} is empty: give token_ids or text")
+        if len(ids) > self.limits.max_prefix_tokens or len(ids) >= self.engine.max_model_len:
+            raise InvalidArgument(f"prefix {i} has {len(ids)} tokens; at most "
+                                  f"{min(self.limits.max_prefix_tokens, self.engine.max_model_len - 1)} allowed")
+        return ids
+
+    # -- RPCs --
+    async def GenerateSteps(self, request, context):
+        if not request.prefixes:
+            raise InvalidArgument("prefixes is empty")
+        if len(request.prefixes) > self.limits.max_prefixes:
+            raise InvalidArgument(f"{len(request.prefixes)} prefixes; at most {self.limits.max_prefixes} per request")
+        spec = self._sampling(request.sampling, default_max_tokens=self.limits.default_step_tokens)
+        prompts = [self._prefix_ids(i, p) for i, p in enumerate(request.prefixes)]
+        seeds = [derive_seed(spec.seed, i) for i in range(len(prompts))]
+        with self.manager.acquire(request.adapter) as adapter:
+            outs = await self.scheduler.generate(prompts, spec, adapter, seeds, _deadline(context))
+        stop_tag = {v: k for k, v in self._stop_ids.items()}
+        results = []
+        for seqs in outs:
+            results.append(policy_pb2.PrefixCompletions(completions=[
+                policy_pb2.Completion(token_ids=s.token_ids, logprobs=s.logprobs, text=decode(self.tokenizer, s.token_ids),
+                                      finish_reason=s.finish_reason, stop=stop_tag.get(s.stop_token_id, ""))
+                for s in seqs]))
+        return policy_pb2.GenerateStepsResponse(results=results, adapter_version=adapter or "")
+
+    async def Rollout(self, request, context):
+        L = self.limits
+        if not request.questions:
+            raise InvalidArgument("questions is empty")
+        if len(request.questions) > L.max_questions:
+            raise InvalidArgument(f"{len(request.questions)} questions; at most {L.max_questions} per request")
+        for i, q in enumerate(request.questions):
+            if not q.question.strip():
+                raise InvalidArgument(f"question {i} ({q.id!r}) is empty")
+            if len(q.question) > L.max_question_chars:
+                raise InvalidArgument(f"question {i} has {len(q.question)} characters; at most {L.max_question_chars}")
+        spec = self._sampling(request.sampling, default_max_tokens=L.default_step_tokens)
+        max_steps = request.max_steps or L.default_max_steps
+        if not 1 <= max_steps <= L.max_steps:
+            raise InvalidArgument(f"max_steps is {request.max_steps}; allowed 1..{L.max_steps} (0 = default)")
+        topk = request.topk or L.default_topk
+        if not 1 <= topk <= L.max_topk:
+            raise InvalidArgument(f"topk is {request.topk}; allowed 1..{L.max_topk} (0 = default)")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        check = getattr(self.search_fn_factory, "check_index", None)
+        if check is not None:
+            await loop.run_in_executor(None, check, request.retriever_index)
+        search = self.search_fn_factory(request.retriever_index, _deadline(context))
+        started = time.monotonic()
+        with self.manager.acquire(request.adapter) as adapter:
+            engine = self.scheduler.sync_engine(_deadline(context))
+            version = adapter or ""
+
+            def work():
+                return run_rollouts(engine, self.tokenizer, [(q.id or str(i), q.question)
+                                                             for i, q in enumerate(request.questions)],
+                                    spec, search, max_steps=max_steps, topk=topk, adapter=adapter,
+                                    on_finished=lambda t: loop.call_soon_threadsafe(queue.put_nowait, t))
+
+            fut = loop.run_in_executor(self._rollout_pool, work)
+            fut.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+            total = len(request.questions) * spec.n
+            sent, tokens = 0, 0
+            while sent < total:
+                item = await queue.get()
+                if item is None:
+                    break
+                sent += 1
+                tokens += item.generated_tokens
+                yield policy_pb2.RolloutEvent(trajectory=trajectory_pb(item, version))
+            await fut  # re-raises a failure of the rollout (mapped by the interceptor)
+        yield policy_pb2.RolloutEvent(summary=policy_pb2.RolloutSummary(
+            num_trajectories=sent, generated_tokens=tokens, wall_s=time.monotonic() - started,
+            adapter_version=version))
+
+    async def LoadAdapter(self, request, context):
+        ref = AdapterRef.of(request.ref.name, request.ref.version)
+        await self.manager.load(ref, request.path)
+        return self._status(ref.key)
+
+    async def ActivateAdapter(self, request, context):
+        if not request.ref.name:
+            await self.manager.activate(None)
+            return policy_pb2.AdapterStatus(active=True)
+        ref = AdapterRef.of(request.ref.name, request.ref.version)
+        await self.manager.activate(ref)
+        return self._status(ref.key)
+
+    async def UnloadAdapter(self, request, context):
+        ref = AdapterRef.of(request.ref.name, request.ref.version)
+        await self.manager.unload(ref)
+        return policy_pb2.AdapterStatus(ref=common_pb2.AdapterRef(name=ref.name, version=ref.version), loaded=False)
+
+    async def ListAdapters(self, request, context):
+        return policy_pb2.ListAdaptersResponse(adapters=[self._status(k) for k in self.manager.loaded],
+                                               active=self.manager.active or "")
+
+    async def GetModelInfo(self, request, context):
+        info = self.engine.info()
+        return common_pb2.ModelInfo(model_id=self.model_info["model_id"],
+                                    base_model_sha256=self.model_info["sha256"], engine=str(info.get("engine", "")),
+                                    device=str(info.get("device", "")), num_parameters=int(info.get("num_parameters", 0)),
+                                    extra={k: str(v) for k, v in info.items()})
+
+    def _status(self, key: str) -> policy_pb2.AdapterStatus:
+        entry = self.manager.loaded.get(key)
+        if entry is None:
+            raise NotFound(f"adapter {key} is not loaded")
+        m = entry.manifest
+        return policy_pb2.AdapterStatus(
+            ref=common_pb2.AdapterRef(name=entry.ref.name, version=entry.ref.version), loaded=True,
+            active=self.manager.active == key,
+            manifest=policy_pb2.AdapterManifest(name=m.name, version=m.version, base_model=m.base_model,
+                                                base_model_sha256=m.base_model_sha256, sha256=m.sha256,
+                                                rank=m.rank, step=m.step, created_at=m.created_at))
+
+    def close(self) -> None:
+        self._rollout_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def retriever_search_factory(target: str, timeout: float):
+    """search_fn for rollouts: the live retriever service, with its errors turned into ours."""
+    from prorag.clients import RetrieverClient
+
+    client = RetrieverClient(target, timeout=timeout)
+
+    known: dict[str, float] = {}
+
+    def check_index(index: str) -> None:
+        """Refuse an unknown retriever index before any rollout starts (cached for a minute)."""
+        if not index or time.monotonic() - known.get(index, -1e9) < 60:
+            return
+        try:
+            names = [i.name for i in client.list_indexes(timeout=min(timeout, 10)).indexes]
+        except grpc.RpcError as e:
+            raise Unavailable(f"retriever at {target} failed ({e.code().name}): {e.details()}") from None
+        if index not in names:
+            raise NotFound(f"retriever index {index!r} not found; the retriever at {target} serves {names}")
+        known[index] = time.monotonic()
+
+    def factory(index: str, deadline: float | None):
+        def search(queries: list[str], topk: int) -> list[list[RetrievedDoc]]:
+            remaining = timeout if deadline is None else max(0.1, deadline - time.monotonic())
+            try:
+                found = client.search(queries, topk=topk, index=index, timeout=min(timeout, remaining))
+            except grpc.RpcError as e:
+                code = e.code()
+                if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+                    err = InvalidArgument if code == grpc.StatusCode.INVALID_ARGUMENT else NotFound
+                    raise err(f"retriever: {e.details()}") from None
+                raise Unavailable(f"retriever at {target} failed ({code.name}): {e.details()}") from None
+            return [[RetrievedDoc(title=d.title, text=d.text, id=d.id, score=d.score) for d in docs] for docs in found]
+
+        return search
+
+    factory.check_index = check_index
+    return factory

@@ -1,0 +1,272 @@
+"""Stage 1: SFT warm-up on gold step-by-step trajectories (and the baselines trained the same way).
+
+Data: the benchmark's gold decompositions rendered in ProRAG's step format, documents from the
+live retriever service. Loss: ProRAG's format-aware per-token cross-entropy weights on generated
+tokens only (prompt, retrieved documents and glue are masked). Full fine-tuning, as the paper does
+for SFT (RL later trains LoRA adapters on top of this model).
+
+Written as a plain torch loop rather than TRL's SFTTrainer because the loss needs per-token
+weights (TRL offers completion-only masks, not weights) and the job machinery needs exact
+resume: batch order from (seed, epoch) only, checkpoints through the JobContext.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prorag import paths
+from prorag.config import cfg_field
+from prorag.errors import FailedPrecondition
+from services.trainer.stages import JobContext, register_stage
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm-up of the policy (mode agent) or of a baseline (no_retrieval, standard_rag)."""
+
+    mode: str = cfg_field("agent", help="agent = ProRAG step format; no_retrieval / standard_rag = baselines",
+                          choices=("agent", "no_retrieval", "standard_rag"))
+    world: str = cfg_field("default", help="embedded world whose train split is used")
+    questions: str = cfg_field("", help="FlashRAG-style train jsonl with decompositions ('' = the world's train split)")
+    max_questions: int = cfg_field(0, help="use at most this many training questions (0 = all)", min=0)
+    base_model: str = cfg_field("", help="HF model dir to fine-tune ('' = the world's embedded base model)")
+    retriever: str = cfg_field("127.0.0.1:50051", help="retriever service used to build the documents")
+    retriever_index: str = cfg_field("", help="retriever index ('' = its default)")
+    topk: int = cfg_field(3, help="documents per subquery (ProRAG: 3)", min=1, max=20)
+    thoughts: str = cfg_field("template", help="template = offline thoughts; openai = rewritten by an LLM",
+                              choices=("template", "openai"))
+    openai_base_url: str = cfg_field("", help="OpenAI-compatible endpoint for thoughts='openai'")
+    openai_model: str = cfg_field("gpt-4o", help="model used for thoughts='openai'")
+    loss_weights: str = cfg_field("prorag", help="prorag = format-aware tag weights; uniform = plain CE",
+                                  choices=("prorag", "uniform"))
+    epochs: float = cfg_field(1.0, help="passes over the data (fractional allowed)", min=0.01, max=100)
+    batch_size: int = cfg_field(16, help="sequences per optimizer step", min=1, max=4096)
+    lr: float = cfg_field(1e-3, help="peak learning rate (linear warm-up, cosine decay)", min=0.0, max=1.0)
+    warmup_ratio: float = cfg_field(0.05, help="fraction of steps warming up", min=0.0, max=0.5)
+    weight_decay: float = cfg_field(0.01, help="AdamW weight decay", min=0.0, max=1.0)
+    grad_clip: float = cfg_field(1.0, help="max gradient norm (0 = off)", min=0.0)
+    max_len: int = cfg_field(2048, help="longest training sequence in tokens; longer ones are dropped", min=16)
+    seed: int = cfg_field(0, help="seed for data order and init", min=0, max=2 ** 31 - 1)
+    checkpoint_every: int = cfg_field(100, help="steps between checkpoints", min=1)
+    log_every: int = cfg_field(10, help="steps between progress events", min=1)
+    publish_name: str = cfg_field("", help="publish the model as name@<job id> under data/models/<world> ('' = mode)")
+    threads: int = cfg_field(0, help="torch threads (0 = leave as is)", min=0, max=256)
+    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
+
+
+# ---------------------------------------------------------------- data
+def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]:
+    """Encoded samples for cfg.mode, documents fetched from the retriever service."""
+    from prorag.clients import RetrieverClient
+    from prorag.data.loaders import load_questions, load_split
+    from prorag.sft_data import (agent_prompt, agent_steps, baseline_prompt, baseline_steps, encode_segments,
+                                 template_thought)
+    from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS, RetrievedDoc
+
+    qs = load_questions(cfg.questions) if cfg.questions else load_split(paths.world_dir(cfg.world), "train")
+    if cfg.max_questions:
+        qs = qs[:cfg.max_questions]
+    thought = template_thought
+    if cfg.thoughts == "openai":
+        from prorag.thoughts import OpenAIThoughtWriter
+
+        thought = OpenAIThoughtWriter(cfg.openai_base_url, cfg.openai_model,
+                                      cache_path=paths.data_dir() / "cache" / "thoughts.jsonl")
+    tag_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in TAGS}
+    weights = FORMAT_LOSS_WEIGHTS if cfg.loss_weights == "prorag" else {}
+    client = RetrieverClient(cfg.retriever, timeout=300)
+
+    def search(queries: list[str]) -> dict[str, list[RetrievedDoc]]:
+        out = {}
+        uniq = sorted(set(queries))
+        for i in range(0, len(uniq), 256):
+            chunk = uniq[i:i + 256]
+            for q, docs in zip(chunk, client.search(chunk, topk=cfg.topk, index=cfg.retriever_index)):
+                out[q] = [RetrievedDoc(title=d.title, text=d.text, id=d.id, score=d.score) for d in docs]
+            if progress:
+                progress(min(i + 256, len(uniq)), len(uniq))
+        return out
+
+    samples, stats = [], {"questions": len(qs), "dropped_too_long": 0, "dropped_no_decomposition": 0}
+    try:
+        if cfg.mode == "agent":
+            subs = [s for q in qs for s in q.decomposition if s.doc_id]
+            retrieved = search([s.question for s in subs])
+            gold = {d.id: RetrievedDoc(title=d.title, text=d.text, id=d.id)
+                    for d in client.get_documents(sorted({s.doc_id for s in subs}))}
+            for q in qs:
+                if not any(s.doc_id for s in q.decomposition):
+                    stats["dropped_no_decomposition"] += 1
+                    continue
+                steps = agent_steps(q, retrieved, gold, topk=cfg.topk, thought=thought)
+                samples.append(encode_segments(tokenizer, agent_prompt(q.question), steps, tag_ids, weights))
+        else:
+            docs = search([q.question for q in qs]) if cfg.mode == "standard_rag" else {}
+            for q in qs:
+                prompt = baseline_prompt(q.question, docs.get(q.question) if cfg.mode == "standard_rag" else None)
+                steps = baseline_steps(q, grounded=cfg.mode == "standard_rag", thought=thought)
+                samples.append(encode_segments(tokenizer, prompt, steps, tag_ids, weights))
+    finally:
+        client.close()
+    kept = [s for s in samples if len(s.token_ids) <= cfg.max_len]
+    stats["dropped_too_long"] = len(samples) - len(kept)
+    stats["samples"] = len(kept)
+    stats["tokens"] = sum(len(s.token_ids) for s in kept)
+    stats["trained_tokens"] = sum(sum(s.loss_mask) for s in kept)
+    if not kept:
+        raise FailedPrecondition("no training samples: every sequence was longer than max_len or had no decomposition")
+    return kept, stats
+
+
+def collate(samples, pad_id: int):
+    """[B] samples -> input_ids [B,T], attention [B,T], labels [B,T] (-100 off the loss), weights [B,T]."""
+    import torch
+
+    T = max(len(s.token_ids) for s in samples)
+    B = len(samples)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    labels = torch.full((B, T), -100, dtype=torch.long)
+    w = torch.zeros((B, T), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        n = len(s.token_ids)
+        ids[i, :n] = torch.tensor(s.token_ids)
+        attn[i, :n] = 1
+        lab = torch.tensor(s.token_ids)
+        lab[torch.tensor(s.loss_mask) == 0] = -100
+        labels[i, :n] = lab
+        w[i, :n] = torch.tensor(s.weights)
+    return ids, attn, labels, w
+
+
+def weighted_lm_loss(model, input_ids, attention_mask, labels, weights):
+    """Format-aware loss: sum_t w_t * CE_t / sum_t w_t over tokens with labels != -100.
+
+    input_ids/attention_mask/labels [B,T] (labels -100 = not trained); weights [B,T].
+    Position t predicts labels[t+1]. The LM head runs only on trained positions (about a fifth
+    of a trajectory: prompt, documents and glue are masked), which halves the step time on CPU.
+    Returns (loss, number of trained tokens).
+    """
+    import torch.nn.functional as F
+
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    target = labels[:, 1:]
+    mask = target != -100
+    h = hidden[:, :-1][mask]
+    logits = model.get_output_embeddings()(h).float()
+    ce = F.cross_entropy(logits, target[mask], reduction="none")
+    w = weights[:, 1:][mask]
+    return (ce * w).sum() / w.sum().clamp(min=1e-8), int(mask.sum())
+
+
+# ---------------------------------------------------------------- stage
+def run_sft(ctx: JobContext) -> dict:
+    import torch
+
+    from prorag.embedded import ensure_policy_model
+    from prorag.models import publish_model
+    from services.policy.modeling import load_policy, save_pretrained
+
+    cfg: SFTConfig = ctx.config
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    base = Path(cfg.base_model) if cfg.base_model else ensure_policy_model(cfg.world)
+    ctx.seed_everything(cfg.seed)
+    model, tokenizer = load_policy(base, device="cpu", dtype="float32")
+
+    # Data is built once and kept with the checkpoints, so a resumed job trains on identical samples.
+    data_path = ctx.checkpoint_dir / "sft_data.pt"
+    if data_path.exists():
+        blob = torch.load(data_path, weights_only=False)
+        samples, stats = blob["samples"], blob["stats"]
+    else:
+        ctx.emit(0, 1, message=f"building {cfg.mode} training data through the retriever at {cfg.retriever}")
+        samples, stats = build_samples(cfg, tokenizer)
+        from prorag.io import atomic_path
+
+        with atomic_path(data_path) as tmp:
+            torch.save({"samples": samples, "stats": stats}, tmp)
+    ctx.emit(0, 1, message=f"data: {stats}")
+
+    per_epoch = math.ceil(len(samples) / cfg.batch_size)
+    total = max(1, int(round(per_epoch * cfg.epochs)))
+    warmup = int(total * cfg.warmup_ratio)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    start = 0
+    state = ctx.load_checkpoint()
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        start = int(state["step"])
+
+    orders: dict[int, list[int]] = {}
+
+    def batch_at(step: int):
+        epoch, i = divmod(step, per_epoch)
+        if epoch not in orders:
+            orders.clear()
+            order = list(range(len(samples)))
+            random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)
+            orders[epoch] = order
+        idx = orders[epoch][i * cfg.batch_size:(i + 1) * cfg.batch_size]
+        return collate([samples[j] for j in idx], tokenizer.pad_token_id)
+
+    def snapshot(done: int) -> dict:
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "step": done}
+
+    t_last, s_last, tok_since, loss_v = time.monotonic(), start, 0, float("nan")
+    for step in range(start, total):
+        if ctx.should_stop():
+            if not ctx.cancelled():
+                ctx.save_checkpoint(snapshot(step))
+            return {}
+        ids, attn, labels, w = batch_at(step)
+        loss, n_tok = weighted_lm_loss(model, ids, attn, labels, w)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        loss_v = float(loss.detach())
+        tok_since += int(attn.sum())
+        done = step + 1
+        if done % cfg.log_every == 0 or done == total:
+            now = time.monotonic()
+            rate = tok_since / max(now - t_last, 1e-9)
+            t_last, s_last, tok_since = now, done, 0
+            ctx.emit(done, total, loss=loss_v, tokens_per_s=rate, metrics={"lr": sched.get_last_lr()[0]})
+        if done % cfg.checkpoint_every == 0 and done < total:
+            ctx.save_checkpoint(snapshot(done))
+
+    model.eval()
+    with ctx.artifact_dir("model") as tmp:
+        save_pretrained(model, tokenizer, tmp / "m")
+        for f in (tmp / "m").iterdir():
+            f.rename(tmp / f.name)
+        (tmp / "m").rmdir()
+    name = cfg.publish_name or ("sft" if cfg.mode == "agent" else cfg.mode)
+    published = publish_model(ctx.run_dir / "model", cfg.world, name, ctx.job_id, base_model=str(base),
+                              extra={"stage": "sft", "mode": cfg.mode, "job_id": ctx.job_id})
+    ctx.emit(total, total, message=f"published {name}@{ctx.job_id} at {published}")
+    return {"final_loss": loss_v, "steps": total, **{f"data_{k}": float(v) for k, v in stats.items()}}
+
+
+register_stage("sft", SFTConfig, run_sft,
+               description="SFT warm-up on gold step-by-step trajectories with the format-aware loss "
+                           "(mode=no_retrieval/standard_rag trains the baselines the same way)")

@@ -1,0 +1,331 @@
+"""TransformersEngine on a tiny random Qwen3: batching, stops, raw logprobs, seeds, LoRA adapters."""
+
+import threading
+
+import pytest
+import torch
+
+from prorag.errors import AlreadyExists, InvalidArgument, NotFound
+from services.policy.engine import (
+    GeneratedSeq, SamplingSpec, TransformersEngine, derive_seed, sample_tokens, top_p_filter,
+)
+
+GREEDY = SamplingSpec(temperature=0.0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_policy):
+    _, tok = tiny_policy
+    texts = ["Who founded the city?", "A", "The river was born in the school during the first years of the band"]
+    return [tok.encode(t, add_special_tokens=False) for t in texts]
+
+
+def full_logprobs(model, prompt, gen):
+    """Reference: log-softmax of one unpadded forward pass at the generated positions."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + gen])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+    return lp.gather(-1, torch.tensor(gen)[:, None]).squeeze(-1)
+
+
+def test_shapes_and_lengths(tiny_engine, prompts):
+    out = tiny_engine.generate(prompts, SamplingSpec(n=3, temperature=1.0, max_tokens=10, seed=1))
+    assert len(out) == len(prompts) and all(len(r) == 3 for r in out)
+    for r in out:
+        for s in r:
+            assert isinstance(s, GeneratedSeq)
+            assert len(s.token_ids) == len(s.logprobs) == 10 or s.finish_reason == "stop"
+            assert s.finish_reason in ("stop", "length")
+            assert all(lp <= 0 for lp in s.logprobs)
+
+
+def test_greedy_is_deterministic_and_batch_independent(tiny_engine, prompts):
+    a = tiny_engine.generate(prompts, GREEDY)
+    b = tiny_engine.generate(prompts, GREEDY)
+    alone = [tiny_engine.generate([p], GREEDY)[0] for p in prompts]
+    assert [r[0].token_ids for r in a] == [r[0].token_ids for r in b] == [r[0].token_ids for r in alone]
+
+
+def test_static_and_dynamic_cache_agree(tiny_policy, tiny_engine, prompts):
+    dyn = TransformersEngine(tiny_policy[0], cache="dynamic", model=tiny_engine.base, tokenizer=tiny_policy[1])
+    assert [r[0].token_ids for r in dyn.generate(prompts, GREEDY)] == \
+           [r[0].token_ids for r in tiny_engine.generate(prompts, GREEDY)]
+
+
+def test_max_tokens_gives_length(tiny_engine, prompts):
+    out = tiny_engine.generate(prompts, SamplingSpec(temperature=0, max_tokens=5))
+    for r in out:
+        assert r[0].finish_reason == "length" and len(r[0].token_ids) == 5 and r[0].stop_token_id is None
+
+
+def test_stops_on_stop_token_per_sequence(tiny_engine, prompts):
+    ref = [r[0].token_ids for r in tiny_engine.generate(prompts, GREEDY)]
+    # stop on a token that the first prompt generates mid-way: that row stops there, the others go on
+    stop = ref[0][6]
+    first = ref[0].index(stop)
+    out = tiny_engine.generate(prompts, SamplingSpec(temperature=0, max_tokens=24, stop_token_ids=(stop,)))
+    s0 = out[0][0]
+    assert s0.token_ids == ref[0][:first + 1] and s0.finish_reason == "stop" and s0.stop_token_id == stop
+    for r, full in zip(out[1:], ref[1:]):
+        cut = full.index(stop) + 1 if stop in full else len(full)
+        assert r[0].token_ids == full[:cut]  # rows finishing at other times are unaffected
+
+
+def test_eos_always_stops(tiny_engine, prompts):
+    # force EOS as the most likely token: a huge bias on its logit via a hook on the LM head
+    eos = tiny_engine.eos_id
+    h = tiny_engine.base.lm_head.register_forward_hook(
+        lambda m, i, o: o.index_fill(-1, torch.tensor([eos]), 1e4))
+    try:
+        out = tiny_engine.generate(prompts[:1], GREEDY)
+    finally:
+        h.remove()
+    assert out[0][0].token_ids == [eos] and out[0][0].finish_reason == "stop" and out[0][0].stop_token_id == eos
+
+
+def test_logprobs_match_full_forward(tiny_engine, prompts):
+    out = tiny_engine.generate(prompts, SamplingSpec(n=2, temperature=1.0, top_p=0.9, max_tokens=20, seed=5))
+    for p, r in zip(prompts, out):
+        for s in r:
+            ref = full_logprobs(tiny_engine.base, p, s.token_ids)
+            assert torch.allclose(ref, torch.tensor(s.logprobs), atol=1e-4)
+
+
+def test_seeds_reproduce_and_differ(tiny_engine, prompts):
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=16, seed=11)
+    a = tiny_engine.generate(prompts, spec)
+    b = tiny_engine.generate(prompts, spec)
+    assert [[s.token_ids for s in r] for r in a] == [[s.token_ids for s in r] for r in b]
+    assert a[0][0].token_ids != a[0][1].token_ids  # samples of one prompt differ
+    c = tiny_engine.generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=16, seed=12))
+    assert [[s.token_ids for s in r] for r in a] != [[s.token_ids for s in r] for r in c]
+    # explicit per-prompt seeds: a prompt's samples do not depend on its batch-mates
+    both = tiny_engine.generate(prompts[:2], spec, seeds=[7, 8])
+    alone = tiny_engine.generate(prompts[1:2], spec, seeds=[8])
+    assert [s.token_ids for s in both[1]] == [s.token_ids for s in alone[0]]
+
+
+def test_unseeded_samples_vary(tiny_engine, prompts):
+    out = tiny_engine.generate([prompts[0]], SamplingSpec(n=4, temperature=1.0, max_tokens=12))
+    assert len({tuple(s.token_ids) for s in out[0]}) > 1
+
+
+def test_chunking(tiny_policy, tiny_engine, prompts):
+    small = TransformersEngine(tiny_policy[0], max_batch_size=2, model=tiny_engine.base, tokenizer=tiny_policy[1])
+    spec = SamplingSpec(n=3, temperature=1.0, max_tokens=8, seed=3)
+    assert [[s.token_ids for s in r] for r in small.generate(prompts, spec)] == \
+           [[s.token_ids for s in r] for r in tiny_engine.generate(prompts, spec)]
+
+
+def test_context_limit_and_bad_input(tiny_engine, prompts):
+    limit = tiny_engine.max_model_len
+    near = (prompts[2] * 100)[:limit - 3]
+    out = tiny_engine.generate([near], GREEDY)
+    assert len(out[0][0].token_ids) <= 3 and (out[0][0].finish_reason == "length" or out[0][0].stop_token_id)
+    with pytest.raises(InvalidArgument):
+        tiny_engine.generate([(prompts[2] * 100)[:limit]], GREEDY)
+    with pytest.raises(InvalidArgument):
+        tiny_engine.generate([[]], GREEDY)
+    with pytest.raises(InvalidArgument):
+        tiny_engine.generate([[tiny_engine.vocab_size]], GREEDY)
+    with pytest.raises(InvalidArgument):
+        tiny_engine.generate(prompts, SamplingSpec(top_p=0))
+    with pytest.raises(InvalidArgument):
+        tiny_engine.generate(prompts, SamplingSpec(n=0))
+    with pytest.raises(InvalidArgument):
+        tiny_engine.generate(prompts, SamplingSpec(), seeds=[1])
+    with pytest.raises(NotFound):
+        tiny_engine.generate(prompts, GREEDY, adapter="nope@v1")
+
+
+def test_sampling_helpers():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    kept = top_p_filter(logits, 0.5)
+    assert torch.isfinite(kept).tolist() == [[False, True, False, False]]
+    assert torch.isfinite(top_p_filter(logits, 1.0)).all()
+    g = [torch.Generator().manual_seed(1)]
+    assert sample_tokens(kept, 1.0, 1.0, g).tolist() == [1]
+    assert sample_tokens(logits, 0.0, 1.0).tolist() == [1]
+    draws = sample_tokens(logits.expand(4000, 4), 1.0, 1.0)
+    freq = torch.bincount(draws, minlength=4).float() / 4000
+    assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03)
+    assert derive_seed(0, 3) == 0 and derive_seed(5, 3) != derive_seed(5, 4) and derive_seed(5, 3) > 0
+
+
+# --- LoRA ------------------------------------------------------------------------------------
+
+def make_adapter(model_dir, out_dir, seed):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    cfg = LoraConfig(r=4, lora_alpha=16, init_lora_weights=False,  # random A and B: a visible change
+                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    peft_model = get_peft_model(base, cfg)
+    peft_model.save_pretrained(str(out_dir))
+    return peft_model.eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_policy, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    m1 = make_adapter(tiny_policy[0], root / "a1", seed=1)
+    m2 = make_adapter(tiny_policy[0], root / "a2", seed=2)
+    return {"a1": (root / "a1", m1), "a2": (root / "a2", m2)}
+
+
+@pytest.fixture
+def lora_engine(tiny_policy):
+    return TransformersEngine(tiny_policy[0], max_batch_size=8)
+
+
+def test_lora_changes_outputs_and_base_stays(lora_engine, adapters, prompts):
+    base_before = lora_engine.generate(prompts, GREEDY)
+    lora_engine.load_adapter("policy@v1", str(adapters["a1"][0]))
+    lora_engine.load_adapter("policy@v1", str(adapters["a1"][0]))  # same key, same path: no-op
+    assert lora_engine.adapters() == ["policy@v1"]
+    with_a1 = lora_engine.generate(prompts, GREEDY, adapter="policy@v1")
+    base_after = lora_engine.generate(prompts, GREEDY, adapter=None)
+    assert [r[0].token_ids for r in with_a1] != [r[0].token_ids for r in base_before]
+    assert [r[0].token_ids for r in base_after] == [r[0].token_ids for r in base_before]
+    for a, b in zip(base_after, base_before):
+        assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-5)
+    # the engine's adapter output is the PEFT model's own forward
+    ref = full_logprobs(adapters["a1"][1], prompts[0], with_a1[0][0].token_ids)
+    assert torch.allclose(ref, torch.tensor(with_a1[0][0].logprobs), atol=1e-4)
+
+
+def test_switching_adapters_between_calls(lora_engine, adapters, prompts):
+    lora_engine.load_adapter("policy@v1", str(adapters["a1"][0]))
+    lora_engine.load_adapter("policy@v1.2", str(adapters["a2"][0]))  # a "." in the key is fine
+    r1 = lora_engine.generate(prompts, GREEDY, adapter="policy@v1")
+    r2 = lora_engine.generate(prompts, GREEDY, adapter="policy@v1.2")
+    r1b = lora_engine.generate(prompts, GREEDY, adapter="policy@v1")
+    assert [r[0].token_ids for r in r1] != [r[0].token_ids for r in r2]
+    assert [r[0].token_ids for r in r1] == [r[0].token_ids for r in r1b]
+    ref = full_logprobs(adapters["a2"][1], prompts[1], r2[1][0].token_ids)
+    assert torch.allclose(ref, torch.tensor(r2[1][0].logprobs), atol=1e-4)
+    base = lora_engine.generate(prompts, GREEDY)
+    lora_engine.unload_adapter("policy@v1")
+    assert lora_engine.adapters() == ["policy@v1.2"]
+    assert [r[0].token_ids for r in lora_engine.generate(prompts, GREEDY, adapter="policy@v1.2")] == \
+           [r[0].token_ids for r in r2]
+    lora_engine.unload_adapter("policy@v1.2")
+    assert [r[0].token_ids for r in lora_engine.generate(prompts, GREEDY)] == [r[0].token_ids for r in base]
+    with pytest.raises(NotFound):
+        lora_engine.unload_adapter("policy@v1")
+    # and loading again after everything was unloaded works
+    lora_engine.load_adapter("policy@v3", str(adapters["a1"][0]))
+    assert [r[0].token_ids for r in lora_engine.generate(prompts, GREEDY, adapter="policy@v3")] == \
+           [r[0].token_ids for r in r1]
+
+
+def test_adapter_validation(lora_engine, adapters, tmp_path):
+    with pytest.raises(NotFound):
+        lora_engine.load_adapter("x", str(tmp_path / "missing"))
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "adapter_config.json").write_text("{}")
+    with pytest.raises(InvalidArgument):
+        lora_engine.load_adapter("x", str(tmp_path / "partial"))
+    lora_engine.load_adapter("k", str(adapters["a1"][0]))
+    with pytest.raises(AlreadyExists):
+        lora_engine.load_adapter("k", str(adapters["a2"][0]))
+    assert lora_engine.info()["adapters"] == ["k"]
+
+
+def test_unload_waits_for_in_flight_generation(lora_engine, adapters, prompts):
+    """A swap never lands mid-batch: the generation in flight finishes on the adapter it started with."""
+    lora_engine.load_adapter("v1", str(adapters["a1"][0]))
+    expected = lora_engine.generate(prompts, SamplingSpec(temperature=0, max_tokens=60), adapter="v1")
+    started = threading.Event()
+    hook = lora_engine.base.register_forward_pre_hook(lambda *a: started.set())
+    result = {}
+
+    def run():
+        result["out"] = lora_engine.generate(prompts, SamplingSpec(temperature=0, max_tokens=60), adapter="v1")
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert started.wait(30)
+    hook.remove()
+    lora_engine.unload_adapter("v1")  # blocks until the batch is done
+    t.join(60)
+    assert [r[0].token_ids for r in result["out"]] == [r[0].token_ids for r in expected]
+    assert lora_engine.adapters() == []
+
+
+# --- prefix KV reuse -------------------------------------------------------------------------
+
+def test_prefix_cache_unit():
+    from services.policy.engine import PrefixKVCache
+
+    def kv(n):
+        return [torch.zeros(2, n, 4)], [torch.zeros(2, n, 4)]  # 2 * 2*n*4 floats * 4 bytes
+
+    c = PrefixKVCache(max_bytes=2 * 2 * 10 * 4 * 4)  # room for 10 tokens
+    c.put(None, [1, 2, 3], *kv(3))
+    c.put(None, [1, 2, 3, 4, 5], *kv(5))
+    c.put("v1", [1, 2], *kv(2))
+    assert c.longest_prefix(None, [1, 2, 3, 4, 5, 6], 5).ids == (1, 2, 3, 4, 5)
+    assert c.longest_prefix(None, [1, 2, 3, 4, 5, 6], 4).ids == (1, 2, 3)
+    assert c.longest_prefix(None, [1, 2, 9, 9], 3) is None
+    assert c.longest_prefix("v1", [1, 2, 3], 2).ids == (1, 2)
+    c.put(None, [7, 7, 7], *kv(3))  # over budget: the least recently used entry goes
+    assert c.longest_prefix(None, [1, 2, 3, 4, 5, 6], 5).ids == (1, 2, 3) and len(c) == 3
+    c.drop_adapter(None)
+    assert len(c) == 1 and c.longest_prefix("v1", [1, 2, 3], 2) is not None
+    c.clear()
+    assert len(c) == 0 and c.bytes == 0
+
+
+@pytest.fixture(scope="module")
+def uncached(tiny_policy, tiny_engine):
+    return TransformersEngine(tiny_policy[0], prefix_cache_bytes=0, model=tiny_engine.base,
+                              tokenizer=tiny_policy[1])
+
+
+def test_prefix_reuse_matches_full_prefill(tiny_policy, tiny_engine, uncached, prompts):
+    tok = tiny_policy[1]
+    engine = TransformersEngine(tiny_policy[0], model=tiny_engine.base, tokenizer=tok, max_batch_size=8)
+    first = engine.generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=12, seed=4))
+    assert engine.info()["prefix_cache_entries"] == 6
+    glue = tok.encode("\n<retrieval>\nDoc 1(Title: A) some text\n</retrieval>\n<step>\n", add_special_tokens=False)
+    # next round: each sequence plus glue, mixed with a brand-new prompt and a repeated one
+    nxt = [p + s.token_ids + glue for p, r in zip(prompts, first) for s in r] + [prompts[1] + glue, prompts[0]]
+    spec = SamplingSpec(temperature=1.0, top_p=0.95, max_tokens=16, seed=8)
+    before = dict(engine.stats)
+    got = engine.generate(nxt, spec)
+    ref = uncached.generate(nxt, spec)
+    reused = engine.stats["reused_tokens"] - before["reused_tokens"]
+    prefilled = engine.stats["prefill_tokens"] - before["prefill_tokens"]
+    assert reused >= sum(len(p) for p in prompts) * 2 and reused + prefilled == sum(len(p) for p in nxt)
+    for g, r in zip(got, ref):
+        assert g[0].token_ids == r[0].token_ids
+        assert g[0].logprobs == pytest.approx(r[0].logprobs, abs=1e-4)
+    # and the logprobs are still those of one full forward pass
+    for p, g in zip(nxt, got):
+        assert torch.allclose(full_logprobs(engine.base, p, g[0].token_ids), torch.tensor(g[0].logprobs), atol=1e-4)
+
+
+def test_identical_prompts_prefill_once(tiny_policy, tiny_engine, prompts):
+    engine = TransformersEngine(tiny_policy[0], model=tiny_engine.base, tokenizer=tiny_policy[1],
+                                prefix_cache_bytes=0)
+    engine.generate([prompts[2]] * 3, SamplingSpec(n=4, max_tokens=2, seed=1))
+    assert engine.stats["prefill_tokens"] == len(prompts[2])
+
+
+def test_prefix_cache_is_per_adapter(tiny_policy, adapters, uncached, prompts):
+    tok = tiny_policy[1]
+    engine = TransformersEngine(tiny_policy[0], max_batch_size=8)
+    engine.load_adapter("v1", str(adapters["a1"][0]))
+    out = engine.generate(prompts, GREEDY, adapter="v1")
+    nxt = [p + r[0].token_ids + tok.encode("\n<step>\n", add_special_tokens=False) for p, r in zip(prompts, out)]
+    before = engine.stats["reused_tokens"]
+    base = engine.generate(nxt, GREEDY)  # the adapter's KV must not leak into the base model
+    assert engine.stats["reused_tokens"] == before
+    assert [r[0].token_ids for r in base] == [r[0].token_ids for r in uncached.generate(nxt, GREEDY)]
+    engine.generate(nxt, GREEDY, adapter="v1")
+    assert engine.stats["reused_tokens"] > before
+    engine.unload_adapter("v1")
+    assert engine.info()["prefix_cache_entries"] == len(prompts)  # only the base entries are left

@@ -1,0 +1,130 @@
+"""Tokenizer, model construction, atomic save/load and model identity."""
+
+import json
+
+import pytest
+import torch
+
+from prorag import trajectory as T
+from prorag.errors import InvalidArgument, NotFound
+from services.policy import modeling as M
+
+from .conftest import synthetic_texts
+
+
+def test_special_tokens_are_single_ids(tiny_policy):
+    _, tok = tiny_policy
+    for i, t in enumerate(T.CHAT_TOKENS + T.TAGS):
+        assert tok.encode(t, add_special_tokens=False) == [i], t
+    assert tok.pad_token == "<|endoftext|>" and tok.eos_token == "<|im_end|>"
+    # a tag glued to words is never split or merged
+    ids = tok.encode("abc</subquery>def<step>\n", add_special_tokens=False)
+    assert tok.convert_tokens_to_ids("</subquery>") in ids and tok.convert_tokens_to_ids("<step>") in ids
+    assert set(T.TAGS) <= set(map(str, tok.extra_special_tokens))
+
+
+def test_chat_template_matches_render_prompt(tiny_policy):
+    _, tok = tiny_policy
+    for q in ["Who founded the city?", "  spaces  and\nnewline ", "é ü 中文?"]:
+        msgs = [{"role": "system", "content": T.SYSTEM_PROMPT}, {"role": "user", "content": q}]
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        assert text + T.STEP_OPEN == T.render_prompt(q)
+
+
+def test_decode_round_trip(tiny_policy):
+    _, tok = tiny_policy
+    text = synthetic_texts(3)[0] + " é"
+    assert tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=False,
+                      clean_up_tokenization_spaces=False) == text
+
+
+def test_saved_layout_and_reload(tiny_policy):
+    path, tok = tiny_policy
+    names = {p.name for p in path.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    model, tok2 = M.load_policy(path)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and not model.training
+    assert model.config.vocab_size == len(tok2) == len(tok)
+    assert model.config.eos_token_id == tok.eos_token_id and model.config.pad_token_id == tok.pad_token_id
+    assert tok2.encode(T.render_prompt("q"), add_special_tokens=False) == tok.encode(T.render_prompt("q"),
+                                                                                     add_special_tokens=False)
+    assert tok2.chat_template == M.CHAT_TEMPLATE
+    # no leftovers of the atomic write beside the model
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_model_sha256_identity(tiny_policy, tmp_path):
+    path, tok = tiny_policy
+    h = M.model_sha256(path)
+    assert len(h) == 64 and h == M.model_sha256(path)
+    other = M.build_model(M.PolicyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                              head_dim=16, intermediate_size=128), tok, seed=1)
+    M.save_pretrained(other, tok, tmp_path / "other")
+    assert M.model_sha256(tmp_path / "other") != h
+    with pytest.raises(NotFound):
+        M.model_sha256(tmp_path / "missing")
+
+
+def test_presets_and_config_validation(tiny_policy):
+    _, tok = tiny_policy
+    tiny = M.build_model("tiny", tok)
+    assert M.num_parameters(tiny) < 2_000_000
+    assert M.model_config({"hidden_size": 32, "num_heads": 2, "num_kv_heads": 1}).hidden_size == 32
+    with pytest.raises(InvalidArgument):
+        M.model_config("huge")
+    with pytest.raises(InvalidArgument):
+        M.model_config({"num_heads": 6, "num_kv_heads": 4})
+    with pytest.raises(ValueError):
+        M.model_config({"hidden_sise": 3})
+
+
+def test_small_preset_size():
+    """The bench-picked preset: ~8M parameters with an 8k vocabulary."""
+
+    class Vocab8k:  # only what build_model reads from a tokenizer
+        eos_token_id, pad_token_id = 2, 0
+
+        def __len__(self):
+            return 8192
+
+        def convert_tokens_to_ids(self, t):
+            return 1
+
+    n = M.num_parameters(M.build_model("small", Vocab8k()))
+    assert 7.9e6 <= n <= 15e6
+
+
+def test_add_format_tokens_to_stock_tokenizer(tmp_path):
+    # a tokenizer without the tags (like stock Qwen3) gets them added and the model resized
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    model = M.build_model(M.PolicyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                              head_dim=16, intermediate_size=64), tok)
+    n = M.add_format_tokens(tok, model)
+    assert n == len(T.TAGS) + 2  # tags + <think>, </think>
+    assert model.get_input_embeddings().weight.shape[0] == len(tok)
+    assert all(len(tok.encode(t, add_special_tokens=False)) == 1 for t in T.TAGS)
+    assert M.add_format_tokens(tok, model) == 0
+
+
+def test_train_tokenizer_rejects_tiny_vocab():
+    with pytest.raises(InvalidArgument):
+        M.train_tokenizer(["a b"], vocab_size=100)
+
+
+def test_pretrain_lowers_loss(tiny_policy):
+    _, tok = tiny_policy
+    model = M.build_model(M.PolicyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                              head_dim=16, intermediate_size=64), tok)
+    losses = M.pretrain_on_corpus(model, tok, synthetic_texts(60), steps=30, lr=3e-3, batch_size=8, seq_len=64)
+    assert losses[-1] < losses[0] and not model.training
+    assert json.dumps(M.describe_model(model))
+    assert torch.isfinite(torch.tensor(losses)).all()

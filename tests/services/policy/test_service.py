@@ -1,0 +1,259 @@
+"""The policy service over real gRPC and HTTP on loopback (port 0): step generation, rollouts
+against the live retriever service, versioned adapters hot-swapped under load, bad input, and
+the OpenAI-compatible endpoints (exercised with the real `openai` client)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+
+import grpc
+import pytest
+
+from prorag.clients import PolicyClient, push_adapter
+from prorag.service import ServeConfig
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = asyncio.new_event_loop()
+    t = threading.Thread(target=lp.run_forever, daemon=True)
+    t.start()
+    yield lp
+    lp.call_soon_threadsafe(lp.stop)
+    t.join(5)
+
+
+def run(loop, coro, timeout=300):
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("policy-home")
+    old = os.environ.get("PRORAG_DATA")
+    os.environ["PRORAG_DATA"] = str(home / "data")
+    yield home
+    if old is None:
+        os.environ.pop("PRORAG_DATA", None)
+    else:
+        os.environ["PRORAG_DATA"] = old
+
+
+@pytest.fixture(scope="module")
+def model_dir(home):
+    from prorag.embedded import ensure_policy_model
+
+    return ensure_policy_model("tiny", preset="tiny", vocab_size=2048)
+
+
+def make_lora(model_dir, out, seed: int, rank: int = 4):
+    """A real PEFT LoRA adapter with non-zero weights (so it changes outputs)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from services.policy.modeling import load_policy
+
+    model, _ = load_policy(model_dir)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    peft_model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(home, model_dir, tmp_path_factory):
+    from services.policy.adapters import AdapterRef, publish
+    from services.policy.modeling import model_sha256
+
+    root = home / "data" / "adapters" / "tiny"
+    sha = model_sha256(model_dir)
+    src = tmp_path_factory.mktemp("lora")
+    for i, version in enumerate(("v1", "v2")):
+        make_lora(model_dir, src / version, seed=i + 1)
+        publish(src / version, root, AdapterRef("pol", version), base_model=str(model_dir), base_model_sha256=sha)
+    # an adapter built for another base model
+    make_lora(model_dir, src / "other", seed=9)
+    publish(src / "other", root, AdapterRef("other", "v1"), base_model="elsewhere", base_model_sha256="0" * 64)
+    return root
+
+
+@pytest.fixture(scope="module")
+def stack(loop, home, model_dir, adapters):
+    from prorag.embedded import ensure_indexes
+    from services.policy.server import PolicyConfig
+    from services.policy.server import start as start_policy
+    from services.retriever.server import RetrieverConfig
+    from services.retriever.server import start as start_retriever
+
+    ensure_indexes("tiny")
+    retr = run(loop, start_retriever(ServeConfig(port=0, http_port=-1), RetrieverConfig(world="tiny")))
+    cfg = PolicyConfig(world="tiny", model=str(model_dir), retriever=f"127.0.0.1:{retr.grpc_port}", max_n=8, max_tokens=64,
+                       max_prefix_tokens=1500, default_step_tokens=24, max_steps=8, default_max_steps=6)
+    pol = run(loop, start_policy(ServeConfig(port=0, http_port=0), cfg))
+    yield {"policy": pol, "retriever": retr, "target": f"127.0.0.1:{pol.grpc_port}"}
+    run(loop, pol.stop())
+    run(loop, retr.stop())
+
+
+def test_generate_steps_returns_ids_logprobs_and_version(stack):
+    with PolicyClient(stack["target"]) as c:
+        resp = c.generate_steps(["Who founded Kest?", [5, 6, 7]], c.sampling(n=3, temperature=1.0, max_tokens=10, seed=7))
+        assert len(resp.results) == 2 and resp.adapter_version == ""
+        for r in resp.results:
+            assert len(r.completions) == 3
+            for comp in r.completions:
+                assert 1 <= len(comp.token_ids) <= 10
+                assert len(comp.logprobs) == len(comp.token_ids)
+                assert all(lp <= 0 for lp in comp.logprobs)
+                assert comp.finish_reason in ("stop", "length")
+        again = c.generate_steps(["Who founded Kest?", [5, 6, 7]], c.sampling(n=3, temperature=1.0, max_tokens=10, seed=7))
+        assert [list(x.token_ids) for x in again.results[0].completions] == \
+            [list(x.token_ids) for x in resp.results[0].completions]  # seeded -> reproducible
+
+
+def test_rollout_with_untrained_model_ends_cleanly_and_streams(stack):
+    with PolicyClient(stack["target"]) as c:
+        events = list(c.rollout([("a", "Where was the founder of Kest born?"), ("b", "Who directed Red Harbour?")],
+                                c.sampling(n=2, temperature=1.0, max_tokens=16, seed=3), max_steps=4, topk=2))
+    trajs, summary = events[:-1], events[-1]
+    assert len(trajs) == 4 and summary.num_trajectories == 4
+    for t in trajs:
+        assert t.finish_reason in ("answer", "max_steps", "length", "invalid_format")
+        n = len(t.trace.token_ids)
+        assert len(t.trace.generated_mask) == n and len(t.trace.logprobs) == n
+        assert not any(t.trace.generated_mask[:t.prompt_length])
+        assert len(t.steps) <= 4
+
+
+def test_adapters_load_activate_list_swap_and_version(stack):
+    with PolicyClient(stack["target"]) as c:
+        prompt = ["The capital of Kest is"]
+        greedy = c.sampling(n=1, temperature=0.0, max_tokens=8)
+        base = c.generate_steps(prompt, greedy).results[0].completions[0].token_ids
+        acks = push_adapter([stack["target"]], "pol", "v1")
+        assert [a.ok for a in acks] == [True], acks
+        assert acks[0].replica == stack["target"]
+        r1 = c.generate_steps(prompt, greedy)
+        assert r1.adapter_version == "pol@v1"
+        assert list(r1.results[0].completions[0].token_ids) != list(base)
+        c.activate_adapter("pol", "v2")
+        r2 = c.generate_steps(prompt, greedy)
+        assert r2.adapter_version == "pol@v2"
+        # an explicit adapter on the request wins over the active one
+        assert c.generate_steps(prompt, greedy, adapter="pol@v1").adapter_version == "pol@v1"
+        listed = c.list_adapters()
+        assert listed.active == "pol@v2" and {f"{a.ref.name}@{a.ref.version}" for a in listed.adapters} >= {"pol@v1", "pol@v2"}
+        assert all(len(a.manifest.sha256) == 64 for a in listed.adapters)
+        with pytest.raises(grpc.RpcError) as ei:
+            c.unload_adapter("pol", "v2")  # active
+        assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        c.activate_adapter("", "")  # back to the base model
+        assert list(c.generate_steps(prompt, greedy).results[0].completions[0].token_ids) == list(base)
+        c.unload_adapter("pol", "v1")
+        assert "pol@v1" not in {f"{a.ref.name}@{a.ref.version}" for a in c.list_adapters().adapters}
+
+
+def test_swaps_under_concurrent_load_fail_nothing(stack):
+    with PolicyClient(stack["target"]) as c:
+        c.load_adapter("pol", "v1")
+        c.load_adapter("pol", "v2")
+    errors, versions, stop = [], [], threading.Event()
+
+    def client_loop():
+        with PolicyClient(stack["target"]) as c:
+            while not stop.is_set():
+                try:
+                    r = c.generate_steps(["Kest"], c.sampling(n=2, temperature=1.0, max_tokens=4))
+                    versions.append(r.adapter_version)
+                except grpc.RpcError as e:
+                    errors.append(e)
+
+    threads = [threading.Thread(target=client_loop) for _ in range(4)]
+    for t in threads:
+        t.start()
+    with PolicyClient(stack["target"]) as c:
+        for i in range(20):
+            c.activate_adapter("pol", "v1" if i % 2 else "v2")
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert len(versions) >= 4 and set(versions) <= {"pol@v1", "pol@v2", ""}
+
+
+@pytest.mark.parametrize("call, code, fragment", [
+    (lambda c: c.load_adapter("nope", "v1"), grpc.StatusCode.NOT_FOUND, "not found"),
+    (lambda c: c.load_adapter("pol", "v9", path="../../etc"), grpc.StatusCode.INVALID_ARGUMENT, "outside"),
+    (lambda c: c.load_adapter("other", "v1"), grpc.StatusCode.FAILED_PRECONDITION, "base model"),
+    (lambda c: c.load_adapter("bad name!", "v1"), grpc.StatusCode.INVALID_ARGUMENT, "name"),
+    (lambda c: c.activate_adapter("ghost", "v1"), grpc.StatusCode.NOT_FOUND, "ghost"),
+    (lambda c: c.generate_steps(["x"], adapter="ghost@v1"), grpc.StatusCode.NOT_FOUND, "not loaded"),
+    (lambda c: c.generate_steps(["x"], adapter="no-version"), grpc.StatusCode.INVALID_ARGUMENT, "name@version"),
+    (lambda c: c.generate_steps(["x"], c.sampling(n=0)), grpc.StatusCode.INVALID_ARGUMENT, "n must be"),
+    (lambda c: c.generate_steps(["x"], c.sampling(n=-1)), grpc.StatusCode.INVALID_ARGUMENT, "n must be"),
+    (lambda c: c.generate_steps(["x"], c.sampling(n=99)), grpc.StatusCode.INVALID_ARGUMENT, "at most 8"),
+    (lambda c: c.generate_steps(["x"], c.sampling(max_tokens=65)), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    (lambda c: c.generate_steps([""]), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    (lambda c: c.generate_steps([], ), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    (lambda c: c.generate_steps(["w " * 3000]), grpc.StatusCode.INVALID_ARGUMENT, "tokens"),
+    (lambda c: c.generate_steps([[10 ** 7]]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    (lambda c: c.generate_steps(["x"], c.sampling(stop=["</nope>"])), grpc.StatusCode.INVALID_ARGUMENT, "stop tag"),
+    (lambda c: list(c.rollout([("a", "  ")])), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    (lambda c: list(c.rollout([("a", "q")], max_steps=99)), grpc.StatusCode.INVALID_ARGUMENT, "max_steps"),
+    (lambda c: list(c.rollout([("a", "q")], retriever_index="nope")), grpc.StatusCode.NOT_FOUND, "nope"),
+])
+def test_bad_input_gets_clear_status_and_service_keeps_serving(stack, call, code, fragment):
+    with PolicyClient(stack["target"]) as c:
+        with pytest.raises(grpc.RpcError) as ei:
+            call(c)
+        assert ei.value.code() == code, ei.value.details()
+        assert fragment in ei.value.details()
+        ok = c.generate_steps(["still serving"], c.sampling(max_tokens=2))
+        assert len(ok.results) == 1
+
+
+def test_corrupt_adapter_is_refused_and_active_keeps_serving(stack, adapters):
+    from services.policy.adapters import WEIGHTS
+
+    corrupt = adapters / "pol" / "v3"
+    import shutil
+
+    shutil.copytree(adapters / "pol" / "v2", corrupt)
+    manifest = json.loads((corrupt / "manifest.json").read_text())
+    manifest["version"] = "v3"
+    (corrupt / "manifest.json").write_text(json.dumps(manifest))
+    data = bytearray((corrupt / WEIGHTS).read_bytes())
+    data[-1] ^= 0xFF
+    (corrupt / WEIGHTS).write_bytes(bytes(data))
+    with PolicyClient(stack["target"]) as c:
+        c.activate_adapter("pol", "v2")
+        with pytest.raises(grpc.RpcError) as ei:
+            c.activate_adapter("pol", "v3")
+        assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "corrupt" in ei.value.details()
+        assert c.generate_steps(["x"], c.sampling(max_tokens=2)).adapter_version == "pol@v2"
+        c.activate_adapter("", "")
+
+
+def test_openai_compatible_http_with_the_openai_client(stack):
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack['policy'].http_port}/v1", api_key="unused")
+    models = client.models.list()
+    assert models.data[0].id
+    comp = client.completions.create(model=models.data[0].id, prompt="The capital of Kest", max_tokens=5,
+                                     temperature=0)
+    assert comp.choices[0].text is not None and comp.usage.completion_tokens >= 1
+    chat = client.chat.completions.create(model=models.data[0].id, max_tokens=6,
+                                          messages=[{"role": "user", "content": "Name a city."}])
+    assert chat.choices[0].message.role == "assistant"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=models.data[0].id, prompt="x", max_tokens=10_000)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=models.data[0].id, prompt="x", stop=["not a single token"])
