@@ -20,7 +20,7 @@ from prorag import paths
 from prorag.clients import RetrieverClient, wait_for_health
 from prorag.stack import port_free
 
-TARGETS = ("retriever",)
+TARGETS = ("retriever", "policy", "swap")
 
 
 def _free_port(start: int) -> int:
@@ -134,3 +134,171 @@ def bench_retriever(args) -> dict:
         "concurrent_vs_inprocess_batch8_ratio": med["grpc_concurrent_8x8"]["qps"] / med["inprocess_8"]["qps"],
         "goal": "ratio >= 0.8 at batch 64",
     }
+
+
+def _serve(service: str, port: int, sets: dict, log_path=None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "prorag.cli", "serve", service, "--port", str(port), "--http-port", "-1"]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(*procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _bench_model(world: str, model: str) -> str:
+    """The model to benchmark: a path, a published name (sft -> newest sft), or the embedded base."""
+    from prorag.embedded import ensure_policy_model
+    from prorag.errors import NotFound
+    from prorag.models import resolve_model
+
+    if model == "base":
+        return str(ensure_policy_model(world))
+    try:
+        return str(resolve_model(world, model))
+    except NotFound:
+        if model != "sft":
+            raise
+        return str(ensure_policy_model(world))  # nothing trained yet: the base model
+
+
+def bench_policy(args) -> dict:
+    """GRPO-sized rollouts (questions x samples) through the policy service vs the same engine in-process."""
+    from prorag.clients import PolicyClient
+    from prorag.data.loaders import load_split
+    from prorag.embedded import ensure_indexes
+    from prorag.trajectory import RetrievedDoc
+    from services.policy.engine import SamplingSpec, TransformersEngine
+    from services.policy.rollout import run_rollouts
+    from services.retriever.server import RetrieverConfig, open_engine
+
+    world = args.world
+    ensure_indexes(world)
+    model = _bench_model(world, args.model)
+    questions = load_split(paths.world_dir(world), "test")[:args.questions]
+    qs = [(q.id, q.question) for q in questions]
+    n, max_tokens, seed = args.samples, 64, 1234
+    retr_engine = open_engine(RetrieverConfig(world=world))
+
+    def search(queries, k):
+        return [[RetrievedDoc(title=d.title, text=d.text, id=d.doc_id, score=d.score) for d in docs]
+                for docs in retr_engine.search(queries, k, "", enforce_max_batch=False)]
+
+    engine = TransformersEngine(model, max_batch_size=512)
+    spec = SamplingSpec(n=n, temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=seed)
+    rport, pport = _free_port(paths.GRPC_PORTS["retriever"] + 1100), _free_port(paths.GRPC_PORTS["policy"] + 1100)
+    retr = _serve("retriever", rport, {"world": world})
+    pol = _serve("policy", pport, {"world": world, "model": model, "retriever": f"127.0.0.1:{rport}",
+                                   "max_n": max(64, n), "max_batch_size": 512})
+    runs = {"inprocess": [], "service": []}
+    try:
+        for target, svc in ((f"127.0.0.1:{rport}", "prorag.v1.Retriever"), (f"127.0.0.1:{pport}", "prorag.v1.Policy")):
+            if not wait_for_health(target, svc, timeout=300):
+                raise SystemExit(f"{svc} did not start for the benchmark")
+        client = PolicyClient(f"127.0.0.1:{pport}", timeout=3600)
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            res = run_rollouts(engine, engine.tokenizer, qs, spec, search, max_steps=13)
+            wall = time.perf_counter() - t0
+            runs["inprocess"].append({"trajectories_per_s": len(res) / wall, "wall_s": wall,
+                                      "generated_tokens_per_s": sum(r.generated_tokens for r in res) / wall,
+                                      "mean_steps": sum(len(r.steps) for r in res) / len(res)})
+            t0 = time.perf_counter()
+            trajs = [t for t in client.rollout(qs, client.sampling(n=n, temperature=1.0, max_tokens=max_tokens,
+                                                                   seed=seed), max_steps=13)
+                     if hasattr(t, "question_id")]
+            wall = time.perf_counter() - t0
+            runs["service"].append({"trajectories_per_s": len(trajs) / wall, "wall_s": wall,
+                                    "generated_tokens_per_s": sum(sum(t.trace.generated_mask) for t in trajs) / wall,
+                                    "mean_steps": sum(len(t.steps) for t in trajs) / max(1, len(trajs))})
+        client.close()
+    finally:
+        _stop(pol, retr)
+    med = {k: _median_dicts(v) for k, v in runs.items()}
+    return {"target": "policy", "model": model, "questions": len(qs), "samples": n, "repeats": args.repeats,
+            **med, "ratio": med["service"]["trajectories_per_s"] / med["inprocess"]["trajectories_per_s"],
+            "tokens_ratio": med["service"]["generated_tokens_per_s"] / med["inprocess"]["generated_tokens_per_s"],
+            "goal": "ratio >= 0.7"}
+
+
+def bench_swap(args) -> dict:
+    """100 adapter pushes (load new version + activate + unload the old one) under concurrent generation."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from prorag.clients import PolicyClient
+    from services.policy.adapters import AdapterRef, publish
+    from services.policy.modeling import load_policy, model_sha256
+
+    world = args.world
+    model = _bench_model(world, args.model)
+    root = Path(tempfile.mkdtemp(prefix="swap-adapters-"))
+    m, _ = load_policy(model)
+    peft_model = get_peft_model(m, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)
+    src = root / "src"
+    peft_model.save_pretrained(src)
+    sha = model_sha256(model)
+    swaps = args.swaps
+    for i in range(swaps + 1):
+        publish(src, root / "adapters", AdapterRef("bench", f"v{i}"), base_model=model, base_model_sha256=sha, step=i)
+    port = _free_port(paths.GRPC_PORTS["policy"] + 1200)
+    pol = _serve("policy", port, {"world": world, "model": model, "adapter_root": str(root / "adapters")})
+    target = f"127.0.0.1:{port}"
+    lat, failed, ok, versions = [], [], [0], set()
+    stop = threading.Event()
+    try:
+        if not wait_for_health(target, "prorag.v1.Policy", timeout=300):
+            raise SystemExit("policy did not start for the benchmark")
+        with PolicyClient(target, timeout=120) as c:
+            c.load_adapter("bench", "v0")
+            c.activate_adapter("bench", "v0")
+
+        def load_loop():
+            with PolicyClient(target, timeout=120) as c:
+                while not stop.is_set():
+                    try:
+                        r = c.generate_steps(["Where was the founder of the brewery born?"] * 4,
+                                             c.sampling(n=2, temperature=1.0, max_tokens=16))
+                        versions.add(r.adapter_version)
+                        ok[0] += 1
+                    except Exception as e:  # noqa: BLE001 - counted and reported
+                        failed.append(repr(e)[:200])
+
+        threads = [threading.Thread(target=load_loop) for _ in range(args.clients)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        with PolicyClient(target, timeout=120) as c:
+            for i in range(1, swaps + 1):
+                t0 = time.perf_counter()
+                c.load_adapter("bench", f"v{i}")
+                c.activate_adapter("bench", f"v{i}")
+                lat.append(time.perf_counter() - t0)
+                c.unload_adapter("bench", f"v{i - 1}")
+        stop.set()
+        for t in threads:
+            t.join(60)
+    finally:
+        stop.set()
+        _stop(pol)
+    lat.sort()
+    return {"target": "swap", "model": model, "swaps": swaps, "clients": args.clients,
+            "swap_p50_s": lat[len(lat) // 2], "swap_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))],
+            "swap_max_s": lat[-1], "failed_requests": len(failed), "ok_requests": ok[0],
+            "versions_seen": len(versions), "errors_sample": failed[:3], "goal": "swap_p50_s < 0.5, failed_requests == 0"}

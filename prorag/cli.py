@@ -162,6 +162,39 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from rich.console import Console
+
+    from prorag.data.loaders import load_split
+    from prorag.eval import evaluate, format_table
+    from prorag.io import write_json
+    from prorag.models import resolve_model
+    from prorag.pipeline import SFT_MODES
+    from prorag.runs import new_run_dir, point_latest
+    from prorag.stack import ServiceStack
+    from prorag.clients import PolicyClient, RetrieverClient
+
+    model = str(resolve_model(args.world, args.model or args.method))
+    qs = load_split(paths.world_dir(args.world), args.split)
+    qs = qs[:args.limit] if args.limit else qs
+    out = Path(args.out) if args.out else new_run_dir(f"eval-{args.method}")
+    services = ("policy",) if args.retriever else ("retriever", "policy")
+    stack = ServiceStack(port_offset=args.port_offset, world=args.world, services=services,
+                         log_dir=str(out / "logs"),
+                         overrides={"policy": {"model": model, **({"retriever": args.retriever} if args.retriever else {})}})
+    with stack:
+        retr_target = args.retriever or stack.grpc_target("retriever")
+        with PolicyClient(stack.grpc_target("policy")) as policy, RetrieverClient(retr_target, timeout=600) as retr:
+            kind = SFT_MODES.get(args.method, "agent")
+            result = evaluate(args.method if kind == "agent" else kind, policy, retr, qs, out_dir=out)
+    write_json(out / "results.json", {"methods": {args.method: result}, "model": model, "split": args.split})
+    if not args.out:
+        point_latest(out)
+    Console().print(format_table({args.method: result}))
+    print(json.dumps({"method": args.method, "model": model, "overall": result["overall"]}))
+    return 0
+
+
 def cmd_run(args) -> int:
     from prorag.pipeline import run_main_job
 
@@ -211,14 +244,30 @@ def build_parser() -> argparse.ArgumentParser:
     u.set_defaults(fn=cmd_up)
 
     b = sub.add_parser("bench", help="benchmarks; --json prints one JSON object as the last line")
-    b.add_argument("target", help="retriever")
+    b.add_argument("target", help="retriever | policy | swap")
     b.add_argument("--json", action="store_true")
     b.add_argument("--world", default="default")
     b.add_argument("--batch", type=int, default=64)
     b.add_argument("--iters", type=int, default=30)
     b.add_argument("--repeats", type=int, default=3, help="repeated runs; medians are reported")
     b.add_argument("--index", default="dense")
+    b.add_argument("--model", default="sft", help="policy/swap: published model name[@version], a path, or 'base'")
+    b.add_argument("--questions", type=int, default=64, help="policy: questions per rollout batch")
+    b.add_argument("--samples", type=int, default=8, help="policy: samples per question (GRPO group size)")
+    b.add_argument("--swaps", type=int, default=100, help="swap: adapter pushes")
+    b.add_argument("--clients", type=int, default=4, help="swap: concurrent generating clients")
     b.set_defaults(fn=cmd_bench)
+
+    e = sub.add_parser("eval", help="evaluate a policy model over a split through the services")
+    e.add_argument("--method", default="sft", help="sft/rft/... (agent rollouts), no_retrieval or standard_rag")
+    e.add_argument("--model", default=None, help="published model name[@version] or a path (default: --method)")
+    e.add_argument("--world", default="default")
+    e.add_argument("--split", default="test", choices=["train", "dev", "test"])
+    e.add_argument("--limit", type=int, default=0, help="first N questions only")
+    e.add_argument("--retriever", default=None, help="retriever host:port (default: start one)")
+    e.add_argument("--port-offset", type=int, default=200)
+    e.add_argument("--out", default=None, help="directory for predictions (default: a new run dir)")
+    e.set_defaults(fn=cmd_eval)
 
     r = sub.add_parser("run", help="the main job on the embedded default; writes runs/latest/results.json")
     r.add_argument("--profile", default="default", choices=["tiny", "default"])

@@ -53,8 +53,12 @@ def policy_base_dir(world: str = "default") -> Path:
     return paths.data_dir() / "models" / world / "policy-base"
 
 
-def ensure_policy_model(world: str = "default", preset: str = "small", vocab_size: int = 8192, seed: int = 0,
-                        pretrain_steps: int = 0) -> Path:
+#: embedded base policy per world size when nobody asks for a specific one
+DEFAULT_POLICY = {"tiny": ("tiny", 2048)}
+
+
+def ensure_policy_model(world: str = "default", preset: str | None = None, vocab_size: int | None = None,
+                        seed: int = 0, pretrain_steps: int = 0) -> Path:
     """The embedded policy: a BPE tokenizer trained on the world's corpus and questions (plus the
     format's special tokens) and a randomly initialised Qwen3-architecture model, saved in HF format.
     ``pretrain_steps`` > 0 adds a causal-LM warm-up on the corpus text."""
@@ -65,6 +69,11 @@ def ensure_policy_model(world: str = "default", preset: str = "small", vocab_siz
 
     out = policy_base_dir(world)
     marker = out / "embedded.json"
+    if preset is None and vocab_size is None and marker.exists():
+        return out  # whatever base exists is the one services and jobs share
+    default_preset, default_vocab = DEFAULT_POLICY.get(world, ("cpu", 8192))
+    preset = preset or default_preset
+    vocab_size = vocab_size or default_vocab
     want = {"world": world, "preset": preset, "vocab_size": vocab_size, "seed": seed, "pretrain_steps": pretrain_steps}
     if marker.exists() and json.loads(marker.read_text()) == want:
         return out

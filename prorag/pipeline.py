@@ -1,33 +1,63 @@
 """`prorag run`: the main job on the embedded default.
 
-Builds what is missing (world, indexes), starts the five services, and evaluates through
-them. At this stage it measures retrieval quality on the test split (recall@k of the gold
-supporting documents, per hop, for dense, BM25 and hybrid) and writes runs/latest/results.json.
+1. Builds what is missing: the world, its indexes, the embedded base policy.
+2. Starts the five services (as `prorag up` does).
+3. Measures retrieval quality on the test split (recall@k of gold supporting documents per hop).
+4. Trains, through the trainer service, the SFT policy (ProRAG step format) and the two baselines
+   trained on the same questions the same way (no retrieval; standard RAG), each published as a
+   versioned model. Jobs are idempotent: a second run reuses finished jobs.
+5. Evaluates each model through a policy service serving it (rollouts call the retriever service),
+   prints EM/F1 per hop count and type with 95% bootstrap CIs, and writes runs/latest/results.json.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
+from dataclasses import dataclass, field
 
 from rich.console import Console
 from rich.table import Table
 
 from prorag import paths
-from prorag.clients import RetrieverClient
+from prorag.clients import PolicyClient, RetrieverClient
 from prorag.data.loaders import load_split
 from prorag.embedded import ensure_indexes, ensure_policy_model
 from prorag.evaluation import grouped_mean_ci, recall_at_k, retrieval_queries
 from prorag.runs import code_version, new_run_dir, write_results
 from prorag.stack import ServiceStack
 
-PROFILES = {"tiny": {"world": "tiny"}, "default": {"world": "default"}}
 KS = (1, 3, 5, 10)
 INDEXES = ("dense", "bm25", "hybrid")
-
 console = Console()
 
 
+@dataclass
+class Profile:
+    """What `make run` trains and evaluates; `tiny` is what the end-to-end test runs."""
+
+    world: str
+    model_preset: str
+    vocab_size: int
+    sft: dict                      # SFT job settings shared by the policy and the baselines
+    eval_questions: int = 0        # 0 = the whole test split
+    methods: tuple[str, ...] = ("no_retrieval", "standard_rag", "sft")
+    max_steps: int = 13            # rollout step limit (ProRAG inference: 13)
+    extra: dict = field(default_factory=dict)
+
+
+PROFILES = {
+    "tiny": Profile(world="tiny", model_preset="tiny", vocab_size=2048,
+                    sft={"max_steps": 24, "batch_size": 8, "lr": 3e-3, "log_every": 4, "checkpoint_every": 12}),
+    "default": Profile(world="default", model_preset="cpu", vocab_size=8192,
+                       sft={"max_questions": 4000, "max_steps": 450, "batch_size": 8, "lr": 3e-3, "log_every": 10,
+                            "checkpoint_every": 100}),
+}
+SFT_MODES = {"sft": "agent", "no_retrieval": "no_retrieval", "standard_rag": "standard_rag"}
+
+
+# ---------------------------------------------------------------- retrieval quality
 def evaluate_retrieval(client: RetrieverClient, questions, indexes=INDEXES, ks=KS, batch: int = 256) -> dict:
     """Recall@k through the retriever service for gold sub-questions and whole questions."""
     sub, whole = retrieval_queries(questions)
@@ -58,40 +88,115 @@ def print_retrieval_table(results: dict, ks=KS) -> None:
         table.add_column("n", justify="right")
         for index, res in results.items():
             cells = res[name]
-            groups = list(cells[f"recall@{ks[0]}"].keys())
-            for g in groups:
-                row = [index, g] + [f"{cells[f'recall@{k}'][g]['mean']:.3f}" for k in ks]
-                table.add_row(*row, str(cells[f"recall@{ks[0]}"][g]["n"]))
+            for g in cells[f"recall@{ks[0]}"]:
+                table.add_row(index, g, *[f"{cells[f'recall@{k}'][g]['mean']:.3f}" for k in ks],
+                              str(cells[f"recall@{ks[0]}"][g]["n"]))
             table.add_section()
         console.print(table)
 
 
+# ---------------------------------------------------------------- training through the trainer
+def train(stack: ServiceStack, method: str, profile: Profile, base_model: str) -> dict:
+    """Run (or reuse) the SFT job of ``method``; returns the finished job's manifest."""
+    from prorag.clients_trainer import TrainerClient
+    from prorag.progress import progress_bars
+
+    config = {"mode": SFT_MODES[method], "world": profile.world, "base_model": base_model,
+              "retriever": stack.grpc_target("retriever"), "publish_name": method, **profile.sft}
+    # Same config -> same job id: a second `make run` reuses the finished job instead of retraining.
+    # The retriever address is excluded: it moves with --port-offset but does not change the data.
+    key = {k: v for k, v in config.items() if k != "retriever"}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    job_id = f"{profile.world}-{method}-{digest}"
+    with TrainerClient(stack.grpc_target("trainer"), timeout=60) as client:
+        existing = {j.job_id: j for j in client.list("sft")}
+        if job_id in existing and client.state_name(existing[job_id].state) == "SUCCEEDED":
+            console.print(f"[green]{method}[/green]: reusing finished job {job_id}")
+        else:
+            client.start("sft", config, job_id=job_id)
+            with progress_bars() as progress:
+                for ev in client.watch(job_id):
+                    if ev.total_steps:
+                        progress(f"train {method}", int(ev.step), int(ev.total_steps))
+                    if ev.message and not ev.message.startswith("checkpoint"):
+                        console.print(f"[dim]{method}: {ev.message[:200]}[/dim]")
+                    if client.state_name(ev.state) in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                        break
+        job = client.get(job_id)
+        state = client.state_name(job.state)
+        if state != "SUCCEEDED":
+            raise SystemExit(f"training {method} ended {state}: {job.error}")
+        manifest = json.loads((paths.runs_dir() / "jobs" / job_id / "run" / "manifest.json").read_text()) \
+            if (paths.runs_dir() / "jobs" / job_id / "run" / "manifest.json").exists() else {}
+        return {"job_id": job_id, "metrics": dict(job.metrics), "run_dir": job.run_dir, "manifest": manifest}
+
+
+def evaluate_method(method: str, model_dir: str, profile: Profile, stack: ServiceStack, questions, run_dir,
+                    port_offset: int) -> dict:
+    """Serve ``model_dir`` in its own policy process and evaluate it through the services."""
+    from prorag.eval import evaluate
+    from prorag.progress import progress_bars
+
+    eval_stack = ServiceStack(port_offset=port_offset, world=profile.world, services=("policy",),
+                              overrides={"policy": {"model": model_dir, "retriever": stack.grpc_target("retriever"),
+                                                    "max_steps": max(64, profile.max_steps)}},
+                              log_dir=str(run_dir / "logs" / method))
+    with eval_stack, PolicyClient(eval_stack.grpc_target("policy")) as policy, \
+            RetrieverClient(stack.grpc_target("retriever"), timeout=600) as retriever, progress_bars() as progress:
+        kw = {"max_steps": profile.max_steps} if SFT_MODES[method] == "agent" else {}
+        return evaluate(method if SFT_MODES[method] == "agent" else SFT_MODES[method], policy, retriever, questions,
+                        out_dir=run_dir, progress=lambda d, t: progress(f"eval {method}", d, t), **kw)
+
+
 def run_main_job(profile: str = "default", world: str | None = None, port_offset: int = 0) -> dict:
-    world = world or PROFILES[profile]["world"]
-    timings = {}
+    from prorag.eval import format_table
+
+    prof = PROFILES[profile]
+    world = world or prof.world
+    timings: dict[str, float] = {}
     t0 = time.monotonic()
     ensure_indexes(world)
-    ensure_policy_model(world)
-    timings["build_world_and_indexes_s"] = time.monotonic() - t0
+    base = ensure_policy_model(world, preset=prof.model_preset, vocab_size=prof.vocab_size)
+    timings["build_world_indexes_model_s"] = time.monotonic() - t0
     run_dir = new_run_dir(f"run-{profile}")
     t1 = time.monotonic()
-    with ServiceStack(port_offset=port_offset, world=world) as stack:
+    test = load_split(paths.world_dir(world), "test")
+    eval_qs = test[:prof.eval_questions] if prof.eval_questions else test
+    methods, jobs = {}, {}
+    with ServiceStack(port_offset=port_offset, world=world, log_dir=str(run_dir / "logs" / "stack"),
+                      overrides={"policy": {"model": str(base)}}) as stack:
         timings["start_services_s"] = time.monotonic() - t1
-        test = load_split(paths.world_dir(world), "test")
         t2 = time.monotonic()
         with RetrieverClient(stack.grpc_target("retriever")) as client:
             retrieval = evaluate_retrieval(client, test)
         timings["evaluate_retrieval_s"] = time.monotonic() - t2
-    print_retrieval_table(retrieval)
+        print_retrieval_table(retrieval)
+        for method in prof.methods:
+            t3 = time.monotonic()
+            jobs[method] = train(stack, method, prof, str(base))
+            timings[f"train_{method}_s"] = time.monotonic() - t3
+        for method in prof.methods:
+            from prorag.models import resolve_model
+
+            t4 = time.monotonic()
+            model_dir = resolve_model(world, f"{method}@{jobs[method]['job_id']}")
+            methods[method] = evaluate_method(method, str(model_dir), prof, stack, eval_qs, run_dir,
+                                              port_offset + 100)
+            timings[f"eval_{method}_s"] = time.monotonic() - t4
+    console.print(format_table(methods))
     results = {
-        "methods": {},
+        "methods": {m: {k: v for k, v in r.items() if k in ("overall", "by_hops", "by_type", "format_valid_rate")}
+                    for m, r in methods.items()},
         "retrieval": retrieval,
+        "jobs": {m: {"job_id": j["job_id"], "metrics": j["metrics"]} for m, j in jobs.items()},
         "profile": profile,
         "world": world,
+        "base_model": str(base),
         "code_version": code_version(),
         "timings": timings,
+        "total_s": time.monotonic() - t0,
     }
     path = write_results(run_dir, results)
     console.print(f"results: {path} (runs/latest/results.json)")
-    console.print(json.dumps({k: round(v, 2) for k, v in timings.items()}))
+    console.print(json.dumps({k: round(v, 1) for k, v in timings.items()}))
     return results

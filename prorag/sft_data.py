@@ -32,12 +32,9 @@ BASELINE_SYSTEM_PROMPT = (
 
 # Offline thoughts: short first-person templates, chosen per question by a seeded rng (an LLM
 # rewrites them when an OpenAI-compatible endpoint is configured).
-_SEARCH = ("I need to find out: {q}", "Next I should look up: {q}", "Let me search for this: {q}",
-           "To continue, I must know: {q}")
-_READ = ("The documents answer this.", "According to the retrieved documents, I have the answer.",
-         "The search results say it.", "I found it in the documents.")
-_FINAL = ("Now I can answer the question.", "I have everything I need.", "So the final answer is clear.",
-          "That resolves the question.")
+_SEARCH = ("I need to look this up.", "Next I should search.", "Let me search for this.", "I must find this first.")
+_READ = ("The documents answer this.", "I found it in the documents.", "The search results say it.")
+_FINAL = ("Now I can answer the question.", "I have everything I need.", "That resolves the question.")
 _COMPARE = ("Comparing the facts I found answers the question.", "Putting the two facts side by side gives the answer.")
 _DIRECT = ("I will answer from what I know.", "Let me answer directly.")
 _GROUNDED = ("The documents contain what I need.", "I can answer from the documents.")

@@ -30,6 +30,8 @@ class ServiceStack:
     world: str = "default"
     services: tuple[str, ...] = paths.SERVICES
     start_timeout: float = 180.0
+    overrides: dict[str, dict] = field(default_factory=dict)  # service -> {setting: value} (--set)
+    log_dir: str | None = None  # each service's output goes to <log_dir>/<service>.log when set
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def grpc_target(self, svc: str) -> str:
@@ -53,7 +55,16 @@ class ServiceStack:
                 cmd += ["--http-port", str(paths.HTTP_PORTS[svc] + self.port_offset)]
             if svc in ("retriever", "policy"):
                 cmd += ["--set", f"world={self.world}"]
-            self.procs[svc] = subprocess.Popen(cmd, start_new_session=True)
+            for k, v in self.overrides.get(svc, {}).items():
+                cmd += ["--set", f"{k}={v}"]
+            out = None
+            if self.log_dir:
+                from pathlib import Path
+
+                Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+                out = open(Path(self.log_dir) / f"{svc}.log", "ab")
+            self.procs[svc] = subprocess.Popen(cmd, start_new_session=True, stdout=out,
+                                               stderr=subprocess.STDOUT if out else None)
         for svc in self.services:
             if not wait_for_health(self.grpc_target(svc), "", timeout=self.start_timeout):
                 code = self.procs[svc].poll()

@@ -20,7 +20,7 @@ environment inserted after it. Parsing never raises: anything unparseable become
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 # --- tokens and glue -------------------------------------------------------------------------
@@ -54,13 +54,12 @@ RETRIEVAL_CLOSE = f"\n{RETRIEVAL_END}\n{STEP_OPEN}"
 #: inserted after the final answer
 FINAL = IM_END
 
+# Kept short on purpose: every training sequence and rollout carries it, and on the CPU default
+# its tokens are a noticeable share of compute. The format itself is taught by SFT. No tags
+# appear in it: they are special tokens and would read as actions.
 SYSTEM_PROMPT = (
-    "You answer multi-hop questions by reasoning step by step with a search engine. "
-    "Each step starts after <step>: write a short thought, close it with </step>, then do exactly one action: "
-    "<subquery>\nsearch query</subquery> to search (documents come back inside <retrieval> ... </retrieval>), "
-    "<subanswer>\nanswer to the last subquery</subanswer> to record what the documents say, or "
-    "<answer>\nfinal short answer</answer> when you know the answer. "
-    "Follow every subquery with a subanswer, and finish with exactly one answer."
+    "Answer the question by searching step by step: in each step think, then search with a subquery, "
+    "note the subanswer the documents give, or give the final answer."
 )
 
 DOC_TEMPLATE = "Doc {i}(Title: {title}) {text}"

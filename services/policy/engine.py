@@ -288,12 +288,16 @@ class TransformersEngine(GenerationEngine):
 
     def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
                  max_batch_size: int = 256, max_model_len: int | None = None, cache: str = "static",
-                 compact_below: float = 0.75, prefix_cache_bytes: int = 1 << 30, model=None, tokenizer=None):
+                 compact_below: float = 0.75, prefix_cache_bytes: int = 1 << 30, num_threads: int | None = None,
+                 model=None, tokenizer=None):
         """model_path: any HF causal LM directory; ``model``/``tokenizer`` may be passed pre-loaded.
 
         cache: "static" (preallocated per chunk, no per-token copies) or "dynamic".
         compact_below: drop finished rows from the batch once the live fraction falls below this.
         prefix_cache_bytes: memory for reusable KV of finished sequences; 0 turns reuse off.
+        num_threads: torch CPU threads for this process (None leaves torch's default). On shared
+          cores also start the process with OMP_WAIT_POLICY=PASSIVE: spinning OpenMP threads
+          slow small-model decoding 5-10x when another process competes for the cores.
         """
         from .modeling import load_policy
 
@@ -301,6 +305,8 @@ class TransformersEngine(GenerationEngine):
             raise InvalidArgument(f"max_batch_size must be >= 1, got {max_batch_size}")
         if cache not in ("static", "dynamic"):
             raise InvalidArgument(f"cache must be 'static' or 'dynamic', got {cache!r}")
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
         self.model_path = str(model_path)
         self.device = torch.device(device)
         if model is None or tokenizer is None:

@@ -44,6 +44,7 @@ class SFTConfig:
     loss_weights: str = cfg_field("prorag", help="prorag = format-aware tag weights; uniform = plain CE",
                                   choices=("prorag", "uniform"))
     epochs: float = cfg_field(1.0, help="passes over the data (fractional allowed)", min=0.01, max=100)
+    max_steps: int = cfg_field(0, help="optimizer steps; overrides epochs when > 0", min=0)
     batch_size: int = cfg_field(16, help="sequences per optimizer step", min=1, max=4096)
     lr: float = cfg_field(1e-3, help="peak learning rate (linear warm-up, cosine decay)", min=0.0, max=1.0)
     warmup_ratio: float = cfg_field(0.05, help="fraction of steps warming up", min=0.0, max=0.5)
@@ -193,7 +194,7 @@ def run_sft(ctx: JobContext) -> dict:
     ctx.emit(0, 1, message=f"data: {stats}")
 
     per_epoch = math.ceil(len(samples) / cfg.batch_size)
-    total = max(1, int(round(per_epoch * cfg.epochs)))
+    total = cfg.max_steps or max(1, int(round(per_epoch * cfg.epochs)))
     warmup = int(total * cfg.warmup_ratio)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))

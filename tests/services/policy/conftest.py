@@ -31,6 +31,18 @@ def synthetic_texts(n: int = 300, seed: int = 0) -> list[str]:
     return out
 
 
+@pytest.fixture(scope="package", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from 2 threads, and OpenMP's spin-waiting makes them 5-10x slower
+    whenever another process shares the cores."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_policy(tmp_path_factory):
     """(model_dir, tokenizer): a saved tiny model (max 512 positions) loadable by TransformersEngine."""

@@ -257,3 +257,33 @@ def test_openai_compatible_http_with_the_openai_client(stack):
         client.completions.create(model=models.data[0].id, prompt="x", max_tokens=10_000)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=models.data[0].id, prompt="x", stop=["not a single token"])
+
+
+def test_llm_thoughts_through_the_policy_openai_endpoint(stack, tmp_path):
+    """SFT's thought rewriter against a real OpenAI-compatible server (this policy), with its cache."""
+    from prorag.thoughts import OpenAIThoughtWriter
+
+    url = f"http://127.0.0.1:{stack['policy'].http_port}/v1"
+    cache = tmp_path / "thoughts.jsonl"
+    writer = OpenAIThoughtWriter(url, "policy", cache_path=cache, max_retries=0)
+    first = writer("search", "q1", {"q": "Who directed The Red Harbour?", "hop": 0})
+    assert writer.calls == 1 and first and "<" not in first
+    if writer.fallbacks == 0:  # the model wrote something usable: it is cached and reused
+        again = OpenAIThoughtWriter(url, "policy", cache_path=cache, max_retries=0)
+        assert again("search", "q1", {"q": "Who directed The Red Harbour?", "hop": 0}) == first
+        assert again.calls == 0
+
+
+def test_llm_thoughts_fall_back_to_templates_when_the_endpoint_is_down(tmp_path):
+    from prorag.sft_data import template_thought
+    from prorag.stack import port_free
+    from prorag.thoughts import OpenAIThoughtWriter
+
+    port = 1
+    while not port_free("127.0.0.1", port + 40000):
+        port += 1
+    writer = OpenAIThoughtWriter(f"http://127.0.0.1:{port + 40000}/v1", "m", cache_path=tmp_path / "c.jsonl",
+                                 max_retries=0, timeout=2)
+    ctx = {"q": "Who founded Kest?", "hop": 0}
+    assert writer("search", "q1", ctx) == template_thought("search", "q1", ctx)
+    assert writer.fallbacks == 1 and writer.calls == 0 and not (tmp_path / "c.jsonl").exists()

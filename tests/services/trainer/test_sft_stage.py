@@ -1,0 +1,157 @@
+"""The SFT stage through the real job machinery: data built through a live retriever service,
+format-aware loss, publication as a versioned model, config refusal naming the field, and
+`kill -9` of the trainer mid-training resuming to the same weights as an uninterrupted run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from prorag.clients import wait_for_health
+from prorag.clients_trainer import TrainerClient, state_name
+from prorag.service import ServeConfig
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sft") / "data"
+    old = os.environ.get("PRORAG_DATA")
+    os.environ["PRORAG_DATA"] = str(d)
+    from prorag.embedded import ensure_indexes, ensure_policy_model
+
+    ensure_indexes("tiny")
+    ensure_policy_model("tiny")
+    yield d
+    if old is None:
+        os.environ.pop("PRORAG_DATA", None)
+    else:
+        os.environ["PRORAG_DATA"] = old
+
+
+@pytest.fixture(scope="module")
+def retriever(data_dir):
+    from services.retriever.server import RetrieverConfig, start
+
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    started = asyncio.run_coroutine_threadsafe(start(ServeConfig(port=0, http_port=-1), RetrieverConfig(world="tiny")),
+                                               loop).result(120)
+    yield f"127.0.0.1:{started.grpc_port}"
+    asyncio.run_coroutine_threadsafe(started.stop(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def _config(retriever: str, **kw) -> dict:
+    return {"mode": "agent", "world": "tiny", "retriever": retriever, "max_questions": 48, "max_steps": 12,
+            "batch_size": 4, "lr": 3e-3, "checkpoint_every": 3, "log_every": 1, "tracking": "local", "threads": 1,
+            **kw}
+
+
+class TrainerProc:
+    def __init__(self, home: Path, data: Path):
+        self.home, self.data, self.port = home, data, _free_port()
+        self.proc = None
+
+    def start(self):
+        env = dict(os.environ, PRORAG_HOME=str(self.home), PRORAG_DATA=str(self.data), PYTHONUNBUFFERED="1")
+        env.pop("PRORAG_RUNS", None)
+        log = open(self.home / f"trainer-{time.monotonic_ns()}.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "prorag.cli", "serve", "trainer", "--port", str(self.port)],
+                                     cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        assert wait_for_health(f"127.0.0.1:{self.port}", "prorag.v1.Trainer", timeout=90)
+        return self
+
+    def kill9(self):
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _weights(model_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def test_bad_sft_config_is_refused_naming_the_field(tmp_path, data_dir, retriever):
+    t = TrainerProc(tmp_path, data_dir).start()
+    try:
+        with TrainerClient(f"127.0.0.1:{t.port}") as c:
+            import grpc
+
+            for bad, field in (({"lr": 5.0}, "lr"), ({"mode": "rlhf"}, "mode"), ({"epocs": 1}, "epocs")):
+                with pytest.raises(grpc.RpcError) as ei:
+                    c.start("sft", _config(retriever, **bad))
+                assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert field in ei.value.details()
+    finally:
+        t.stop()
+
+
+def test_sft_kill_dash_nine_resumes_to_the_same_weights(tmp_path, data_dir, retriever):
+    # uninterrupted reference
+    ref = TrainerProc(tmp_path / "ref", data_dir)
+    (tmp_path / "ref").mkdir()
+    ref.start()
+    try:
+        with TrainerClient(f"127.0.0.1:{ref.port}") as c:
+            c.start("sft", _config(retriever), job_id="ref-run")
+            job = c.wait("ref-run", timeout=600)
+            assert state_name(job.state) == "SUCCEEDED", job.error
+            assert job.metrics["data_samples"] == 48 and job.metrics["final_loss"] > 0
+    finally:
+        ref.stop()
+
+    home = tmp_path / "killed"
+    home.mkdir()
+    t = TrainerProc(home, data_dir).start()
+    with TrainerClient(f"127.0.0.1:{t.port}") as c:
+        c.start("sft", _config(retriever), job_id="kill-run")
+        for ev in c.watch("kill-run"):
+            if ev.message.startswith("checkpoint saved at step 6"):
+                break
+    t.kill9()
+    t.start()
+    try:
+        with TrainerClient(f"127.0.0.1:{t.port}") as c:
+            job = c.wait("kill-run", timeout=600)
+            assert state_name(job.state) == "SUCCEEDED", job.error
+            events = [json.loads(l) for l in (home / "runs" / "jobs" / "kill-run" / "events.jsonl").read_text().splitlines()]
+            assert any(e.get("message", "").startswith("resumed from step") for e in events)
+    finally:
+        t.stop()
+
+    a = _weights(data_dir / "models" / "tiny" / "sft" / "ref-run")
+    b = _weights(data_dir / "models" / "tiny" / "sft" / "kill-run")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+    manifest = json.loads((home / "runs" / "jobs" / "kill-run" / "run" / "manifest.json").read_text())
+    assert manifest["stage"] == "sft" and manifest["config"]["mode"] == "agent"

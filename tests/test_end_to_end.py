@@ -1,0 +1,64 @@
+"""The whole pipeline on the tiny profile, as `make run` does it on the default one: world,
+indexes, base policy, five services as processes, retrieval evaluation, SFT and both baselines
+trained through the trainer service, evaluation through policy services, results.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+
+from prorag.stack import port_free
+
+
+def _free_offset() -> int:
+    rng = random.Random()
+    for _ in range(50):
+        off = rng.randrange(3000, 14000)
+        ports = [p + off for p in (50051, 50052, 50053, 50054, 50055, 8000, 8001)]
+        ports += [p + 100 for p in ports]
+        if all(port_free("127.0.0.1", p) for p in ports):
+            return off
+    raise RuntimeError("no free port range on loopback")
+
+
+@pytest.mark.slow
+def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRORAG_HOME", str(tmp_path))
+    monkeypatch.delenv("PRORAG_DATA", raising=False)
+    monkeypatch.delenv("PRORAG_RUNS", raising=False)
+    monkeypatch.setenv("PRORAG_TRACKING", "local")
+    from prorag.pipeline import run_main_job
+
+    results = run_main_job(profile="tiny", port_offset=_free_offset())
+
+    on_disk = json.loads((tmp_path / "runs" / "latest" / "results.json").read_text())
+    assert on_disk["methods"].keys() == {"no_retrieval", "standard_rag", "sft"}
+    for name, m in on_disk["methods"].items():
+        overall = m["overall"]
+        assert overall["n"] == 60
+        assert 0.0 <= overall["em"] <= overall["f1"] + 1e-9 <= 1.0 + 1e-9
+        lo, hi = overall["f1_ci"]
+        assert lo <= overall["f1"] <= hi
+        assert set(m["by_hops"]) >= {"1", "2", "3", "4"}
+        assert sum(v["n"] for v in m["by_hops"].values()) == 60
+    # retrieval of gold sub-questions is near perfect on the tiny world
+    assert on_disk["retrieval"]["hybrid"]["subquery"]["recall@3"]["overall"]["mean"] > 0.9
+    # every prediction and trajectory is saved
+    run_dir = (tmp_path / "runs" / "latest").resolve()
+    preds = [json.loads(l) for l in (run_dir / "sft" / "predictions.jsonl").read_text().splitlines()]
+    assert len(preds) == 60 and all("trajectory" in p and p["trajectory"]["text"] for p in preds)
+    assert all(p["finish_reason"] in ("answer", "max_steps", "length", "invalid_format") for p in preds)
+    # each method was trained by a finished trainer job and published as a versioned model
+    for name, job in on_disk["jobs"].items():
+        manifest = json.loads((tmp_path / "runs" / "jobs" / job["job_id"] / "run" / "manifest.json").read_text())
+        assert manifest["stage"] == "sft"
+        assert (tmp_path / "data" / "models" / "tiny" / name / job["job_id"] / "published.json").exists()
+    assert results["timings"]["train_sft_s"] > 0
+
+    # a second run reuses the finished jobs instead of training again
+    again = run_main_job(profile="tiny", port_offset=_free_offset())
+    assert {m: j["job_id"] for m, j in again["jobs"].items()} == {m: j["job_id"] for m, j in on_disk["jobs"].items()}
+    assert again["timings"]["train_sft_s"] < results["timings"]["train_sft_s"]

@@ -1,0 +1,113 @@
+"""Pure functions that build SFT samples and the format-aware loss."""
+
+import torch
+
+from prorag.data.loaders import Question
+from prorag.sft_data import agent_steps, baseline_prompt, baseline_steps, encode_segments, ensure_gold
+from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS, RetrievedDoc, is_valid_format, render_prompt
+
+
+def _question():
+    return Question(id="q1", question="Where was the director of Red Harbour born?", golden_answers=["Vuzarburg"],
+                    metadata={"type": "compositional", "hops": 2, "decomposition": [
+                        {"question": "Who directed Red Harbour?", "answer": "Marlo Vesk", "answer_aliases": [],
+                         "doc_id": "W1", "title": "Red Harbour"},
+                        {"question": "Where was Marlo Vesk born?", "answer": "Vuzarburg", "answer_aliases": [],
+                         "doc_id": "P1", "title": "Marlo Vesk"}]})
+
+
+GOLD = {"W1": RetrievedDoc("Red Harbour", "Red Harbour was directed by Marlo Vesk.", "W1"),
+        "P1": RetrievedDoc("Marlo Vesk", "Marlo Vesk was born in Vuzarburg.", "P1")}
+OTHER = [RetrievedDoc(f"T{i}", f"text {i}", f"X{i}") for i in range(3)]
+
+
+def test_ensure_gold_keeps_or_inserts_the_supporting_document():
+    assert [d.id for d in ensure_gold([GOLD["W1"]] + OTHER, GOLD["W1"], 3)] == ["W1", "X0", "X1"]
+    assert [d.id for d in ensure_gold(OTHER, GOLD["W1"], 3)] == ["X0", "X1", "W1"]
+    assert [d.id for d in ensure_gold([], GOLD["W1"], 3)] == ["W1"]
+
+
+def test_agent_steps_are_a_valid_prorag_trajectory():
+    q = _question()
+    steps = agent_steps(q, {"Who directed Red Harbour?": OTHER}, GOLD, topk=3)
+    assert [s.kind for s in steps] == ["subquery", "subanswer", "subquery", "subanswer", "answer"]
+    assert is_valid_format(steps)
+    assert steps[0].content == "Who directed Red Harbour?" and steps[1].content == "Marlo Vesk"
+    assert GOLD["W1"] in steps[0].docs and GOLD["P1"] in steps[2].docs
+    assert steps[-1].content == "Vuzarburg"
+
+
+class _CharTokenizer:
+    """A character-level stand-in with tags as single ids (the real tokenizer is tested elsewhere)."""
+
+    def __init__(self):
+        self.special = {t: i for i, t in enumerate(TAGS + ("<|im_end|>", "<|im_start|>", "<think>", "</think>"))}
+
+    def encode(self, text, add_special_tokens=False):
+        out, i = [], 0
+        while i < len(text):
+            for t, tid in self.special.items():
+                if text.startswith(t, i):
+                    out.append(tid)
+                    i += len(t)
+                    break
+            else:
+                out.append(1000 + ord(text[i]))
+                i += 1
+        return out
+
+
+def test_encode_masks_everything_but_generated_steps_and_weights_tags():
+    tok = _CharTokenizer()
+    q = _question()
+    steps = agent_steps(q, {}, GOLD, topk=3)
+    prompt = render_prompt(q.question)
+    enc = encode_segments(tok, prompt, steps, {t: tok.special[t] for t in TAGS}, FORMAT_LOSS_WEIGHTS)
+    assert len(enc.token_ids) == len(enc.loss_mask) == len(enc.weights)
+    n_prompt = len(tok.encode(prompt))
+    assert not any(enc.loss_mask[:n_prompt])
+    trained = [t for t, m in zip(enc.token_ids, enc.loss_mask) if m]
+    assert sum(len(tok.encode(s.text)) for s in steps) == len(trained)
+    # documents are inserted, never trained on
+    doc_ids = tok.encode("Vuzarburg.")  # appears in P1's text (inserted) and as the answer (generated)
+    assert len(trained) < len(enc.token_ids) - n_prompt
+    w = dict(zip(enc.token_ids, enc.weights))
+    assert w[tok.special["<answer>"]] == 5.0 and w[tok.special["</step>"]] == 2.0
+    assert w[tok.special["<subquery>"]] == 3.0
+    assert all(wt == 0.0 for wt, m in zip(enc.weights, enc.loss_mask) if not m)
+    assert doc_ids
+
+
+def test_baselines_have_one_answer_step_and_standard_rag_sees_documents():
+    q = _question()
+    steps = baseline_steps(q, grounded=True)
+    assert [s.kind for s in steps] == ["answer"] and steps[0].content == "Vuzarburg"
+    assert "Marlo Vesk was born" in baseline_prompt(q.question, [GOLD["P1"]])
+    assert "Documents" not in baseline_prompt(q.question)
+
+
+def test_weighted_lm_loss_matches_a_hand_computation():
+    from services.trainer.stage_sft import weighted_lm_loss
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = torch.nn.Embedding(11, 4)
+            self.head = torch.nn.Linear(4, 11, bias=False)
+
+        def base_model(self, input_ids, attention_mask):
+            return type("O", (), {"last_hidden_state": self.emb(input_ids)})
+
+        def get_output_embeddings(self):
+            return self.head
+
+    m = Tiny()
+    ids = torch.tensor([[1, 2, 3, 4, 0]])
+    labels = torch.tensor([[-100, -100, 3, 4, -100]])
+    weights = torch.tensor([[0.0, 0.0, 1.0, 5.0, 0.0]])
+    loss, n = weighted_lm_loss(m, ids, torch.ones_like(ids), labels, weights)
+    logits = m.head(m.emb(ids))[0]
+    ce = torch.nn.functional.cross_entropy(logits[[1, 2]], torch.tensor([3, 4]), reduction="none")
+    assert n == 2
+    assert torch.allclose(loss, (ce[0] * 1 + ce[1] * 5) / 6)
