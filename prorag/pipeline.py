@@ -98,7 +98,7 @@ def print_retrieval_table(results: dict, ks=KS) -> None:
 # ---------------------------------------------------------------- training through the trainer
 def train(stack: ServiceStack, method: str, profile: Profile, base_model: str) -> dict:
     """Run (or reuse) the SFT job of ``method``; returns the finished job's manifest."""
-    from prorag.clients_trainer import TrainerClient
+    from prorag.clients_trainer import TrainerClient, state_name
     from prorag.progress import progress_bars
 
     config = {"mode": SFT_MODES[method], "world": profile.world, "base_model": base_model,
@@ -110,7 +110,7 @@ def train(stack: ServiceStack, method: str, profile: Profile, base_model: str) -
     job_id = f"{profile.world}-{method}-{digest}"
     with TrainerClient(stack.grpc_target("trainer"), timeout=60) as client:
         existing = {j.job_id: j for j in client.list("sft")}
-        if job_id in existing and client.state_name(existing[job_id].state) == "SUCCEEDED":
+        if job_id in existing and state_name(existing[job_id].state) == "SUCCEEDED":
             console.print(f"[green]{method}[/green]: reusing finished job {job_id}")
         else:
             client.start("sft", config, job_id=job_id)
@@ -120,10 +120,10 @@ def train(stack: ServiceStack, method: str, profile: Profile, base_model: str) -
                         progress(f"train {method}", int(ev.step), int(ev.total_steps))
                     if ev.message and not ev.message.startswith("checkpoint"):
                         console.print(f"[dim]{method}: {ev.message[:200]}[/dim]")
-                    if client.state_name(ev.state) in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                    if state_name(ev.state) in ("SUCCEEDED", "FAILED", "CANCELLED"):
                         break
         job = client.get(job_id)
-        state = client.state_name(job.state)
+        state = state_name(job.state)
         if state != "SUCCEEDED":
             raise SystemExit(f"training {method} ended {state}: {job.error}")
         manifest = json.loads((paths.runs_dir() / "jobs" / job_id / "run" / "manifest.json").read_text()) \
