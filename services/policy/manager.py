@@ -1,8 +1,8 @@
 """Adapter lifecycle in the policy service: verify -> load -> warm -> switch -> drain -> unload.
 
 Requests pin the adapter they start with (``acquire``), so an activation never changes the
-weights under a request in flight; unloading waits for no one and refuses while a version is
-active or pinned. All state changes happen under one asyncio lock (one event loop owns them).
+weights under a request in flight; unloading refuses the active version and drains the pinned
+ones (new pins refused, in-flight requests finish) before the engine drops the weights. All state changes happen under one asyncio lock (one event loop owns them).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ class LoadedAdapter:
     path: Path
     manifest: Manifest
     in_flight: int = 0
+    draining: bool = False
 
 
 @dataclass
@@ -58,23 +59,35 @@ class AdapterManager:
             self.active = None if ref is None else ref.key
             return self.active
 
-    async def unload(self, ref: AdapterRef) -> None:
+    async def unload(self, ref: AdapterRef, drain_timeout_s: float = 30.0) -> None:
+        """Drain, then unload: new requests can no longer pin ``ref``; those in flight finish first
+        (up to ``drain_timeout_s``, then FAILED_PRECONDITION and the adapter stays loaded)."""
         async with self._lock:
             entry = self.loaded.get(ref.key)
             if entry is None:
                 raise NotFound(f"adapter {ref} is not loaded (loaded: {', '.join(self.loaded) or 'none'})")
             if self.active == ref.key:
                 raise FailedPrecondition(f"adapter {ref} is active; activate another version before unloading it")
+            entry.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_timeout_s
+        while entry.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        async with self._lock:
             if entry.in_flight:
-                raise FailedPrecondition(f"adapter {ref} is serving {entry.in_flight} request(s); retry when they finish")
-            del self.loaded[ref.key]  # first, so no new request can pin it while the engine drops it
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.unload_adapter, ref.key)
+                entry.draining = False
+                raise FailedPrecondition(f"adapter {ref} still serves {entry.in_flight} request(s) after "
+                                         f"{drain_timeout_s:.0f}s of draining; retry later")
+            del self.loaded[ref.key]
+            await loop.run_in_executor(None, self.engine.unload_adapter, ref.key)
 
     def resolve(self, requested: str) -> str | None:
         """The adapter a new request runs on: the named one (must be loaded) or the active one."""
         if not requested:
             return self.active
         key = AdapterRef.parse(requested).key
+        if key in self.loaded and self.loaded[key].draining:
+            raise FailedPrecondition(f"adapter {key} is being unloaded; use the active version")
         if key not in self.loaded:
             raise NotFound(f"adapter {key} is not loaded (loaded: {', '.join(self.loaded) or 'none'}); "
                            f"call LoadAdapter first")

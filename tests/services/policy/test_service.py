@@ -181,6 +181,12 @@ def test_swaps_under_concurrent_load_fail_nothing(stack):
     with PolicyClient(stack["target"]) as c:
         for i in range(20):
             c.activate_adapter("pol", "v1" if i % 2 else "v2")
+        # full pushes: activate the new version, drain and unload the old one, load it back
+        for i in range(6):
+            new, old = ("v1", "v2") if i % 2 else ("v2", "v1")
+            c.activate_adapter("pol", new)
+            c.unload_adapter("pol", old)
+            c.load_adapter("pol", old)
     stop.set()
     for t in threads:
         t.join(30)
