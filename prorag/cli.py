@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from prorag import paths
-from prorag.config import ConfigError, from_dict, load_file
+from prorag.config import ConfigError, from_dict
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here; all models are local files
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -5,7 +5,6 @@ trained through the trainer service, evaluation through policy services, results
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import pytest

@@ -1,7 +1,6 @@
 """Real gRPC servers on port 0 on loopback: health, reflection, UNIMPLEMENTED placeholders,
 and the error-mapping interceptor."""
 
-import asyncio
 import importlib
 
 import grpc
@@ -14,35 +13,18 @@ from prorag.errors import InvalidArgument, NotFound
 from prorag.grpc_server import ServerSpec, start_server
 from prorag.pb import judge_pb2, judge_pb2_grpc, retriever_pb2, retriever_pb2_grpc
 from prorag.service import ServeConfig
-
-
-class _Loop:
-    """One event loop in a thread-free style: the servers run on it, sync clients call in."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        import threading
-
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+from tests.helpers import LoopThread
 
 
 @pytest.fixture(scope="module")
 def loop():
-    lp = _Loop()
+    lp = LoopThread()
     yield lp
     lp.close()
 
 
 @pytest.mark.parametrize("service, full", [
-    ("policy", "prorag.v1.Policy"), ("prm", "prorag.v1.ProcessRewardModel"),
+    ("prm", "prorag.v1.ProcessRewardModel"),
     ("judge", "prorag.v1.Judge")])
 def test_placeholder_services_are_live_reflective_and_unimplemented(loop, service, full):
     module = importlib.import_module(f"services.{service}.server")

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 from prorag.errors import InvalidArgument
 from prorag.trajectory import (
-    FINAL, IM_END, NEXT_STEP, STOP_TAGS, RetrievedDoc, Step, clean_doc, is_valid_format, parse_step, render_prompt,
+    FINAL, NEXT_STEP, STOP_TAGS, RetrievedDoc, Step, clean_doc, is_valid_format, parse_step, render_prompt,
     retrieval_block,
 )
 
@@ -93,7 +93,6 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
     if limit <= 0:
         raise InvalidArgument("the engine reports no max_model_len; pass max_model_len")
     stop_ids = format_stop_ids(tokenizer)
-    im_end_id = stop_ids[STOP_TAGS.index(IM_END)]
     final_ids = tokenizer.encode(FINAL, add_special_tokens=False)
     next_step_ids = tokenizer.encode(NEXT_STEP, add_special_tokens=False)
     step_spec = SamplingSpec(n=1, temperature=params.temperature, top_p=params.top_p,

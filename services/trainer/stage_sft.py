@@ -230,7 +230,7 @@ def run_sft(ctx: JobContext) -> dict:
         return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "step": done}
 
-    t_last, s_last, tok_since, loss_v = time.monotonic(), start, 0, float("nan")
+    t_last, tok_since, loss_v = time.monotonic(), 0, float("nan")
     for step in range(start, total):
         if ctx.should_stop():
             if not ctx.cancelled():
@@ -250,7 +250,7 @@ def run_sft(ctx: JobContext) -> dict:
         if done % cfg.log_every == 0 or done == total:
             now = time.monotonic()
             rate = tok_since / max(now - t_last, 1e-9)
-            t_last, s_last, tok_since = now, done, 0
+            t_last, tok_since = now, 0
             ctx.emit(done, total, loss=loss_v, tokens_per_s=rate, metrics={"lr": sched.get_last_lr()[0]})
         if done % cfg.checkpoint_every == 0 and done < total:
             ctx.save_checkpoint(snapshot(done))

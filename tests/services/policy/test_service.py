@@ -4,9 +4,7 @@ the OpenAI-compatible endpoints (exercised with the real `openai` client)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import threading
 
 import grpc
@@ -14,32 +12,25 @@ import pytest
 
 from prorag.clients import PolicyClient, push_adapter
 from prorag.service import ServeConfig
+from tests.helpers import LoopThread, env
 
 
 @pytest.fixture(scope="module")
 def loop():
-    lp = asyncio.new_event_loop()
-    t = threading.Thread(target=lp.run_forever, daemon=True)
-    t.start()
+    lp = LoopThread()
     yield lp
-    lp.call_soon_threadsafe(lp.stop)
-    t.join(5)
+    lp.close()
 
 
 def run(loop, coro, timeout=300):
-    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+    return loop.run(coro, timeout)
 
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
     home = tmp_path_factory.mktemp("policy-home")
-    old = os.environ.get("PRORAG_DATA")
-    os.environ["PRORAG_DATA"] = str(home / "data")
-    yield home
-    if old is None:
-        os.environ.pop("PRORAG_DATA", None)
-    else:
-        os.environ["PRORAG_DATA"] = old
+    with env("PRORAG_DATA", str(home / "data")):
+        yield home
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import urllib.error
@@ -16,38 +15,29 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from prorag.clients import RetrieverClient
 from prorag.pb import retriever_pb2, retriever_pb2_grpc
 from prorag.service import ServeConfig
+from tests.helpers import LoopThread, env
 
 
 @pytest.fixture(scope="module")
 def world_home(tmp_path_factory):
-    import os
-
     home = tmp_path_factory.mktemp("home")
-    old = os.environ.get("PRORAG_DATA")
-    os.environ["PRORAG_DATA"] = str(home / "data")
-    from prorag.embedded import ensure_indexes
+    with env("PRORAG_DATA", str(home / "data")):
+        from prorag.embedded import ensure_indexes
 
-    ensure_indexes("tiny")
-    yield home
-    if old is None:
-        os.environ.pop("PRORAG_DATA", None)
-    else:
-        os.environ["PRORAG_DATA"] = old
+        ensure_indexes("tiny")
+        yield home
 
 
 @pytest.fixture(scope="module")
 def server(world_home):
     from services.retriever.server import RetrieverConfig, start
 
-    loop = asyncio.new_event_loop()
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
+    loop = LoopThread()
     cfg = RetrieverConfig(world="tiny", max_topk=20, max_batch=32, max_query_chars=200)
-    started = asyncio.run_coroutine_threadsafe(start(ServeConfig(port=0, http_port=0), cfg), loop).result(120)
+    started = loop.run(start(ServeConfig(port=0, http_port=0), cfg))
     yield started
-    asyncio.run_coroutine_threadsafe(started.stop(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(5)
+    loop.run(started.stop())
+    loop.close()
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +163,6 @@ def test_http_bad_input(server, body, raw, status, fragment):
 
 
 def test_concurrent_callers_are_batched(server, test_questions):
-    from services.retriever.frontend import SearchFrontend  # noqa: F401 - the batcher lives here
 
     queries = [q.question for q in test_questions]
     results, errors = {}, []

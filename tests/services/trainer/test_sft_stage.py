@@ -4,14 +4,12 @@ format-aware loss, publication as a versioned model, config refusal naming the f
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import torch
 from prorag.clients import wait_for_health
 from prorag.clients_trainer import TrainerClient, state_name
 from prorag.service import ServeConfig
+from tests.helpers import LoopThread, env
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -34,31 +33,23 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("sft") / "data"
-    old = os.environ.get("PRORAG_DATA")
-    os.environ["PRORAG_DATA"] = str(d)
-    from prorag.embedded import ensure_indexes, ensure_policy_model
+    with env("PRORAG_DATA", str(d)):
+        from prorag.embedded import ensure_indexes, ensure_policy_model
 
-    ensure_indexes("tiny")
-    ensure_policy_model("tiny")
-    yield d
-    if old is None:
-        os.environ.pop("PRORAG_DATA", None)
-    else:
-        os.environ["PRORAG_DATA"] = old
+        ensure_indexes("tiny")
+        ensure_policy_model("tiny")
+        yield d
 
 
 @pytest.fixture(scope="module")
 def retriever(data_dir):
     from services.retriever.server import RetrieverConfig, start
 
-    loop = asyncio.new_event_loop()
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    started = asyncio.run_coroutine_threadsafe(start(ServeConfig(port=0, http_port=-1), RetrieverConfig(world="tiny")),
-                                               loop).result(120)
+    loop = LoopThread()
+    started = loop.run(start(ServeConfig(port=0, http_port=-1), RetrieverConfig(world="tiny")))
     yield f"127.0.0.1:{started.grpc_port}"
-    asyncio.run_coroutine_threadsafe(started.stop(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
+    loop.run(started.stop())
+    loop.close()
 
 
 def _config(retriever: str, **kw) -> dict:

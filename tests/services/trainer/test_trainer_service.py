@@ -1,7 +1,5 @@
 """The Trainer over real gRPC on port 0: start, watch, cancel, get, list, and the error statuses."""
 
-import asyncio
-import threading
 import time
 
 import grpc
@@ -9,6 +7,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prorag.clients_trainer import TrainerClient, state_name
+from tests.helpers import LoopThread
 from prorag.pb import trainer_pb2, trainer_pb2_grpc
 from prorag.service import ServeConfig
 from services.trainer.server import SERVICE, TrainerConfig, start
@@ -16,23 +15,9 @@ from services.trainer.server import SERVICE, TrainerConfig, start
 FAST = {"steps": 40, "checkpoint_every": 10, "log_every": 5, "tracking": "local"}
 
 
-class _Loop:
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    loop = _Loop()
+    loop = LoopThread()
     root = tmp_path_factory.mktemp("trainer") / "jobs"
     started = loop.run(start(ServeConfig(port=0, grace_s=1), TrainerConfig(jobs_root=str(root), tracking="local")))
     target = f"127.0.0.1:{started.grpc_port}"
