@@ -53,7 +53,7 @@ PROFILES = {
     "default": Profile(world="default", model_preset="cpu", vocab_size=8192,
                        # Sized for the 20-minute budget of `make run` on 2 cores (~2 s per SFT step of 8
                        # trajectories); see docs/BENCHMARKS.md for what this budget reaches.
-                       sft={"max_questions": 2000, "max_steps": 200, "batch_size": 8, "lr": 3e-3, "log_every": 10,
+                       sft={"max_questions": 1500, "max_steps": 180, "batch_size": 8, "lr": 3e-3, "log_every": 10,
                             "checkpoint_every": 50}),
 }
 SFT_MODES = {"sft": "agent", "no_retrieval": "no_retrieval", "standard_rag": "standard_rag"}
