@@ -8,6 +8,8 @@ no transport code: the gRPC and HTTP front ends call it.
 
 from __future__ import annotations
 
+import abc
+
 import dataclasses
 import logging
 import os
@@ -52,7 +54,7 @@ def _stored(idx: int, d: Document) -> StoredDoc:
     return StoredDoc(idx, d.id, d.title, d.text, d.contents)
 
 
-class Retriever:
+class Retriever(abc.ABC):
     """Base: subclasses implement :meth:`search_raw`; :meth:`search` hydrates rows."""
 
     kind = ""
@@ -64,8 +66,9 @@ class Retriever:
     def num_documents(self) -> int:
         return len(self.docstore) if self.docstore is not None else 0
 
+    @abc.abstractmethod
     def search_raw(self, queries: list[str], k: int) -> Hits:
-        raise NotImplementedError
+        """[Q queries] -> [Q][<=k] (doc index, score), best first."""
 
     def search(self, queries: list[str], topk: int) -> list[list[ScoredDoc]]:
         return [[self._hydrate(i, s, r) for r, (i, s) in enumerate(hits, 1)]
