@@ -47,7 +47,22 @@ class RetrievedDoc:
     rank: int
 
 
-class RetrieverClient:
+class _Client:
+    """Channel lifetime shared by the typed clients (usable as context managers)."""
+
+    _channel: grpc.Channel
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class RetrieverClient(_Client):
     def __init__(self, target: str, timeout: float = 30.0, max_message_mb: int = 64):
         self.target = target
         self.timeout = timeout
@@ -72,17 +87,9 @@ class RetrieverClient:
     def list_indexes(self, timeout: float | None = None) -> retriever_pb2.ListIndexesResponse:
         return self._stub.ListIndexes(retriever_pb2.ListIndexesRequest(), timeout=timeout or self.timeout)
 
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
-class PolicyClient:
+class PolicyClient(_Client):
     """Typed client of prorag.v1.Policy (generation, rollouts, adapters)."""
 
     def __init__(self, target: str, timeout: float = 600.0, max_message_mb: int = 64):
@@ -138,14 +145,6 @@ class PolicyClient:
     def model_info(self, timeout: float | None = None):
         return self._stub.GetModelInfo(self._pb.GetModelInfoRequest(), timeout=timeout or self.timeout)
 
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def push_adapter(replicas: list[str], name: str, version: str, activate: bool = True,

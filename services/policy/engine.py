@@ -84,6 +84,18 @@ def validate_adapter_dir(path: str | Path) -> Path:
     return p
 
 
+def already_loaded(adapters: dict, key: str, path: str) -> bool:
+    """True if ``key`` is loaded from ``path`` (a no-op reload); AlreadyExists if from another path.
+
+    adapters: key -> (engine handle, resolved path), as both engines keep them.
+    """
+    if key not in adapters:
+        return False
+    if adapters[key][1] == path:
+        return True
+    raise AlreadyExists(f"adapter {key!r} is already loaded from {adapters[key][1]}")
+
+
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_model_len: int) -> None:
     if not isinstance(prompts, (list, tuple)):
         raise InvalidArgument("prompts must be a list of token-id lists")
@@ -336,10 +348,8 @@ class TransformersEngine(GenerationEngine):
             raise InvalidArgument("adapter key must be non-empty")
         p = str(validate_adapter_dir(path).resolve())
         with self._lock:
-            if key in self._adapters:
-                if self._adapters[key][1] == p:
-                    return
-                raise AlreadyExists(f"adapter {key!r} is already loaded from {self._adapters[key][1]}")
+            if already_loaded(self._adapters, key, p):
+                return
             # PEFT names become module keys: a "." (as in "v1.2") would break them, so use our own
             self._counter += 1
             name = f"a{self._counter}"

@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from prorag.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from prorag.errors import InvalidArgument, NotFound, Unavailable
 
-from .engine import GeneratedSeq, GenerationEngine, SamplingSpec, check_prompts, derive_seed, validate_adapter_dir
+from .engine import (GeneratedSeq, GenerationEngine, SamplingSpec, already_loaded, check_prompts, derive_seed,
+                     validate_adapter_dir)
 
 
 class VLLMEngine(GenerationEngine):
@@ -67,10 +68,8 @@ class VLLMEngine(GenerationEngine):
             raise InvalidArgument("adapter key must be non-empty")
         p = str(validate_adapter_dir(path).resolve())
         with self._lock:
-            if key in self._adapters:
-                if self._adapters[key][1] == p:
-                    return
-                raise AlreadyExists(f"adapter {key!r} is already loaded from {self._adapters[key][1]}")
+            if already_loaded(self._adapters, key, p):
+                return
             req = LoRARequest(lora_name=key, lora_int_id=self._next_id, lora_path=p)
             self._next_id += 1  # ids are never reused, even after an unload
             add = getattr(self._llm.llm_engine, "add_lora", None)
