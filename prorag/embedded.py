@@ -53,39 +53,58 @@ def policy_base_dir(world: str = "default") -> Path:
     return paths.data_dir() / "models" / world / "policy-base"
 
 
+#: bumped whenever train_tokenizer changes how text maps to ids, so an older base is rebuilt
+TOKENIZER_VERSION = 3
+
 #: embedded base policy per world size when nobody asks for a specific one
 DEFAULT_POLICY = {"tiny": ("tiny", 2048)}
+#: warm-up per world size (the tiny world is for tests: a few steps of each phase, seconds on CPU)
+DEFAULT_WARMUP = {"tiny": {"copy_steps": 6, "sentence_steps": 2, "document_steps": 2, "batch_size": 4}}
 
 
 def ensure_policy_model(world: str = "default", preset: str | None = None, vocab_size: int | None = None,
-                        seed: int = 0, pretrain_steps: int = 0) -> Path:
-    """The embedded policy: a BPE tokenizer trained on the world's corpus and questions (plus the
-    format's special tokens) and a randomly initialised Qwen3-architecture model, saved in HF format.
-    ``pretrain_steps`` > 0 adds a causal-LM warm-up on the corpus text."""
+                        seed: int = 0, warmup: dict | None = None, progress=None) -> Path:
+    """The embedded policy: a BPE tokenizer trained on the world's corpus, questions and the format's
+    text (plus its special tokens), and a Qwen3-architecture model warmed up from random init with the
+    copy task and reading curriculum (services.policy.modeling.WarmupConfig; ``warmup`` overrides it,
+    {"copy_steps": 0, ...} turns phases off), saved in HF format. Rebuilt when any setting changes.
+    progress(stage, done, total) reports the warm-up."""
     import json
+    from dataclasses import asdict
 
+    from prorag.config import from_dict
     from prorag.data.loaders import iter_corpus, load_split
-    from services.policy.modeling import build_model, pretrain_on_corpus, save_pretrained, train_tokenizer
+    from prorag.sft_data import BASELINE_SYSTEM_PROMPT, template_phrases
+    from prorag.trajectory import SYSTEM_PROMPT
+    from prorag.warmup_data import facts_from_questions
+    from services.policy.modeling import WarmupConfig, build_model, save_pretrained, train_tokenizer, warm_up_base
 
     out = policy_base_dir(world)
     marker = out / "embedded.json"
-    if preset is None and vocab_size is None and marker.exists():
-        return out  # whatever base exists is the one services and jobs share
+    if preset is None and vocab_size is None and warmup is None and marker.exists() \
+            and json.loads(marker.read_text()).get("tokenizer") == TOKENIZER_VERSION:
+        return out  # whatever current base exists is the one services and jobs share
     default_preset, default_vocab = DEFAULT_POLICY.get(world, ("cpu", 8192))
     preset = preset or default_preset
     vocab_size = vocab_size or default_vocab
-    want = {"world": world, "preset": preset, "vocab_size": vocab_size, "seed": seed, "pretrain_steps": pretrain_steps}
+    wcfg = from_dict(WarmupConfig, warmup if warmup is not None else DEFAULT_WARMUP.get(world, {}))
+    want = {"world": world, "preset": preset, "vocab_size": vocab_size, "seed": seed, "warmup": asdict(wcfg),
+            "tokenizer": TOKENIZER_VERSION}
     if marker.exists() and json.loads(marker.read_text()) == want:
         return out
     ensure_world(world)
     wdir = paths.world_dir(world)
-    corpus = [d.contents for d in iter_corpus(wdir / "corpus.jsonl")]
-    questions = [q.question for split in ("train", "dev") for q in load_split(wdir, split)]
-    subs = [s.question for q in load_split(wdir, "train") for s in q.decomposition]
-    tokenizer = train_tokenizer(corpus + questions + subs, vocab_size=vocab_size)
+    corpus = list(iter_corpus(wdir / "corpus.jsonl"))
+    train = load_split(wdir, "train")
+    questions = [q.question for q in train + load_split(wdir, "dev")]
+    subs = [s.question for q in train for s in q.decomposition]
+    # the fixed prompt and thought text repeated so its words become whole tokens (shorter sequences)
+    fmt = [SYSTEM_PROMPT, BASELINE_SYSTEM_PROMPT, *template_phrases()] * 50
+    tokenizer = train_tokenizer([d.contents for d in corpus] + questions + subs + fmt, vocab_size=vocab_size)
     model = build_model(preset, tokenizer, seed=seed)
-    if pretrain_steps:
-        pretrain_on_corpus(model, tokenizer, corpus, steps=pretrain_steps, seed=seed)
+    if wcfg.total_steps:
+        warm_up_base(model, tokenizer, {d.id: d.contents for d in corpus}, facts_from_questions(train), wcfg,
+                     seed=seed, progress=(lambda d, t: progress("warm up base policy", d, t)) if progress else None)
     save_pretrained(model, tokenizer, out)
     from prorag.io import write_json
 

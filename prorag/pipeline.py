@@ -24,6 +24,7 @@ from prorag import paths
 from prorag.clients import PolicyClient, RetrieverClient
 from prorag.data.loaders import load_split
 from prorag.embedded import ensure_indexes, ensure_policy_model
+from prorag.progress import progress_bars
 from prorag.evaluation import grouped_mean_ci, recall_at_k, retrieval_queries
 from prorag.runs import code_version, new_run_dir, write_results
 from prorag.stack import ServiceStack
@@ -53,7 +54,7 @@ PROFILES = {
     "default": Profile(world="default", model_preset="cpu", vocab_size=8192,
                        # Sized for the 20-minute budget of `make run` on 2 cores (~2 s per SFT step of 8
                        # trajectories); see docs/BENCHMARKS.md for what this budget reaches.
-                       sft={"max_questions": 1500, "max_steps": 180, "batch_size": 8, "lr": 3e-3, "log_every": 10,
+                       sft={"max_questions": 1500, "max_steps": 120, "batch_size": 8, "lr": 3e-3, "log_every": 10,
                             "checkpoint_every": 50}),
 }
 SFT_MODES = {"sft": "agent", "no_retrieval": "no_retrieval", "standard_rag": "standard_rag"}
@@ -101,7 +102,7 @@ def print_retrieval_table(results: dict, ks=KS) -> None:
 def train(stack: ServiceStack, method: str, profile: Profile, base_model: str) -> dict:
     """Run (or reuse) the SFT job of ``method``; returns the finished job's manifest."""
     from prorag.clients_trainer import TrainerClient, state_name
-    from prorag.progress import progress_bars
+
 
     config = {"mode": SFT_MODES[method], "world": profile.world, "base_model": base_model,
               "retriever": stack.grpc_target("retriever"), "publish_name": method, **profile.sft}
@@ -137,7 +138,7 @@ def evaluate_method(method: str, model_dir: str, profile: Profile, stack: Servic
                     port_offset: int) -> dict:
     """Serve ``model_dir`` in its own policy process and evaluate it through the services."""
     from prorag.eval import evaluate
-    from prorag.progress import progress_bars
+
 
     eval_stack = ServiceStack(port_offset=port_offset, world=profile.world, services=("policy",),
                               overrides={"policy": {"model": model_dir, "retriever": stack.grpc_target("retriever"),
@@ -158,7 +159,8 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     ensure_indexes(world)
-    base = ensure_policy_model(world, preset=prof.model_preset, vocab_size=prof.vocab_size)
+    with progress_bars() as progress:
+        base = ensure_policy_model(world, preset=prof.model_preset, vocab_size=prof.vocab_size, progress=progress)
     timings["build_world_indexes_model_s"] = time.monotonic() - t0
     run_dir = new_run_dir(f"run-{profile}")
     t1 = time.monotonic()

@@ -42,6 +42,11 @@ _GROUNDED = ("The documents contain what I need.", "I can answer from the docume
 ThoughtFn = Callable[[str, str, dict], str]
 
 
+def template_phrases() -> list[str]:
+    """Every offline thought (the tokenizer is trained on them so they encode short)."""
+    return [*_SEARCH, *_READ, *_FINAL, *_COMPARE, *_DIRECT, *_GROUNDED]
+
+
 def template_thought(kind: str, question_id: str, ctx: dict) -> str:
     """Deterministic offline thought for a step. kind: search|read|final|compare|direct|grounded."""
     table = {"search": _SEARCH, "read": _READ, "final": _FINAL, "compare": _COMPARE, "direct": _DIRECT,

@@ -7,6 +7,7 @@ a GPU host goes through :func:`load_policy` exactly like the CPU test model.
 from __future__ import annotations
 
 import hashlib
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -36,18 +37,26 @@ CHAT_TEMPLATE = (
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, out_dir: str | Path | None = None):
     """Train a byte-level BPE on ``texts``; the chat tokens and 10 format tags are whole special tokens.
 
+    A word right after a newline is tokenised like the same word after a space (the normaliser
+    writes "\n" as "\n ", the decoder takes exactly that space out again, so decode(encode(x)) == x).
+    Why: the format puts every subanswer and answer on a new line (``<subanswer>\nLajost ...``), and
+    with plain byte-level BPE "Lajost" there and " Lajost" in the documents are unrelated ids, so
+    a small model would have to learn a lookup per name instead of copying the token it reads.
+
     Ids: <|endoftext|>=0 (pad), <|im_start|>=1, <|im_end|>=2 (eos), <think>=3, </think>=4, tags 5..14.
     Saved in Hugging Face format under ``out_dir`` (atomically) when given.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = list(CHAT_TOKENS) + list(TAGS)
     if vocab_size < 256 + len(specials):
         raise InvalidArgument(f"vocab_size must be >= {256 + len(specials)} (bytes + special tokens), got {vocab_size}")
     tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Replace("\n", "\n ")
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
+    # ByteLevel joins the pieces into one string before Replace runs, so the space is always found
+    tok.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Replace("\n ", "\n")])
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
@@ -102,12 +111,14 @@ class PolicyModelConfig:
 #: 8k vocabulary; on 2 AVX2 cores (fp32, static KV cache) it decoded ~1,450-2,150 tokens/s at batch 64.
 PRESETS: dict[str, PolicyModelConfig] = {
     "tiny": PolicyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                              intermediate_size=192, max_position_embeddings=4096),
+                              intermediate_size=192, max_position_embeddings=4096, rope_theta=10_000.0),
     "small": PolicyModelConfig(),
     # The embedded default's policy: trains about twice as fast as "small" on 2 CPU cores
     # (measured with the SFT loss: ~4k vs ~2.3k tokens/s at 16 x 640 tokens), see docs/BENCHMARKS.md.
+    # RoPE base 1e4, not Qwen3-8B's 1e6: with 32-dim heads and contexts under 4k, 1e6 leaves almost no
+    # fast-rotating dimensions for previous-token heads, and copying was learnt faster with 1e4.
     "cpu": PolicyModelConfig(hidden_size=192, num_layers=4, num_heads=6, num_kv_heads=2, head_dim=32,
-                             intermediate_size=576),
+                             intermediate_size=576, rope_theta=10_000.0),
 }
 
 
@@ -215,33 +226,90 @@ def model_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def pretrain_on_corpus(model, tokenizer, texts: Iterable[str], steps: int = 100, lr: float = 3e-4,
-                       batch_size: int = 16, seq_len: int = 256, seed: int = 0) -> list[float]:
-    """Causal-LM warm-up on raw texts (packed into ``seq_len`` blocks); returns the loss per step.
+@dataclass
+class WarmupConfig:
+    """Pre-training of the embedded base before any stage (see prorag.warmup_data for why)."""
 
-    Gives a random model word statistics before SFT; it does not teach the step format.
+    copy_steps: int = cfg_field(150, help="steps of the copy task (random strings written twice)", min=0)
+    copy_length: int = cfg_field(32, help="length of each random string", min=2)
+    sentence_steps: int = cfg_field(150, help="reading steps with 1, then 2, then 3 sentences (each)", min=0)
+    document_steps: int = cfg_field(150, help="reading steps with whole documents and up to 6 questions", min=0)
+    batch_size: int = cfg_field(32, help="sequences per step", min=1)
+    lr: float = cfg_field(3e-3, help="AdamW learning rate (constant)", min=0.0, max=1.0)
+
+    @property
+    def total_steps(self) -> int:
+        return self.copy_steps + 3 * self.sentence_steps + self.document_steps
+
+
+def _trained_loss(model, ids: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    """Mean CE on positions whose target is trained; ids/trained [B,T]. The head runs on those only."""
+    hidden = model.base_model(input_ids=ids).last_hidden_state[:, :-1]
+    mask = trained[:, 1:]
+    logits = model.get_output_embeddings()(hidden[mask]).float()
+    return torch.nn.functional.cross_entropy(logits, ids[:, 1:][mask])
+
+
+def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfig | None = None, seed: int = 0,
+                 progress=None) -> list[float]:
+    """Copy task, then the reading curriculum, on ``model`` in place; returns the loss per step.
+
+    docs: doc id -> text; facts: prorag.warmup_data.Fact list (their documents must be in docs).
+    progress(done, total) is called every step.
     """
-    ids: list[int] = []
-    for t in texts:
-        ids.extend(tokenizer.encode(t, add_special_tokens=False))
-        ids.append(tokenizer.pad_token_id)
-    n_blocks = len(ids) // seq_len
-    if n_blocks == 0:
-        raise InvalidArgument(f"corpus too small: {len(ids)} tokens < seq_len {seq_len}")
-    data = torch.tensor(ids[: n_blocks * seq_len]).view(n_blocks, seq_len)
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    from prorag.warmup_data import copy_batch, facts_by_doc, reading_example
+
+    cfg = cfg or WarmupConfig()
+    rng = random.Random(seed)
+    by_doc = facts_by_doc(facts, docs)
+    doc_ids = sorted(by_doc)
+    if not doc_ids and cfg.sentence_steps + cfg.document_steps:
+        raise InvalidArgument("no facts whose document is in the corpus: nothing to read")
+    pad = tokenizer.pad_token_id
+    low, high = len(TAGS) + len(CHAT_TOKENS) + 256, len(tokenizer)  # ordinary merged tokens only
+
+    def reading_batch(n_sentences):
+        rows = []
+        while len(rows) < cfg.batch_size:
+            did = doc_ids[rng.randrange(len(doc_ids))]
+            segs = reading_example(rng, docs[did], by_doc[did], n_sentences)
+            if segs is None:
+                continue
+            ids, trained = [], []
+            for text, is_answer in segs:
+                t = tokenizer.encode(text, add_special_tokens=False)
+                ids += t
+                trained += [is_answer] * len(t)
+            rows.append((ids, trained))
+        T = max(len(r[0]) for r in rows)
+        x = torch.full((len(rows), T), pad, dtype=torch.long)
+        m = torch.zeros((len(rows), T), dtype=torch.bool)
+        for i, (ids, trained) in enumerate(rows):
+            x[i, :len(ids)] = torch.tensor(ids)
+            m[i, :len(ids)] = torch.tensor(trained)
+        return x, m
+
+    phases = [("copy", cfg.copy_steps)] + [(k, cfg.sentence_steps) for k in (1, 2, 3)] + [(None, cfg.document_steps)]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     model.train()
-    losses = []
+    losses: list[float] = []
     try:
-        for _ in range(steps):
-            batch = data[torch.randint(0, n_blocks, (min(batch_size, n_blocks),), generator=g)]
-            loss = model(input_ids=batch, labels=batch).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(float(loss.detach()))
+        for phase, steps in phases:
+            for _ in range(steps):
+                if phase == "copy":
+                    x = torch.tensor(copy_batch(rng, cfg.batch_size, cfg.copy_length, low, high))
+                    m = torch.zeros_like(x, dtype=torch.bool)
+                    m[:, cfg.copy_length + 1:] = True  # the repeat's first token is not predictable
+                else:
+                    x, m = reading_batch(phase)
+                loss = _trained_loss(model, x, m)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                losses.append(float(loss.detach()))
+                if progress:
+                    progress(len(losses), cfg.total_steps)
     finally:
         model.eval()
     return losses
@@ -257,4 +325,4 @@ def describe_model(model) -> dict:
 
 __all__ = ["CHAT_TEMPLATE", "PolicyModelConfig", "PRESETS", "train_tokenizer", "add_format_tokens", "model_config",
            "build_model", "num_parameters", "save_pretrained", "load_policy", "model_sha256",
-           "pretrain_on_corpus", "describe_model"]
+           "WarmupConfig", "warm_up_base", "describe_model"]

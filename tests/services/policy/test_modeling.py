@@ -38,6 +38,20 @@ def test_decode_round_trip(tiny_policy):
                       clean_up_tokenization_spaces=False) == text
 
 
+@pytest.mark.parametrize("text", ["a\nb", "a\n b", "a\n\n  b\n", "\n", " \n\t\nx", "<subanswer>\nfounded</subanswer>\n<step>\n"])
+def test_decode_round_trip_with_newlines(tiny_policy, text):
+    _, tok = tiny_policy
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) == text
+
+
+def test_word_after_newline_is_the_word_after_a_space(tiny_policy):
+    # a subanswer copied from a document must be the same ids the document holds
+    _, tok = tiny_policy
+    in_doc = tok.encode("It was founded by the city", add_special_tokens=False)
+    in_answer = tok.encode("<subanswer>\nthe city</subanswer>", add_special_tokens=False)
+    assert in_answer[2:-1] == in_doc[-2:]
+
 def test_saved_layout_and_reload(tiny_policy):
     path, tok = tiny_policy
     names = {p.name for p in path.iterdir()}
@@ -120,11 +134,21 @@ def test_train_tokenizer_rejects_tiny_vocab():
         M.train_tokenizer(["a b"], vocab_size=100)
 
 
-def test_pretrain_lowers_loss(tiny_policy):
+def test_warm_up_learns_the_copy_task_and_reads(tiny_policy):
+    from prorag.warmup_data import Fact
+
     _, tok = tiny_policy
-    model = M.build_model(M.PolicyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                              head_dim=16, intermediate_size=64), tok)
-    losses = M.pretrain_on_corpus(model, tok, synthetic_texts(60), steps=30, lr=3e-3, batch_size=8, seq_len=64)
-    assert losses[-1] < losses[0] and not model.training
+    model = M.build_model(M.PolicyModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                                              head_dim=16, intermediate_size=64, rope_theta=10_000.0), tok)
+    docs = {"d1": "The city was founded by the band. The river is in the mountain.",
+            "d2": "The film was directed by the president. The album is from the school."}
+    facts = [Fact("d1", "Who founded the city?", "the band"), Fact("d2", "Who directed the film?", "the president")]
+    cfg = M.WarmupConfig(copy_steps=150, copy_length=6, sentence_steps=3, document_steps=3, batch_size=16, lr=1e-2)
+    seen = []
+    losses = M.warm_up_base(model, tok, docs, facts, cfg, progress=lambda d, t: seen.append((d, t)))
+    assert len(losses) == cfg.total_steps == 162 and seen[-1] == (162, 162)
+    assert sum(losses[140:150]) / 10 < losses[0] / 2, losses[::10]  # the copy task is learnt
+    assert torch.isfinite(torch.tensor(losses)).all() and not model.training
     assert json.dumps(M.describe_model(model))
-    assert torch.isfinite(torch.tensor(losses)).all()
+    with pytest.raises(InvalidArgument, match="no facts"):
+        M.warm_up_base(model, tok, {}, facts, cfg)

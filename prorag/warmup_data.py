@@ -1,0 +1,102 @@
+"""Pre-training data for the embedded base policy: a copy task and a reading curriculum.
+
+Why: the paper starts from Qwen3-8B, a base model that already copies names from its context and
+answers questions about a passage. The embedded stand-in is trained from random init on 2 CPU
+cores, and measured there (docs/BENCHMARKS.md) it never learnt to read from the SFT data alone in
+the 20-minute budget: one answer token per ~600-token trajectory is too sparse a signal. Two short
+phases give it those abilities first, for the policy and both baselines alike:
+
+1. copy: random token strings shown twice, loss on the repeat (forms induction heads in ~150 steps);
+2. reading: a passage then "Question: ...\\nAnswer: ..." lines about it, the passage growing from the
+   one sentence that holds the answer to the whole document with several questions.
+
+Pure functions (no I/O): facts come from the train split's gold decompositions, passages from the corpus.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One single-hop fact: a question about document doc_id and its answer (found in the text)."""
+
+    doc_id: str
+    question: str
+    answer: str
+
+
+def facts_from_questions(questions) -> list[Fact]:
+    """Distinct (doc, question, answer) hops of gold decompositions, in first-seen order."""
+    seen, out = set(), []
+    for q in questions:
+        for s in q.decomposition:
+            key = (s.doc_id, s.question)
+            if s.doc_id and s.answer and key not in seen:
+                seen.add(key)
+                out.append(Fact(s.doc_id, s.question, s.answer))
+    return out
+
+
+def sentences(text: str) -> list[str]:
+    return [s for s in _SENTENCE_END.split(text.strip()) if s]
+
+
+def copy_batch(rng: random.Random, batch: int, length: int, low: int, high: int) -> list[list[int]]:
+    """[batch][2*length] token ids: a random string of ``length`` ids in [low, high) written twice."""
+    out = []
+    for _ in range(batch):
+        half = [rng.randrange(low, high) for _ in range(length)]
+        out.append(half + half)
+    return out
+
+
+def reading_example(rng: random.Random, text: str, facts: Sequence[Fact], n_sentences: int | None,
+                    max_questions: int = 6) -> list[tuple[str, bool]] | None:
+    """A passage and question/answer lines as (segment, trained) pairs; the answers are the trained parts.
+
+    n_sentences: the passage is the sentence holding one fact's answer plus n-1 other sentences of the
+    document, shuffled (one question); None: the whole document and up to max_questions questions.
+    Returns None when no sentence contains the answer.
+    """
+    if n_sentences is None:
+        chosen = list(facts)
+        rng.shuffle(chosen)
+        chosen = chosen[:max_questions]
+        passage = text.strip()
+    else:
+        fact = rng.choice(list(facts))
+        sents = sentences(text)
+        holding = [s for s in sents if fact.answer in s]
+        if not holding:
+            return None
+        rest = [s for s in sents if s not in holding]
+        rng.shuffle(rest)
+        picked = [holding[0]] + rest[:max(0, n_sentences - 1)]
+        rng.shuffle(picked)
+        passage = " ".join(picked)
+        chosen = [fact]
+    segs: list[tuple[str, bool]] = [(passage + "\n", False)]
+    for f in chosen:
+        segs.append((f"Question: {f.question}\nAnswer:", False))
+        segs.append((f" {f.answer}", True))
+        segs.append(("\n", False))
+    return segs
+
+
+def facts_by_doc(facts: Sequence[Fact], docs: Mapping[str, str]) -> dict[str, list[Fact]]:
+    """Facts grouped by document, keeping only documents present in ``docs``."""
+    out: dict[str, list[Fact]] = {}
+    for f in facts:
+        if f.doc_id in docs:
+            out.setdefault(f.doc_id, []).append(f)
+    return out
+
+
+__all__ = ["Fact", "facts_from_questions", "sentences", "copy_batch", "reading_example", "facts_by_doc"]

@@ -1,0 +1,49 @@
+"""Copy task and reading curriculum for the embedded base (pure functions)."""
+
+import random
+from types import SimpleNamespace
+
+from prorag.data.loaders import SubStep
+from prorag.warmup_data import Fact, copy_batch, facts_by_doc, facts_from_questions, reading_example, sentences
+
+DOC = "Mai Brewery is a brewery in Porkburg. It was founded by Rasho Dry. The brewery opened in 1901."
+FACTS = [Fact("O1", "Who founded Mai Brewery?", "Rasho Dry"), Fact("O1", "When did Mai Brewery open?", "1901")]
+
+
+def test_facts_are_distinct_hops_with_documents():
+    q1 = SimpleNamespace(decomposition=[SubStep("Who founded Mai Brewery?", "Rasho Dry", doc_id="O1"),
+                                        SubStep("Is 1 > 2?", "no")])  # a comparison step has no document
+    q2 = SimpleNamespace(decomposition=[SubStep("Who founded Mai Brewery?", "Rasho Dry", doc_id="O1")])
+    assert facts_from_questions([q1, q2]) == [Fact("O1", "Who founded Mai Brewery?", "Rasho Dry")]
+    assert facts_by_doc(FACTS + [Fact("X9", "q", "a")], {"O1": DOC}) == {"O1": FACTS}
+
+
+def test_sentences():
+    assert sentences(DOC) == ["Mai Brewery is a brewery in Porkburg.", "It was founded by Rasho Dry.",
+                              "The brewery opened in 1901."]
+
+
+def test_copy_batch_repeats_each_string():
+    rows = copy_batch(random.Random(0), batch=3, length=5, low=10, high=20)
+    assert len(rows) == 3 and all(r[:5] == r[5:] and all(10 <= t < 20 for t in r) for r in rows)
+
+
+def test_one_sentence_passage_holds_the_answer_and_only_answers_are_trained():
+    for seed in range(20):
+        segs = reading_example(random.Random(seed), DOC, FACTS, n_sentences=1)
+        passage, question, answer, end = segs
+        assert not passage[1] and not question[1] and answer[1] and not end[1]
+        assert answer[0].strip() in passage[0] and passage[0].count(".") == 1
+        assert question[0].startswith("Question: ") and question[0].endswith("\nAnswer:")
+
+
+def test_sentence_count_grows_and_whole_document_asks_every_fact():
+    segs = reading_example(random.Random(0), DOC, FACTS, n_sentences=2)
+    assert segs[0][0].count(".") == 2
+    whole = reading_example(random.Random(0), DOC, FACTS, n_sentences=None)
+    assert whole[0][0] == DOC + "\n"
+    assert sorted(t.strip() for t, trained in whole if trained) == ["1901", "Rasho Dry"]
+
+
+def test_answer_missing_from_text_gives_none():
+    assert reading_example(random.Random(0), DOC, [Fact("O1", "Who?", "Nobody")], n_sentences=1) is None
