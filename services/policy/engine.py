@@ -533,6 +533,8 @@ class TransformersEngine(GenerationEngine):
             keep = []
             for slot, k in enumerate(live):
                 r = rows[k]
+                if r.finish:
+                    continue  # finished, but its slot is kept until the next compaction
                 r.out.append(tok_l[slot])
                 r.logprobs.append(lp_l[slot])
                 if stop_l[slot]:

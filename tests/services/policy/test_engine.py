@@ -71,6 +71,21 @@ def test_stops_on_stop_token_per_sequence(tiny_engine, prompts):
         assert r[0].token_ids == full[:cut]  # rows finishing at other times are unaffected
 
 
+@pytest.mark.parametrize("compact_below", [0.0, 0.75, 1.0])
+def test_finished_rows_get_no_tokens_whether_or_not_compacted(tiny_policy, tiny_engine, prompts, compact_below):
+    # regression: a row that stopped while its slot was kept (no compaction yet) went on generating
+    eng = TransformersEngine(tiny_policy[0], compact_below=compact_below, model=tiny_engine.base,
+                             tokenizer=tiny_policy[1])
+    ref = [r[0].token_ids for r in eng.generate(prompts, GREEDY)]
+    stop = ref[0][3]
+    out = eng.generate(prompts * 3, SamplingSpec(temperature=0, max_tokens=24, stop_token_ids=(stop,)))
+    for r, full in zip(out, ref * 3):
+        s = r[0]
+        cut = full.index(stop) + 1 if stop in full else len(full)
+        assert s.token_ids == full[:cut] and len(s.logprobs) == len(s.token_ids)
+        assert (s.finish_reason == "stop") == (stop in full)
+
+
 def test_eos_always_stops(tiny_engine, prompts):
     # force EOS as the most likely token: a huge bias on its logit via a hook on the LM head
     eos = tiny_engine.eos_id
