@@ -242,14 +242,6 @@ class WarmupConfig:
         return self.copy_steps + 3 * self.sentence_steps + self.document_steps
 
 
-def _trained_loss(model, ids: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
-    """Mean CE on positions whose target is trained; ids/trained [B,T]. The head runs on those only."""
-    hidden = model.base_model(input_ids=ids).last_hidden_state[:, :-1]
-    mask = trained[:, 1:]
-    logits = model.get_output_embeddings()(hidden[mask]).float()
-    return torch.nn.functional.cross_entropy(logits, ids[:, 1:][mask])
-
-
 def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfig | None = None, seed: int = 0,
                  progress=None) -> list[float]:
     """Copy task, then the reading curriculum, on ``model`` in place; returns the loss per step.
@@ -257,6 +249,7 @@ def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfi
     docs: doc id -> text; facts: prorag.warmup_data.Fact list (their documents must be in docs).
     progress(done, total) is called every step.
     """
+    from prorag.losses import weighted_lm_loss
     from prorag.warmup_data import copy_batch, facts_by_doc, reading_example
 
     cfg = cfg or WarmupConfig()
@@ -302,7 +295,8 @@ def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfi
                     m[:, cfg.copy_length + 1:] = True  # the repeat's first token is not predictable
                 else:
                     x, m = reading_batch(phase)
-                loss = _trained_loss(model, x, m)
+                labels = x.masked_fill(~m, -100)
+                loss, _ = weighted_lm_loss(model, x, torch.ones_like(x), labels, m.float())
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

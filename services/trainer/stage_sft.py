@@ -21,6 +21,7 @@ from pathlib import Path
 from prorag import paths
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
+from prorag.losses import weighted_lm_loss
 from services.trainer.stages import JobContext, register_stage
 
 
@@ -142,26 +143,6 @@ def collate(samples, pad_id: int):
         labels[i, :n] = lab
         w[i, :n] = torch.tensor(s.weights)
     return ids, attn, labels, w
-
-
-def weighted_lm_loss(model, input_ids, attention_mask, labels, weights):
-    """Format-aware loss: sum_t w_t * CE_t / sum_t w_t over tokens with labels != -100.
-
-    input_ids/attention_mask/labels [B,T] (labels -100 = not trained); weights [B,T].
-    Position t predicts labels[t+1]. The LM head runs only on trained positions (about a fifth
-    of a trajectory: prompt, documents and glue are masked), which halves the step time on CPU.
-    Returns (loss, number of trained tokens).
-    """
-    import torch.nn.functional as F
-
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    target = labels[:, 1:]
-    mask = target != -100
-    h = hidden[:, :-1][mask]
-    logits = model.get_output_embeddings()(h).float()
-    ce = F.cross_entropy(logits, target[mask], reduction="none")
-    w = weights[:, 1:][mask]
-    return (ce * w).sum() / w.sum().clamp(min=1e-8), int(mask.sum())
 
 
 # ---------------------------------------------------------------- stage
