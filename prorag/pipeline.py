@@ -52,10 +52,10 @@ PROFILES = {
     "tiny": Profile(world="tiny", model_preset="tiny", vocab_size=2048,
                     sft={"max_steps": 24, "batch_size": 8, "lr": 3e-3, "log_every": 4, "checkpoint_every": 12}),
     "default": Profile(world="default", model_preset="cpu", vocab_size=8192,
-                       # Sized for the 20-minute budget of `make run` on 2 cores (~2 s per SFT step of 8
-                       # trajectories); see docs/BENCHMARKS.md for what this budget reaches.
-                       sft={"max_questions": 1500, "max_steps": 120, "batch_size": 8, "lr": 3e-3, "log_every": 10,
-                            "checkpoint_every": 50}),
+                       # Sized for the 20-minute budget of `make run` on 2 cores (~1 s per SFT step of 8
+                       # length-grouped trajectories); see docs/BENCHMARKS.md for what this budget reaches.
+                       sft={"max_questions": 3000, "max_steps": 240, "batch_size": 8, "lr": 3e-3, "log_every": 10,
+                            "checkpoint_every": 60}),
 }
 SFT_MODES = {"sft": "agent", "no_retrieval": "no_retrieval", "standard_rag": "standard_rag"}
 

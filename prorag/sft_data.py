@@ -126,3 +126,23 @@ def encode_segments(tokenizer, prompt: str, steps: Sequence[Step], tag_ids: Mapp
 
 def agent_prompt(question: str) -> str:
     return render_prompt(question, SYSTEM_PROMPT)
+
+
+def length_grouped_batches(lengths: Sequence[int], batch_size: int, seed: int, group: int = 16) -> list[list[int]]:
+    """One epoch's batches of sample indices, each batch of similar lengths; a function of the seed only.
+
+    lengths [N] -> ceil(N / batch_size) batches covering every index once. The epoch is shuffled,
+    cut into windows of ``group`` batches, each window sorted by length and cut into batches, and
+    the batch order shuffled again. Why: agent trajectories run from ~200 to ~1,000 tokens, and
+    random batches of 8 spent about a third of each step on padding (measured 63% of tokens real).
+    """
+    rng = random.Random(seed)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    window = max(1, batch_size * group)
+    batches: list[list[int]] = []
+    for w in range(0, len(order), window):
+        chunk = sorted(order[w:w + window], key=lambda i: lengths[i])
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches

@@ -3,7 +3,8 @@
 import torch
 
 from prorag.data.loaders import Question
-from prorag.sft_data import agent_steps, baseline_prompt, baseline_steps, encode_segments, ensure_gold
+from prorag.sft_data import (agent_steps, baseline_prompt, baseline_steps, encode_segments, ensure_gold,
+                             length_grouped_batches)
 from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS, RetrievedDoc, is_valid_format, render_prompt
 
 
@@ -111,3 +112,29 @@ def test_weighted_lm_loss_matches_a_hand_computation():
     ce = torch.nn.functional.cross_entropy(logits[[1, 2]], torch.tensor([3, 4]), reduction="none")
     assert n == 2
     assert torch.allclose(loss, (ce[0] * 1 + ce[1] * 5) / 6)
+
+
+def test_length_grouped_batches_cover_every_sample_once_and_cut_padding():
+    import random
+
+    rng = random.Random(1)
+    lengths = [rng.randrange(200, 1000) for _ in range(1000)]
+    batches = length_grouped_batches(lengths, batch_size=8, seed=3)
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == list(range(1000))
+    assert len(batches) == 125 and all(len(b) == 8 for b in batches)
+    # same seed -> same batches (resume), another seed -> another order
+    assert batches == length_grouped_batches(lengths, batch_size=8, seed=3)
+    assert batches != length_grouped_batches(lengths, batch_size=8, seed=4)
+
+    def real_share(bs):
+        return sum(lengths[i] for b in bs for i in b) / sum(max(lengths[i] for i in b) * len(b) for b in bs)
+
+    random_batches = [flat_i for flat_i in (list(range(1000))[i:i + 8] for i in range(0, 1000, 8))]
+    assert real_share(batches) > 0.95 > 0.8 > real_share(random_batches)
+
+
+def test_length_grouped_batches_keep_a_short_last_batch():
+    batches = length_grouped_batches([5, 3, 9, 1, 7], batch_size=2, seed=0)
+    assert sorted(len(b) for b in batches) == [1, 2, 2]
+    assert sorted(i for b in batches for i in b) == [0, 1, 2, 3, 4]

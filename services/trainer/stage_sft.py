@@ -13,7 +13,6 @@ resume: batch order from (seed, epoch) only, checkpoints through the JobContext.
 from __future__ import annotations
 
 import math
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from prorag import paths
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.losses import weighted_lm_loss
+from prorag.sft_data import length_grouped_batches
 from services.trainer.stages import JobContext, register_stage
 
 
@@ -195,17 +195,16 @@ def run_sft(ctx: JobContext) -> dict:
         sched.load_state_dict(state["scheduler"])
         start = int(state["step"])
 
-    orders: dict[int, list[int]] = {}
+    orders: dict[int, list[list[int]]] = {}
+    lengths = [len(s.token_ids) for s in samples]
 
     def batch_at(step: int):
+        # the order is a function of (seed, epoch) only, so a resumed job sees the same batches
         epoch, i = divmod(step, per_epoch)
         if epoch not in orders:
             orders.clear()
-            order = list(range(len(samples)))
-            random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)
-            orders[epoch] = order
-        idx = orders[epoch][i * cfg.batch_size:(i + 1) * cfg.batch_size]
-        return collate([samples[j] for j in idx], tokenizer.pad_token_id)
+            orders[epoch] = length_grouped_batches(lengths, cfg.batch_size, cfg.seed * 1_000_003 + epoch)
+        return collate([samples[j] for j in orders[epoch][i]], tokenizer.pad_token_id)
 
     def snapshot(done: int) -> dict:
         return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
