@@ -230,11 +230,8 @@ def model_sha256(path: str | Path) -> str:
 class WarmupConfig:
     """Pre-training of the embedded base before any stage (see prorag.warmup_data for why)."""
 
-    copy_steps: int = cfg_field(2000, help="steps of the copy task (random strings written twice)", min=0)
-    copy_length: int = cfg_field(16, help="longest random string; each batch draws a length in [4, copy_length]",
-                                 min=4)
-    copy_mix: int = cfg_field(8, help="copy-task rows added to every reading step so copying is not forgotten "
-                                      "(0 = off)", min=0)
+    copy_steps: int = cfg_field(150, help="steps of the copy task (random strings written twice)", min=0)
+    copy_length: int = cfg_field(32, help="length of each random string", min=2)
     sentence_steps: int = cfg_field(150, help="reading steps with 1, then 2, then 3 sentences (each)", min=0)
     document_steps: int = cfg_field(150, help="reading steps with whole documents and up to 6 questions", min=0)
     batch_size: int = cfg_field(32, help="sequences per step", min=1)
@@ -285,18 +282,6 @@ def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfi
             m[i, :len(ids)] = torch.tensor(trained)
         return x, m
 
-    def copy_rows(n):
-        # A length drawn per batch: with one fixed length the repeat is solved by attending a fixed
-        # distance back (measured), which is not the content-based copying (induction) the agent needs.
-        length = rng.randint(4, cfg.copy_length)
-        x = torch.tensor(copy_batch(rng, n, length, low, high))
-        m = torch.zeros_like(x, dtype=torch.bool)
-        m[:, length + 1:] = True  # the repeat's first token is not predictable
-        return x, m
-
-    def loss_on(x, m):
-        return weighted_lm_loss(model, x, torch.ones_like(x), x.masked_fill(~m, -100), m.float())[0]
-
     phases = [("copy", cfg.copy_steps)] + [(k, cfg.sentence_steps) for k in (1, 2, 3)] + [(None, cfg.document_steps)]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     model.train()
@@ -305,11 +290,13 @@ def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfi
         for phase, steps in phases:
             for _ in range(steps):
                 if phase == "copy":
-                    loss = loss_on(*copy_rows(cfg.batch_size))
+                    x = torch.tensor(copy_batch(rng, cfg.batch_size, cfg.copy_length, low, high))
+                    m = torch.zeros_like(x, dtype=torch.bool)
+                    m[:, cfg.copy_length + 1:] = True  # the repeat's first token is not predictable
                 else:
-                    loss = loss_on(*reading_batch(phase))
-                    if cfg.copy_mix:  # measured: the reading phases alone erased the copy skill
-                        loss = loss + loss_on(*copy_rows(cfg.copy_mix))
+                    x, m = reading_batch(phase)
+                labels = x.masked_fill(~m, -100)
+                loss, _ = weighted_lm_loss(model, x, torch.ones_like(x), labels, m.float())
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

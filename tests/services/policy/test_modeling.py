@@ -143,18 +143,11 @@ def test_warm_up_learns_the_copy_task_and_reads(tiny_policy):
     docs = {"d1": "The city was founded by the band. The river is in the mountain.",
             "d2": "The film was directed by the president. The album is from the school."}
     facts = [Fact("d1", "Who founded the city?", "the band"), Fact("d2", "Who directed the film?", "the president")]
-    cfg = M.WarmupConfig(copy_steps=60, copy_length=6, sentence_steps=3, document_steps=3, batch_size=16, lr=1e-2,
-                         copy_mix=4)
+    cfg = M.WarmupConfig(copy_steps=150, copy_length=6, sentence_steps=3, document_steps=3, batch_size=16, lr=1e-2)
     seen = []
-    init = {k: v.clone() for k, v in model.state_dict().items()}
     losses = M.warm_up_base(model, tok, docs, facts, cfg, progress=lambda d, t: seen.append((d, t)))
-    assert len(losses) == cfg.total_steps == 72 and seen[-1] == (72, 72)
-    # general copying (induction) needs ~1-2k steps (docs/BENCHMARKS.md); here only that the copy loss falls
-    assert sum(losses[50:60]) / 10 < sum(losses[:10]) / 10, losses[::10]
-    # copy rows are mixed into the reading steps: without them the copy phase is identical, the rest is not
-    model.load_state_dict(init)
-    plain = M.warm_up_base(model, tok, docs, facts, M.WarmupConfig(**{**cfg.__dict__, "copy_mix": 0}))
-    assert plain[:60] == losses[:60] and plain[60:] != losses[60:]
+    assert len(losses) == cfg.total_steps == 162 and seen[-1] == (162, 162)
+    assert sum(losses[140:150]) / 10 < losses[0] / 2, losses[::10]  # the copy task is learnt
     assert torch.isfinite(torch.tensor(losses)).all() and not model.training
     assert json.dumps(M.describe_model(model))
     with pytest.raises(InvalidArgument, match="no facts"):
