@@ -77,7 +77,8 @@ def ensure_policy_model(world: str = "default", preset: str | None = None, vocab
     from prorag.sft_data import BASELINE_SYSTEM_PROMPT, template_phrases
     from prorag.trajectory import SYSTEM_PROMPT
     from prorag.warmup_data import facts_from_questions
-    from services.policy.modeling import WarmupConfig, build_model, save_pretrained, train_tokenizer, warm_up_base
+    from services.policy.modeling import (WarmupConfig, build_model, model_config, save_pretrained, train_tokenizer,
+                                         warm_up_base)
 
     out = policy_base_dir(world)
     marker = out / "embedded.json"
@@ -88,8 +89,8 @@ def ensure_policy_model(world: str = "default", preset: str | None = None, vocab
     preset = preset or default_preset
     vocab_size = vocab_size or default_vocab
     wcfg = from_dict(WarmupConfig, warmup if warmup is not None else DEFAULT_WARMUP.get(world, {}))
-    want = {"world": world, "preset": preset, "vocab_size": vocab_size, "seed": seed, "warmup": asdict(wcfg),
-            "tokenizer": TOKENIZER_VERSION}
+    want = {"world": world, "preset": preset, "model": asdict(model_config(preset)), "vocab_size": vocab_size,
+            "seed": seed, "warmup": asdict(wcfg), "tokenizer": TOKENIZER_VERSION}
     if marker.exists() and json.loads(marker.read_text()) == want:
         return out
     ensure_world(world)

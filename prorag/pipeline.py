@@ -99,6 +99,17 @@ def print_retrieval_table(results: dict, ks=KS) -> None:
 
 
 # ---------------------------------------------------------------- training through the trainer
+def job_id_for(world: str, method: str, config: dict) -> str:
+    """Same config and base weights -> same job id, so a second `make run` reuses the finished job,
+    while a rebuilt base (same path, new weights) trains anew. The retriever address is excluded:
+    it moves with --port-offset but does not change the data."""
+    from services.policy.modeling import model_sha256
+
+    key = {k: v for k, v in config.items() if k != "retriever"}
+    key["base_sha256"] = model_sha256(config["base_model"])
+    return f"{world}-{method}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]}"
+
+
 def train(stack: ServiceStack, method: str, profile: Profile, base_model: str) -> dict:
     """Run (or reuse) the SFT job of ``method``; returns the finished job's manifest."""
     from prorag.clients_trainer import TrainerClient, state_name
@@ -106,11 +117,7 @@ def train(stack: ServiceStack, method: str, profile: Profile, base_model: str) -
 
     config = {"mode": SFT_MODES[method], "world": profile.world, "base_model": base_model,
               "retriever": stack.grpc_target("retriever"), "publish_name": method, **profile.sft}
-    # Same config -> same job id: a second `make run` reuses the finished job instead of retraining.
-    # The retriever address is excluded: it moves with --port-offset but does not change the data.
-    key = {k: v for k, v in config.items() if k != "retriever"}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
-    job_id = f"{profile.world}-{method}-{digest}"
+    job_id = job_id_for(profile.world, method, config)
     with TrainerClient(stack.grpc_target("trainer"), timeout=60) as client:
         existing = {j.job_id: j for j in client.list("sft")}
         if job_id in existing and state_name(existing[job_id].state) == "SUCCEEDED":

@@ -3,14 +3,20 @@
 Why: the paper starts from Qwen3-8B, a base model that already copies names from its context and
 answers questions about a passage. The embedded stand-in is trained from random init on 2 CPU
 cores, and measured there (docs/BENCHMARKS.md) it never learnt to read from the SFT data alone in
-the 20-minute budget: one answer token per ~600-token trajectory is too sparse a signal. Two short
+the 20-minute budget: one answer token per ~600-token trajectory is too sparse a signal. Short
 phases give it those abilities first, for the policy and both baselines alike:
 
-1. copy: random token strings shown twice, loss on the repeat (learnt in ~150 steps, but with one
-   fixed length by attending a fixed distance back, not by general induction; it still raised the
-   held-out reading accuracy that followed from 18% to 44%, see docs/BENCHMARKS.md);
+1. copy: random token strings shown twice, loss on the repeat, their length drawn per batch so no
+   fixed offset solves it (with one length the model attended a fixed distance back instead of
+   copying by content); a few copy rows stay in every later step so the skill is kept. The
+   ``cpu`` preset starts with an induction circuit wired in (services.policy.init_circuits):
+   from random init, content copying only formed after ~1,250 steps;
 2. reading: a passage then "Question: ...\\nAnswer: ..." lines about it, the passage growing from the
-   one sentence that holds the answer to the whole document with several questions.
+   one sentence that holds the answer to the whole document with several questions;
+3. reading among retrieved documents: the fact's document and distractors rendered as retrieval
+   results ("Doc i(Title: ...) ..."), shuffled, then the questions. Measured: a base that read
+   single documents at 72-84% still fell back to the answer prior ("yes"/"no") once fine-tuned
+   on three retrieved documents per question, for standard RAG as for the agent.
 
 Pure functions (no I/O): facts come from the train split's gold decompositions, passages from the corpus.
 """
@@ -92,6 +98,40 @@ def reading_example(rng: random.Random, text: str, facts: Sequence[Fact], n_sent
     return segs
 
 
+#: system prompt of the chat-form reading rows: generic, unlike any stage's prompt
+READING_SYSTEM_PROMPT = "Answer the question from the documents."
+
+
+def retrieved_reading_example(rng: random.Random, doc_id: str, docs: Mapping[str, str], facts: Sequence[Fact],
+                              distractors: Sequence[str], max_questions: int = 3,
+                              chat: bool = False) -> list[tuple[str, bool]]:
+    """Documents rendered as retrieval results (``doc_id``'s and ``distractors``, shuffled), then up to
+    max_questions questions about ``doc_id``'s facts, as (segment, trained) pairs.
+
+    chat: one question as a chat turn (system, user: documents + question, assistant: the answer and
+    <|im_end|>), the layout every stage's prompt uses, as an instruction-tuned base has seen it.
+    docs: doc id -> wiki-18 ``contents`` (quoted title line, then text).
+    """
+    from prorag.data.loaders import parse_contents
+    from prorag.trajectory import IM_END, IM_START, render_docs
+
+    ids = [doc_id, *distractors]
+    rng.shuffle(ids)
+    rendered = render_docs([parse_contents(docs[i]) for i in ids])
+    chosen = list(facts)
+    rng.shuffle(chosen)
+    if chat:
+        f = chosen[0]
+        return [(f"{IM_START}system\n{READING_SYSTEM_PROMPT}{IM_END}\n{IM_START}user\nDocuments:\n{rendered}\n\n"
+                 f"Question: {f.question}{IM_END}\n{IM_START}assistant\n", False), (f"{f.answer}{IM_END}", True)]
+    segs: list[tuple[str, bool]] = [(rendered + "\n", False)]
+    for f in chosen[:max_questions]:
+        segs.append((f"Question: {f.question}\nAnswer:", False))
+        segs.append((f" {f.answer}", True))
+        segs.append(("\n", False))
+    return segs
+
+
 def facts_by_doc(facts: Sequence[Fact], docs: Mapping[str, str]) -> dict[str, list[Fact]]:
     """Facts grouped by document, keeping only documents present in ``docs``."""
     out: dict[str, list[Fact]] = {}
@@ -101,4 +141,5 @@ def facts_by_doc(facts: Sequence[Fact], docs: Mapping[str, str]) -> dict[str, li
     return out
 
 
-__all__ = ["Fact", "facts_from_questions", "sentences", "copy_batch", "reading_example", "facts_by_doc"]
+__all__ = ["READING_SYSTEM_PROMPT", "Fact", "facts_from_questions", "sentences", "copy_batch", "reading_example", "retrieved_reading_example",
+           "facts_by_doc"]

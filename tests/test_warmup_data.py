@@ -4,7 +4,8 @@ import random
 from types import SimpleNamespace
 
 from prorag.data.loaders import SubStep
-from prorag.warmup_data import Fact, copy_batch, facts_by_doc, facts_from_questions, reading_example, sentences
+from prorag.warmup_data import (Fact, copy_batch, facts_by_doc, facts_from_questions, reading_example,
+                                 retrieved_reading_example, sentences)
 
 DOC = "Mai Brewery is a brewery in Porkburg. It was founded by Rasho Dry. The brewery opened in 1901."
 FACTS = [Fact("O1", "Who founded Mai Brewery?", "Rasho Dry"), Fact("O1", "When did Mai Brewery open?", "1901")]
@@ -47,3 +48,27 @@ def test_sentence_count_grows_and_whole_document_asks_every_fact():
 
 def test_answer_missing_from_text_gives_none():
     assert reading_example(random.Random(0), DOC, [Fact("O1", "Who?", "Nobody")], n_sentences=1) is None
+
+
+def test_retrieved_reading_renders_every_document_as_a_result_and_asks_about_the_first():
+    docs = {"a": '"Mai Brewery"\nMai Brewery was founded by Rasho Dry.',
+            "b": '"Open Tower"\nOpen Tower was produced by Lelbeld Lines.',
+            "c": '"Hymn of Byge"\nHymn of Byge was released in 1939.'}
+    facts = [Fact("a", "Who founded Mai Brewery?", "Rasho Dry")]
+    segs = retrieved_reading_example(random.Random(0), "a", docs, facts, ["b", "c"])
+    rendered = segs[0][0]
+    assert rendered.count("Doc ") == 3 and rendered.startswith("Doc 1(Title: ")
+    for title in ("Mai Brewery", "Open Tower", "Hymn of Byge"):
+        assert f"(Title: {title}) {title} was" in rendered
+    assert [s for s, trained in segs if trained] == [" Rasho Dry"]
+    assert segs[1] == ("Question: Who founded Mai Brewery?\nAnswer:", False)
+
+
+def test_retrieved_reading_as_a_chat_turn_trains_only_the_answer_and_end_of_turn():
+    docs = {"a": '"Mai Brewery"\nMai Brewery was founded by Rasho Dry.', "b": '"Open Tower"\nOpen Tower is a film.'}
+    facts = [Fact("a", "Who founded Mai Brewery?", "Rasho Dry")]
+    (prompt, trained_prompt), (answer, trained_answer) = retrieved_reading_example(
+        random.Random(0), "a", docs, facts, ["b"], chat=True)
+    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
+    assert "Documents:\nDoc 1(Title: " in prompt and "\n\nQuestion: Who founded Mai Brewery?<|im_end|>" in prompt
+    assert (trained_prompt, answer, trained_answer) == (False, "Rasho Dry<|im_end|>", True)
