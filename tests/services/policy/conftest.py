@@ -12,6 +12,21 @@ WORDS = ("the of and in was is for on as by with he at from his an were are whic
          "capital country president founded album band song river mountain university").split()
 
 
+class VocabOnly:
+    """Only what build_model reads from a tokenizer: a size and the special ids."""
+
+    eos_token_id, pad_token_id = 2, 0
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def convert_tokens_to_ids(self, t):
+        return 1
+
+
 def synthetic_texts(n: int = 300, seed: int = 0) -> list[str]:
     """Sentences plus rendered trajectories, so the BPE sees the glue around the tags."""
     rng = random.Random(seed)

@@ -8,15 +8,7 @@ import torch
 from services.policy import modeling as M
 from services.policy.init_circuits import wire_induction_circuit
 
-
-class Vocab:  # only what build_model reads from a tokenizer
-    eos_token_id, pad_token_id = 2, 0
-
-    def __len__(self):
-        return 2048
-
-    def convert_tokens_to_ids(self, t):
-        return 1
+from .conftest import VocabOnly
 
 
 SHAPE = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256,
@@ -43,14 +35,14 @@ def copy_accuracy(model, length=8):
 
 
 def test_induction_init_copies_before_training_and_normal_init_does_not():
-    wired = M.build_model(M.PolicyModelConfig(**SHAPE, init="induction"), Vocab())
-    plain = M.build_model(M.PolicyModelConfig(**SHAPE), Vocab())
+    wired = M.build_model(M.PolicyModelConfig(**SHAPE, init="induction"), VocabOnly(2048))
+    plain = M.build_model(M.PolicyModelConfig(**SHAPE), VocabOnly(2048))
     assert copy_accuracy(wired) > 0.8
     assert copy_accuracy(plain) < 0.05
 
 
 def test_layer0_wired_heads_attend_to_the_previous_token():
-    model = M.build_model(M.PolicyModelConfig(**SHAPE, init="induction"), Vocab())
+    model = M.build_model(M.PolicyModelConfig(**SHAPE, init="induction"), VocabOnly(2048))
     model.config._attn_implementation = "eager"  # attention weights are only returned by eager attention
     x = repeated_strings(n=1, length=12)
     with torch.no_grad():
@@ -63,7 +55,7 @@ def test_layer0_wired_heads_attend_to_the_previous_token():
 def test_induction_preset_is_wired_and_small_models_are_refused():
     assert M.PRESETS["cpu-induction"].init == "induction" and M.PRESETS["cpu"].init == "normal"
     too_small = M.build_model(M.PolicyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                                  head_dim=16, intermediate_size=64), Vocab())
+                                                  head_dim=16, intermediate_size=64), VocabOnly(2048))
     with pytest.raises(ValueError, match="induction init needs"):
         wire_induction_circuit(too_small)
     with pytest.raises(ValueError, match="init"):

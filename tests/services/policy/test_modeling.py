@@ -9,7 +9,7 @@ from prorag import trajectory as T
 from prorag.errors import InvalidArgument, NotFound
 from services.policy import modeling as M
 
-from .conftest import synthetic_texts
+from .conftest import VocabOnly, synthetic_texts
 
 
 def test_special_tokens_are_single_ids(tiny_policy):
@@ -95,16 +95,7 @@ def test_presets_and_config_validation(tiny_policy):
 def test_small_preset_size():
     """The bench-picked preset: ~8M parameters with an 8k vocabulary."""
 
-    class Vocab8k:  # only what build_model reads from a tokenizer
-        eos_token_id, pad_token_id = 2, 0
-
-        def __len__(self):
-            return 8192
-
-        def convert_tokens_to_ids(self, t):
-            return 1
-
-    n = M.num_parameters(M.build_model("small", Vocab8k()))
+    n = M.num_parameters(M.build_model("small", VocabOnly(8192)))
     assert 7.9e6 <= n <= 15e6
 
 
