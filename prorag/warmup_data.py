@@ -6,17 +6,18 @@ cores, and measured there (docs/BENCHMARKS.md) it never learnt to read from the 
 the 20-minute budget: one answer token per ~600-token trajectory is too sparse a signal. Short
 phases give it those abilities first, for the policy and both baselines alike:
 
-1. copy: random token strings shown twice, loss on the repeat, their length drawn per batch so no
-   fixed offset solves it (with one length the model attended a fixed distance back instead of
-   copying by content); a few copy rows stay in every later step so the skill is kept. The
-   ``cpu`` preset starts with an induction circuit wired in (services.policy.init_circuits):
-   from random init, content copying only formed after ~1,250 steps;
+1. copy: random token strings shown twice, loss on the repeat. With the default single length the
+   model learns to attend a fixed distance back, not content-based copying (induction), which from
+   random init only formed after ~1,250 steps of varied-length strings (docs/BENCHMARKS.md). Options:
+   lengths drawn per batch, copy rows kept in every later step, and the ``cpu-induction`` preset,
+   which starts with an induction circuit wired in (services.policy.init_circuits);
 2. reading: a passage then "Question: ...\\nAnswer: ..." lines about it, the passage growing from the
    one sentence that holds the answer to the whole document with several questions;
-3. reading among retrieved documents: the fact's document and distractors rendered as retrieval
-   results ("Doc i(Title: ...) ..."), shuffled, then the questions. Measured: a base that read
-   single documents at 72-84% still fell back to the answer prior ("yes"/"no") once fine-tuned
-   on three retrieved documents per question, for standard RAG as for the agent.
+3. optional, off by default: reading among retrieved documents, the fact's document and distractors
+   rendered as retrieval results ("Doc i(Title: ...) ..."), then the questions (some rows as a
+   chat turn). Tried because a base that read single documents at 72-84% still fell back to the
+   answer prior ("yes"/"no") once fine-tuned on three retrieved documents per question; measured,
+   it did not prevent that (docs/BENCHMARKS.md).
 
 Pure functions (no I/O): facts come from the train split's gold decompositions, passages from the corpus.
 """
@@ -141,5 +142,5 @@ def facts_by_doc(facts: Sequence[Fact], docs: Mapping[str, str]) -> dict[str, li
     return out
 
 
-__all__ = ["READING_SYSTEM_PROMPT", "Fact", "facts_from_questions", "sentences", "copy_batch", "reading_example", "retrieved_reading_example",
-           "facts_by_doc"]
+__all__ = ["READING_SYSTEM_PROMPT", "Fact", "facts_from_questions", "sentences", "copy_batch", "reading_example",
+           "retrieved_reading_example", "facts_by_doc"]

@@ -289,13 +289,8 @@ def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfi
 
     def distractors_for(did):
         pool = by_relation[" ".join(by_doc[did][0].question.split()[:2])]
-        pool = pool if len(pool) > cfg.distractors else doc_ids
-        out: list[str] = []
-        while len(out) < min(cfg.distractors, len(pool) - 1):
-            other = pool[rng.randrange(len(pool))]
-            if other != did and other not in out:
-                out.append(other)
-        return out
+        others = [d for d in (pool if len(pool) > cfg.distractors else doc_ids) if d != did]
+        return rng.sample(others, min(cfg.distractors, len(others)))
     pad = tokenizer.pad_token_id
     low, high = len(TAGS) + len(CHAT_TOKENS) + 256, len(tokenizer)  # ordinary merged tokens only
 
