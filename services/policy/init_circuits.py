@@ -44,6 +44,14 @@ def _orthonormal_rows(n: int, dim: int, exclude: torch.Tensor, gen: torch.Genera
     return q.T.contiguous()
 
 
+def induction_shape_problem(num_layers: int, head_dim: int, hidden_size: int) -> str | None:
+    """Why a model of this shape cannot take the circuit, or None when it can."""
+    if num_layers < 2 or head_dim // 2 < len(_POSITION_PAIRS) + _CONTENT_PAIRS or hidden_size <= 3 * head_dim:
+        return (f"induction init needs >= 2 layers, head_dim >= {2 * (len(_POSITION_PAIRS) + _CONTENT_PAIRS)} and "
+                f"hidden_size > 3 * head_dim (got {num_layers}, {head_dim}, {hidden_size})")
+    return None
+
+
 def wire_induction_circuit(model, seed: int = 0, embed_scale: float = 10.0, prev_scale: float = 0.15,
                            copy_scale: float = 1.0, norm_gain: float = 2.0) -> None:
     """Wire a previous-token + induction circuit into a freshly initialised Qwen3 ``model`` in place.
@@ -56,9 +64,9 @@ def wire_induction_circuit(model, seed: int = 0, embed_scale: float = 10.0, prev
     c = model.config
     hidden, head_dim, heads, kv_heads = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     half = head_dim // 2
-    if c.num_hidden_layers < 2 or half < len(_POSITION_PAIRS) + _CONTENT_PAIRS or hidden <= 3 * head_dim:
-        raise ValueError(f"induction init needs >= 2 layers, head_dim >= {2 * (len(_POSITION_PAIRS) + _CONTENT_PAIRS)}"
-                         f" and hidden_size > 3 * head_dim (got {c.num_hidden_layers}, {head_dim}, {hidden})")
+    problem = induction_shape_problem(c.num_hidden_layers, head_dim, hidden)
+    if problem:
+        raise ValueError(problem)
     rope = c.rope_parameters["rope_theta"] if getattr(c, "rope_parameters", None) else c.rope_theta
     theta = [rope ** (-2 * i / head_dim) for i in range(half)]
     group = heads // kv_heads  # query heads sharing kv group 0
@@ -113,4 +121,4 @@ def wire_induction_circuit(model, seed: int = 0, embed_scale: float = 10.0, prev
         attn1.k_norm.weight.fill_(norm_gain)
 
 
-__all__ = ["wire_induction_circuit"]
+__all__ = ["induction_shape_problem", "wire_induction_circuit"]

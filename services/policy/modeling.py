@@ -108,6 +108,12 @@ class PolicyModelConfig:
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise InvalidArgument(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.init == "induction":  # refused with the config, not later as a bare ValueError from the wiring
+            from services.policy.init_circuits import induction_shape_problem
+
+            problem = induction_shape_problem(self.num_layers, self.head_dim, self.hidden_size)
+            if problem:
+                raise InvalidArgument(problem)
 
 
 #: "tiny": ~0.6M params with an 8k vocabulary (~0.2M at 2k), for tests. "small" (the defaults): 8.0M params with an

@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from prorag.errors import InvalidArgument
 from services.policy import modeling as M
 from services.policy.init_circuits import wire_induction_circuit
 
@@ -60,3 +61,5 @@ def test_induction_preset_is_wired_and_small_models_are_refused():
         wire_induction_circuit(too_small)
     with pytest.raises(ValueError, match="init"):
         M.model_config({"init": "clever"})
+    with pytest.raises(InvalidArgument, match="induction init needs"):  # refused with the config
+        M.model_config({"init": "induction", "num_layers": 1})
