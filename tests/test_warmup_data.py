@@ -4,8 +4,9 @@ import random
 from types import SimpleNamespace
 
 from prorag.data.loaders import SubStep
-from prorag.warmup_data import (Fact, copy_batch, facts_by_doc, facts_from_questions, reading_example,
-                                 retrieved_reading_example, sentences)
+from prorag.warmup_data import (Fact, answer_pools, copy_batch, counterfactual_swap, facts_by_doc,
+                                 facts_from_questions, reading_example, relation_key, retrieved_reading_example,
+                                 sentences)
 
 DOC = "Mai Brewery is a brewery in Porkburg. It was founded by Rasho Dry. The brewery opened in 1901."
 FACTS = [Fact("O1", "Who founded Mai Brewery?", "Rasho Dry"), Fact("O1", "When did Mai Brewery open?", "1901")]
@@ -72,3 +73,57 @@ def test_retrieved_reading_as_a_chat_turn_trains_only_the_answer_and_end_of_turn
     assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
     assert "Documents:\nDoc 1(Title: " in prompt and "\n\nQuestion: Who founded Mai Brewery?<|im_end|>" in prompt
     assert (trained_prompt, answer, trained_answer) == (False, "Rasho Dry<|im_end|>", True)
+
+
+def test_relation_key_and_answer_pools_group_answers_by_relation():
+    docs = {"O1": '"Mai Brewery"\n' + DOC, "O2": '"Open Tower"\nOpen Tower was founded by Lelbeld Lines.'}
+    facts = FACTS + [Fact("O2", "Who founded Open Tower?", "Lelbeld Lines"), Fact("O9", "Who founded Gone?", "Nobody")]
+    assert relation_key("Who founded Mai Brewery?", "Mai Brewery") == "Who founded X?"
+    assert answer_pools(facts, docs) == {"Who founded X?": ["Lelbeld Lines", "Rasho Dry"],
+                                         "When did X open?": ["1901"]}
+
+
+def test_counterfactual_swap_replaces_each_answer_in_text_and_facts_consistently():
+    facts = FACTS + [Fact("O1", "Who was the founder of Mai Brewery?", "Rasho Dry")]
+    pools = {"Who founded X?": ["Rasho Dry", "Lelbeld Lines"], "Who was the founder of X?": ["Rasho Dry"],
+             "When did X open?": ["1901", "1788"]}
+    text, swapped = counterfactual_swap(random.Random(0), DOC, facts, "Mai Brewery", pools)
+    assert text == "Mai Brewery is a brewery in Porkburg. It was founded by Lelbeld Lines. The brewery opened in 1788."
+    # the same answer gets the same substitute under every relation that asks for it
+    assert [f.answer for f in swapped] == ["Lelbeld Lines", "1788", "Lelbeld Lines"]
+    assert [f.question for f in swapped] == [f.question for f in facts]
+    for f in swapped:
+        assert f.answer in text
+
+
+def test_counterfactual_swap_leaves_a_fact_without_alternatives_or_absent_from_the_text():
+    facts = [Fact("O1", "Who founded Mai Brewery?", "Rasho Dry"), Fact("O1", "Who ran Mai Brewery?", "Mo Ko")]
+    pools = {"Who founded X?": ["Rasho Dry"], "Who ran X?": ["Mo Ko", "Al Be"]}
+    text, swapped = counterfactual_swap(random.Random(0), DOC, facts, "Mai Brewery", pools)
+    assert (text, swapped) == (DOC, facts)
+
+
+def test_counterfactual_swap_never_rewrites_a_substitute():
+    # "1901" -> "1788" and "1788" -> ... would chain if replaced one after another
+    doc = "Built in 1901 and rebuilt in 1788."
+    facts = [Fact("d", "When was it built?", "1901"), Fact("d", "When was it rebuilt?", "1788")]
+    pools = {"When was it built?": ["1901", "1788", "1650"], "When was it rebuilt?": ["1788", "1901", "1650"]}
+    text, swapped = counterfactual_swap(random.Random(3), doc, facts, "", pools)
+    built, rebuilt = swapped[0].answer, swapped[1].answer
+    assert built != "1901" and rebuilt != "1788" and built != rebuilt
+    assert text == f"Built in {built} and rebuilt in {rebuilt}."
+
+
+def test_question_first_asks_one_question_before_the_passage_with_the_gap_before_the_answer():
+    segs = reading_example(random.Random(0), DOC, FACTS, None, question_first=True, gap="x y z\n")
+    (prompt, p_trained), (answer, a_trained), (end, _) = segs
+    asked = next(f for f in FACTS if prompt.startswith(f"Question: {f.question}\n"))
+    assert prompt == f"Question: {asked.question}\n{DOC}\nx y z\nAnswer:" and not p_trained
+    assert (answer, a_trained, end) == (f" {asked.answer}", True, "\n")
+
+
+def test_gap_sits_between_every_question_and_its_answer():
+    segs = reading_example(random.Random(0), DOC, FACTS, None, gap="filler\n")
+    questions = [s for s, trained in segs if s.startswith("Question: ")]
+    assert len(questions) == 2 and all(q.endswith("?\nfiller\nAnswer:") for q in questions)
+    assert sorted(s for s, trained in segs if trained) == [" 1901", " Rasho Dry"]

@@ -263,13 +263,24 @@ class WarmupConfig:
     distractors: int = cfg_field(2, help="distractor documents per retrieved-reading example", min=0)
     chat_share: float = cfg_field(0.5, help="share of retrieved-reading rows written as a chat turn", min=0.0, max=1.0)
     batch_size: int = cfg_field(32, help="sequences per step", min=1)
+    counterfactual: float = cfg_field(0.0, help="share of reading rows whose answers are swapped, in the passage "
+                                                "and the answer, for another answer of the same relation, so they "
+                                                "can only be read, not recalled (0 = off)", min=0.0, max=1.0)
+    gap_steps: int = cfg_field(0, help="reading steps after the document phase with whole documents, where some "
+                                       "questions come before the passage and some have filler before their "
+                                       "answer, as every stage's format puts them (0 = off)", min=0)
+    question_first: float = cfg_field(0.5, help="gap phase: share of rows asking their one question before the "
+                                                "passage", min=0.0, max=1.0)
+    gap_share: float = cfg_field(0.7, help="gap phase: share of rows with filler between question and answer",
+                                 min=0.0, max=1.0)
+    gap_tokens: int = cfg_field(24, help="longest filler, in random ordinary tokens", min=1)
     lr: float = cfg_field(3e-3, help="AdamW learning rate (constant after the ramp)", min=0.0, max=1.0)
     lr_warmup_steps: int = cfg_field(0, help="steps of linear learning-rate ramp; Adam's first full-size "
                                               "steps disturbed the wired induction circuit (measured)", min=0)
 
     @property
     def total_steps(self) -> int:
-        return self.copy_steps + 3 * self.sentence_steps + self.document_steps + self.retrieved_steps
+        return self.copy_steps + 3 * self.sentence_steps + self.document_steps + self.gap_steps + self.retrieved_steps
 
 
 def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfig | None = None, seed: int = 0,
@@ -280,7 +291,9 @@ def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfi
     progress(done, total) is called every step.
     """
     from prorag.losses import weighted_lm_loss
-    from prorag.warmup_data import copy_batch, facts_by_doc, reading_example, retrieved_reading_example
+    from prorag.data.loaders import parse_contents
+    from prorag.warmup_data import (answer_pools, copy_batch, counterfactual_swap, facts_by_doc, reading_example,
+                                    retrieved_reading_example)
 
     cfg = cfg or WarmupConfig()
     rng = random.Random(seed)
@@ -299,16 +312,30 @@ def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfi
         return rng.sample(others, min(cfg.distractors, len(others)))
     pad = tokenizer.pad_token_id
     low, high = len(TAGS) + len(CHAT_TOKENS) + 256, len(tokenizer)  # ordinary merged tokens only
+    pools = answer_pools(facts, docs) if cfg.counterfactual else {}
+
+    def gap_text():
+        # random ordinary tokens: no fact in them, so the answer can only come from the passage
+        ids = [rng.randrange(low, high) for _ in range(rng.randint(1, cfg.gap_tokens))]
+        return tokenizer.decode(ids).replace("\n", " ").strip() + "\n"
 
     def reading_batch(n_sentences):
         rows = []
         while len(rows) < cfg.batch_size:
             did = doc_ids[rng.randrange(len(doc_ids))]
+            text, doc_facts = docs[did], by_doc[did]
+            if cfg.counterfactual and rng.random() < cfg.counterfactual:
+                text, doc_facts = counterfactual_swap(rng, text, doc_facts, parse_contents(text)[0], pools)
             if n_sentences == "retrieved":
-                segs = retrieved_reading_example(rng, did, docs, by_doc[did], distractors_for(did),
-                                                 chat=rng.random() < cfg.chat_share)
+                others = distractors_for(did)
+                segs = retrieved_reading_example(rng, did, {did: text, **{d: docs[d] for d in others}}, doc_facts,
+                                                 others, chat=rng.random() < cfg.chat_share)
+            elif n_sentences == "gap":
+                first = rng.random() < cfg.question_first
+                segs = reading_example(rng, text, doc_facts, None, question_first=first,
+                                       gap=gap_text() if rng.random() < cfg.gap_share else "")
             else:
-                segs = reading_example(rng, docs[did], by_doc[did], n_sentences)
+                segs = reading_example(rng, text, doc_facts, n_sentences)
             if segs is None:
                 continue
             ids, trained = [], []
@@ -339,6 +366,7 @@ def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfi
         return weighted_lm_loss(model, x, torch.ones_like(x), x.masked_fill(~m, -100), m.float())[0]
 
     phases = [("copy", cfg.copy_steps), *[(k, cfg.sentence_steps) for k in (1, 2, 3)], (None, cfg.document_steps),
+              ("gap", cfg.gap_steps),
               ("retrieved", cfg.retrieved_steps)]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     ramp = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / max(1, cfg.lr_warmup_steps)))

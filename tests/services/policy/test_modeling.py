@@ -133,14 +133,18 @@ def test_warm_up_learns_the_copy_task_and_reads(tiny_policy):
     model = M.build_model(M.PolicyModelConfig(hidden_size=96, num_layers=2, num_heads=2, num_kv_heads=1,
                                               head_dim=24, intermediate_size=128, rope_theta=10_000.0,
                                               init="induction"), tok)
-    docs = {"d1": "The city was founded by the band. The river is in the mountain.",
-            "d2": "The film was directed by the president. The album is from the school."}
-    facts = [Fact("d1", "Who founded the city?", "the band"), Fact("d2", "Who directed the film?", "the president")]
+    docs = {"d1": '"city"\nThe city was founded by the band. The river is in the mountain.',
+            "d2": '"film"\nThe film was directed by the president. The album is from the school.',
+            "d3": '"school"\nThe school was founded by the president.'}
+    facts = [Fact("d1", "Who founded the city?", "the band"), Fact("d2", "Who directed the film?", "the president"),
+             Fact("d3", "Who founded the school?", "the president")]
+    # counterfactual rows swap "the band" and "the president" as founders (the pool of "Who founded X?")
     cfg = M.WarmupConfig(copy_steps=150, copy_length=6, copy_min_length=4, copy_mix=2, sentence_steps=3,
-                         document_steps=3, retrieved_steps=3, batch_size=16, lr=3e-3, lr_warmup_steps=50)
+                         document_steps=3, retrieved_steps=3, batch_size=16, lr=3e-3, lr_warmup_steps=50,
+                         counterfactual=0.5, gap_steps=3, gap_tokens=5)
     seen = []
     losses = M.warm_up_base(model, tok, docs, facts, cfg, progress=lambda d, t: seen.append((d, t)))
-    assert len(losses) == cfg.total_steps == 165 and seen[-1] == (165, 165)
+    assert len(losses) == cfg.total_steps == 168 and seen[-1] == (168, 168)
     # the wired model copies from the start (ln 2048 = 7.6 for one that cannot) and the ramped
     # optimiser improves on it instead of erasing it (at a full-size first step it was erased: ~6)
     assert losses[0] < 2.5 and sum(losses[140:150]) / 10 < losses[0], losses[::10]
