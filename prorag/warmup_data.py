@@ -18,6 +18,11 @@ phases give it those abilities first, for the policy and both baselines alike:
    chat turn). Tried because a base that read single documents at 72-84% still fell back to the
    answer prior ("yes"/"no") once fine-tuned on three retrieved documents per question; measured,
    it did not prevent that (docs/BENCHMARKS.md).
+4. optional, off by default: the gap phase. What the fallback actually came from (measured): the base
+   read only when "Answer:" came right after the question (65%); one sentence between gave 18%, a
+   stage's tags and thought 5%. Gap rows put filler there, or the question before the passage as an
+   agent's subquery precedes its documents; counterfactual rows swap the answers so they can only be
+   read, not recalled.
 
 Pure functions (no I/O): facts come from the train split's gold decompositions, passages from the corpus.
 """
