@@ -167,9 +167,10 @@ def counterfactual_swap(rng: random.Random, text: str, facts: Sequence[Fact], ti
     """The document with each fact's answer replaced, in the text and in the fact, by another answer of
     the same relation (a city by a city, a year by a year); one substitute per answer string.
 
-    Why: 89% of the test split's hop facts are also train facts, and the base trained on the true
-    documents learnt to recall them (41% on SFT questions vs 10% held out, measured) instead of reading.
-    A swapped fact can only be answered from the passage. Answers absent from the text stay as they are.
+    Why: 89% of the test split's hop facts are also train facts, so recall can pass for reading; a
+    swapped fact can only be answered from the passage. Measured, the default base read swapped passages
+    at 73% (true ones 77%), so it does read, and a warm-up on swapped passages only read worse (60%):
+    an option, off by default. Answers absent from the text stay as they are.
     """
     subs: dict[str, str] = {}
     for f in facts:
