@@ -23,6 +23,8 @@ phases give it those abilities first, for the policy and both baselines alike:
    stage's tags and thought 5%. Gap rows put filler there, or the question before the passage as an
    agent's subquery precedes its documents; counterfactual rows swap the answers so they can only be
    read, not recalled.
+5. optional, off by default: paraphrase rows (another phrasing of a train question, its name copied
+   in, as a subquery restates the question) mixed with gap rows.
 
 Pure functions (no I/O): facts come from the train split's gold decompositions, passages from the corpus.
 """
@@ -187,6 +189,27 @@ def counterfactual_swap(rng: random.Random, text: str, facts: Sequence[Fact], ti
                                                            for f in facts]
 
 
+def paraphrase_groups(facts: Sequence[Fact]) -> list[list[str]]:
+    """The phrasings of each fact asked more than one way (same document and answer), in first-seen order."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for f in facts:
+        phrasings = groups.setdefault((f.doc_id, f.answer), [])
+        if f.question not in phrasings:
+            phrasings.append(f.question)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def paraphrase_example(rng: random.Random, phrasings: Sequence[str]) -> list[tuple[str, bool]]:
+    """One phrasing of a fact asked, another one trained ("Question: ...\nIn other words: ...").
+
+    Why: a subquery restates part of the question with its name copied in ("... who established Mai
+    Brewery ..." -> "Who founded Mai Brewery?"). The HF-init base put that name into 2% of its subqueries,
+    22% after 150 steps of these rows (teacher-forced, docs/BENCHMARKS.md).
+    """
+    asked, restated = rng.sample(list(phrasings), 2)
+    return [(f"Question: {asked}\nIn other words: ", False), (restated, True), ("\n", False)]
+
+
 def facts_by_doc(facts: Sequence[Fact], docs: Mapping[str, str]) -> dict[str, list[Fact]]:
     """Facts grouped by document, keeping only documents present in ``docs``."""
     out: dict[str, list[Fact]] = {}
@@ -197,4 +220,5 @@ def facts_by_doc(facts: Sequence[Fact], docs: Mapping[str, str]) -> dict[str, li
 
 
 __all__ = ["READING_SYSTEM_PROMPT", "Fact", "facts_from_questions", "sentences", "copy_batch", "reading_example",
-           "retrieved_reading_example", "facts_by_doc", "relation_key", "answer_pools", "counterfactual_swap"]
+           "retrieved_reading_example", "facts_by_doc", "relation_key", "answer_pools", "counterfactual_swap", "paraphrase_groups",
+           "paraphrase_example"]

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 from prorag.data.loaders import SubStep
 from prorag.warmup_data import (Fact, answer_pools, copy_batch, counterfactual_swap, facts_by_doc,
-                                 facts_from_questions, reading_example, relation_key, retrieved_reading_example,
-                                 sentences)
+                                 facts_from_questions, paraphrase_example, paraphrase_groups, reading_example,
+                                 relation_key, retrieved_reading_example, sentences)
 
 DOC = "Mai Brewery is a brewery in Porkburg. It was founded by Rasho Dry. The brewery opened in 1901."
 FACTS = [Fact("O1", "Who founded Mai Brewery?", "Rasho Dry"), Fact("O1", "When did Mai Brewery open?", "1901")]
@@ -127,3 +127,19 @@ def test_gap_sits_between_every_question_and_its_answer():
     questions = [s for s, trained in segs if s.startswith("Question: ")]
     assert len(questions) == 2 and all(q.endswith("?\nfiller\nAnswer:") for q in questions)
     assert sorted(s for s, trained in segs if trained) == [" 1901", " Rasho Dry"]
+
+
+def test_paraphrase_groups_are_the_phrasings_of_facts_asked_more_than_one_way():
+    facts = [Fact("O1", "Who founded Mai Brewery?", "Rasho Dry"), Fact("O1", "When did Mai Brewery open?", "1901"),
+             Fact("O1", "Who established Mai Brewery?", "Rasho Dry"), Fact("O1", "Who founded Mai Brewery?", "Rasho Dry"),
+             Fact("O2", "Who founded Open Tower?", "Rasho Dry")]  # same answer, other document: another fact
+    assert paraphrase_groups(facts) == [["Who founded Mai Brewery?", "Who established Mai Brewery?"]]
+
+
+def test_paraphrase_example_asks_one_phrasing_and_trains_another():
+    phrasings = ["Who founded Mai Brewery?", "Who established Mai Brewery?", "Who was the founder of Mai Brewery?"]
+    for seed in range(5):
+        (asked, a_trained), (restated, r_trained), (end, e_trained) = paraphrase_example(random.Random(seed), phrasings)
+        question = asked.removeprefix("Question: ").removesuffix("\nIn other words: ")
+        assert question in phrasings and restated in phrasings and question != restated
+        assert (a_trained, r_trained, e_trained, end) == (False, True, False, "\n")

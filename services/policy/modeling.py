@@ -274,13 +274,19 @@ class WarmupConfig:
     gap_share: float = cfg_field(0.7, help="gap phase: share of rows with filler between question and answer",
                                  min=0.0, max=1.0)
     gap_tokens: int = cfg_field(24, help="longest filler, in random ordinary tokens", min=1)
+    paraphrase_steps: int = cfg_field(0, help="steps after the gap phase mixing paraphrase rows (a train question "
+                                              "restated in another phrasing of the same fact, its name copied in, "
+                                              "as a subquery does) with gap rows (0 = off)", min=0)
+    paraphrase_share: float = cfg_field(0.375, help="paraphrase phase: share of rows that are paraphrases",
+                                        min=0.0, max=1.0)
     lr: float = cfg_field(3e-3, help="AdamW learning rate (constant after the ramp)", min=0.0, max=1.0)
     lr_warmup_steps: int = cfg_field(0, help="steps of linear learning-rate ramp; Adam's first full-size "
                                               "steps disturbed the wired induction circuit (measured)", min=0)
 
     @property
     def total_steps(self) -> int:
-        return self.copy_steps + 3 * self.sentence_steps + self.document_steps + self.gap_steps + self.retrieved_steps
+        return (self.copy_steps + 3 * self.sentence_steps + self.document_steps + self.gap_steps
+                + self.paraphrase_steps + self.retrieved_steps)
 
 
 def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfig | None = None, seed: int = 0,
@@ -292,8 +298,8 @@ def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfi
     """
     from prorag.losses import weighted_lm_loss
     from prorag.data.loaders import parse_contents
-    from prorag.warmup_data import (answer_pools, copy_batch, counterfactual_swap, facts_by_doc, reading_example,
-                                    retrieved_reading_example)
+    from prorag.warmup_data import (answer_pools, copy_batch, counterfactual_swap, facts_by_doc, paraphrase_example,
+                                    paraphrase_groups, reading_example, retrieved_reading_example)
 
     cfg = cfg or WarmupConfig()
     rng = random.Random(seed)
@@ -313,15 +319,29 @@ def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfi
     pad = tokenizer.pad_token_id
     low, high = len(TAGS) + len(CHAT_TOKENS) + 256, len(tokenizer)  # ordinary merged tokens only
     pools = answer_pools(facts, docs) if cfg.counterfactual else {}
+    phrasings = paraphrase_groups([f for fs in by_doc.values() for f in fs]) if cfg.paraphrase_steps else []
+    if cfg.paraphrase_steps and not phrasings:
+        raise InvalidArgument("paraphrase_steps > 0 but no fact is asked more than one way: nothing to paraphrase")
 
     def gap_text():
         # random ordinary tokens: no fact in them, so the answer can only come from the passage
         ids = [rng.randrange(low, high) for _ in range(rng.randint(1, cfg.gap_tokens))]
         return tokenizer.decode(ids).replace("\n", " ").strip() + "\n"
 
+    def encode(segs):
+        ids, trained = [], []
+        for text, is_answer in segs:
+            t = tokenizer.encode(text, add_special_tokens=False)
+            ids += t
+            trained += [is_answer] * len(t)
+        return ids, trained
+
     def reading_batch(n_sentences):
         rows = []
         while len(rows) < cfg.batch_size:
+            if n_sentences == "paraphrase" and rng.random() < cfg.paraphrase_share:
+                rows.append(encode(paraphrase_example(rng, phrasings[rng.randrange(len(phrasings))])))
+                continue
             did = doc_ids[rng.randrange(len(doc_ids))]
             text, doc_facts = docs[did], by_doc[did]
             if cfg.counterfactual and rng.random() < cfg.counterfactual:
@@ -330,20 +350,14 @@ def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfi
                 others = distractors_for(did)
                 segs = retrieved_reading_example(rng, did, {did: text, **{d: docs[d] for d in others}}, doc_facts,
                                                  others, chat=rng.random() < cfg.chat_share)
-            elif n_sentences == "gap":
+            elif n_sentences in ("gap", "paraphrase"):
                 first = rng.random() < cfg.question_first
                 segs = reading_example(rng, text, doc_facts, None, question_first=first,
                                        gap=gap_text() if rng.random() < cfg.gap_share else "")
             else:
                 segs = reading_example(rng, text, doc_facts, n_sentences)
-            if segs is None:
-                continue
-            ids, trained = [], []
-            for text, is_answer in segs:
-                t = tokenizer.encode(text, add_special_tokens=False)
-                ids += t
-                trained += [is_answer] * len(t)
-            rows.append((ids, trained))
+            if segs is not None:
+                rows.append(encode(segs))
         T = max(len(r[0]) for r in rows)
         x = torch.full((len(rows), T), pad, dtype=torch.long)
         m = torch.zeros((len(rows), T), dtype=torch.bool)
@@ -366,7 +380,7 @@ def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfi
         return weighted_lm_loss(model, x, torch.ones_like(x), x.masked_fill(~m, -100), m.float())[0]
 
     phases = [("copy", cfg.copy_steps), *[(k, cfg.sentence_steps) for k in (1, 2, 3)], (None, cfg.document_steps),
-              ("gap", cfg.gap_steps),
+              ("gap", cfg.gap_steps), ("paraphrase", cfg.paraphrase_steps),
               ("retrieved", cfg.retrieved_steps)]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     ramp = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / max(1, cfg.lr_warmup_steps)))

@@ -137,14 +137,15 @@ def test_warm_up_learns_the_copy_task_and_reads(tiny_policy):
             "d2": '"film"\nThe film was directed by the president. The album is from the school.',
             "d3": '"school"\nThe school was founded by the president.'}
     facts = [Fact("d1", "Who founded the city?", "the band"), Fact("d2", "Who directed the film?", "the president"),
-             Fact("d3", "Who founded the school?", "the president")]
+             Fact("d3", "Who founded the school?", "the president"),
+             Fact("d3", "Who was the founder of the school?", "the president")]  # asked two ways: a paraphrase
     # counterfactual rows swap "the band" and "the president" as founders (the pool of "Who founded X?")
     cfg = M.WarmupConfig(copy_steps=150, copy_length=6, copy_min_length=4, copy_mix=2, sentence_steps=3,
                          document_steps=3, retrieved_steps=3, batch_size=16, lr=3e-3, lr_warmup_steps=50,
-                         counterfactual=0.5, gap_steps=3, gap_tokens=5)
+                         counterfactual=0.5, gap_steps=3, gap_tokens=5, paraphrase_steps=3)
     seen = []
     losses = M.warm_up_base(model, tok, docs, facts, cfg, progress=lambda d, t: seen.append((d, t)))
-    assert len(losses) == cfg.total_steps == 168 and seen[-1] == (168, 168)
+    assert len(losses) == cfg.total_steps == 171 and seen[-1] == (171, 171)
     # the wired model copies from the start (ln 2048 = 7.6 for one that cannot) and the ramped
     # optimiser improves on it instead of erasing it (at a full-size first step it was erased: ~6)
     assert losses[0] < 2.5 and sum(losses[140:150]) / 10 < losses[0], losses[::10]
@@ -152,3 +153,6 @@ def test_warm_up_learns_the_copy_task_and_reads(tiny_policy):
     assert json.dumps(M.describe_model(model))
     with pytest.raises(InvalidArgument, match="no facts"):
         M.warm_up_base(model, tok, {}, facts, cfg)
+    with pytest.raises(InvalidArgument, match="nothing to paraphrase"):
+        M.warm_up_base(model, tok, docs, facts[:2], M.WarmupConfig(copy_steps=0, sentence_steps=0, document_steps=0,
+                                                                    paraphrase_steps=1, batch_size=2))
