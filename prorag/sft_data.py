@@ -55,6 +55,17 @@ def template_thought(kind: str, question_id: str, ctx: dict) -> str:
     return rng.choice(table).format(**ctx)
 
 
+def restated(thought: str, question: str) -> str:
+    """A thought that ends by restating the question the next answer answers.
+
+    Why: the small embedded bases read an answer out of a passage only when the question sits right
+    before it (docs/BENCHMARKS.md, "Reading behind the format"); in the step format the subquery is
+    a whole retrieval block away from its subanswer. LLM-written thoughts (ProRAG's GPT-4o rewrites)
+    usually name what was found; this makes the template ones do it too.
+    """
+    return f"{thought} {question}" if question else thought
+
+
 def ensure_gold(docs: Sequence[RetrievedDoc], gold: RetrievedDoc, topk: int) -> list[RetrievedDoc]:
     """The retrieved top-k with the gold document present (replacing the last one if it was missed)."""
     docs = list(docs[:topk])
@@ -64,10 +75,13 @@ def ensure_gold(docs: Sequence[RetrievedDoc], gold: RetrievedDoc, topk: int) -> 
 
 
 def agent_steps(question, retrieved: Mapping[str, Sequence[RetrievedDoc]], gold_docs: Mapping[str, RetrievedDoc],
-                topk: int = 3, thought: ThoughtFn = template_thought) -> list[Step]:
+                topk: int = 3, thought: ThoughtFn = template_thought, restate: bool = False) -> list[Step]:
     """Gold step-by-step trajectory for a Question with a decomposition.
 
     retrieved: sub-question -> retriever results; gold_docs: doc id -> the supporting document.
+    restate: each subanswer's thought ends with its subquery, a comparison's final thought with the
+    question (:func:`restated`); a compositional final answer repeats the last subanswer, so its
+    thought is left alone.
     """
     steps: list[Step] = []
     hops = [s for s in question.decomposition if s.doc_id]
@@ -75,10 +89,13 @@ def agent_steps(question, retrieved: Mapping[str, Sequence[RetrievedDoc]], gold_
         docs = ensure_gold(retrieved.get(sub.question, []), gold_docs[sub.doc_id], topk)
         ctx = {"q": sub.question, "hop": i}
         steps.append(Step("subquery", thought=thought("search", question.id, ctx), content=sub.question, docs=docs))
-        steps.append(Step("subanswer", thought=thought("read", question.id, ctx), content=sub.answer))
+        read = thought("read", question.id, ctx)
+        steps.append(Step("subanswer", thought=restated(read, sub.question) if restate else read, content=sub.answer))
     final_kind = "final" if question.qtype == "compositional" else "compare"
-    steps.append(Step("answer", thought=thought(final_kind, question.id, {"hop": len(hops)}),
-                      content=question.golden_answers[0]))
+    final = thought(final_kind, question.id, {"hop": len(hops)})
+    if restate and final_kind == "compare":
+        final = restated(final, question.question)
+    steps.append(Step("answer", thought=final, content=question.golden_answers[0]))
     return steps
 
 
@@ -88,8 +105,11 @@ def baseline_prompt(question: str, docs: Sequence[RetrievedDoc] | None = None) -
     return render_prompt(user, BASELINE_SYSTEM_PROMPT)
 
 
-def baseline_steps(question, grounded: bool, thought: ThoughtFn = template_thought) -> list[Step]:
-    return [Step("answer", thought=thought("grounded" if grounded else "direct", question.id, {}),
+def baseline_steps(question, grounded: bool, thought: ThoughtFn = template_thought,
+                   restate: bool = False) -> list[Step]:
+    """The baselines' one answer step; restate: its thought ends with the question (:func:`restated`)."""
+    text = thought("grounded" if grounded else "direct", question.id, {})
+    return [Step("answer", thought=restated(text, question.question) if restate else text,
                  content=question.golden_answers[0])]
 
 

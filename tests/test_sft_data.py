@@ -79,6 +79,31 @@ def test_encode_masks_everything_but_generated_steps_and_weights_tags():
     assert doc_ids
 
 
+def test_restate_puts_the_question_answered_at_the_end_of_the_thought_before_each_answer():
+    q = _question()
+    plain = agent_steps(q, {}, GOLD, topk=3)
+    steps = agent_steps(q, {}, GOLD, topk=3, restate=True)
+    assert is_valid_format(steps)
+    assert [s.content for s in steps] == [s.content for s in plain]
+    assert steps[1].thought == f"{plain[1].thought} Who directed Red Harbour?"
+    assert steps[3].thought.endswith("Where was Marlo Vesk born?")
+    # the subanswer's text: restated subquery, then the tags, then the answer
+    assert steps[3].text.endswith("Where was Marlo Vesk born?</step>\n<subanswer>\nVuzarburg</subanswer>")
+    # subqueries and a compositional final answer (it repeats the last subanswer) keep their thoughts
+    assert [steps[i].thought for i in (0, 2, 4)] == [plain[i].thought for i in (0, 2, 4)]
+    comparison = Question(id="q2", question="Who was born first, Marlo Vesk or Ada Pell?", golden_answers=["Ada Pell"],
+                          metadata={"type": "comparison", "hops": 2, "decomposition": [
+                              {"question": "When was Marlo Vesk born?", "answer": "1900", "doc_id": "P1",
+                               "title": "Marlo Vesk"},
+                              {"question": "When was Ada Pell born?", "answer": "1890", "doc_id": "P2",
+                               "title": "Ada Pell"}]})
+    gold = {**GOLD, "P2": RetrievedDoc("Ada Pell", "Ada Pell was born in 1890.", "P2")}
+    assert agent_steps(comparison, {}, gold, restate=True)[-1].thought.endswith(comparison.question)
+    for grounded in (True, False):
+        base = baseline_steps(q, grounded=grounded)[0].thought
+        assert baseline_steps(q, grounded=grounded, restate=True)[0].thought == f"{base} {q.question}"
+
+
 def test_baselines_have_one_answer_step_and_standard_rag_sees_documents():
     q = _question()
     steps = baseline_steps(q, grounded=True)

@@ -42,6 +42,9 @@ class SFTConfig:
                               choices=("template", "openai"))
     openai_base_url: str = cfg_field("", help="OpenAI-compatible endpoint for thoughts='openai'")
     openai_model: str = cfg_field("gpt-4o", help="model used for thoughts='openai'")
+    restate_question: bool = cfg_field(False, help="thoughts before a subanswer, a comparison's answer and a "
+                                                    "baseline's answer end by restating the question they answer "
+                                                    "(prorag.sft_data.restated), for every mode alike")
     loss_weights: str = cfg_field("prorag", help="prorag = format-aware tag weights; uniform = plain CE",
                                   choices=("prorag", "uniform"))
     epochs: float = cfg_field(1.0, help="passes over the data (fractional allowed)", min=0.01, max=100)
@@ -104,13 +107,15 @@ def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]
                 if not any(s.doc_id for s in q.decomposition):
                     stats["dropped_no_decomposition"] += 1
                     continue
-                steps = agent_steps(q, retrieved, gold, topk=cfg.topk, thought=thought)
+                steps = agent_steps(q, retrieved, gold, topk=cfg.topk, thought=thought,
+                                    restate=cfg.restate_question)
                 samples.append(encode_segments(tokenizer, agent_prompt(q.question), steps, tag_ids, weights))
         else:
             docs = search([q.question for q in qs]) if cfg.mode == "standard_rag" else {}
             for q in qs:
                 prompt = baseline_prompt(q.question, docs.get(q.question) if cfg.mode == "standard_rag" else None)
-                steps = baseline_steps(q, grounded=cfg.mode == "standard_rag", thought=thought)
+                steps = baseline_steps(q, grounded=cfg.mode == "standard_rag", thought=thought,
+                                       restate=cfg.restate_question)
                 samples.append(encode_segments(tokenizer, prompt, steps, tag_ids, weights))
     finally:
         client.close()
