@@ -26,8 +26,15 @@ def _stat(em: list[float], f1: list[float], seed: int = 0) -> dict:
             "em_ci": [float(elo), float(ehi)]}
 
 
+#: the group the issue's figure is about: questions of this many hops or more
+MULTI_HOP_MIN = 2
+
+
 def score_records(records: list[dict]) -> dict:
-    """records: [{"em", "f1", "hops", "type"}] -> {"overall": M, "by_hops": {h: M}, "by_type": {t: M}}."""
+    """records: [{"em", "f1", "hops", "type"}] -> {"overall": M, "by_hops": {h: M}, "by_type": {t: M},
+    "multi_hop": M over questions of MULTI_HOP_MIN+ hops (None when there are none)}.
+
+    M = {"n", "em", "f1", "f1_ci", "em_ci"}, CIs from one bootstrap of that group alone."""
     if not records:
         raise ValueError("no predictions to score")
     by_hops, by_type = defaultdict(list), defaultdict(list)
@@ -38,8 +45,9 @@ def score_records(records: list[dict]) -> dict:
     def m(rs):
         return _stat([r["em"] for r in rs], [r["f1"] for r in rs])
 
+    multi = [r for r in records if int(r["hops"]) >= MULTI_HOP_MIN]
     return {"overall": m(records), "by_hops": {h: m(rs) for h, rs in sorted(by_hops.items())},
-            "by_type": {t: m(rs) for t, rs in sorted(by_type.items())}}
+            "by_type": {t: m(rs) for t, rs in sorted(by_type.items())}, "multi_hop": m(multi) if multi else None}
 
 
 def _record(q, prediction: str | None, extra: dict) -> dict:
@@ -122,6 +130,28 @@ def evaluate(method: str, policy, retriever, questions, out_dir: Path | None = N
     return result
 
 
+def margin_beyond_cis(better: dict, baseline: dict) -> dict:
+    """Whether ``better`` beats ``baseline`` by a margin larger than both 95% CIs (issue #4's figure).
+
+    better/baseline: M dicts as score_records gives them ({"f1", "f1_ci"}). Reached when the margin
+    of the means exceeds the full width of each interval, which for intervals of similar width also
+    means they do not overlap; both conditions are required so a lopsided pair cannot pass on one.
+    Returns {"margin", "better_ci_width", "baseline_ci_width", "cis_overlap", "reached"}.
+
+    >>> a = {"f1": 0.30, "f1_ci": [0.25, 0.35]}
+    >>> margin_beyond_cis(a, {"f1": 0.10, "f1_ci": [0.06, 0.14]})["reached"]
+    True
+    >>> margin_beyond_cis(a, {"f1": 0.22, "f1_ci": [0.18, 0.26]})["reached"]
+    False
+    """
+    wa = better["f1_ci"][1] - better["f1_ci"][0]
+    wb = baseline["f1_ci"][1] - baseline["f1_ci"][0]
+    margin = better["f1"] - baseline["f1"]
+    overlap = better["f1_ci"][0] <= baseline["f1_ci"][1]
+    return {"margin": margin, "better_ci_width": wa, "baseline_ci_width": wb, "cis_overlap": overlap,
+            "reached": bool(margin > max(wa, wb) and not overlap)}
+
+
 def format_table(methods: dict[str, dict]) -> "object":
     """A rich Table: F1 [95% CI] per hop count and type, one row per method."""
     from rich.table import Table
@@ -134,6 +164,7 @@ def format_table(methods: dict[str, dict]) -> "object":
     table.add_column("F1 overall", justify="right")
     for h in cols:
         table.add_column(f"{h}-hop", justify="right")
+    table.add_column(f"{MULTI_HOP_MIN}+ hops", justify="right")
     for t in types:
         table.add_column(t, justify="right")
 
@@ -144,7 +175,8 @@ def format_table(methods: dict[str, dict]) -> "object":
 
     for name, m in methods.items():
         table.add_row(name, f"{100 * m['overall']['em']:.1f}", cell(m["overall"]),
-                      *[cell(m["by_hops"].get(h)) for h in cols], *[cell(m["by_type"].get(t)) for t in types])
+                      *[cell(m["by_hops"].get(h)) for h in cols], cell(m.get("multi_hop")),
+                      *[cell(m["by_type"].get(t)) for t in types])
     return table
 
 

@@ -158,6 +158,18 @@ def evaluate_method(method: str, model_dir: str, profile: Profile, stack: Servic
                         out_dir=run_dir, progress=lambda d, t: progress(f"eval {method}", d, t), **kw)
 
 
+def multi_hop_figure(methods: dict) -> dict | None:
+    """Issue #4's figure from evaluated methods: sft vs standard_rag on 2+ hop questions (None when
+    either is missing or the split has no multi-hop question)."""
+    from prorag.eval import margin_beyond_cis
+
+    sft, rag = methods.get("sft", {}).get("multi_hop"), methods.get("standard_rag", {}).get("multi_hop")
+    if not sft or not rag:
+        return None
+    return {"group": "2+ hops", "sft_f1": sft["f1"], "sft_f1_ci": sft["f1_ci"], "standard_rag_f1": rag["f1"],
+            "standard_rag_f1_ci": rag["f1_ci"], **margin_beyond_cis(sft, rag)}
+
+
 def run_main_job(profile: str = "default", world: str | None = None, port_offset: int = 0) -> dict:
     from prorag.eval import format_table
 
@@ -195,9 +207,16 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
                                               port_offset + 100)
             timings[f"eval_{method}_s"] = time.monotonic() - t4
     console.print(format_table(methods))
+    figure = multi_hop_figure(methods)
+    if figure:
+        console.print(f"2+ hops: sft - standard_rag = {100 * figure['margin']:+.1f} F1; CI widths "
+                      f"{100 * figure['better_ci_width']:.1f} / {100 * figure['baseline_ci_width']:.1f}; "
+                      f"figure {'reached' if figure['reached'] else 'NOT reached'}")
     results = {
-        "methods": {m: {k: v for k, v in r.items() if k in ("overall", "by_hops", "by_type", "format_valid_rate")}
+        "methods": {m: {k: v for k, v in r.items()
+                        if k in ("overall", "by_hops", "by_type", "multi_hop", "format_valid_rate")}
                     for m, r in methods.items()},
+        "figure": figure,
         "retrieval": retrieval,
         "jobs": {m: {"job_id": j["job_id"], "metrics": j["metrics"]} for m, j in jobs.items()},
         "profile": profile,
