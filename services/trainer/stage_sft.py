@@ -44,7 +44,9 @@ class SFTConfig:
     openai_model: str = cfg_field("gpt-4o", help="model used for thoughts='openai'")
     restate_question: bool = cfg_field(False, help="thoughts before a subanswer, a comparison's answer and a "
                                                     "baseline's answer end by restating the question they answer "
-                                                    "(prorag.sft_data.restated), for every mode alike")
+                                                    "(prorag.sft_data.restated), for every mode alike; measured to "
+                                                    "help only on a base that copies (cpu-induction), see "
+                                                    "docs/BENCHMARKS.md")
     loss_weights: str = cfg_field("prorag", help="prorag = format-aware tag weights; uniform = plain CE",
                                   choices=("prorag", "uniform"))
     epochs: float = cfg_field(1.0, help="passes over the data (fractional allowed)", min=0.01, max=100)
