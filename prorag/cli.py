@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_eval)
 
     r = sub.add_parser("run", help="the main job on the embedded default; writes runs/latest/results.json")
-    r.add_argument("--profile", default="default", choices=["tiny", "default"])
+    r.add_argument("--profile", default="default", choices=["tiny", "default", "full"])
     r.add_argument("--world", default=None)
     r.add_argument("--port-offset", type=int, default=0)
     r.set_defaults(fn=cmd_run)

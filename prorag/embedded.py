@@ -49,8 +49,10 @@ def ensure_indexes(world: str = "default", size: str | None = None, faiss_type: 
         return build_all(corpus_path, index_root, dense_cfg, BM25Config(), progress=progress)
 
 
-def policy_base_dir(world: str = "default") -> Path:
-    return paths.data_dir() / "models" / world / "policy-base"
+def policy_base_dir(world: str = "default", variant: str = "") -> Path:
+    """Where the world's embedded base lives; a named variant (another preset or warm-up) gets its own
+    directory so building it never replaces the base the other profiles and jobs use."""
+    return paths.data_dir() / "models" / world / (f"policy-base-{variant}" if variant else "policy-base")
 
 
 #: bumped whenever train_tokenizer changes how text maps to ids, so an older base is rebuilt
@@ -66,11 +68,12 @@ DEFAULT_WARMUP = {"tiny": {"copy_steps": 6, "sentence_steps": 2, "document_steps
 
 
 def ensure_policy_model(world: str = "default", preset: str | None = None, vocab_size: int | None = None,
-                        seed: int = 0, warmup: dict | None = None, progress=None) -> Path:
+                        seed: int = 0, warmup: dict | None = None, progress=None, variant: str = "") -> Path:
     """The embedded policy: a BPE tokenizer trained on the world's corpus, questions and the format's
     text (plus its special tokens), and a Qwen3-architecture model warmed up from random init with the
     copy task and reading curriculum (services.policy.modeling.WarmupConfig; ``warmup`` overrides it,
     {"copy_steps": 0, ...} turns phases off), saved in HF format. Rebuilt when any setting changes.
+    variant: build into :func:`policy_base_dir` (world, variant) instead of the world's default base.
     progress(stage, done, total) reports the warm-up."""
     import json
     from dataclasses import asdict
@@ -83,7 +86,7 @@ def ensure_policy_model(world: str = "default", preset: str | None = None, vocab
     from services.policy.modeling import (WarmupConfig, build_model, model_config, save_pretrained, train_tokenizer,
                                          warm_up_base)
 
-    out = policy_base_dir(world)
+    out = policy_base_dir(world, variant)
     marker = out / "embedded.json"
     if preset is None and vocab_size is None and warmup is None and marker.exists() \
             and json.loads(marker.read_text()).get("tokenizer") == TOKENIZER_VERSION:

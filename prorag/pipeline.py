@@ -46,6 +46,15 @@ class Profile:
     methods: tuple[str, ...] = ("no_retrieval", "standard_rag", "sft")
     max_steps: int = 13            # rollout step limit (ProRAG inference: 13)
     extra: dict = field(default_factory=dict)
+    base_warmup: dict | None = None  # base warm-up (WarmupConfig overrides); None = the world's default base
+    base_variant: str = ""           # directory suffix of a base other than the world's default
+
+
+#: The base and SFT settings that reached the best measured table (docs/BENCHMARKS.md, "Plans in the
+#: thoughts"): the induction-wired base with the gap and paraphrase phases, restated questions, plan-carrying
+#: thoughts and 600 SFT steps over the whole train split. About 28 minutes on 2 cores, over make run's
+#: 20-minute budget, so it is a profile of its own (`prorag run --profile full`), not the default.
+FULL_WARMUP = {"copy_mix": 4, "lr_warmup_steps": 50, "copy_min_length": 8, "gap_steps": 200, "paraphrase_steps": 150}
 
 
 PROFILES = {
@@ -56,6 +65,10 @@ PROFILES = {
                        # length-grouped trajectories); see docs/BENCHMARKS.md for what this budget reaches.
                        sft={"max_questions": 3000, "max_steps": 240, "batch_size": 8, "lr": 3e-3, "log_every": 10,
                             "checkpoint_every": 60}),
+    "full": Profile(world="default", model_preset="cpu-induction", vocab_size=8192, base_warmup=FULL_WARMUP,
+                    base_variant="full",
+                    sft={"max_questions": 0, "max_steps": 600, "batch_size": 8, "lr": 3e-3, "log_every": 10,
+                         "checkpoint_every": 100, "restate_question": True, "plan_thoughts": True}),
 }
 SFT_MODES = {"sft": "agent", "no_retrieval": "no_retrieval", "standard_rag": "standard_rag"}
 
@@ -179,7 +192,8 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
     t0 = time.monotonic()
     ensure_indexes(world)
     with progress_bars() as progress:
-        base = ensure_policy_model(world, preset=prof.model_preset, vocab_size=prof.vocab_size, progress=progress)
+        base = ensure_policy_model(world, preset=prof.model_preset, vocab_size=prof.vocab_size, progress=progress,
+                                   warmup=prof.base_warmup, variant=prof.base_variant)
     timings["build_world_indexes_model_s"] = time.monotonic() - t0
     run_dir = new_run_dir(f"run-{profile}")
     t1 = time.monotonic()

@@ -66,6 +66,22 @@ def restated(thought: str, question: str) -> str:
     return f"{thought} {question}" if question else thought
 
 
+_COUNT = ("No searches", "One search", "Two searches", "Three searches", "Four searches", "Five searches",
+          "Six searches")
+
+
+def plan_note(remaining: int, compare: bool) -> str:
+    """The plan a thought carries: searches still to do, and whether a comparison follows them.
+
+    Why: a 3M-parameter policy that must recount a question's hops after every subanswer stops
+    after the first one (docs/BENCHMARKS.md); LLM-written thoughts say what is left, so whether to
+    search again is read off the thought just written. The count is written as a word so the
+    tokenizer's existing vocabulary covers it.
+    """
+    count = _COUNT[remaining] if remaining < len(_COUNT) else f"{remaining} searches"
+    return f"{count} to go{', then compare' if compare else ''}."
+
+
 def ensure_gold(docs: Sequence[RetrievedDoc], gold: RetrievedDoc, topk: int) -> list[RetrievedDoc]:
     """The retrieved top-k with the gold document present (replacing the last one if it was missed)."""
     docs = list(docs[:topk])
@@ -75,24 +91,32 @@ def ensure_gold(docs: Sequence[RetrievedDoc], gold: RetrievedDoc, topk: int) -> 
 
 
 def agent_steps(question, retrieved: Mapping[str, Sequence[RetrievedDoc]], gold_docs: Mapping[str, RetrievedDoc],
-                topk: int = 3, thought: ThoughtFn = template_thought, restate: bool = False) -> list[Step]:
+                topk: int = 3, thought: ThoughtFn = template_thought, restate: bool = False,
+                plan: bool = False) -> list[Step]:
     """Gold step-by-step trajectory for a Question with a decomposition.
 
     retrieved: sub-question -> retriever results; gold_docs: doc id -> the supporting document.
     restate: each subanswer's thought ends with its subquery, a comparison's final thought with the
     question (:func:`restated`); a compositional final answer repeats the last subanswer, so its
     thought is left alone.
+    plan: every subquery's thought and the answer's begin with :func:`plan_note` (searches left,
+    and "then compare" for comparisons), counting down to "No searches to go."
     """
     steps: list[Step] = []
     hops = [s for s in question.decomposition if s.doc_id]
+    final_kind = "final" if question.qtype == "compositional" else "compare"
+
+    def planned(text: str, remaining: int) -> str:
+        return f"{plan_note(remaining, final_kind == 'compare')} {text}" if plan else text
+
     for i, sub in enumerate(hops):
         docs = ensure_gold(retrieved.get(sub.question, []), gold_docs[sub.doc_id], topk)
         ctx = {"q": sub.question, "hop": i}
-        steps.append(Step("subquery", thought=thought("search", question.id, ctx), content=sub.question, docs=docs))
+        steps.append(Step("subquery", thought=planned(thought("search", question.id, ctx), len(hops) - i),
+                          content=sub.question, docs=docs))
         read = thought("read", question.id, ctx)
         steps.append(Step("subanswer", thought=restated(read, sub.question) if restate else read, content=sub.answer))
-    final_kind = "final" if question.qtype == "compositional" else "compare"
-    final = thought(final_kind, question.id, {"hop": len(hops)})
+    final = planned(thought(final_kind, question.id, {"hop": len(hops)}), 0)
     if restate and final_kind == "compare":
         final = restated(final, question.question)
     steps.append(Step("answer", thought=final, content=question.golden_answers[0]))

@@ -20,3 +20,20 @@ def test_job_id_follows_config_and_base_weights_not_retriever_address(tmp_path):
     assert job_id_for("default", "sft", {**config, "lr": 1e-3}) != first
     fake_model(tmp_path / "policy-base", b"weights v2")  # base rebuilt in place: same path, new weights
     assert job_id_for("default", "sft", config) != first
+
+
+def test_every_profile_is_a_valid_sft_and_warmup_config_and_variants_keep_their_own_base():
+    from prorag.config import from_dict
+    from prorag.embedded import policy_base_dir
+    from prorag.pipeline import PROFILES
+    from services.policy.modeling import PRESETS, WarmupConfig
+    from services.trainer.stage_sft import SFTConfig
+
+    for name, prof in PROFILES.items():
+        assert prof.model_preset in PRESETS, name
+        cfg = from_dict(SFTConfig, {"mode": "agent", "world": prof.world, **prof.sft})  # raises on unknown keys
+        assert cfg.max_steps > 0, name
+        if prof.base_warmup is not None:
+            from_dict(WarmupConfig, prof.base_warmup)
+            # a profile with its own warm-up must not rebuild the base every other profile shares
+            assert prof.base_variant and policy_base_dir(prof.world, prof.base_variant) != policy_base_dir(prof.world)

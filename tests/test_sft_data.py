@@ -4,7 +4,7 @@ import torch
 
 from prorag.data.loaders import Question
 from prorag.sft_data import (agent_steps, baseline_prompt, baseline_steps, encode_segments, ensure_gold,
-                             length_grouped_batches)
+                             length_grouped_batches, plan_note)
 from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS, RetrievedDoc, is_valid_format, render_prompt
 
 
@@ -102,6 +102,27 @@ def test_restate_puts_the_question_answered_at_the_end_of_the_thought_before_eac
     for grounded in (True, False):
         base = baseline_steps(q, grounded=grounded)[0].thought
         assert baseline_steps(q, grounded=grounded, restate=True)[0].thought == f"{base} {q.question}"
+
+
+def test_plan_thoughts_count_the_searches_left_down_to_the_answer():
+    q = _question()
+    plain = agent_steps(q, {}, GOLD, topk=3)
+    steps = agent_steps(q, {}, GOLD, topk=3, plan=True)
+    assert is_valid_format(steps)
+    assert [s.content for s in steps] == [s.content for s in plain]
+    assert [steps[i].thought for i in (0, 2, 4)] == [f"Two searches to go. {plain[0].thought}",
+                                                     f"One search to go. {plain[2].thought}",
+                                                     f"No searches to go. {plain[4].thought}"]
+    assert [steps[i].thought for i in (1, 3)] == [plain[i].thought for i in (1, 3)]  # subanswers: unchanged
+    bridge = Question(id="q3", question="Whose author was born earlier, A or B?", golden_answers=["A"],
+                      metadata={"type": "bridge_comparison", "hops": 4, "decomposition": [
+                          {"question": f"sub {i}", "answer": f"a{i}", "doc_id": "W1", "title": "t"} for i in range(4)]
+                          + [{"question": "Whose author was born earlier, A or B?", "answer": "A", "doc_id": ""}]})
+    notes = [s.thought.split(".")[0] for s in agent_steps(bridge, {}, GOLD, plan=True) if s.kind != "subanswer"]
+    assert notes == ["Four searches to go, then compare", "Three searches to go, then compare",
+                     "Two searches to go, then compare", "One search to go, then compare",
+                     "No searches to go, then compare"]
+    assert plan_note(9, compare=False) == "9 searches to go."
 
 
 def test_baselines_have_one_answer_step_and_standard_rag_sees_documents():

@@ -47,6 +47,9 @@ class SFTConfig:
                                                     "(prorag.sft_data.restated), for every mode alike; measured to "
                                                     "help only on a base that copies (cpu-induction), see "
                                                     "docs/BENCHMARKS.md")
+    plan_thoughts: bool = cfg_field(False, help="agent mode: each subquery's thought and the answer's begin with "
+                                                 "the searches left (and 'then compare' for comparisons), "
+                                                 "counting down to 'No searches to go.' (prorag.sft_data.plan_note)")
     loss_weights: str = cfg_field("prorag", help="prorag = format-aware tag weights; uniform = plain CE",
                                   choices=("prorag", "uniform"))
     epochs: float = cfg_field(1.0, help="passes over the data (fractional allowed)", min=0.01, max=100)
@@ -110,7 +113,7 @@ def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]
                     stats["dropped_no_decomposition"] += 1
                     continue
                 steps = agent_steps(q, retrieved, gold, topk=cfg.topk, thought=thought,
-                                    restate=cfg.restate_question)
+                                    restate=cfg.restate_question, plan=cfg.plan_thoughts)
                 samples.append(encode_segments(tokenizer, agent_prompt(q.question), steps, tag_ids, weights))
         else:
             docs = search([q.question for q in qs]) if cfg.mode == "standard_rag" else {}
