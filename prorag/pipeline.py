@@ -52,7 +52,7 @@ class Profile:
 
 #: The base and SFT settings that reached the best measured table (docs/BENCHMARKS.md, "Plans in the
 #: thoughts"): the induction-wired base with the gap and paraphrase phases, restated questions, plan-carrying
-#: thoughts and 600 SFT steps over the whole train split. About 28 minutes on 2 cores, over make run's
+#: thoughts and 600 SFT steps over the whole train split. About 27 minutes on 2 cores (fresh clone), over make run's
 #: 20-minute budget, so it is a profile of its own (`prorag run --profile full`), not the default.
 FULL_WARMUP = {"copy_mix": 4, "lr_warmup_steps": 50, "copy_min_length": 8, "gap_steps": 200, "paraphrase_steps": 150}
 
@@ -174,13 +174,13 @@ def evaluate_method(method: str, model_dir: str, profile: Profile, stack: Servic
 def multi_hop_figure(methods: dict) -> dict | None:
     """Issue #4's figure from evaluated methods: sft vs standard_rag on 2+ hop questions (None when
     either is missing or the split has no multi-hop question)."""
-    from prorag.eval import margin_beyond_cis
+    from prorag.eval import MULTI_HOP_MIN, margin_beyond_cis
 
     sft, rag = methods.get("sft", {}).get("multi_hop"), methods.get("standard_rag", {}).get("multi_hop")
     if not sft or not rag:
         return None
-    return {"group": "2+ hops", "sft_f1": sft["f1"], "sft_f1_ci": sft["f1_ci"], "standard_rag_f1": rag["f1"],
-            "standard_rag_f1_ci": rag["f1_ci"], **margin_beyond_cis(sft, rag)}
+    return {"group": f"{MULTI_HOP_MIN}+ hops", "sft_f1": sft["f1"], "sft_f1_ci": sft["f1_ci"],
+            "standard_rag_f1": rag["f1"], "standard_rag_f1_ci": rag["f1_ci"], **margin_beyond_cis(sft, rag)}
 
 
 def run_main_job(profile: str = "default", world: str | None = None, port_offset: int = 0) -> dict:
@@ -223,7 +223,7 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
     console.print(format_table(methods))
     figure = multi_hop_figure(methods)
     if figure:
-        console.print(f"2+ hops: sft - standard_rag = {100 * figure['margin']:+.1f} F1; CI widths "
+        console.print(f"{figure['group']}: sft - standard_rag = {100 * figure['margin']:+.1f} F1; CI widths "
                       f"{100 * figure['better_ci_width']:.1f} / {100 * figure['baseline_ci_width']:.1f}; "
                       f"figure {'reached' if figure['reached'] else 'NOT reached'}")
     results = {
