@@ -48,6 +48,11 @@ class Profile:
     extra: dict = field(default_factory=dict)
     base_warmup: dict | None = None  # base warm-up (WarmupConfig overrides); None = the world's default base
     base_variant: str = ""           # directory suffix of a base other than the world's default
+    method_sft: dict = field(default_factory=dict)  # {method: SFT settings on top of ``sft`` for that method only}
+
+    def sft_for(self, method: str) -> dict:
+        """The SFT job settings of ``method``: the shared ones, then that method's own."""
+        return {**self.sft, **self.method_sft.get(method, {})}
 
 
 #: The base and SFT settings that reached the best measured table (docs/BENCHMARKS.md, "Plans in the
@@ -67,8 +72,11 @@ PROFILES = {
                             "checkpoint_every": 60}),
     "full": Profile(world="default", model_preset="cpu-induction", vocab_size=8192, base_warmup=FULL_WARMUP,
                     base_variant="full",
-                    sft={"max_questions": 0, "max_steps": 600, "batch_size": 8, "lr": 3e-3, "log_every": 10,
-                         "checkpoint_every": 100, "restate_question": True, "plan_thoughts": True}),
+                    sft={"max_questions": 0, "max_steps": 1200, "batch_size": 8, "lr": 3e-3, "log_every": 10,
+                         "checkpoint_every": 200, "restate_question": True, "plan_thoughts": True},
+                    # the agent reads one document per subquery: the dense top-1 holds a gold sub-question's
+                    # document 98% of the time, and the small policy reads one document far better than three
+                    method_sft={"sft": {"topk": 1}}),
 }
 SFT_MODES = {"sft": "agent", "no_retrieval": "no_retrieval", "standard_rag": "standard_rag"}
 
@@ -129,7 +137,7 @@ def train(stack: ServiceStack, method: str, profile: Profile, base_model: str) -
 
 
     config = {"mode": SFT_MODES[method], "world": profile.world, "base_model": base_model,
-              "retriever": stack.grpc_target("retriever"), "publish_name": method, **profile.sft}
+              "retriever": stack.grpc_target("retriever"), "publish_name": method, **profile.sft_for(method)}
     job_id = job_id_for(profile.world, method, config)
     with TrainerClient(stack.grpc_target("trainer"), timeout=60) as client:
         existing = {j.job_id: j for j in client.list("sft")}
@@ -154,6 +162,15 @@ def train(stack: ServiceStack, method: str, profile: Profile, base_model: str) -
         return {"job_id": job_id, "metrics": dict(job.metrics), "run_dir": job.run_dir, "manifest": manifest}
 
 
+def eval_options(method: str, profile: Profile) -> dict:
+    """Rollout options of ``method``'s evaluation: as many documents per search as it was trained with
+    (a model trained on one document per subquery reads worse among three), and for the agent the step limit."""
+    from services.trainer.stage_sft import SFTConfig
+
+    topk = profile.sft_for(method).get("topk", SFTConfig.topk)
+    return {"topk": topk, "max_steps": profile.max_steps} if SFT_MODES[method] == "agent" else {"topk": topk}
+
+
 def evaluate_method(method: str, model_dir: str, profile: Profile, stack: ServiceStack, questions, run_dir,
                     port_offset: int) -> dict:
     """Serve ``model_dir`` in its own policy process and evaluate it through the services."""
@@ -166,7 +183,7 @@ def evaluate_method(method: str, model_dir: str, profile: Profile, stack: Servic
                               log_dir=str(run_dir / "logs" / method))
     with eval_stack, PolicyClient(eval_stack.grpc_target("policy")) as policy, \
             RetrieverClient(stack.grpc_target("retriever"), timeout=600) as retriever, progress_bars() as progress:
-        kw = {"max_steps": profile.max_steps} if SFT_MODES[method] == "agent" else {}
+        kw = eval_options(method, profile)
         return evaluate(method if SFT_MODES[method] == "agent" else SFT_MODES[method], policy, retriever, questions,
                         out_dir=run_dir, progress=lambda d, t: progress(f"eval {method}", d, t), **kw)
 

@@ -92,10 +92,12 @@ def ensure_gold(docs: Sequence[RetrievedDoc], gold: RetrievedDoc, topk: int) -> 
 
 def agent_steps(question, retrieved: Mapping[str, Sequence[RetrievedDoc]], gold_docs: Mapping[str, RetrievedDoc],
                 topk: int = 3, thought: ThoughtFn = template_thought, restate: bool = False,
-                plan: bool = False) -> list[Step]:
+                plan: bool = False, phrasing: Callable[[str], str] | None = None) -> list[Step]:
     """Gold step-by-step trajectory for a Question with a decomposition.
 
-    retrieved: sub-question -> retriever results; gold_docs: doc id -> the supporting document.
+    retrieved: subquery -> retriever results; gold_docs: doc id -> the supporting document.
+    phrasing: how a gold sub-question is written as the subquery (None = verbatim), e.g.
+    :func:`prorag.data.world.canonical_question`; ``retrieved`` is keyed by the written subquery.
     restate: each subanswer's thought ends with its subquery, a comparison's final thought with the
     question (:func:`restated`); a compositional final answer repeats the last subanswer, so its
     thought is left alone.
@@ -110,12 +112,13 @@ def agent_steps(question, retrieved: Mapping[str, Sequence[RetrievedDoc]], gold_
         return f"{plan_note(remaining, final_kind == 'compare')} {text}" if plan else text
 
     for i, sub in enumerate(hops):
-        docs = ensure_gold(retrieved.get(sub.question, []), gold_docs[sub.doc_id], topk)
-        ctx = {"q": sub.question, "hop": i}
+        subquery = phrasing(sub.question) if phrasing else sub.question
+        docs = ensure_gold(retrieved.get(subquery, []), gold_docs[sub.doc_id], topk)
+        ctx = {"q": subquery, "hop": i}
         steps.append(Step("subquery", thought=planned(thought("search", question.id, ctx), len(hops) - i),
-                          content=sub.question, docs=docs))
+                          content=subquery, docs=docs))
         read = thought("read", question.id, ctx)
-        steps.append(Step("subanswer", thought=restated(read, sub.question) if restate else read, content=sub.answer))
+        steps.append(Step("subanswer", thought=restated(read, subquery) if restate else read, content=sub.answer))
     final = planned(thought(final_kind, question.id, {"hop": len(hops)}), 0)
     if restate and final_kind == "compare":
         final = restated(final, question.question)

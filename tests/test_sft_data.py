@@ -104,6 +104,17 @@ def test_restate_puts_the_question_answered_at_the_end_of_the_thought_before_eac
         assert baseline_steps(q, grounded=grounded, restate=True)[0].thought == f"{base} {q.question}"
 
 
+def test_phrasing_rewrites_the_subquery_its_retrieval_and_its_restatement_but_not_the_answers():
+    q = _question()
+    plain = agent_steps(q, {}, GOLD, topk=3)
+    steps = agent_steps(q, {"WHO DIRECTED RED HARBOUR?": OTHER}, GOLD, topk=3, restate=True, phrasing=str.upper)
+    assert is_valid_format(steps)
+    assert [steps[i].content for i in (0, 2)] == ["WHO DIRECTED RED HARBOUR?", "WHERE WAS MARLO VESK BORN?"]
+    assert [steps[i].content for i in (1, 3, 4)] == [plain[i].content for i in (1, 3, 4)]
+    assert steps[1].thought.endswith("WHO DIRECTED RED HARBOUR?")
+    assert [d.id for d in steps[0].docs] == ["X0", "X1", "W1"]  # documents looked up by the written subquery
+
+
 def test_plan_thoughts_count_the_searches_left_down_to_the_answer():
     q = _question()
     plain = agent_steps(q, {}, GOLD, topk=3)

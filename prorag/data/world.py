@@ -910,6 +910,39 @@ def _qtemplates(rel: str, e: Entity, nested: bool) -> list[str]:
     return t
 
 
+def _direct_phrasings() -> list[tuple[re.Pattern, str]]:
+    """(pattern of one phrasing of a direct question, that relation's first phrasing) for every phrasing."""
+    out = []
+    for rel, table in _Q.items():
+        for group in (table.values() if isinstance(table, dict) else [table]):
+            for tmpl in group:
+                head, tail = tmpl.split("{x}")
+                out.append((re.compile(re.escape(head) + "(?P<x>.+)" + re.escape(tail)), group[0]))
+    return out
+
+
+_DIRECT_PHRASINGS = _direct_phrasings()
+
+
+def canonical_question(question: str) -> str:
+    """The same direct question in its relation's first phrasing ("Who established X?" -> "Who founded
+    X?"); the question unchanged when it is none of this world's phrasings, or could be two relations.
+
+    Why: the world draws each sub-question's phrasing at random, and a policy trained to write those
+    subqueries learns a mixture; a 3M-parameter one blends the templates into malformed subqueries
+    (docs/BENCHMARKS.md). One phrasing per relation is what an LLM rewriting the trajectories tends to
+    write anyway.
+    """
+    found = set()
+    for pattern, first in _DIRECT_PHRASINGS:
+        m = pattern.fullmatch(question)
+        if m:
+            # a qualified mention opening the question was capitalised ("The city of X is in ...")
+            x = re.sub(r"^The (?=[a-z])", "the ", m.group("x")) if m.start("x") == 0 else m.group("x")
+            found.add(_cap(first.format(x=x)))
+    return found.pop() if len(found) == 1 else question
+
+
 _CMP: dict[str, Any] = {
     "born": {True: ["Who was born first, {a} or {b}?", "Which of {a} and {b} was born earlier?",
                     "Who is older, {a} or {b}?"],

@@ -50,6 +50,10 @@ class SFTConfig:
     plan_thoughts: bool = cfg_field(False, help="agent mode: each subquery's thought and the answer's begin with "
                                                  "the searches left (and 'then compare' for comparisons), "
                                                  "counting down to 'No searches to go.' (prorag.sft_data.plan_note)")
+    canonical_subqueries: bool = cfg_field(False, help="agent mode: write each subquery in its relation's one "
+                                                        "phrasing (prorag.data.world.canonical_question) instead of "
+                                                        "the decomposition's randomly drawn one; sub-questions in "
+                                                        "other phrasings are kept verbatim")
     loss_weights: str = cfg_field("prorag", help="prorag = format-aware tag weights; uniform = plain CE",
                                   choices=("prorag", "uniform"))
     epochs: float = cfg_field(1.0, help="passes over the data (fractional allowed)", min=0.01, max=100)
@@ -104,8 +108,11 @@ def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]
     samples, stats = [], {"questions": len(qs), "dropped_too_long": 0, "dropped_no_decomposition": 0}
     try:
         if cfg.mode == "agent":
+            phrasing = None
+            if cfg.canonical_subqueries:
+                from prorag.data.world import canonical_question as phrasing
             subs = [s for q in qs for s in q.decomposition if s.doc_id]
-            retrieved = search([s.question for s in subs])
+            retrieved = search([phrasing(s.question) if phrasing else s.question for s in subs])
             gold = {d.id: RetrievedDoc(title=d.title, text=d.text, id=d.id)
                     for d in client.get_documents(sorted({s.doc_id for s in subs}))}
             for q in qs:
@@ -113,7 +120,7 @@ def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]
                     stats["dropped_no_decomposition"] += 1
                     continue
                 steps = agent_steps(q, retrieved, gold, topk=cfg.topk, thought=thought,
-                                    restate=cfg.restate_question, plan=cfg.plan_thoughts)
+                                    restate=cfg.restate_question, plan=cfg.plan_thoughts, phrasing=phrasing)
                 samples.append(encode_segments(tokenizer, agent_prompt(q.question), steps, tag_ids, weights))
         else:
             docs = search([q.question for q in qs]) if cfg.mode == "standard_rag" else {}

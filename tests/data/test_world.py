@@ -256,3 +256,27 @@ def test_summary_paths_and_progress(tmp_path):
         assert Path(p).exists()
     d = s.to_dict()
     assert d["by_type"]["train"]["compositional"] > 0 and json.dumps(d)
+
+
+def test_canonical_question_writes_every_sub_question_of_a_relation_one_way(world):
+    from prorag.data.world import canonical_question
+
+    assert canonical_question("Who established Nond Builders?") == "Who founded Nond Builders?"
+    assert canonical_question("Who was The Drowned Voyage written by?") == "Who wrote The Drowned Voyage?"
+    assert canonical_question("What is Woshest's capital?") == "What is the capital of Woshest?"
+    # a qualified mention that opened the question loses its capital; a name starting with "The" keeps it
+    assert canonical_question("The city of Banflar is in which country?") == "In which country is the city of Banflar?"
+    assert canonical_question("The Silver Letter lies on which continent?") == "On which continent is The Silver Letter?"
+    assert canonical_question("Who is older, A or B?") == "Who is older, A or B?"  # not a direct question: kept
+    assert canonical_question("What is this?") == "What is this?"
+    # over a generated world: every gold sub-question is recognised, keeps its entity, is idempotent, and
+    # each (relation, entity) gets one phrasing
+    subs = [s for split in world["splits"].values() for q in split for s in q.decomposition if s.doc_id]
+    written = {}
+    for s in subs:
+        c = canonical_question(s.question)
+        assert canonical_question(c) == c
+        assert s.title.lower() in c.lower() or s.title.split(" (")[0].lower() in c.lower()
+        written.setdefault((s.doc_id, s.answer), set()).add(c)
+    assert sum(canonical_question(s.question) != s.question for s in subs) > len(subs) / 2
+    assert len({c for cs in written.values() for c in cs}) < len({s.question for s in subs})
