@@ -168,13 +168,16 @@ def cmd_eval(args) -> int:
     from prorag.data.loaders import load_split
     from prorag.eval import evaluate, format_table
     from prorag.io import write_json
-    from prorag.models import resolve_model
+    from prorag.models import resolve_model, trained_topk
     from prorag.pipeline import SFT_MODES
+    from services.trainer.stage_sft import SFTConfig
     from prorag.runs import new_run_dir, point_latest
     from prorag.stack import ServiceStack
     from prorag.clients import PolicyClient, RetrieverClient
 
     model = str(resolve_model(args.world, args.model or args.method))
+    # as many documents per search as the model was trained with, unless asked otherwise
+    topk = args.topk or trained_topk(model) or SFTConfig.topk
     qs = load_split(paths.world_dir(args.world), args.split)
     qs = qs[:args.limit] if args.limit else qs
     out = Path(args.out) if args.out else new_run_dir(f"eval-{args.method}")
@@ -186,8 +189,9 @@ def cmd_eval(args) -> int:
         retr_target = args.retriever or stack.grpc_target("retriever")
         with PolicyClient(stack.grpc_target("policy")) as policy, RetrieverClient(retr_target, timeout=600) as retr:
             kind = SFT_MODES.get(args.method, "agent")
-            result = evaluate(args.method if kind == "agent" else kind, policy, retr, qs, out_dir=out)
-    write_json(out / "results.json", {"methods": {args.method: result}, "model": model, "split": args.split})
+            result = evaluate(args.method if kind == "agent" else kind, policy, retr, qs, out_dir=out, topk=topk)
+    write_json(out / "results.json", {"methods": {args.method: result}, "model": model, "split": args.split,
+                                      "topk": topk})
     if not args.out:
         point_latest(out)
     Console().print(format_table({args.method: result}))
@@ -264,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--world", default="default")
     e.add_argument("--split", default="test", choices=["train", "dev", "test"])
     e.add_argument("--limit", type=int, default=0, help="first N questions only")
+    e.add_argument("--topk", type=int, default=0,
+                   help="documents per search (default: what the model was trained with, else 3)")
     e.add_argument("--retriever", default=None, help="retriever host:port (default: start one)")
     e.add_argument("--port-offset", type=int, default=200)
     e.add_argument("--out", default=None, help="directory for predictions (default: a new run dir)")

@@ -62,3 +62,13 @@ def resolve_model(world: str, spec: str) -> Path:
     if not versions:
         raise NotFound(f"no published versions of model {name!r} under {root}")
     return versions[-1]
+
+
+def trained_topk(model: str | Path) -> int | None:
+    """Documents per search the published model was trained with (None when its manifest does not say:
+    a path that is no published model, or one published before the field existed)."""
+    manifest = Path(model) / MANIFEST
+    if not manifest.exists():
+        return None
+    topk = json.loads(manifest.read_text()).get("topk")
+    return int(topk) if topk else None

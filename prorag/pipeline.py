@@ -55,9 +55,10 @@ class Profile:
         return {**self.sft, **self.method_sft.get(method, {})}
 
 
-#: The base and SFT settings that reached the best measured table (docs/BENCHMARKS.md, "Plans in the
-#: thoughts"): the induction-wired base with the gap and paraphrase phases, restated questions, plan-carrying
-#: thoughts and 600 SFT steps over the whole train split. About 27 minutes on 2 cores (fresh clone), over make run's
+#: The base and SFT settings that reach issue #4's figure (docs/BENCHMARKS.md, "One document per subquery"):
+#: the induction-wired base with the gap and paraphrase phases, restated questions, plan-carrying thoughts,
+#: one document per subquery for the agent, and 1,200 SFT steps over the whole train split for all three
+#: methods. About 22 minutes on 2 cores once its base exists, ~33 from a fresh clone: over make run's
 #: 20-minute budget, so it is a profile of its own (`prorag run --profile full`), not the default.
 FULL_WARMUP = {"copy_mix": 4, "lr_warmup_steps": 50, "copy_min_length": 8, "gap_steps": 200, "paraphrase_steps": 150}
 

@@ -54,7 +54,8 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     for name, job in on_disk["jobs"].items():
         manifest = json.loads((tmp_path / "runs" / "jobs" / job["job_id"] / "run" / "manifest.json").read_text())
         assert manifest["stage"] == "sft"
-        assert (tmp_path / "data" / "models" / "tiny" / name / job["job_id"] / "published.json").exists()
+        published = tmp_path / "data" / "models" / "tiny" / name / job["job_id"] / "published.json"
+        assert json.loads(published.read_text())["topk"] == 3  # the tiny profile trains with the default depth
     assert results["timings"]["train_sft_s"] > 0
 
     # a second run reuses the finished jobs instead of training again

@@ -260,7 +260,7 @@ def run_sft(ctx: JobContext) -> dict:
         (tmp / "m").rmdir()
     name = cfg.publish_name or ("sft" if cfg.mode == "agent" else cfg.mode)
     published = publish_model(ctx.run_dir / "model", cfg.world, name, ctx.job_id, base_model=str(base),
-                              extra={"stage": "sft", "mode": cfg.mode, "job_id": ctx.job_id})
+                              extra={"stage": "sft", "mode": cfg.mode, "job_id": ctx.job_id, "topk": cfg.topk})
     ctx.emit(total, total, message=f"published {name}@{ctx.job_id} at {published}")
     return {"final_loss": loss_v, "steps": total, **{f"data_{k}": float(v) for k, v in stats.items()}}
 
