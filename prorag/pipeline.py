@@ -55,11 +55,12 @@ class Profile:
         return {**self.sft, **self.method_sft.get(method, {})}
 
 
-#: The base and SFT settings that reach issue #4's figure (docs/BENCHMARKS.md, "One document per subquery"):
-#: the induction-wired base with the gap and paraphrase phases, restated questions, plan-carrying thoughts,
-#: one document per subquery for the agent, and 1,200 SFT steps over the whole train split for all three
-#: methods. About 22 minutes on 2 cores once its base exists, ~33 from a fresh clone: over make run's
-#: 20-minute budget, so it is a profile of its own (`prorag run --profile full`), not the default.
+#: The base and SFT settings that reach issue #4's figure (docs/BENCHMARKS.md, "One document per subquery,
+#: 1,200 SFT steps, canonical subqueries"): the induction-wired base with the gap and paraphrase phases, restated
+#: questions, plan-carrying thoughts, one document per subquery and one phrasing per relation for the agent's
+#: subqueries, and 1,200 SFT steps over the whole train split for all three methods. About 22 minutes on 2 cores
+#: once its base exists, ~33 from a fresh clone: over make run's 20-minute budget, so it is a profile of its own
+#: (`prorag run --profile full`), not the default.
 FULL_WARMUP = {"copy_mix": 4, "lr_warmup_steps": 50, "copy_min_length": 8, "gap_steps": 200, "paraphrase_steps": 150}
 
 
@@ -75,9 +76,10 @@ PROFILES = {
                     base_variant="full",
                     sft={"max_questions": 0, "max_steps": 1200, "batch_size": 8, "lr": 3e-3, "log_every": 10,
                          "checkpoint_every": 200, "restate_question": True, "plan_thoughts": True},
-                    # the agent reads one document per subquery: the dense top-1 holds a gold sub-question's
-                    # document 98% of the time, and the small policy reads one document far better than three
-                    method_sft={"sft": {"topk": 1}}),
+                    # the agent reads one document per subquery: the top-1 of the default (hybrid) index holds a
+                    # gold sub-question's document 98.6% of the time, and the small policy reads one document far
+                    # better than three; and it writes each relation's subquery one way (dev 2+ hops 32.1 -> 51.1)
+                    method_sft={"sft": {"topk": 1, "canonical_subqueries": True}}),
 }
 SFT_MODES = {"sft": "agent", "no_retrieval": "no_retrieval", "standard_rag": "standard_rag"}
 
