@@ -175,6 +175,8 @@ def cmd_eval(args) -> int:
     from prorag.stack import ServiceStack
     from prorag.clients import PolicyClient, RetrieverClient
 
+    if args.topk < 0:
+        raise SystemExit(f"--topk must be 1 or more (0 = as the model was trained), got {args.topk}")
     model = str(resolve_model(args.world, args.model or args.method))
     # as many documents per search as the model was trained with, unless asked otherwise
     topk = args.topk or trained_topk(model) or SFTConfig.topk

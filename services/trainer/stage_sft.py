@@ -109,11 +109,14 @@ def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]
     samples, stats = [], {"questions": len(qs), "dropped_too_long": 0, "dropped_no_decomposition": 0}
     try:
         if cfg.mode == "agent":
-            phrasing = None
-            if cfg.canonical_subqueries:
-                from prorag.data.world import canonical_question as phrasing
+            from prorag.data.world import canonical_question
+
             subs = [s for q in qs for s in q.decomposition if s.doc_id]
-            retrieved = search([phrasing(s.question) if phrasing else s.question for s in subs])
+            # each sub-question rewritten once, used for its retrieval and in every trajectory that holds it
+            written = {s.question: canonical_question(s.question) if cfg.canonical_subqueries else s.question
+                       for s in subs}
+            phrasing = written.__getitem__
+            retrieved = search(list(written.values()))
             gold = {d.id: RetrievedDoc(title=d.title, text=d.text, id=d.id)
                     for d in client.get_documents(sorted({s.doc_id for s in subs}))}
             for q in qs:
