@@ -25,7 +25,7 @@ def model_dir(world: str, name: str, version: str) -> Path:
 def publish_model(src: str | Path, world: str, name: str, version: str, *, base_model: str = "",
                   extra: dict | None = None) -> Path:
     """Copy a saved HF model dir into the registry atomically; identical re-publish is a no-op."""
-    from services.policy.modeling import model_sha256
+    from prorag.modeling import model_sha256
 
     src = Path(src)
     digest = model_sha256(src)

@@ -10,7 +10,7 @@ phases give it those abilities first, for the policy and both baselines alike:
    model learns to attend a fixed distance back, not content-based copying (induction), which from
    random init only formed after ~1,250 steps of varied-length strings (docs/BENCHMARKS.md). Options:
    lengths drawn per batch, copy rows kept in every later step, and the ``cpu-induction`` preset,
-   which starts with an induction circuit wired in (services.policy.init_circuits);
+   which starts with an induction circuit wired in (prorag.init_circuits);
 2. reading: a passage then "Question: ...\\nAnswer: ..." lines about it, the passage growing from the
    one sentence that holds the answer to the whole document with several questions;
 3. optional, off by default: reading among retrieved documents, the fact's document and distractors

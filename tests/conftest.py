@@ -1,6 +1,92 @@
+"""Shared fixtures: environment for offline runs, and a tiny random Qwen3 policy with a tokenizer trained on
+synthetic format text (built once per session) for model, rollout and service tests."""
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+import contextlib
+import random
+
+import pytest
+
+from prorag import trajectory as T
+
+WORDS = ("the of and in was is for on as by with he at from his an were are which this also be has "
+         "had first one their its new after who they two her she been other when there all during into "
+         "school time may years more most only over city world would where later film river born director "
+         "capital country president founded album band song river mountain university").split()
+
+
+class VocabOnly:
+    """Only what build_model reads from a tokenizer: a size and the special ids."""
+
+    eos_token_id, pad_token_id = 2, 0
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def convert_tokens_to_ids(self, t):
+        return 1
+
+
+def synthetic_texts(n: int = 300, seed: int = 0) -> list[str]:
+    """Sentences plus rendered trajectories, so the BPE sees the glue around the tags."""
+    rng = random.Random(seed)
+
+    def sent(k):
+        return " ".join(rng.choice(WORDS) for _ in range(k)).capitalize()
+
+    out = []
+    for i in range(n):
+        if i % 3:
+            out.append(sent(rng.randint(5, 20)) + ".")
+        else:
+            steps = [T.Step("subquery", sent(6) + ".", sent(4) + "?",
+                            docs=[T.RetrievedDoc(sent(2), sent(12)) for _ in range(3)]),
+                     T.Step("subanswer", sent(5) + ".", sent(2)), T.Step("answer", sent(4) + ".", sent(2))]
+            out.append(T.render_trajectory(sent(8) + "?", steps))
+    return out
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Tiny models gain nothing from 2 threads, and OpenMP's spin-waiting makes them 5-10x slower
+    whenever another process shares the cores."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory):
+    """(model_dir, tokenizer): a saved tiny model (max 512 positions) loadable by TransformersEngine."""
+    from prorag.modeling import PolicyModelConfig, build_model, save_pretrained, train_tokenizer
+
+    root = tmp_path_factory.mktemp("policy")
+    tok = train_tokenizer(synthetic_texts(), vocab_size=1024, out_dir=root / "tokenizer")
+    cfg = PolicyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                            intermediate_size=128, max_position_embeddings=512)
+    model = build_model(cfg, tok, seed=0)
+    save_pretrained(model, tok, root / "model")
+    return root / "model", tok
+
+

@@ -1,9 +1,9 @@
-"""prorag.eval: scoring groups (per hop, per type, 2+ hops) and the figure's margin test."""
+"""prorag_app.eval: scoring groups (per hop, per type, 2+ hops) and the figure's margin test."""
 
 import pytest
 
-from prorag.eval import format_table, margin_beyond_cis, score_records
-from prorag.pipeline import multi_hop_figure
+from prorag_app.eval import format_table, margin_beyond_cis, score_records
+from prorag_app.pipeline import multi_hop_figure
 
 
 def _records(spec):

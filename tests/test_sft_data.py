@@ -145,7 +145,7 @@ def test_baselines_have_one_answer_step_and_standard_rag_sees_documents():
 
 
 def test_weighted_lm_loss_matches_a_hand_computation():
-    from prorag.losses import weighted_lm_loss
+    from prorag.algorithms.losses import weighted_lm_loss
 
     class Tiny(torch.nn.Module):
         def __init__(self):

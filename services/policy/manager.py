@@ -14,7 +14,7 @@ from pathlib import Path
 
 from prorag.errors import FailedPrecondition, NotFound
 from services.policy.adapters import AdapterRef, Manifest, verify
-from services.policy.engine import GenerationEngine, SamplingSpec
+from prorag.engine import GenerationEngine, SamplingSpec
 
 
 @dataclass

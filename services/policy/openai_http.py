@@ -15,8 +15,8 @@ from aiohttp import web
 
 from prorag.errors import InvalidArgument, ProragError
 from prorag.trajectory import IM_END
-from services.policy.engine import SamplingSpec, derive_seed
-from services.policy.rollout import decode
+from prorag.engine import SamplingSpec, derive_seed
+from prorag.rollout import decode
 
 
 def _err(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:

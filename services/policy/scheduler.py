@@ -8,7 +8,7 @@ from typing import Sequence
 
 from prorag.batching import MicroBatcher
 from prorag.errors import FailedPrecondition
-from services.policy.engine import GeneratedSeq, GenerationEngine, SamplingSpec
+from prorag.engine import GeneratedSeq, GenerationEngine, SamplingSpec
 
 
 class GenerationScheduler:
@@ -48,7 +48,7 @@ class _ThreadEngine(GenerationEngine):
         self.max_model_len = scheduler.engine.max_model_len
 
     def generate(self, prompts, params, adapter=None, seeds=None):
-        from services.policy.engine import derive_seed
+        from prorag.engine import derive_seed
 
         if seeds is None:
             seeds = [derive_seed(params.seed, i) for i in range(len(prompts))]

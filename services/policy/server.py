@@ -54,7 +54,7 @@ class PolicyConfig:
     def resolved_model(self) -> Path:
         if self.model:
             return Path(self.model)
-        from prorag.embedded import ensure_policy_model
+        from prorag_app.embedded import ensure_policy_model
 
         return ensure_policy_model(self.world)
 
@@ -76,11 +76,11 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
     import asyncio
 
     from services.policy.manager import AdapterManager
-    from services.policy.modeling import model_sha256
+    from prorag.modeling import model_sha256
     from services.policy.openai_http import make_app
     from services.policy.scheduler import GenerationScheduler
     from services.policy.servicer import PolicyServicer, retriever_search_factory
-    from services.retriever.http import start_http
+    from prorag.http_server import start_http
 
     cfg = cfg or PolicyConfig()
     model_path = cfg.resolved_model()

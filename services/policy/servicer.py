@@ -12,8 +12,8 @@ from prorag.errors import InvalidArgument, NotFound, Unavailable
 from prorag.pb import common_pb2, policy_pb2, policy_pb2_grpc
 from prorag.trajectory import STOP_TAGS, RetrievedDoc
 from services.policy.adapters import AdapterRef
-from services.policy.engine import SamplingSpec, derive_seed
-from services.policy.rollout import TrajectoryResult, decode, run_rollouts
+from prorag.engine import SamplingSpec, derive_seed
+from prorag.rollout import TrajectoryResult, decode, run_rollouts
 
 STEP_KIND = {"subquery": common_pb2.STEP_KIND_SUBQUERY, "subanswer": common_pb2.STEP_KIND_SUBANSWER,
              "answer": common_pb2.STEP_KIND_ANSWER, "invalid": common_pb2.STEP_KIND_INVALID}

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from prorag.errors import InvalidArgument, NotFound, Unavailable
 
-from .engine import (GeneratedSeq, GenerationEngine, SamplingSpec, already_loaded, check_prompts, derive_seed,
+from prorag.engine import (GeneratedSeq, GenerationEngine, SamplingSpec, already_loaded, check_prompts, derive_seed,
                      validate_adapter_dir)
 
 

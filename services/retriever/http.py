@@ -68,12 +68,3 @@ def make_app(frontend: SearchFrontend, default_topk: int = 3, max_body_mb: int =
     app.router.add_post("/retrieve", retrieve)
     app.router.add_get("/health", health)
     return app
-
-
-async def start_http(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = site._server.sockets[0].getsockname()[1]  # port 0 -> the real one
-    return runner, bound

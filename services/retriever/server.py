@@ -12,7 +12,8 @@ from prorag.grpc_server import ServerSpec, start_server
 from prorag.pb import retriever_pb2_grpc
 from prorag.service import ServeConfig, Started
 from services.retriever.frontend import SearchFrontend
-from services.retriever.http import make_app, start_http
+from prorag.http_server import start_http
+from services.retriever.http import make_app
 from services.retriever.servicer import RetrieverServicer
 
 SERVICE = "prorag.v1.Retriever"

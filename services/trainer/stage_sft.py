@@ -20,7 +20,7 @@ from pathlib import Path
 from prorag import paths
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
-from prorag.losses import weighted_lm_loss
+from prorag.algorithms.losses import weighted_lm_loss
 from prorag.sft_data import length_grouped_batches
 from services.trainer.stages import JobContext, register_stage
 
@@ -170,9 +170,9 @@ def collate(samples, pad_id: int):
 def run_sft(ctx: JobContext) -> dict:
     import torch
 
-    from prorag.embedded import ensure_policy_model
+    from prorag_app.embedded import ensure_policy_model
     from prorag.models import publish_model
-    from services.policy.modeling import load_policy, save_pretrained
+    from prorag.modeling import load_policy, save_pretrained
 
     cfg: SFTConfig = ctx.config
     if cfg.threads:

@@ -261,7 +261,7 @@ class JobContext:
 
     # -- checkpoints
     def save_checkpoint(self, state: dict, step: int | None = None) -> Path:
-        from services.trainer import checkpoint
+        from prorag.training import checkpoint
 
         if step is None:
             if "step" not in state:
@@ -274,7 +274,7 @@ class JobContext:
 
     def load_checkpoint(self, restore_rng: bool = True) -> dict | None:
         """The latest checkpoint's state (RNG states restored), or None on a fresh start."""
-        from services.trainer import checkpoint
+        from prorag.training import checkpoint
 
         checkpoint.cleanup_temp(self.checkpoint_dir)
         found = checkpoint.load_latest(self.checkpoint_dir)

@@ -35,7 +35,7 @@ def home(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model_dir(home):
-    from prorag.embedded import ensure_policy_model
+    from prorag_app.embedded import ensure_policy_model
 
     return ensure_policy_model("tiny", preset="tiny", vocab_size=2048)
 
@@ -45,7 +45,7 @@ def make_lora(model_dir, out, seed: int, rank: int = 4):
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from services.policy.modeling import load_policy
+    from prorag.modeling import load_policy
 
     model, _ = load_policy(model_dir)
     peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "down_proj"]))
@@ -61,7 +61,7 @@ def make_lora(model_dir, out, seed: int, rank: int = 4):
 @pytest.fixture(scope="module")
 def adapters(home, model_dir, tmp_path_factory):
     from services.policy.adapters import AdapterRef, publish
-    from services.policy.modeling import model_sha256
+    from prorag.modeling import model_sha256
 
     root = home / "data" / "adapters" / "tiny"
     sha = model_sha256(model_dir)
@@ -77,7 +77,7 @@ def adapters(home, model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(loop, home, model_dir, adapters):
-    from prorag.embedded import ensure_indexes
+    from prorag_app.embedded import ensure_indexes
     from services.policy.server import PolicyConfig
     from services.policy.server import start as start_policy
     from services.retriever.server import RetrieverConfig
@@ -273,7 +273,7 @@ def test_llm_thoughts_through_the_policy_openai_endpoint(stack, tmp_path):
 
 def test_llm_thoughts_fall_back_to_templates_when_the_endpoint_is_down(tmp_path):
     from prorag.sft_data import template_thought
-    from prorag.stack import port_free
+    from prorag_app.stack import port_free
     from prorag.thoughts import OpenAIThoughtWriter
 
     port = 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from prorag.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
-from services.policy.engine import SamplingSpec, derive_seed
+from prorag.engine import SamplingSpec, derive_seed
 
 
 @dataclass
@@ -245,7 +245,7 @@ def test_adapter_errors(engine, tmp_path):
 def test_rollout_runs_on_the_vllm_engine(engine):
     """The orchestrator only needs the protocol: a scripted one-step answer through the fake."""
     from prorag import trajectory as T
-    from services.policy.rollout import run_rollouts
+    from prorag.rollout import run_rollouts
 
     tok = engine.tokenizer
     ids = tok.encode("Easy.", add_special_tokens=False) + [tok.convert_tokens_to_ids("</step>")] + \

@@ -22,7 +22,7 @@ from tests.helpers import LoopThread, env
 def world_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     with env("PRORAG_DATA", str(home / "data")):
-        from prorag.embedded import ensure_indexes
+        from prorag_app.embedded import ensure_indexes
 
         ensure_indexes("tiny")
         yield home

@@ -43,7 +43,7 @@ class Trainer:
         log = self.home / f"trainer-{len(self.logs)}.log"
         self.logs.append(log)
         with open(log, "w") as fh:
-            self.proc = subprocess.Popen([sys.executable, "-m", "prorag.cli", "serve", "trainer", "--port",
+            self.proc = subprocess.Popen([sys.executable, "-m", "prorag_app.cli", "serve", "trainer", "--port",
                                           str(self.port)], cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
         if not wait_for_health(f"127.0.0.1:{self.port}", SERVICE, timeout=60):
             self.kill()

@@ -34,7 +34,7 @@ def _free_port() -> int:
 def data_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("sft") / "data"
     with env("PRORAG_DATA", str(d)):
-        from prorag.embedded import ensure_indexes, ensure_policy_model
+        from prorag_app.embedded import ensure_indexes, ensure_policy_model
 
         ensure_indexes("tiny")
         ensure_policy_model("tiny")
@@ -67,7 +67,7 @@ class TrainerProc:
         env = dict(os.environ, PRORAG_HOME=str(self.home), PRORAG_DATA=str(self.data), PYTHONUNBUFFERED="1")
         env.pop("PRORAG_RUNS", None)
         log = open(self.home / f"trainer-{time.monotonic_ns()}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "prorag.cli", "serve", "trainer", "--port", str(self.port)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "prorag_app.cli", "serve", "trainer", "--port", str(self.port)],
                                      cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         assert wait_for_health(f"127.0.0.1:{self.port}", "prorag.v1.Trainer", timeout=90)
         return self

@@ -102,14 +102,14 @@ class PolicyModelConfig:
     rope_theta: float = cfg_field(1_000_000.0, help="RoPE base", min=1.0)
     tie_word_embeddings: bool = cfg_field(True, help="share input embeddings and LM head")
     init: str = cfg_field("normal", help="weights at init: normal (HF default) or induction (a previous-token and "
-                                         "an induction head wired in, services.policy.init_circuits)",
+                                         "an induction head wired in, prorag.init_circuits)",
                           choices=("normal", "induction"))
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise InvalidArgument(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.init == "induction":  # refused with the config, not later as a bare ValueError from the wiring
-            from services.policy.init_circuits import induction_shape_problem
+            from prorag.init_circuits import induction_shape_problem
 
             problem = induction_shape_problem(self.num_layers, self.head_dim, self.hidden_size)
             if problem:
@@ -165,7 +165,7 @@ def build_model(cfg: PolicyModelConfig | str | dict, tokenizer, seed: int = 0):
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(hf_cfg)
     if cfg.init == "induction":
-        from services.policy.init_circuits import wire_induction_circuit
+        from prorag.init_circuits import wire_induction_circuit
 
         wire_induction_circuit(model, seed=seed)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -296,7 +296,7 @@ def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfi
     docs: doc id -> text; facts: prorag.warmup_data.Fact list (their documents must be in docs).
     progress(done, total) is called every step.
     """
-    from prorag.losses import weighted_lm_loss
+    from prorag.algorithms.losses import weighted_lm_loss
     from prorag.data.loaders import parse_contents
     from prorag.warmup_data import (answer_pools, copy_batch, counterfactual_swap, facts_by_doc, paraphrase_example,
                                     paraphrase_groups, reading_example, retrieved_reading_example)

@@ -18,7 +18,7 @@ import urllib.request
 
 from prorag import paths
 from prorag.clients import RetrieverClient, wait_for_health
-from prorag.stack import port_free
+from prorag_app.stack import port_free
 
 TARGETS = ("retriever", "policy", "swap")
 
@@ -74,7 +74,7 @@ def _median_dicts(runs: list[dict]) -> dict:
 
 def bench_retriever(args) -> dict:
     from prorag.data.loaders import load_split
-    from prorag.embedded import ensure_indexes
+    from prorag_app.embedded import ensure_indexes
     from services.retriever.server import RetrieverConfig, open_engine
 
     world = args.world
@@ -88,7 +88,7 @@ def bench_retriever(args) -> dict:
 
     engine = open_engine(RetrieverConfig(world=world))
     grpc_port, http_port = _free_port(paths.GRPC_PORTS["retriever"] + 1000), _free_port(paths.HTTP_PORTS["retriever"] + 1000)
-    proc = subprocess.Popen([sys.executable, "-m", "prorag.cli", "serve", "retriever", "--port", str(grpc_port),
+    proc = subprocess.Popen([sys.executable, "-m", "prorag_app.cli", "serve", "retriever", "--port", str(grpc_port),
                              "--http-port", str(http_port), "--set", f"world={world}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -137,7 +137,7 @@ def bench_retriever(args) -> dict:
 
 
 def _serve(service: str, port: int, sets: dict, log_path=None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "prorag.cli", "serve", service, "--port", str(port), "--http-port", "-1"]
+    cmd = [sys.executable, "-m", "prorag_app.cli", "serve", service, "--port", str(port), "--http-port", "-1"]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
@@ -157,7 +157,7 @@ def _stop(*procs) -> None:
 
 def _bench_model(world: str, model: str) -> str:
     """The model to benchmark: a path, a published name (sft -> newest sft), or the embedded base."""
-    from prorag.embedded import ensure_policy_model
+    from prorag_app.embedded import ensure_policy_model
     from prorag.errors import NotFound
     from prorag.models import resolve_model
 
@@ -175,10 +175,11 @@ def bench_policy(args) -> dict:
     """GRPO-sized rollouts (questions x samples) through the policy service vs the same engine in-process."""
     from prorag.clients import PolicyClient
     from prorag.data.loaders import load_split
-    from prorag.embedded import ensure_indexes
+    from prorag_app.embedded import ensure_indexes
     from prorag.trajectory import RetrievedDoc
-    from services.policy.engine import SamplingSpec, TransformersEngine
-    from services.policy.rollout import run_rollouts
+    from prorag.engine import SamplingSpec
+    from services.policy.engine import TransformersEngine
+    from prorag.rollout import run_rollouts
     from services.retriever.server import RetrieverConfig, open_engine
 
     world = args.world
@@ -240,7 +241,7 @@ def bench_swap(args) -> dict:
 
     from prorag.clients import PolicyClient
     from services.policy.adapters import AdapterRef, publish
-    from services.policy.modeling import load_policy, model_sha256
+    from prorag.modeling import load_policy, model_sha256
 
     world = args.world
     model = _bench_model(world, args.model)

@@ -49,7 +49,7 @@ class ServiceStack:
             raise SystemExit(f"ports already in use on {self.host}: {busy}; is another `prorag up` running? "
                              f"Use --port-offset N to shift every port.")
         for svc in self.services:
-            cmd = [sys.executable, "-m", "prorag.cli", "serve", svc, "--host", self.host,
+            cmd = [sys.executable, "-m", "prorag_app.cli", "serve", svc, "--host", self.host,
                    "--port", str(paths.GRPC_PORTS[svc] + self.port_offset), "--port-offset", str(self.port_offset)]
             if svc in paths.HTTP_PORTS:
                 cmd += ["--http-port", str(paths.HTTP_PORTS[svc] + self.port_offset)]

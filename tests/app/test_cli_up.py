@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from prorag import paths
 from prorag.clients import wait_for_health
-from tests.test_end_to_end import _free_offset
+from tests.app.test_end_to_end import _free_offset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ def test_up_serves_all_five_and_stops_on_sigterm(tmp_path):
     env.pop("PRORAG_DATA", None)
     env.pop("PRORAG_RUNS", None)
     log = open(tmp_path / "up.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "prorag.cli", "up", "--world", "tiny", "--port-offset", str(off)],
+    proc = subprocess.Popen([sys.executable, "-m", "prorag_app.cli", "up", "--world", "tiny", "--port-offset", str(off)],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         names = {"retriever": "Retriever", "policy": "Policy", "prm": "ProcessRewardModel", "judge": "Judge",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.trainer import checkpoint
+from prorag.training import checkpoint
 from services.trainer.stages import JobContext
 
 

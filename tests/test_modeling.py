@@ -7,9 +7,9 @@ import torch
 
 from prorag import trajectory as T
 from prorag.errors import InvalidArgument, NotFound
-from services.policy import modeling as M
+from prorag import modeling as M
 
-from .conftest import VocabOnly, synthetic_texts
+from tests.conftest import VocabOnly, synthetic_texts
 
 
 def test_special_tokens_are_single_ids(tiny_policy):

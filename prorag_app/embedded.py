@@ -71,7 +71,7 @@ def ensure_policy_model(world: str = "default", preset: str | None = None, vocab
                         seed: int = 0, warmup: dict | None = None, progress=None, variant: str = "") -> Path:
     """The embedded policy: a BPE tokenizer trained on the world's corpus, questions and the format's
     text (plus its special tokens), and a Qwen3-architecture model warmed up from random init with the
-    copy task and reading curriculum (services.policy.modeling.WarmupConfig; ``warmup`` overrides it,
+    copy task and reading curriculum (prorag.modeling.WarmupConfig; ``warmup`` overrides it,
     {"copy_steps": 0, ...} turns phases off), saved in HF format. Rebuilt when any setting changes.
     variant: build into :func:`policy_base_dir` (world, variant) instead of the world's default base.
     progress(stage, done, total) reports the warm-up."""
@@ -83,7 +83,7 @@ def ensure_policy_model(world: str = "default", preset: str | None = None, vocab
     from prorag.sft_data import BASELINE_SYSTEM_PROMPT, template_phrases
     from prorag.trajectory import SYSTEM_PROMPT
     from prorag.warmup_data import facts_from_questions
-    from services.policy.modeling import (WarmupConfig, build_model, model_config, save_pretrained, train_tokenizer,
+    from prorag.modeling import (WarmupConfig, build_model, model_config, save_pretrained, train_tokenizer,
                                          warm_up_base)
 
     out = policy_base_dir(world, variant)

@@ -39,7 +39,7 @@ def _parse_sets(pairs: list[str]) -> dict:
 
 # ---------------------------------------------------------------- world / index
 def cmd_world(args) -> int:
-    from prorag.embedded import ensure_world
+    from prorag_app.embedded import ensure_world
 
     summary = ensure_world(args.name, args.size, args.seed, force=args.force)
     print(json.dumps(summary, indent=2, sort_keys=True))
@@ -47,7 +47,7 @@ def cmd_world(args) -> int:
 
 
 def cmd_index(args) -> int:
-    from prorag.embedded import ensure_indexes
+    from prorag_app.embedded import ensure_indexes
 
     meta = ensure_indexes(args.world, faiss_type=args.faiss, encoder=args.encoder, pooling=args.pooling,
                           query_prefix=args.query_prefix, doc_prefix=args.doc_prefix, corpus=args.corpus,
@@ -82,7 +82,7 @@ async def _serve(service: str, args) -> None:
 
         cfg = from_dict(RetrieverConfig, overrides)
         if not cfg.index_root:
-            from prorag.embedded import ensure_indexes
+            from prorag_app.embedded import ensure_indexes
 
             ensure_indexes(cfg.world)
         started = await start(serve, cfg)
@@ -115,10 +115,10 @@ def cmd_serve(args) -> int:
 
 def cmd_up(args) -> int:
     """Start all five services as local processes; Ctrl-C or SIGTERM stops them all."""
-    from prorag.embedded import ensure_indexes
-    from prorag.stack import ServiceStack
+    from prorag_app.embedded import ensure_indexes
+    from prorag_app.stack import ServiceStack
 
-    from prorag.embedded import ensure_policy_model
+    from prorag_app.embedded import ensure_policy_model
 
     ensure_indexes(args.world, size=args.size)  # build what is missing before any service starts
     ensure_policy_model(args.world)
@@ -166,13 +166,13 @@ def cmd_eval(args) -> int:
     from rich.console import Console
 
     from prorag.data.loaders import load_split
-    from prorag.eval import evaluate, format_table
+    from prorag_app.eval import evaluate, format_table
     from prorag.io import write_json
     from prorag.models import resolve_model, trained_topk
-    from prorag.pipeline import SFT_MODES
+    from prorag_app.pipeline import SFT_MODES
     from services.trainer.stage_sft import SFTConfig
     from prorag.runs import new_run_dir, point_latest
-    from prorag.stack import ServiceStack
+    from prorag_app.stack import ServiceStack
     from prorag.clients import PolicyClient, RetrieverClient
 
     if args.topk < 0:
@@ -202,7 +202,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from prorag.pipeline import run_main_job
+    from prorag_app.pipeline import run_main_job
 
     run_main_job(profile=args.profile, world=args.world, port_offset=args.port_offset)
     return 0

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from prorag.pipeline import job_id_for
+from prorag_app.pipeline import job_id_for
 
 
 def fake_model(path: Path, weights: bytes) -> str:
@@ -24,9 +24,9 @@ def test_job_id_follows_config_and_base_weights_not_retriever_address(tmp_path):
 
 def test_every_profile_is_a_valid_sft_and_warmup_config_and_variants_keep_their_own_base():
     from prorag.config import from_dict
-    from prorag.embedded import policy_base_dir
-    from prorag.pipeline import PROFILES
-    from services.policy.modeling import PRESETS, WarmupConfig
+    from prorag_app.embedded import policy_base_dir
+    from prorag_app.pipeline import PROFILES
+    from prorag.modeling import PRESETS, WarmupConfig
     from services.trainer.stage_sft import SFTConfig
 
     for name, prof in PROFILES.items():
@@ -41,7 +41,7 @@ def test_every_profile_is_a_valid_sft_and_warmup_config_and_variants_keep_their_
 
 
 def test_a_method_trains_and_is_evaluated_with_its_own_settings_and_the_others_keep_the_shared_ones():
-    from prorag.pipeline import Profile, eval_options
+    from prorag_app.pipeline import Profile, eval_options
 
     prof = Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={"max_steps": 24, "topk": 3},
                    method_sft={"sft": {"topk": 1}}, max_steps=9)

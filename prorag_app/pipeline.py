@@ -23,11 +23,11 @@ from rich.table import Table
 from prorag import paths
 from prorag.clients import PolicyClient, RetrieverClient
 from prorag.data.loaders import load_split
-from prorag.embedded import ensure_indexes, ensure_policy_model
+from prorag_app.embedded import ensure_indexes, ensure_policy_model
 from prorag.progress import progress_bars
 from prorag.evaluation import grouped_mean_ci, recall_at_k, retrieval_queries
 from prorag.runs import code_version, new_run_dir, write_results
-from prorag.stack import ServiceStack
+from prorag_app.stack import ServiceStack
 
 KS = (1, 3, 5, 10)
 INDEXES = ("dense", "bm25", "hybrid")
@@ -127,7 +127,7 @@ def job_id_for(world: str, method: str, config: dict) -> str:
     """Same config and base weights -> same job id, so a second `make run` reuses the finished job,
     while a rebuilt base (same path, new weights) trains anew. The retriever address is excluded:
     it moves with --port-offset but does not change the data."""
-    from services.policy.modeling import model_sha256
+    from prorag.modeling import model_sha256
 
     key = {k: v for k, v in config.items() if k != "retriever"}
     key["base_sha256"] = model_sha256(config["base_model"])
@@ -177,7 +177,7 @@ def eval_options(method: str, profile: Profile) -> dict:
 def evaluate_method(method: str, model_dir: str, profile: Profile, stack: ServiceStack, questions, run_dir,
                     port_offset: int) -> dict:
     """Serve ``model_dir`` in its own policy process and evaluate it through the services."""
-    from prorag.eval import evaluate
+    from prorag_app.eval import evaluate
 
 
     eval_stack = ServiceStack(port_offset=port_offset, world=profile.world, services=("policy",),
@@ -194,7 +194,7 @@ def evaluate_method(method: str, model_dir: str, profile: Profile, stack: Servic
 def multi_hop_figure(methods: dict) -> dict | None:
     """Issue #4's figure from evaluated methods: sft vs standard_rag on 2+ hop questions (None when
     either is missing or the split has no multi-hop question)."""
-    from prorag.eval import MULTI_HOP_MIN, margin_beyond_cis
+    from prorag_app.eval import MULTI_HOP_MIN, margin_beyond_cis
 
     sft, rag = methods.get("sft", {}).get("multi_hop"), methods.get("standard_rag", {}).get("multi_hop")
     if not sft or not rag:
@@ -204,7 +204,7 @@ def multi_hop_figure(methods: dict) -> dict | None:
 
 
 def run_main_job(profile: str = "default", world: str | None = None, port_offset: int = 0) -> dict:
-    from prorag.eval import format_table
+    from prorag_app.eval import format_table
 
     prof = PROFILES[profile]
     world = world or prof.world

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from prorag.errors import InvalidArgument
-from services.policy import modeling as M
-from services.policy.init_circuits import wire_induction_circuit
+from prorag import modeling as M
+from prorag.init_circuits import wire_induction_circuit
 
-from .conftest import VocabOnly
+from tests.conftest import VocabOnly
 
 
 SHAPE = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256,

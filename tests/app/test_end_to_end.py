@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from prorag.stack import port_free
+from prorag_app.stack import port_free
 
 
 def _free_offset() -> int:
@@ -29,7 +29,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     monkeypatch.delenv("PRORAG_DATA", raising=False)
     monkeypatch.delenv("PRORAG_RUNS", raising=False)
     monkeypatch.setenv("PRORAG_TRACKING", "local")
-    from prorag.pipeline import run_main_job
+    from prorag_app.pipeline import run_main_job
 
     results = run_main_job(profile="tiny", port_offset=_free_offset())
 

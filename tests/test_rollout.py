@@ -11,7 +11,7 @@ import pytest
 from prorag import trajectory as T
 from prorag.errors import InvalidArgument
 from services.policy.engine import GeneratedSeq, GenerationEngine, SamplingSpec, TransformersEngine
-from services.policy.rollout import FINISH_REASONS, decode, run_rollouts, summarize
+from prorag.rollout import FINISH_REASONS, decode, run_rollouts, summarize
 
 
 class Searcher:

@@ -18,7 +18,7 @@ from prorag.trajectory import (
     retrieval_block,
 )
 
-from .engine import GenerationEngine, SamplingSpec, derive_seed
+from prorag.engine import GenerationEngine, SamplingSpec, derive_seed
 
 SearchFn = Callable[[list[str], int], list[list[RetrievedDoc]]]
 FINISH_REASONS = ("answer", "max_steps", "length", "invalid_format")

@@ -1,0 +1,1 @@
+"""Training machinery shared by every stage: checkpoints, the job context and the one training loop."""
