@@ -19,7 +19,7 @@ from prorag import paths
 from prorag.clients import wait_for_health
 from tests.app.test_end_to_end import _free_offset
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_up_serves_all_five_and_stops_on_sigterm(tmp_path):
