@@ -4,12 +4,13 @@ matching the servers'. Other systems can use these or the protos directly."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from prorag.data.loaders import Document
 from prorag.pb import retriever_pb2, retriever_pb2_grpc
+from prorag.pbconv import document_from_pb, scored_document_from_pb
 
 MiB = 1024 * 1024
 
@@ -37,16 +38,6 @@ def wait_for_health(target: str, service: str = "", timeout: float = 60.0) -> bo
     return False
 
 
-@dataclass
-class RetrievedDoc:
-    id: str
-    title: str
-    text: str
-    contents: str
-    score: float
-    rank: int
-
-
 class _Client:
     """Channel lifetime shared by the typed clients (usable as context managers)."""
 
@@ -70,18 +61,18 @@ class RetrieverClient(_Client):
         self._stub = retriever_pb2_grpc.RetrieverStub(self._channel)
 
     def search(self, queries: list[str], topk: int = 3, index: str = "",
-               timeout: float | None = None) -> list[list[RetrievedDoc]]:
+               timeout: float | None = None) -> list[list[Document]]:
+        """Per query, its top ``topk`` documents best first, each with its score and 1-based rank."""
         resp = self._stub.Search(retriever_pb2.SearchRequest(queries=queries, topk=topk, index=index),
                                  timeout=timeout or self.timeout)
-        return [[RetrievedDoc(d.document.id, d.document.title, d.document.text, d.document.contents, d.score, d.rank)
-                 for d in r.documents] for r in resp.results]
+        return [[scored_document_from_pb(d) for d in r.documents] for r in resp.results]
 
-    def get_documents(self, ids: list[str], timeout: float | None = None, chunk: int = 256) -> list[RetrievedDoc]:
+    def get_documents(self, ids: list[str], timeout: float | None = None, chunk: int = 256) -> list[Document]:
         out = []
         for i in range(0, len(ids), chunk):  # chunks stay under any server's max_batch
             resp = self._stub.GetDocuments(retriever_pb2.GetDocumentsRequest(ids=ids[i:i + chunk]),
                                            timeout=timeout or self.timeout)
-            out += [RetrievedDoc(d.id, d.title, d.text, d.contents, 0.0, 0) for d in resp.documents]
+            out += [document_from_pb(d) for d in resp.documents]
         return out
 
     def list_indexes(self, timeout: float | None = None) -> retriever_pb2.ListIndexesResponse:

@@ -124,6 +124,18 @@ def from_dict(cls: type[T], data: dict | None, *, _prefix: str = "") -> T:
     return obj
 
 
+def check_fields(cls: type, data: dict, *, prefix: str = "") -> None:
+    """Check a partial mapping of ``cls``'s fields (keys known, values of the right type and in range) without
+    building the object: for settings that are completed later (a run profile's share of a job config)."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(prefix + unknown[0], f"unknown key (known: {', '.join(sorted(fields))})")
+    for name, value in data.items():
+        _check(prefix + name, fields[name], _coerce(prefix + name, hints[name], value))
+
+
 def to_dict(obj: Any) -> dict:
     return dataclasses.asdict(obj)
 

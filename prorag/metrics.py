@@ -12,7 +12,15 @@ script. F1 follows HotpotQA's official rule for yes/no/noanswer.
 One deliberate difference from the official scripts: a prediction that is
 empty after normalisation scores 0 on every metric (the official EM would give
 1 against a gold that also normalises to empty, e.g. "The"), so an empty or
-article-only answer can never earn reward.
+article-only answer can never earn reward. Likewise a gold alias that is empty
+after normalisation matches nothing (FlashRAG's ``acc`` would find "" inside any
+prediction).
+
+Two containment metrics: ``cover_em`` (ours) asks for a gold as a contiguous
+run of whole tokens, so "1931" does not cover "19"; ``acc`` is FlashRAG's
+``acc`` and Search-R1's ``subem`` (the normalised gold as a raw substring of the
+normalised prediction), reported under that name so figures compare with
+published ones.
 
 >>> normalize_answer("The  Beatles!")
 'beatles'
@@ -36,6 +44,7 @@ __all__ = [
     "exact_match",
     "f1_score",
     "cover_exact_match",
+    "substring_match",
     "qa_scores",
     "bootstrap_ci",
     "summarize",
@@ -88,6 +97,10 @@ def _cover_one(pred_n: str, gold_n: str) -> float:
     return float(any(p[i:i + k] == g for i in range(len(p) - k + 1)))
 
 
+def _substring_one(pred_n: str, gold_n: str) -> float:
+    return float(bool(gold_n) and gold_n in pred_n)
+
+
 def _best(fn, pred: str, golds: str | Iterable[str]) -> float:
     pred_n = normalize_answer(pred if pred is not None else "")
     if not pred_n:
@@ -96,7 +109,9 @@ def _best(fn, pred: str, golds: str | Iterable[str]) -> float:
 
 
 def exact_match(pred: str, golds: str | Iterable[str]) -> float:
-    """1.0 if the normalised prediction equals any normalised gold alias."""
+    """1.0 if the normalised prediction equals any normalised gold alias.
+
+    Deviates from the official SQuAD/FlashRAG EM only where both sides normalise to empty (0 here, 1 there)."""
     return _best(_em_one, pred, golds)
 
 
@@ -110,12 +125,23 @@ def cover_exact_match(pred: str, golds: str | Iterable[str]) -> float:
     return _best(_cover_one, pred, golds)
 
 
+def substring_match(pred: str, golds: str | Iterable[str]) -> float:
+    """FlashRAG's ``acc`` (Search-R1's ``subem``): 1.0 if some normalised gold alias is a substring of the
+    normalised prediction, characters not tokens ("19" is inside "1931" here, not for ``cover_em``).
+
+    >>> substring_match("born in 1931", ["19"]), cover_exact_match("born in 1931", ["19"])
+    (1.0, 0.0)
+    """
+    return _best(_substring_one, pred, golds)
+
+
 def qa_scores(pred: str, golds: str | Iterable[str]) -> dict[str, float]:
-    """All three metrics at once: ``{"em", "f1", "cover_em"}``."""
+    """Every answer metric at once: ``{"em", "f1", "cover_em", "acc"}`` (acc = FlashRAG acc / Search-R1 subem)."""
     return {
         "em": exact_match(pred, golds),
         "f1": f1_score(pred, golds),
         "cover_em": cover_exact_match(pred, golds),
+        "acc": substring_match(pred, golds),
     }
 
 

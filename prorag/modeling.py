@@ -6,8 +6,6 @@ a GPU host goes through :func:`load_policy` exactly like the CPU test model.
 
 from __future__ import annotations
 
-import hashlib
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -16,7 +14,7 @@ import torch
 
 from prorag.config import cfg_field, from_dict
 from prorag.errors import InvalidArgument, NotFound
-from prorag.io import atomic_dir, sha256_file
+from prorag.io import atomic_dir
 from prorag.trajectory import CHAT_TOKENS, ENDOFTEXT, IM_END, TAGS
 
 #: Qwen3-style chat template (messages + generation prompt; empty think when enable_thinking=False),
@@ -233,21 +231,10 @@ def load_policy(path: str | Path, device: str = "cpu", dtype="float32"):
     return model.to(device).eval(), tokenizer
 
 
-def model_sha256(path: str | Path) -> str:
-    """Identity of a model directory: sha256 over the names and hashes of its safetensors files."""
-    p = Path(path)
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
-    if not files:
-        raise NotFound(f"no .safetensors files under {path}")
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f"{f.name}\0{sha256_file(f)}\n".encode())
-    return h.hexdigest()
-
-
 @dataclass
 class WarmupConfig:
-    """Pre-training of the embedded base before any stage (see prorag.warmup_data for why)."""
+    """Pre-training of the embedded base before any stage (see prorag.warmup_data for why; the data and loss:
+    prorag.training.warmup; the stage: services/trainer/stage_warmup.py)."""
 
     copy_steps: int = cfg_field(150, help="steps of the copy task (random strings written twice)", min=0)
     copy_length: int = cfg_field(32, help="longest random string", min=2)
@@ -289,125 +276,6 @@ class WarmupConfig:
                 + self.paraphrase_steps + self.retrieved_steps)
 
 
-def warm_up_base(model, tokenizer, docs: dict[str, str], facts, cfg: WarmupConfig | None = None, seed: int = 0,
-                 progress=None) -> list[float]:
-    """Copy task, then the reading curriculum, on ``model`` in place; returns the loss per step.
-
-    docs: doc id -> text; facts: prorag.warmup_data.Fact list (their documents must be in docs).
-    progress(done, total) is called every step.
-    """
-    from prorag.algorithms.losses import weighted_lm_loss
-    from prorag.data.loaders import parse_contents
-    from prorag.warmup_data import (answer_pools, copy_batch, counterfactual_swap, facts_by_doc, paraphrase_example,
-                                    paraphrase_groups, reading_example, retrieved_reading_example)
-
-    cfg = cfg or WarmupConfig()
-    rng = random.Random(seed)
-    by_doc = facts_by_doc(facts, docs)
-    doc_ids = sorted(by_doc)
-    if not doc_ids and cfg.sentence_steps + cfg.document_steps + cfg.retrieved_steps:
-        raise InvalidArgument("no facts whose document is in the corpus: nothing to read")
-    # distractors ask about the same relation where possible ("Who founded ..."), as retrieval's do
-    by_relation: dict[str, list[str]] = {}
-    for did in doc_ids:
-        by_relation.setdefault(" ".join(by_doc[did][0].question.split()[:2]), []).append(did)
-
-    def distractors_for(did):
-        pool = by_relation[" ".join(by_doc[did][0].question.split()[:2])]
-        others = [d for d in (pool if len(pool) > cfg.distractors else doc_ids) if d != did]
-        return rng.sample(others, min(cfg.distractors, len(others)))
-    pad = tokenizer.pad_token_id
-    low, high = len(TAGS) + len(CHAT_TOKENS) + 256, len(tokenizer)  # ordinary merged tokens only
-    pools = answer_pools(facts, docs) if cfg.counterfactual else {}
-    phrasings = paraphrase_groups([f for fs in by_doc.values() for f in fs]) if cfg.paraphrase_steps else []
-    if cfg.paraphrase_steps and not phrasings:
-        raise InvalidArgument("paraphrase_steps > 0 but no fact is asked more than one way: nothing to paraphrase")
-
-    def gap_text():
-        # random ordinary tokens: no fact in them, so the answer can only come from the passage
-        ids = [rng.randrange(low, high) for _ in range(rng.randint(1, cfg.gap_tokens))]
-        return tokenizer.decode(ids).replace("\n", " ").strip() + "\n"
-
-    def encode(segs):
-        ids, trained = [], []
-        for text, is_answer in segs:
-            t = tokenizer.encode(text, add_special_tokens=False)
-            ids += t
-            trained += [is_answer] * len(t)
-        return ids, trained
-
-    def reading_batch(n_sentences):
-        rows = []
-        while len(rows) < cfg.batch_size:
-            if n_sentences == "paraphrase" and rng.random() < cfg.paraphrase_share:
-                rows.append(encode(paraphrase_example(rng, phrasings[rng.randrange(len(phrasings))])))
-                continue
-            did = doc_ids[rng.randrange(len(doc_ids))]
-            text, doc_facts = docs[did], by_doc[did]
-            if cfg.counterfactual and rng.random() < cfg.counterfactual:
-                text, doc_facts = counterfactual_swap(rng, text, doc_facts, parse_contents(text)[0], pools)
-            if n_sentences == "retrieved":
-                others = distractors_for(did)
-                segs = retrieved_reading_example(rng, did, {did: text, **{d: docs[d] for d in others}}, doc_facts,
-                                                 others, chat=rng.random() < cfg.chat_share)
-            elif n_sentences in ("gap", "paraphrase"):
-                first = rng.random() < cfg.question_first
-                segs = reading_example(rng, text, doc_facts, None, question_first=first,
-                                       gap=gap_text() if rng.random() < cfg.gap_share else "")
-            else:
-                segs = reading_example(rng, text, doc_facts, n_sentences)
-            if segs is not None:
-                rows.append(encode(segs))
-        T = max(len(r[0]) for r in rows)
-        x = torch.full((len(rows), T), pad, dtype=torch.long)
-        m = torch.zeros((len(rows), T), dtype=torch.bool)
-        for i, (ids, trained) in enumerate(rows):
-            x[i, :len(ids)] = torch.tensor(ids)
-            m[i, :len(ids)] = torch.tensor(trained)
-        return x, m
-
-    def copy_rows(n):
-        # a length drawn per batch: with one fixed length the repeat is solved by attending a fixed
-        # distance back (measured), not by the content-based copying the agent needs
-        lo = min(cfg.copy_min_length, cfg.copy_length)
-        length = cfg.copy_length if lo == cfg.copy_length else rng.randint(lo, cfg.copy_length)
-        x = torch.tensor(copy_batch(rng, n, length, low, high))
-        m = torch.zeros_like(x, dtype=torch.bool)
-        m[:, length + 1:] = True  # the repeat's first token is not predictable
-        return x, m
-
-    def loss_on(x, m):
-        return weighted_lm_loss(model, x, torch.ones_like(x), x.masked_fill(~m, -100), m.float())[0]
-
-    phases = [("copy", cfg.copy_steps), *[(k, cfg.sentence_steps) for k in (1, 2, 3)], (None, cfg.document_steps),
-              ("gap", cfg.gap_steps), ("paraphrase", cfg.paraphrase_steps),
-              ("retrieved", cfg.retrieved_steps)]
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    ramp = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / max(1, cfg.lr_warmup_steps)))
-    model.train()
-    losses: list[float] = []
-    try:
-        for phase, steps in phases:
-            for _ in range(steps):
-                if phase == "copy":
-                    loss = loss_on(*copy_rows(cfg.batch_size))
-                else:
-                    loss = loss_on(*reading_batch(phase))
-                    if cfg.copy_mix:  # measured: the reading phases alone erased the copy skill
-                        loss = loss + loss_on(*copy_rows(cfg.copy_mix))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                ramp.step()
-                losses.append(float(loss.detach()))
-                if progress:
-                    progress(len(losses), cfg.total_steps)
-    finally:
-        model.eval()
-    return losses
-
-
 def describe_model(model) -> dict:
     """Small JSON-able summary for ModelInfo."""
     c = model.config
@@ -417,5 +285,5 @@ def describe_model(model) -> dict:
 
 
 __all__ = ["CHAT_TEMPLATE", "PolicyModelConfig", "PRESETS", "train_tokenizer", "add_format_tokens", "model_config",
-           "build_model", "num_parameters", "save_pretrained", "load_policy", "model_sha256",
-           "WarmupConfig", "warm_up_base", "describe_model"]
+           "build_model", "num_parameters", "save_pretrained", "load_policy",
+           "WarmupConfig", "describe_model"]

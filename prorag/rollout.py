@@ -3,31 +3,36 @@
 All questions x n samples advance together in rounds. Each round makes one ``engine.generate``
 call for every unfinished trajectory and one ``search_fn`` call for all of the round's
 subqueries. Token ids are carried, never re-encoded: generated ids are appended as the engine
-returned them (mask 1, with their log-probs) and the environment's glue and documents are
-tokenised on their own and appended (mask 0, log-prob 0).
+returned them (mask 1, with their log-probs and format-aware loss weights) and the environment's
+glue and documents are tokenised on their own and appended (mask 0, log-prob 0), each step's
+span recorded in the trajectory's :class:`~prorag.tokens.TokenTrajectory`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
+from prorag.data.loaders import Document
 from prorag.errors import InvalidArgument
+from prorag.tokens import TokenTrajectory
 from prorag.trajectory import (
-    FINAL, NEXT_STEP, STOP_TAGS, RetrievedDoc, Step, clean_doc, is_valid_format, parse_step, render_prompt,
-    retrieval_block,
+    FINAL, FORMAT_LOSS_WEIGHTS, NEXT_STEP, STOP_TAGS, TAGS, Step, clean_doc, format_loss_weights, is_valid_format,
+    parse_step, render_prompt, retrieval_block,
 )
 
 from prorag.engine import GenerationEngine, SamplingSpec, derive_seed
 
-SearchFn = Callable[[list[str], int], list[list[RetrievedDoc]]]
+SearchFn = Callable[[list[str], int], list[list[Document]]]
 FINISH_REASONS = ("answer", "max_steps", "length", "invalid_format")
 
 
 @dataclass
 class TrajectoryResult:
-    """One finished trajectory. token_ids/generated_mask/logprobs are aligned, prompt included.
+    """One finished trajectory.
 
+    tokens: the whole sequence, prompt included, with one span per step (``tokens.spans[i]`` is
+      ``steps[i]``'s tokens).
     finish_reason: "answer" | "max_steps" | "length" | "invalid_format".
     text: the decoded trajectory after the prompt (generated pieces and glue, as appended).
     """
@@ -39,21 +44,10 @@ class TrajectoryResult:
     answer: str | None = None
     format_valid: bool = False
     finish_reason: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    generated_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    prompt_length: int = 0
-    generated_tokens: int = 0
+    tokens: TokenTrajectory = field(default_factory=TokenTrajectory)
     adapter: str | None = None
     text: str = ""
     rounds: int = 0
-
-    def _append(self, ids: Sequence[int], generated: bool, logprobs: Sequence[float] | None = None) -> None:
-        self.token_ids.extend(ids)
-        self.generated_mask.extend([1 if generated else 0] * len(ids))
-        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
-        if generated:
-            self.generated_tokens += len(ids)
 
 
 def decode(tokenizer, ids: Sequence[int]) -> str:
@@ -72,13 +66,22 @@ def format_stop_ids(tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _tag_ids(tokenizer) -> dict[str, int]:
+    """tag -> token id, for the format tags that are one token of ``tokenizer`` (all of them for a policy's)."""
+    encoded = {tag: tokenizer.encode(tag, add_special_tokens=False) for tag in TAGS}
+    return {tag: ids[0] for tag, ids in encoded.items() if len(ids) == 1}
+
+
 def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[str, str]], params: SamplingSpec,
                  search_fn: SearchFn, max_steps: int = 13, topk: int = 3, adapter: str | None = None,
                  on_finished: Callable[[TrajectoryResult], None] | None = None,
-                 max_model_len: int | None = None) -> list[TrajectoryResult]:
+                 max_model_len: int | None = None,
+                 loss_weights: Mapping[str, float] = FORMAT_LOSS_WEIGHTS) -> list[TrajectoryResult]:
     """Run ``params.n`` trajectories per (id, question); returns them question-major, sample-minor.
 
     params: n = samples per question; max_tokens caps one step; stop ids are the format's own.
+    loss_weights: tag -> weight given to generated tokens in ``tokens.weights`` (as
+    :func:`prorag.sft_data.encode_segments` does), so a trainer can fine-tune on rollouts directly.
     Seeds: trajectory (q, j) at round r samples with ``derive_seed(params.seed, q, j, r)``
     (unseeded when params.seed is 0), so a seeded run does not depend on batching.
     ``on_finished`` is called as each trajectory ends, before the next round.
@@ -95,6 +98,7 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
     stop_ids = format_stop_ids(tokenizer)
     final_ids = tokenizer.encode(FINAL, add_special_tokens=False)
     next_step_ids = tokenizer.encode(NEXT_STEP, add_special_tokens=False)
+    tag_ids = _tag_ids(tokenizer)
     step_spec = SamplingSpec(n=1, temperature=params.temperature, top_p=params.top_p,
                              max_tokens=params.max_tokens, stop_token_ids=stop_ids, seed=params.seed)
 
@@ -105,10 +109,8 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
             raise InvalidArgument(f"question {qid!r} is empty")
         prompt_ids = tokenizer.encode(render_prompt(question), add_special_tokens=False)
         for j in range(params.n):
-            r = TrajectoryResult(question_id=str(qid), sample_index=j, question=question,
-                                 prompt_length=len(prompt_ids), adapter=adapter)
-            r._append(prompt_ids, generated=False)
-            results.append(r)
+            results.append(TrajectoryResult(question_id=str(qid), sample_index=j, question=question,
+                                            tokens=TokenTrajectory.from_prompt(prompt_ids), adapter=adapter))
             texts.append([])
 
     def finish(k: int, reason: str) -> None:
@@ -122,15 +124,15 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
 
     def append_glue(k: int, ids: list[int], text: str) -> bool:
         # inserted text that would overflow the context ends the trajectory instead
-        if len(results[k].token_ids) + len(ids) > limit:
+        if len(results[k].tokens) + len(ids) > limit:
             return False
-        results[k]._append(ids, generated=False)
+        results[k].tokens.add_inserted(ids)
         texts[k].append(text)
         return True
 
     active = []
     for k, r in enumerate(results):
-        if len(r.token_ids) >= limit:
+        if len(r.tokens) >= limit:
             finish(k, "length")
         else:
             active.append(k)
@@ -138,19 +140,19 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
     rnd = 0
     while active:
         seeds = [derive_seed(params.seed, k // params.n, results[k].sample_index, rnd) for k in active]
-        outs = engine.generate([results[k].token_ids for k in active], step_spec, adapter=adapter, seeds=seeds)
+        outs = engine.generate([results[k].tokens.token_ids for k in active], step_spec, adapter=adapter, seeds=seeds)
         rnd += 1
         searches: list[int] = []
         still: list[int] = []
         for k, seqs in zip(active, outs):
             r, seq = results[k], seqs[0]
             r.rounds = rnd
-            room = limit - len(r.token_ids)
+            room = limit - len(r.tokens)
             gen_ids, gen_lps = list(seq.token_ids), list(seq.logprobs)
             if len(gen_ids) > room:
                 # only when max_model_len is below the engine's own limit: cut the step to fit
                 gen_ids, gen_lps = gen_ids[:room], gen_lps[:room]
-            r._append(gen_ids, generated=True, logprobs=gen_lps)
+            r.tokens.add_step(gen_ids, format_loss_weights(gen_ids, tag_ids, loss_weights), gen_lps)
             gen_text = decode(tokenizer, gen_ids)
             texts[k].append(gen_text)
             step = parse_step(gen_text)
@@ -162,7 +164,7 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
                 finish(k, "answer")
             elif step.kind == "invalid":
                 # a step cut by the context limit is a length stop, not a format error
-                hit_limit = len(r.token_ids) >= limit and (seq.finish_reason == "length" or len(gen_ids) < len(seq.token_ids))
+                hit_limit = len(r.tokens) >= limit and (seq.finish_reason == "length" or len(gen_ids) < len(seq.token_ids))
                 finish(k, "length" if hit_limit else "invalid_format")
             elif step.kind == "subquery":
                 searches.append(k)
@@ -194,7 +196,7 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
         still.sort()
         active = []
         for k in still:
-            if len(results[k].token_ids) >= limit:
+            if len(results[k].tokens) >= limit:
                 finish(k, "length")
             else:
                 active.append(k)
@@ -209,7 +211,7 @@ def summarize(results: Sequence[TrajectoryResult]) -> dict:
     n = max(len(results), 1)
     return {"trajectories": len(results), "finish_reasons": reasons,
             "format_valid_rate": sum(t.format_valid for t in results) / n,
-            "generated_tokens": sum(t.generated_tokens for t in results),
+            "generated_tokens": sum(t.tokens.generated_tokens for t in results),
             "mean_steps": sum(len(t.steps) for t in results) / n}
 
 

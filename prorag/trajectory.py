@@ -19,9 +19,12 @@ environment inserted after it. Parsing never raises: anything unparseable become
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
+
+from prorag.data.loaders import Document
 
 # --- tokens and glue -------------------------------------------------------------------------
 
@@ -83,22 +86,13 @@ _ANY_TAG = re.compile("|".join(re.escape(t) for t in TAGS + CHAT_TOKENS))
 # --- data ------------------------------------------------------------------------------------
 
 @dataclass
-class RetrievedDoc:
-    """One passage shown to the policy. ``id``/``score`` are empty when parsed back from text."""
-
-    title: str
-    text: str
-    id: str = ""
-    score: float = 0.0
-
-
-@dataclass
 class Step:
     """One reasoning step.
 
     kind: "subquery" | "subanswer" | "answer" | "invalid".
     thought/content: stripped fields (content = the query, subanswer or answer).
-    docs: the documents inserted after a subquery; None when no retrieval block followed it.
+    docs: the documents inserted after a subquery; None when no retrieval block followed it
+      (parsed back from text they have no id, score or rank).
     text: exactly what the model generated for this step (thought through the closing tag);
       built from the fields when left empty.
     """
@@ -106,7 +100,7 @@ class Step:
     kind: str
     thought: str = ""
     content: str = ""
-    docs: list[RetrievedDoc] | None = None
+    docs: list[Document] | None = None
     text: str = ""
 
     def __post_init__(self) -> None:
@@ -133,30 +127,33 @@ def _one_line(s: str) -> str:
     return " ".join(_ANY_TAG.sub(" ", str(s)).split())
 
 
-def as_doc(d: RetrievedDoc | Sequence[str] | Mapping) -> RetrievedDoc:
-    """A RetrievedDoc from itself, a (title, text) pair or a mapping with title/text[/id/score]."""
-    if isinstance(d, RetrievedDoc):
+def as_doc(d: Document | Sequence[str] | Mapping) -> Document:
+    """A Document from itself, a (title, text) pair or a mapping with title/text[/id/score]."""
+    if isinstance(d, Document):
         return d
     if isinstance(d, Mapping):
-        return RetrievedDoc(title=str(d.get("title", "")), text=str(d.get("text", "")),
-                            id=str(d.get("id", "")), score=float(d.get("score", 0.0)))
+        return Document.from_parts(str(d.get("id", "")), str(d.get("title", "")), str(d.get("text", "")),
+                                   score=float(d.get("score", 0.0)))
     title, text = d
-    return RetrievedDoc(title=str(title), text=str(text))
+    return Document.from_parts("", str(title), str(text))
 
 
-def clean_doc(d: RetrievedDoc | Sequence[str] | Mapping) -> RetrievedDoc:
-    """The document as the policy sees it: title and text on one line, without tags (id/score kept)."""
+def clean_doc(d: Document | Sequence[str] | Mapping) -> Document:
+    """The document as the policy sees it: title and text on one line, without tags.
+
+    id, contents (the corpus string, as read), score and rank are kept.
+    """
     d = as_doc(d)
-    return RetrievedDoc(title=_one_line(d.title), text=_one_line(d.text), id=d.id, score=d.score)
+    return dataclasses.replace(d, title=_one_line(d.title), text=_one_line(d.text))
 
 
-def render_docs(docs: Iterable[RetrievedDoc | Sequence[str] | Mapping]) -> str:
+def render_docs(docs: Iterable[Document | Sequence[str] | Mapping]) -> str:
     """``Doc {i}(Title: {title}) {text}`` one per line, i from 1 (whitespace collapsed to one line)."""
     return "\n".join(DOC_TEMPLATE.format(i=i, title=_one_line(d.title), text=_one_line(d.text))
                      for i, d in enumerate((as_doc(x) for x in docs), 1))
 
 
-def retrieval_block(docs: Iterable[RetrievedDoc | Sequence[str] | Mapping]) -> str:
+def retrieval_block(docs: Iterable[Document | Sequence[str] | Mapping]) -> str:
     """What the environment inserts after a subquery (opens the next step too)."""
     return f"{RETRIEVAL_OPEN}{render_docs(docs)}{RETRIEVAL_CLOSE}"
 
@@ -208,7 +205,7 @@ def parse_step(generated: str) -> Step:
     return Step(m.group("kind"), thought=thought.strip(), content=content.strip(), text=generated)
 
 
-def _parse_doc_line(line: str) -> RetrievedDoc | None:
+def _parse_doc_line(line: str) -> Document | None:
     m = _DOC_HEAD.match(line)
     if m is None:
         return None
@@ -229,10 +226,10 @@ def _parse_doc_line(line: str) -> RetrievedDoc | None:
         if i < 0:
             return None
     title, text = line[m.end():i], line[i + 1:]
-    return RetrievedDoc(title=title, text=text[1:] if text.startswith(" ") else text)
+    return Document.from_parts("", title, text[1:] if text.startswith(" ") else text)
 
 
-def parse_docs(block: str) -> list[RetrievedDoc]:
+def parse_docs(block: str) -> list[Document]:
     """Inverse of :func:`render_docs` (lines that are not documents are skipped)."""
     out = []
     for line in block.split("\n"):
@@ -348,7 +345,7 @@ def format_loss_weights(token_ids: Sequence[int], tag_token_ids: Mapping[str, in
 __all__ = [
     "TAGS", "STOP_TAGS", "CHAT_TOKENS", "KINDS", "INVALID", "SYSTEM_PROMPT", "EMPTY_THINK", "STEP_OPEN",
     "NEXT_STEP", "RETRIEVAL_OPEN", "RETRIEVAL_CLOSE", "FINAL", "FORMAT_LOSS_WEIGHTS", "FORMAT_REGEX",
-    "RetrievedDoc", "Step", "as_doc", "clean_doc", "render_prompt", "render_docs", "retrieval_block", "glue_after", "render_step",
+    "Step", "as_doc", "clean_doc", "render_prompt", "render_docs", "retrieval_block", "glue_after", "render_step",
     "render_trajectory", "parse_step", "parse_docs", "parse_trajectory", "tag_sequence", "is_valid_format",
     "extract_answer", "format_loss_weights",
 ]

@@ -20,7 +20,7 @@ from prorag import paths
 from prorag.clients import RetrieverClient, wait_for_health
 from prorag_app.stack import port_free
 
-TARGETS = ("retriever", "policy", "swap")
+TARGETS = ("retriever", "policy", "swap", "sft")
 
 
 def _free_port(start: int) -> int:
@@ -159,12 +159,12 @@ def _bench_model(world: str, model: str) -> str:
     """The model to benchmark: a path, a published name (sft -> newest sft), or the embedded base."""
     from prorag_app.embedded import ensure_policy_model
     from prorag.errors import NotFound
-    from prorag.models import resolve_model
+    from prorag.registry import registry
 
     if model == "base":
         return str(ensure_policy_model(world))
     try:
-        return str(resolve_model(world, model))
+        return str(registry("model", world).resolve(model))
     except NotFound:
         if model != "sft":
             raise
@@ -176,7 +176,6 @@ def bench_policy(args) -> dict:
     from prorag.clients import PolicyClient
     from prorag.data.loaders import load_split
     from prorag_app.embedded import ensure_indexes
-    from prorag.trajectory import RetrievedDoc
     from prorag.engine import SamplingSpec
     from services.policy.engine import TransformersEngine
     from prorag.rollout import run_rollouts
@@ -191,8 +190,7 @@ def bench_policy(args) -> dict:
     retr_engine = open_engine(RetrieverConfig(world=world))
 
     def search(queries, k):
-        return [[RetrievedDoc(title=d.title, text=d.text, id=d.doc_id, score=d.score) for d in docs]
-                for docs in retr_engine.search(queries, k, "", enforce_max_batch=False)]
+        return retr_engine.search(queries, k, "", enforce_max_batch=False)
 
     engine = TransformersEngine(model, max_batch_size=512)
     spec = SamplingSpec(n=n, temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=seed)
@@ -211,7 +209,7 @@ def bench_policy(args) -> dict:
             res = run_rollouts(engine, engine.tokenizer, qs, spec, search, max_steps=13)
             wall = time.perf_counter() - t0
             runs["inprocess"].append({"trajectories_per_s": len(res) / wall, "wall_s": wall,
-                                      "generated_tokens_per_s": sum(r.generated_tokens for r in res) / wall,
+                                      "generated_tokens_per_s": sum(r.tokens.generated_tokens for r in res) / wall,
                                       "mean_steps": sum(len(r.steps) for r in res) / len(res)})
             t0 = time.perf_counter()
             trajs = [t for t in client.rollout(qs, client.sampling(n=n, temperature=1.0, max_tokens=max_tokens,
@@ -240,8 +238,8 @@ def bench_swap(args) -> dict:
     from peft import LoraConfig, get_peft_model
 
     from prorag.clients import PolicyClient
-    from services.policy.adapters import AdapterRef, publish
-    from prorag.modeling import load_policy, model_sha256
+    from prorag.modeling import load_policy
+    from prorag.registry import ArtifactRef, Registry, weights_sha256
 
     world = args.world
     model = _bench_model(world, args.model)
@@ -254,10 +252,11 @@ def bench_swap(args) -> dict:
                 p.normal_(0, 0.01)
     src = root / "src"
     peft_model.save_pretrained(src)
-    sha = model_sha256(model)
+    sha = weights_sha256(model)
     swaps = args.swaps
+    adapters = Registry(root / "adapters", "adapter")
     for i in range(swaps + 1):
-        publish(src, root / "adapters", AdapterRef("bench", f"v{i}"), base_model=model, base_model_sha256=sha, step=i)
+        adapters.publish(src, ArtifactRef("bench", f"v{i}"), base_model=model, base_model_sha256=sha, step=i)
     port = _free_port(paths.GRPC_PORTS["policy"] + 1200)
     pol = _serve("policy", port, {"world": world, "model": model, "adapter_root": str(root / "adapters")})
     target = f"127.0.0.1:{port}"
@@ -303,3 +302,56 @@ def bench_swap(args) -> dict:
             "swap_p50_s": lat[len(lat) // 2], "swap_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))],
             "swap_max_s": lat[-1], "failed_requests": len(failed), "ok_requests": ok[0],
             "versions_seen": len(versions), "errors_sample": failed[:3], "goal": "swap_p50_s < 0.5, failed_requests == 0"}
+
+
+#: share of an SFT sequence's positions that are trained (about a fifth of an agent trajectory: prompt, documents
+#: and glue are masked), so the LM head runs on as many positions as in the sft stage
+SFT_TRAINED_SHARE = 0.2
+
+
+def bench_sft(args) -> dict:
+    """SFT optimizer steps of a policy through the one training loop with the sft stage's loss, on synthetic
+    sequences (batch x seq_len random ordinary tokens, a fifth of them trained): tokens/s and MFU against the
+    measured peak matmul FLOP/s. Per repeat the first logging window (allocation, warm-up) is dropped."""
+    import os
+    import tempfile
+
+    import torch
+
+    from prorag.modeling import load_policy, num_parameters
+    from prorag.training.context import local_context
+    from prorag.training.flops import peak_matmul_flops
+    from prorag.training.lm import weighted_lm_loss
+    from prorag.training.loop import LoopConfig, run_loop
+    from prorag.trajectory import CHAT_TOKENS, TAGS
+
+    model_dir = _bench_model(args.world, args.model)
+    vocab = len(load_policy(model_dir)[1])
+    batch, seq_len, window = args.batch, args.seq_len, max(1, args.iters // 3)
+
+    def batch_at(i: int):
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(len(CHAT_TOKENS) + len(TAGS), vocab, (batch, seq_len), generator=g)
+        trained = torch.rand(batch, seq_len, generator=g) < SFT_TRAINED_SHARE
+        return ids, torch.ones_like(ids), ids.masked_fill(~trained, -100), trained.float()
+
+    def loss_fn(m, b):
+        ids, attn, labels, w = b
+        return weighted_lm_loss(m, ids, attn, labels, w)[0], int(attn.sum())
+
+    cfg = LoopConfig(steps=3 * window, optimizer="adamw", lr=1e-4, weight_decay=0.01, grad_clip=1.0,
+                     checkpoint_every=3 * window, log_every=window)
+    runs = []
+    for _ in range(args.repeats):
+        model = load_policy(model_dir)[0]  # fresh weights and optimizer for every repeat
+        events: list[dict] = []
+        with tempfile.TemporaryDirectory() as work:
+            run_loop(local_context(work, cfg, emit=events.append), model, batch_at, loss_fn, cfg)
+        later = [e for e in events if e.get("loss") is not None][1:]
+        runs.append({"tokens_per_s": statistics.median(e["tokens_per_s"] for e in later),
+                     "mfu": statistics.median(e["metrics"]["mfu"] for e in later)})
+    return {"target": "sft", "model": model_dir, "num_parameters": num_parameters(model), "batch": batch,
+            "seq_len": seq_len, "steps_per_repeat": 3 * window, "repeats": args.repeats,
+            "threads": torch.get_num_threads(), "peak_matmul_flops": peak_matmul_flops(),
+            "machine": f"{platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()}".strip(),
+            **_median_dicts(runs), "runs": runs}

@@ -56,6 +56,15 @@ def cmd_index(args) -> int:
     return 0
 
 
+def cmd_base(args) -> int:
+    """Build (or find) the world's embedded base policy and print its directory: what a policy server serves
+    and SFT starts from when no other model is given."""
+    from prorag_app.embedded import ensure_policy_model
+
+    print(ensure_policy_model(args.world))
+    return 0
+
+
 # ---------------------------------------------------------------- serve / up
 def _service_config(service: str, args) -> dict:
     data = {}
@@ -115,13 +124,11 @@ def cmd_serve(args) -> int:
 
 def cmd_up(args) -> int:
     """Start all five services as local processes; Ctrl-C or SIGTERM stops them all."""
-    from prorag_app.embedded import ensure_indexes
+    from prorag_app.embedded import ensure_indexes, ensure_policy_model
     from prorag_app.stack import ServiceStack
 
-    from prorag_app.embedded import ensure_policy_model
-
     ensure_indexes(args.world, size=args.size)  # build what is missing before any service starts
-    ensure_policy_model(args.world)
+    base = ensure_policy_model(args.world)
     stopping = False
 
     def stop_all(*_):
@@ -131,7 +138,7 @@ def cmd_up(args) -> int:
     signal.signal(signal.SIGTERM, stop_all)
     signal.signal(signal.SIGINT, stop_all)
     stack = ServiceStack(host=args.host, port_offset=args.port_offset, world=args.world,
-                         start_timeout=args.start_timeout)
+                         start_timeout=args.start_timeout, overrides={"policy": {"model": str(base)}})
     with stack:
         print("all services up:")
         for svc in paths.SERVICES:
@@ -149,7 +156,7 @@ def cmd_up(args) -> int:
 
 # ---------------------------------------------------------------- bench / run
 def cmd_bench(args) -> int:
-    from prorag import bench
+    from prorag_app import bench
 
     fn = getattr(bench, f"bench_{args.target}", None)
     if fn is None:
@@ -168,18 +175,17 @@ def cmd_eval(args) -> int:
     from prorag.data.loaders import load_split
     from prorag_app.eval import evaluate, format_table
     from prorag.io import write_json
-    from prorag.models import resolve_model, trained_topk
-    from prorag_app.pipeline import SFT_MODES
-    from services.trainer.stage_sft import SFTConfig
+    from prorag.methods import DOCS_PER_SEARCH, METHODS
+    from prorag.registry import published_config, registry
     from prorag.runs import new_run_dir, point_latest
     from prorag_app.stack import ServiceStack
     from prorag.clients import PolicyClient, RetrieverClient
 
     if args.topk < 0:
         raise SystemExit(f"--topk must be 1 or more (0 = as the model was trained), got {args.topk}")
-    model = str(resolve_model(args.world, args.model or args.method))
+    model = str(registry("model", args.world).resolve(args.model or args.method))
     # as many documents per search as the model was trained with, unless asked otherwise
-    topk = args.topk or trained_topk(model) or SFTConfig.topk
+    topk = args.topk or published_config(model).get("topk") or DOCS_PER_SEARCH
     qs = load_split(paths.world_dir(args.world), args.split)
     qs = qs[:args.limit] if args.limit else qs
     out = Path(args.out) if args.out else new_run_dir(f"eval-{args.method}")
@@ -190,8 +196,8 @@ def cmd_eval(args) -> int:
     with stack:
         retr_target = args.retriever or stack.grpc_target("retriever")
         with PolicyClient(stack.grpc_target("policy")) as policy, RetrieverClient(retr_target, timeout=600) as retr:
-            kind = SFT_MODES.get(args.method, "agent")
-            result = evaluate(args.method if kind == "agent" else kind, policy, retr, qs, out_dir=out, topk=topk)
+            settings = {**(METHODS[args.method].evaluate if args.method in METHODS else {}), "topk": topk}
+            result = evaluate(args.method, policy, retr, qs, out_dir=out, **settings)
     write_json(out / "results.json", {"methods": {args.method: result}, "model": model, "split": args.split,
                                       "topk": topk})
     if not args.out:
@@ -209,6 +215,9 @@ def cmd_run(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from prorag.methods import METHODS
+    from prorag_app.pipeline import PROFILES
+
     p = argparse.ArgumentParser(prog="prorag", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -231,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--doc-prefix", default="", help="e.g. 'passage: ' for e5")
     i.set_defaults(fn=cmd_index)
 
+    bp = sub.add_parser("base", help="build the embedded base policy of a world (resumes if interrupted); "
+                                     "prints its directory")
+    bp.add_argument("--world", default="default")
+    bp.set_defaults(fn=cmd_base)
+
     s = sub.add_parser("serve", help="start one service")
     s.add_argument("service", choices=list(paths.SERVICES))
     s.add_argument("--host", default="127.0.0.1")
@@ -250,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.set_defaults(fn=cmd_up)
 
     b = sub.add_parser("bench", help="benchmarks; --json prints one JSON object as the last line")
-    b.add_argument("target", help="retriever | policy | swap")
+    b.add_argument("target", help="retriever | policy | swap | sft")
     b.add_argument("--json", action="store_true")
     b.add_argument("--world", default="default")
     b.add_argument("--batch", type=int, default=64)
@@ -262,10 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--samples", type=int, default=8, help="policy: samples per question (GRPO group size)")
     b.add_argument("--swaps", type=int, default=100, help="swap: adapter pushes")
     b.add_argument("--clients", type=int, default=4, help="swap: concurrent generating clients")
+    b.add_argument("--seq-len", type=int, default=512, help="sft: tokens per training sequence")
     b.set_defaults(fn=cmd_bench)
 
     e = sub.add_parser("eval", help="evaluate a policy model over a split through the services")
-    e.add_argument("--method", default="sft", help="sft/rft/... (agent rollouts), no_retrieval or standard_rag")
+    e.add_argument("--method", default="sft", help=f"a method of the table ({', '.join(METHODS)}) or another "
+                                                   "name, evaluated as an agent (step-by-step rollouts)")
     e.add_argument("--model", default=None, help="published model name[@version] or a path (default: --method)")
     e.add_argument("--world", default="default")
     e.add_argument("--split", default="test", choices=["train", "dev", "test"])
@@ -278,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_eval)
 
     r = sub.add_parser("run", help="the main job on the embedded default; writes runs/latest/results.json")
-    r.add_argument("--profile", default="default", choices=["tiny", "default", "full"])
+    r.add_argument("--profile", default="default", choices=list(PROFILES))
     r.add_argument("--world", default=None)
     r.add_argument("--port-offset", type=int, default=0)
     r.set_defaults(fn=cmd_run)

@@ -74,17 +74,17 @@ def ensure_policy_model(world: str = "default", preset: str | None = None, vocab
     copy task and reading curriculum (prorag.modeling.WarmupConfig; ``warmup`` overrides it,
     {"copy_steps": 0, ...} turns phases off), saved in HF format. Rebuilt when any setting changes.
     variant: build into :func:`policy_base_dir` (world, variant) instead of the world's default base.
-    progress(stage, done, total) reports the warm-up."""
+    progress(stage, done, total) reports the warm-up, which is the trainer's `warmup` stage run in this
+    process: its checkpoints are kept beside the base until it is done, so a killed build resumes."""
     import json
+    import shutil
     from dataclasses import asdict
 
     from prorag.config import from_dict
-    from prorag.data.loaders import iter_corpus, load_split
-    from prorag.sft_data import BASELINE_SYSTEM_PROMPT, template_phrases
-    from prorag.trajectory import SYSTEM_PROMPT
-    from prorag.warmup_data import facts_from_questions
-    from prorag.modeling import (WarmupConfig, build_model, model_config, save_pretrained, train_tokenizer,
-                                         warm_up_base)
+    from prorag.io import write_json
+    from prorag.modeling import WarmupConfig, model_config
+    from prorag.training.context import local_context
+    from services.trainer.stage_warmup import WarmupStageConfig, run_warmup
 
     out = policy_base_dir(world, variant)
     marker = out / "embedded.json"
@@ -100,20 +100,15 @@ def ensure_policy_model(world: str = "default", preset: str | None = None, vocab
     if marker.exists() and json.loads(marker.read_text()) == want:
         return out
     ensure_world(world)
-    wdir = paths.world_dir(world)
-    corpus = list(iter_corpus(wdir / "corpus.jsonl"))
-    train = load_split(wdir, "train")
-    questions = [q.question for q in train + load_split(wdir, "dev")]
-    subs = [s.question for q in train for s in q.decomposition]
-    # the fixed prompt and thought text repeated so its words become whole tokens (shorter sequences)
-    fmt = [SYSTEM_PROMPT, BASELINE_SYSTEM_PROMPT, *template_phrases()] * 50
-    tokenizer = train_tokenizer([d.contents for d in corpus] + questions + subs + fmt, vocab_size=vocab_size)
-    model = build_model(preset, tokenizer, seed=seed)
-    if wcfg.total_steps:
-        warm_up_base(model, tokenizer, {d.id: d.contents for d in corpus}, facts_from_questions(train), wcfg,
-                     seed=seed, progress=(lambda d, t: progress("warm up base policy", d, t)) if progress else None)
-    save_pretrained(model, tokenizer, out)
-    from prorag.io import write_json
+    cfg = from_dict(WarmupStageConfig, {"world": world, "preset": preset, "vocab_size": vocab_size, "seed": seed,
+                                        "warmup": asdict(wcfg), "output": str(out)})
 
+    def emit(event: dict) -> None:
+        if progress and event.get("loss") is not None:
+            progress("warm up base policy", event["step"], event["total_steps"])
+
+    work = out.with_name(f".{out.name}.build")  # a dot name: model listings skip it
+    run_warmup(local_context(work, cfg, emit=emit if progress else None, stage="warmup"))
     write_json(marker, want)
+    shutil.rmtree(work, ignore_errors=True)
     return out

@@ -9,54 +9,23 @@ documents, then the answer). Every prediction and trajectory is saved; scores ar
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
 
-from prorag.metrics import bootstrap_ci, qa_scores
+from prorag.evaluation import MULTI_HOP_MIN, score_records
+from prorag.methods import AGENT_MAX_STEPS, DOCS_PER_SEARCH, kind_of
+from prorag.metrics import qa_scores
 from prorag.trajectory import ANSWER_END, IM_END, extract_answer, parse_step
 
-METHOD_KINDS = {"no_retrieval": "no_retrieval", "standard_rag": "standard_rag"}  # anything else is an agent
-
-
-def _stat(em: list[float], f1: list[float], seed: int = 0) -> dict:
-    lo, hi = bootstrap_ci(f1, seed=seed) if len(f1) > 1 else (f1[0], f1[0])
-    elo, ehi = bootstrap_ci(em, seed=seed) if len(em) > 1 else (em[0], em[0])
-    return {"n": len(f1), "em": sum(em) / len(em), "f1": sum(f1) / len(f1), "f1_ci": [float(lo), float(hi)],
-            "em_ci": [float(elo), float(ehi)]}
-
-
-#: the group the issue's figure is about: questions of this many hops or more
-MULTI_HOP_MIN = 2
-
-
-def score_records(records: list[dict]) -> dict:
-    """records: [{"em", "f1", "hops", "type"}] -> {"overall": M, "by_hops": {h: M}, "by_type": {t: M},
-    "multi_hop": M over questions of MULTI_HOP_MIN+ hops (None when there are none)}.
-
-    M = {"n", "em", "f1", "f1_ci", "em_ci"}, CIs from one bootstrap of that group alone."""
-    if not records:
-        raise ValueError("no predictions to score")
-    by_hops, by_type = defaultdict(list), defaultdict(list)
-    for r in records:
-        by_hops[str(r["hops"])].append(r)
-        by_type[r["type"]].append(r)
-
-    def m(rs):
-        return _stat([r["em"] for r in rs], [r["f1"] for r in rs])
-
-    multi = [r for r in records if int(r["hops"]) >= MULTI_HOP_MIN]
-    return {"overall": m(records), "by_hops": {h: m(rs) for h, rs in sorted(by_hops.items())},
-            "by_type": {t: m(rs) for t, rs in sorted(by_type.items())}, "multi_hop": m(multi) if multi else None}
 
 
 def _record(q, prediction: str | None, extra: dict) -> dict:
     s = qa_scores(prediction or "", q.golden_answers)
     return {"id": q.id, "question": q.question, "golden_answers": q.golden_answers, "prediction": prediction,
-            "hops": q.hops, "type": q.qtype, "em": s["em"], "f1": s["f1"], "cover_em": s["cover_em"], **extra}
+            "hops": q.hops, "type": q.qtype, **s, **extra}
 
 
-def run_agent(policy, questions, *, max_steps: int = 13, topk: int = 3, adapter: str = "", chunk: int = 128,
+def run_agent(policy, questions, *, max_steps: int = AGENT_MAX_STEPS, topk: int = DOCS_PER_SEARCH, adapter: str = "", chunk: int = 128,
               progress=None) -> list[dict]:
     """Greedy rollouts through the policy service (which calls the retriever)."""
     from google.protobuf.json_format import MessageToDict
@@ -80,19 +49,17 @@ def run_agent(policy, questions, *, max_steps: int = 13, topk: int = 3, adapter:
     return records
 
 
-def run_baseline(policy, retriever, questions, mode: str, *, topk: int = 3, chunk: int = 256,
+def run_baseline(policy, retriever, questions, mode: str, *, topk: int = DOCS_PER_SEARCH, chunk: int = 256,
                  max_tokens: int = 96, progress=None) -> list[dict]:
     """One answer step per question; standard RAG first retrieves the question's top-k documents."""
     from prorag.sft_data import baseline_prompt
-    from prorag.trajectory import RetrievedDoc
 
     records = []
     for i in range(0, len(questions), chunk):
         part = questions[i:i + chunk]
         docs = [None] * len(part)
         if mode == "standard_rag":
-            found = retriever.search([q.question for q in part], topk=topk, timeout=600)
-            docs = [[RetrievedDoc(title=d.title, text=d.text, id=d.id) for d in ds] for ds in found]
+            docs = retriever.search([q.question for q in part], topk=topk, timeout=600)
         prompts = [baseline_prompt(q.question, d) for q, d in zip(part, docs)]
         resp = policy.generate_steps(prompts, policy.sampling(n=1, temperature=0.0, max_tokens=max_tokens,
                                                               stop=[ANSWER_END, IM_END]))
@@ -115,7 +82,7 @@ def save_records(path: Path, records: Iterable[dict]) -> None:
 
 
 def evaluate(method: str, policy, retriever, questions, out_dir: Path | None = None, **kw) -> dict:
-    kind = METHOD_KINDS.get(method, "agent")
+    kind = kind_of(method)
     if kind == "agent":
         records = run_agent(policy, questions, **kw)
     else:
@@ -130,37 +97,17 @@ def evaluate(method: str, policy, retriever, questions, out_dir: Path | None = N
     return result
 
 
-def margin_beyond_cis(better: dict, baseline: dict) -> dict:
-    """Whether ``better`` beats ``baseline`` by a margin larger than both 95% CIs (issue #4's figure).
-
-    better/baseline: M dicts as score_records gives them ({"f1", "f1_ci"}). Reached when the margin
-    of the means exceeds the full width of each interval, which for intervals of similar width also
-    means they do not overlap; both conditions are required so a lopsided pair cannot pass on one.
-    Returns {"margin", "better_ci_width", "baseline_ci_width", "cis_overlap", "reached"}.
-
-    >>> a = {"f1": 0.30, "f1_ci": [0.25, 0.35]}
-    >>> margin_beyond_cis(a, {"f1": 0.10, "f1_ci": [0.06, 0.14]})["reached"]
-    True
-    >>> margin_beyond_cis(a, {"f1": 0.22, "f1_ci": [0.18, 0.26]})["reached"]
-    False
-    """
-    wa = better["f1_ci"][1] - better["f1_ci"][0]
-    wb = baseline["f1_ci"][1] - baseline["f1_ci"][0]
-    margin = better["f1"] - baseline["f1"]
-    overlap = better["f1_ci"][0] <= baseline["f1_ci"][1]
-    return {"margin": margin, "better_ci_width": wa, "baseline_ci_width": wb, "cis_overlap": overlap,
-            "reached": bool(margin > max(wa, wb) and not overlap)}
-
-
 def format_table(methods: dict[str, dict]) -> "object":
     """A rich Table: F1 [95% CI] per hop count and type, one row per method."""
     from rich.table import Table
 
     cols = sorted({h for m in methods.values() for h in m["by_hops"]}, key=lambda h: int(h))
     types = sorted({t for m in methods.values() for t in m["by_type"]} - {"compositional"})
-    table = Table(title="Test split: F1 (x100) [95% bootstrap CI]; EM overall")
+    table = Table(title="Test split: F1 (x100) [95% bootstrap CI]; EM and acc (FlashRAG acc = Search-R1 subem) "
+                        "overall")
     table.add_column("method")
     table.add_column("EM", justify="right")
+    table.add_column("acc", justify="right")
     table.add_column("F1 overall", justify="right")
     for h in cols:
         table.add_column(f"{h}-hop", justify="right")
@@ -174,7 +121,9 @@ def format_table(methods: dict[str, dict]) -> "object":
         return f"{100 * m['f1']:.1f} [{100 * m['f1_ci'][0]:.1f},{100 * m['f1_ci'][1]:.1f}]"
 
     for name, m in methods.items():
-        table.add_row(name, f"{100 * m['overall']['em']:.1f}", cell(m["overall"]),
+        acc = m["overall"].get("acc")
+        table.add_row(name, f"{100 * m['overall']['em']:.1f}", "-" if acc is None else f"{100 * acc:.1f}",
+                      cell(m["overall"]),
                       *[cell(m["by_hops"].get(h)) for h in cols], cell(m.get("multi_hop")),
                       *[cell(m["by_type"].get(t)) for t in types])
     return table

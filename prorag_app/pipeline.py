@@ -26,6 +26,8 @@ from prorag.data.loaders import load_split
 from prorag_app.embedded import ensure_indexes, ensure_policy_model
 from prorag.progress import progress_bars
 from prorag.evaluation import grouped_mean_ci, recall_at_k, retrieval_queries
+from prorag.methods import get_method
+from prorag.registry import registry
 from prorag.runs import code_version, new_run_dir, write_results
 from prorag_app.stack import ServiceStack
 
@@ -34,9 +36,13 @@ INDEXES = ("dense", "bm25", "hybrid")
 console = Console()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Profile:
-    """What `make run` trains and evaluates; `tiny` is what the end-to-end test runs."""
+    """What `make run` trains and evaluates; `tiny` is what the end-to-end test runs.
+
+    Typed: at definition every method must be in the method table, every SFT setting a valid SFTConfig
+    field and value, every warm-up setting a valid WarmupConfig one, so a typo fails at import, not an
+    hour into a run."""
 
     world: str
     model_preset: str
@@ -44,15 +50,26 @@ class Profile:
     sft: dict                      # SFT job settings shared by the policy and the baselines
     eval_questions: int = 0        # 0 = the whole test split
     methods: tuple[str, ...] = ("no_retrieval", "standard_rag", "sft")
-    max_steps: int = 13            # rollout step limit (ProRAG inference: 13)
-    extra: dict = field(default_factory=dict)
     base_warmup: dict | None = None  # base warm-up (WarmupConfig overrides); None = the world's default base
     base_variant: str = ""           # directory suffix of a base other than the world's default
     method_sft: dict = field(default_factory=dict)  # {method: SFT settings on top of ``sft`` for that method only}
 
+    def __post_init__(self) -> None:
+        from prorag.config import check_fields
+        from prorag.modeling import WarmupConfig
+        from services.trainer.stage_sft import SFTConfig
+
+        for m in (*self.methods, *self.method_sft):
+            get_method(m)
+        check_fields(SFTConfig, self.sft, prefix="sft.")
+        for m, settings in self.method_sft.items():
+            check_fields(SFTConfig, settings, prefix=f"method_sft.{m}.")
+        if self.base_warmup is not None:
+            check_fields(WarmupConfig, self.base_warmup, prefix="base_warmup.")
+
     def sft_for(self, method: str) -> dict:
-        """The SFT job settings of ``method``: the shared ones, then that method's own."""
-        return {**self.sft, **self.method_sft.get(method, {})}
+        """The SFT job settings of ``method``: its table entry's, the profile's shared ones, then its own."""
+        return {**get_method(method).train, **self.sft, **self.method_sft.get(method, {})}
 
 
 #: The base and SFT settings that reach issue #4's figure (docs/BENCHMARKS.md, "One document per subquery,
@@ -81,7 +98,6 @@ PROFILES = {
                     # better than three; and it writes each relation's subquery one way (dev 2+ hops 32.1 -> 51.1)
                     method_sft={"sft": {"topk": 1, "canonical_subqueries": True}}),
 }
-SFT_MODES = {"sft": "agent", "no_retrieval": "no_retrieval", "standard_rag": "standard_rag"}
 
 
 # ---------------------------------------------------------------- retrieval quality
@@ -127,20 +143,21 @@ def job_id_for(world: str, method: str, config: dict) -> str:
     """Same config and base weights -> same job id, so a second `make run` reuses the finished job,
     while a rebuilt base (same path, new weights) trains anew. The retriever address is excluded:
     it moves with --port-offset but does not change the data."""
-    from prorag.modeling import model_sha256
+    from prorag.registry import weights_sha256
 
     key = {k: v for k, v in config.items() if k != "retriever"}
-    key["base_sha256"] = model_sha256(config["base_model"])
+    key["base_sha256"] = weights_sha256(config["base_model"])
     return f"{world}-{method}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]}"
 
 
 def train(stack: ServiceStack, method: str, profile: Profile, base_model: str) -> dict:
-    """Run (or reuse) the SFT job of ``method``; returns the finished job's manifest."""
+    """Run (or reuse) the training job of ``method`` through the trainer service.
+
+    Returns {"job_id", "metrics", "run_dir", "model"}: "model" is the registry reference the job published."""
     from prorag.clients_trainer import TrainerClient, state_name
 
-
-    config = {"mode": SFT_MODES[method], "world": profile.world, "base_model": base_model,
-              "retriever": stack.grpc_target("retriever"), "publish_name": method, **profile.sft_for(method)}
+    config = {"world": profile.world, "base_model": base_model, "retriever": stack.grpc_target("retriever"),
+              "publish_name": method, **profile.sft_for(method)}
     job_id = job_id_for(profile.world, method, config)
     with TrainerClient(stack.grpc_target("trainer"), timeout=60) as client:
         existing = {j.job_id: j for j in client.list("sft")}
@@ -160,18 +177,21 @@ def train(stack: ServiceStack, method: str, profile: Profile, base_model: str) -
         state = state_name(job.state)
         if state != "SUCCEEDED":
             raise SystemExit(f"training {method} ended {state}: {job.error}")
-        manifest = json.loads((paths.runs_dir() / "jobs" / job_id / "run" / "manifest.json").read_text()) \
-            if (paths.runs_dir() / "jobs" / job_id / "run" / "manifest.json").exists() else {}
-        return {"job_id": job_id, "metrics": dict(job.metrics), "run_dir": job.run_dir, "manifest": manifest}
+        if "model" not in job.outputs:
+            raise SystemExit(f"training {method}: job {job_id} succeeded but names no published model")
+        return {"job_id": job_id, "metrics": dict(job.metrics), "run_dir": job.run_dir, "model": job.outputs["model"]}
 
 
-def eval_options(method: str, profile: Profile) -> dict:
-    """Rollout options of ``method``'s evaluation: as many documents per search as it was trained with
-    (a model trained on one document per subquery reads worse among three), and for the agent the step limit."""
-    from services.trainer.stage_sft import SFTConfig
+def eval_options(method: str, model_dir: str) -> dict:
+    """Rollout options of ``method``'s evaluation: its table entry's (the agent's step limit), and as many
+    documents per search as the published model was trained with (a model trained on one document per
+    subquery reads worse among three)."""
+    from prorag.registry import published_config
 
-    topk = profile.sft_for(method).get("topk", SFTConfig.topk)
-    return {"topk": topk, "max_steps": profile.max_steps} if SFT_MODES[method] == "agent" else {"topk": topk}
+    trained = published_config(model_dir)
+    if "topk" not in trained:
+        raise SystemExit(f"{model_dir}: its manifest does not say how many documents per search it was trained with")
+    return {**get_method(method).evaluate, "topk": int(trained["topk"])}
 
 
 def evaluate_method(method: str, model_dir: str, profile: Profile, stack: ServiceStack, questions, run_dir,
@@ -180,21 +200,21 @@ def evaluate_method(method: str, model_dir: str, profile: Profile, stack: Servic
     from prorag_app.eval import evaluate
 
 
+    kw = eval_options(method, model_dir)
     eval_stack = ServiceStack(port_offset=port_offset, world=profile.world, services=("policy",),
                               overrides={"policy": {"model": model_dir, "retriever": stack.grpc_target("retriever"),
-                                                    "max_steps": max(64, profile.max_steps)}},
+                                                    "max_steps": max(64, kw.get("max_steps", 0))}},
                               log_dir=str(run_dir / "logs" / method))
     with eval_stack, PolicyClient(eval_stack.grpc_target("policy")) as policy, \
             RetrieverClient(stack.grpc_target("retriever"), timeout=600) as retriever, progress_bars() as progress:
-        kw = eval_options(method, profile)
-        return evaluate(method if SFT_MODES[method] == "agent" else SFT_MODES[method], policy, retriever, questions,
-                        out_dir=run_dir, progress=lambda d, t: progress(f"eval {method}", d, t), **kw)
+        return evaluate(method, policy, retriever, questions, out_dir=run_dir,
+                        progress=lambda d, t: progress(f"eval {method}", d, t), **kw)
 
 
 def multi_hop_figure(methods: dict) -> dict | None:
     """Issue #4's figure from evaluated methods: sft vs standard_rag on 2+ hop questions (None when
     either is missing or the split has no multi-hop question)."""
-    from prorag_app.eval import MULTI_HOP_MIN, margin_beyond_cis
+    from prorag.evaluation import MULTI_HOP_MIN, margin_beyond_cis
 
     sft, rag = methods.get("sft", {}).get("multi_hop"), methods.get("standard_rag", {}).get("multi_hop")
     if not sft or not rag:
@@ -233,10 +253,8 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
             jobs[method] = train(stack, method, prof, str(base))
             timings[f"train_{method}_s"] = time.monotonic() - t3
         for method in prof.methods:
-            from prorag.models import resolve_model
-
             t4 = time.monotonic()
-            model_dir = resolve_model(world, f"{method}@{jobs[method]['job_id']}")
+            model_dir = registry("model", world).resolve(jobs[method]["model"])
             methods[method] = evaluate_method(method, str(model_dir), prof, stack, eval_qs, run_dir,
                                               port_offset + 100)
             timings[f"eval_{method}_s"] = time.monotonic() - t4

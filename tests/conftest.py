@@ -15,6 +15,7 @@ import random
 import pytest
 
 from prorag import trajectory as T
+from prorag.data.loaders import Document
 
 WORDS = ("the of and in was is for on as by with he at from his an were are which this also be has "
          "had first one their its new after who they two her she been other when there all during into "
@@ -50,7 +51,7 @@ def synthetic_texts(n: int = 300, seed: int = 0) -> list[str]:
             out.append(sent(rng.randint(5, 20)) + ".")
         else:
             steps = [T.Step("subquery", sent(6) + ".", sent(4) + "?",
-                            docs=[T.RetrievedDoc(sent(2), sent(12)) for _ in range(3)]),
+                            docs=[Document.from_parts("", sent(2), sent(12)) for _ in range(3)]),
                      T.Step("subanswer", sent(5) + ".", sent(2)), T.Step("answer", sent(4) + ".", sent(2))]
             out.append(T.render_trajectory(sent(8) + "?", steps))
     return out

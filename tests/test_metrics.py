@@ -13,7 +13,7 @@ import pytest
 
 from prorag import metrics
 from prorag.metrics import (bootstrap_ci, cover_exact_match, exact_match, f1_score, normalize_answer,
-                            qa_scores, summarize)
+                            qa_scores, substring_match, summarize)
 
 
 # --- reference: SQuAD v1.1 evaluate + HotpotQA f1, written step by step as the official scripts do ---
@@ -138,8 +138,21 @@ def test_cover_exact_match_is_token_span():
 
 def test_qa_scores_keys():
     s = qa_scores("the Beatles band", ["Beatles"])
-    assert set(s) == {"em", "f1", "cover_em"}
-    assert s["em"] == 0.0 and s["cover_em"] == 1.0 and s["f1"] == pytest.approx(2 / 3)
+    assert set(s) == {"em", "f1", "cover_em", "acc"}
+    assert s["em"] == 0.0 and s["cover_em"] == 1.0 and s["acc"] == 1.0 and s["f1"] == pytest.approx(2 / 3)
+
+
+def ref_flashrag_acc(pred, gold):
+    """FlashRAG's acc (Search-R1's subem): the normalised gold as a substring of the normalised prediction."""
+    return float(ref_normalize(gold) in ref_normalize(pred))
+
+
+def test_acc_is_flashrags_substring_match():
+    assert substring_match("born in 1931", ["19"]) == 1.0  # characters, not tokens
+    assert cover_exact_match("born in 1931", ["19"]) == 0.0
+    assert substring_match("The Beatles!", ["beatles", "x"]) == 1.0
+    assert substring_match("Paris", ["London"]) == 0.0
+    assert substring_match("anything", ["the"]) == 0.0  # a gold normalising to nothing is found nowhere
 
 
 def _random_text(rng: random.Random) -> str:
@@ -164,6 +177,9 @@ def test_randomized_against_reference():
         # EM implies cover-EM
         if exact_match(pred, golds):
             assert cover_exact_match(pred, golds) == 1.0
+        # acc agrees with FlashRAG's wherever no gold alias normalises to empty (the documented deviation)
+        if all(ref_normalize(g) for g in golds):
+            assert substring_match(pred, golds) == ref_max_over(ref_flashrag_acc, pred, golds), (pred, golds)
         for m in qa_scores(pred, golds).values():
             assert 0.0 <= m <= 1.0
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prorag import trajectory as T
-from prorag.errors import InvalidArgument, NotFound
+from prorag.errors import InvalidArgument
 from prorag import modeling as M
 
 from tests.conftest import VocabOnly, synthetic_texts
@@ -67,18 +67,6 @@ def test_saved_layout_and_reload(tiny_policy):
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]
 
 
-def test_model_sha256_identity(tiny_policy, tmp_path):
-    path, tok = tiny_policy
-    h = M.model_sha256(path)
-    assert len(h) == 64 and h == M.model_sha256(path)
-    other = M.build_model(M.PolicyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                                              head_dim=16, intermediate_size=128), tok, seed=1)
-    M.save_pretrained(other, tok, tmp_path / "other")
-    assert M.model_sha256(tmp_path / "other") != h
-    with pytest.raises(NotFound):
-        M.model_sha256(tmp_path / "missing")
-
-
 def test_presets_and_config_validation(tiny_policy):
     _, tok = tiny_policy
     tiny = M.build_model("tiny", tok)
@@ -125,7 +113,9 @@ def test_train_tokenizer_rejects_tiny_vocab():
         M.train_tokenizer(["a b"], vocab_size=100)
 
 
-def test_warm_up_learns_the_copy_task_and_reads(tiny_policy):
+def test_warm_up_learns_the_copy_task_and_reads(tiny_policy, tmp_path):
+    from prorag.training.context import local_context
+    from prorag.training.warmup import warm_up
     from prorag.warmup_data import Fact
 
     _, tok = tiny_policy
@@ -143,16 +133,19 @@ def test_warm_up_learns_the_copy_task_and_reads(tiny_policy):
     cfg = M.WarmupConfig(copy_steps=150, copy_length=6, copy_min_length=4, copy_mix=2, sentence_steps=3,
                          document_steps=3, retrieved_steps=3, batch_size=16, lr=3e-3, lr_warmup_steps=50,
                          counterfactual=0.5, gap_steps=3, gap_tokens=5, paraphrase_steps=3)
-    seen = []
-    losses = M.warm_up_base(model, tok, docs, facts, cfg, progress=lambda d, t: seen.append((d, t)))
-    assert len(losses) == cfg.total_steps == 171 and seen[-1] == (171, 171)
+    events = []
+    result = warm_up(local_context(tmp_path / "run", cfg, emit=events.append), model, tok, docs, facts, cfg,
+                     log_every=1)
+    seen = [(e["step"], e["total_steps"]) for e in events if e.get("loss") is not None]
+    losses = [e["loss"] for e in events if e.get("loss") is not None]
+    assert result.completed and len(losses) == cfg.total_steps == 171 and seen[-1] == (171, 171)
     # the wired model copies from the start (ln 2048 = 7.6 for one that cannot) and the ramped
     # optimiser improves on it instead of erasing it (at a full-size first step it was erased: ~6)
     assert losses[0] < 2.5 and sum(losses[140:150]) / 10 < losses[0], losses[::10]
     assert torch.isfinite(torch.tensor(losses)).all() and not model.training
     assert json.dumps(M.describe_model(model))
     with pytest.raises(InvalidArgument, match="no facts"):
-        M.warm_up_base(model, tok, {}, facts, cfg)
+        warm_up(local_context(tmp_path / "none", cfg), model, tok, {}, facts, cfg)
+    one_way = M.WarmupConfig(copy_steps=0, sentence_steps=0, document_steps=0, paraphrase_steps=1, batch_size=2)
     with pytest.raises(InvalidArgument, match="nothing to paraphrase"):
-        M.warm_up_base(model, tok, docs, facts[:2], M.WarmupConfig(copy_steps=0, sentence_steps=0, document_steps=0,
-                                                                    paraphrase_steps=1, batch_size=2))
+        warm_up(local_context(tmp_path / "one-way", one_way), model, tok, docs, facts[:2], one_way)

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from prorag import trajectory as T
+from prorag.data.loaders import Document
 from prorag.errors import InvalidArgument
 from services.policy.engine import GeneratedSeq, GenerationEngine, SamplingSpec, TransformersEngine
 from prorag.rollout import FINISH_REASONS, decode, run_rollouts, summarize
@@ -22,7 +23,7 @@ class Searcher:
 
     def __call__(self, queries, topk):
         self.calls.append(list(queries))
-        return [[T.RetrievedDoc(f"Page {q[:12]} {i}", f"Text {i} about {q}.", id=f"d{i}", score=1.0 / (i + 1))
+        return [[Document.from_parts(f"d{i}", f"Page {q[:12]} {i}", f"Text {i} about {q}.", score=1.0 / (i + 1))
                  for i in range(topk + 2)] for q in queries]  # more than topk: the rollout must cut
 
 
@@ -39,12 +40,13 @@ def char_ids(tok, text):
 
 
 class ScriptedEngine(GenerationEngine):
-    """Returns a fixed list of step texts per question, one per round, as non-canonical ids."""
+    """Returns a fixed list of step texts per question, one per round, as ids from ``encode``
+    (default: non-canonical ids)."""
 
     name = "scripted"
 
-    def __init__(self, tok, scripts, max_model_len=4096):
-        self.tokenizer, self.scripts, self.max_model_len = tok, scripts, max_model_len
+    def __init__(self, tok, scripts, max_model_len=4096, encode=char_ids):
+        self.tokenizer, self.scripts, self.max_model_len, self.encode = tok, scripts, max_model_len, encode
         self.calls = []
         self.step_end = tok.convert_tokens_to_ids("</step>")
 
@@ -56,7 +58,7 @@ class ScriptedEngine(GenerationEngine):
             q = next(q for q in self.scripts if text.startswith(T.render_prompt(q)))
             n_prompt = len(self.tokenizer.encode(T.render_prompt(q), add_special_tokens=False))
             k = p[n_prompt:].count(self.step_end)  # steps generated so far (the system prompt names tags too)
-            ids = char_ids(self.tokenizer, self.scripts[q][k])
+            ids = self.encode(self.tokenizer, self.scripts[q][k])
             finish = "stop" if ids[-1] in params.stop_token_ids else "length"
             ids = ids[:params.max_tokens]
             out.append([GeneratedSeq(ids, [-0.25] * len(ids), finish, ids[-1] if finish == "stop" else None)])
@@ -99,11 +101,11 @@ def test_scripted_two_hop_is_valid(scripted_run):
     assert T.tag_sequence(r.steps) == "SQRSASQRSASF" and T.is_valid_format(r.steps)
     # cut to topk, shown on one line (the double space collapsed), ids and scores kept
     assert [(d.title, d.id) for d in r.steps[0].docs] == [(f"Page Who directed {i}", f"d{i}") for i in range(3)]
-    assert r.token_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>") and r.generated_mask[-1] == 0
+    assert r.tokens.token_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>") and r.tokens.generated_mask[-1] == 0
     assert r.adapter == "policy@v1" and r.rounds == 5
     # the text, parsed again, gives the same steps, and is the decoded ids
-    assert r.text == decode(tok, r.token_ids[r.prompt_length:])
-    assert T.render_prompt(r.question) + r.text == decode(tok, r.token_ids)
+    assert r.text == decode(tok, r.tokens.token_ids[r.tokens.prompt_length:])
+    assert T.render_prompt(r.question) + r.text == decode(tok, r.tokens.token_ids)
     again = T.parse_trajectory(r.text)
     assert [(s.kind, s.content) for s in again] == [(s.kind, s.content) for s in r.steps]
     assert [[(d.title, d.text) for d in s.docs] if s.docs else s.docs for s in again] == \
@@ -133,15 +135,15 @@ def test_one_generate_and_one_search_per_round(scripted_run):
 def test_masks_logprobs_and_inserted_docs(scripted_run):
     tok, _, _, _, results = scripted_run
     for r in results:
-        assert len(r.token_ids) == len(r.generated_mask) == len(r.logprobs)
-        assert r.generated_mask[:r.prompt_length] == [0] * r.prompt_length
-        assert sum(r.generated_mask) == r.generated_tokens
-        for m, lp in zip(r.generated_mask, r.logprobs):
+        assert len(r.tokens.token_ids) == len(r.tokens.generated_mask) == len(r.tokens.logprobs)
+        assert r.tokens.generated_mask[:r.tokens.prompt_length] == [0] * r.tokens.prompt_length
+        assert sum(r.tokens.generated_mask) == r.tokens.generated_tokens
+        for m, lp in zip(r.tokens.generated_mask, r.tokens.logprobs):
             assert lp == (-0.25 if m else 0.0)
-    r = results[0]
-    inserted = decode(tok, [t for t, m in zip(r.token_ids[r.prompt_length:], r.generated_mask[r.prompt_length:])
+    tt = results[0].tokens
+    inserted = decode(tok, [t for t, m in zip(tt.token_ids[tt.prompt_length:], tt.generated_mask[tt.prompt_length:])
                             if m == 0])
-    generated = decode(tok, [t for t, m in zip(r.token_ids, r.generated_mask) if m == 1])
+    generated = decode(tok, [t for t, m in zip(tt.token_ids, tt.generated_mask) if m == 1])
     assert "Doc 1(Title: Page Who directed 0) Text 0 about Who directed Inception?." in inserted
     assert "<retrieval>" in inserted and "</retrieval>" in inserted and "Doc 1" not in generated
     assert "</subquery>" in generated and "</subquery>" not in inserted
@@ -151,11 +153,11 @@ def test_ids_are_carried_not_reencoded(scripted_run):
     tok, engine, _, _, results = scripted_run
     r = results[0]
     # the engine's non-canonical ids are kept verbatim ...
-    assert r.token_ids != tok.encode(decode(tok, r.token_ids), add_special_tokens=False)
+    assert r.tokens.token_ids != tok.encode(decode(tok, r.tokens.token_ids), add_special_tokens=False)
     # ... and every prompt the engine saw for this trajectory is a prefix of its final ids
     seen = [c[0] for c in engine.calls[:5]]  # q0 is first in every round it is in
     for p in seen:
-        assert r.token_ids[:len(p)] == p
+        assert r.tokens.token_ids[:len(p)] == p
     assert len(seen) == 5 and all(len(a) < len(b) for a, b in zip(seen, seen[1:]))
 
 
@@ -166,7 +168,7 @@ def test_context_limit_ends_with_length(tiny_policy):
     res = run_rollouts(ScriptedEngine(tok, SCRIPTS, max_model_len=limit), tok, [("a", q)],
                        SamplingSpec(max_tokens=200), Searcher(), topk=3)
     # the first step fits, its retrieval block does not
-    assert res[0].finish_reason == "length" and len(res[0].token_ids) <= limit
+    assert res[0].finish_reason == "length" and len(res[0].tokens.token_ids) <= limit
     assert res[0].steps[0].kind == "subquery" and res[0].steps[0].docs is None
 
 
@@ -181,14 +183,14 @@ def test_random_model_garbage_terminates(tiny_policy):
     assert [(r.question_id, r.sample_index) for r in res] == [(q, j) for q, _ in qs for j in range(3)]
     for r in res:
         assert r.finish_reason in FINISH_REASONS and 1 <= len(r.steps) <= 4
-        assert len(r.token_ids) == len(r.generated_mask) == len(r.logprobs) <= engine.max_model_len
-        assert r.generated_tokens == sum(r.generated_mask) > 0
-        assert all(lp < 0 for lp, m in zip(r.logprobs, r.generated_mask) if m)
-        assert all(lp == 0 for lp, m in zip(r.logprobs, r.generated_mask) if not m)
+        assert len(r.tokens.token_ids) == len(r.tokens.generated_mask) == len(r.tokens.logprobs) <= engine.max_model_len
+        assert r.tokens.generated_tokens == sum(r.tokens.generated_mask) > 0
+        assert all(lp < 0 for lp, m in zip(r.tokens.logprobs, r.tokens.generated_mask) if m)
+        assert all(lp == 0 for lp, m in zip(r.tokens.logprobs, r.tokens.generated_mask) if not m)
     assert summarize(res)["trajectories"] == 9
     # seeded: the same call gives the same trajectories
     again = run_rollouts(engine, tok, qs, spec, search, max_steps=4)
-    assert [r.token_ids for r in again] == [r.token_ids for r in res]
+    assert [r.tokens.token_ids for r in again] == [r.tokens.token_ids for r in res]
     # a random model at a 1-token step budget ends every trajectory at round 1
     short = run_rollouts(engine, tok, qs[:1], SamplingSpec(n=2, max_tokens=1, seed=1), search, max_steps=13)
     assert all(r.finish_reason == "invalid_format" and r.rounds == 1 for r in short)

@@ -5,7 +5,8 @@ import torch
 from prorag.data.loaders import Question
 from prorag.sft_data import (agent_steps, baseline_prompt, baseline_steps, encode_segments, ensure_gold,
                              length_grouped_batches, plan_note)
-from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS, RetrievedDoc, is_valid_format, render_prompt
+from prorag.data.loaders import Document
+from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS, is_valid_format, render_prompt
 
 
 def _question():
@@ -17,9 +18,9 @@ def _question():
                          "doc_id": "P1", "title": "Marlo Vesk"}]})
 
 
-GOLD = {"W1": RetrievedDoc("Red Harbour", "Red Harbour was directed by Marlo Vesk.", "W1"),
-        "P1": RetrievedDoc("Marlo Vesk", "Marlo Vesk was born in Vuzarburg.", "P1")}
-OTHER = [RetrievedDoc(f"T{i}", f"text {i}", f"X{i}") for i in range(3)]
+GOLD = {"W1": Document.from_parts("W1", "Red Harbour", "Red Harbour was directed by Marlo Vesk."),
+        "P1": Document.from_parts("P1", "Marlo Vesk", "Marlo Vesk was born in Vuzarburg.")}
+OTHER = [Document.from_parts(f"X{i}", f"T{i}", f"text {i}") for i in range(3)]
 
 
 def test_ensure_gold_keeps_or_inserts_the_supporting_document():
@@ -64,10 +65,10 @@ def test_encode_masks_everything_but_generated_steps_and_weights_tags():
     steps = agent_steps(q, {}, GOLD, topk=3)
     prompt = render_prompt(q.question)
     enc = encode_segments(tok, prompt, steps, {t: tok.special[t] for t in TAGS}, FORMAT_LOSS_WEIGHTS)
-    assert len(enc.token_ids) == len(enc.loss_mask) == len(enc.weights)
+    assert len(enc.token_ids) == len(enc.generated_mask) == len(enc.weights)
     n_prompt = len(tok.encode(prompt))
-    assert not any(enc.loss_mask[:n_prompt])
-    trained = [t for t, m in zip(enc.token_ids, enc.loss_mask) if m]
+    assert not any(enc.generated_mask[:n_prompt])
+    trained = [t for t, m in zip(enc.token_ids, enc.generated_mask) if m]
     assert sum(len(tok.encode(s.text)) for s in steps) == len(trained)
     # documents are inserted, never trained on
     doc_ids = tok.encode("Vuzarburg.")  # appears in P1's text (inserted) and as the answer (generated)
@@ -75,7 +76,7 @@ def test_encode_masks_everything_but_generated_steps_and_weights_tags():
     w = dict(zip(enc.token_ids, enc.weights))
     assert w[tok.special["<answer>"]] == 5.0 and w[tok.special["</step>"]] == 2.0
     assert w[tok.special["<subquery>"]] == 3.0
-    assert all(wt == 0.0 for wt, m in zip(enc.weights, enc.loss_mask) if not m)
+    assert all(wt == 0.0 for wt, m in zip(enc.weights, enc.generated_mask) if not m)
     assert doc_ids
 
 
@@ -97,7 +98,7 @@ def test_restate_puts_the_question_answered_at_the_end_of_the_thought_before_eac
                                "title": "Marlo Vesk"},
                               {"question": "When was Ada Pell born?", "answer": "1890", "doc_id": "P2",
                                "title": "Ada Pell"}]})
-    gold = {**GOLD, "P2": RetrievedDoc("Ada Pell", "Ada Pell was born in 1890.", "P2")}
+    gold = {**GOLD, "P2": Document.from_parts("P2", "Ada Pell", "Ada Pell was born in 1890.")}
     assert agent_steps(comparison, {}, gold, restate=True)[-1].thought.endswith(comparison.question)
     for grounded in (True, False):
         base = baseline_steps(q, grounded=grounded)[0].thought
@@ -145,7 +146,7 @@ def test_baselines_have_one_answer_step_and_standard_rag_sees_documents():
 
 
 def test_weighted_lm_loss_matches_a_hand_computation():
-    from prorag.algorithms.losses import weighted_lm_loss
+    from prorag.training.lm import weighted_lm_loss
 
     class Tiny(torch.nn.Module):
         def __init__(self):

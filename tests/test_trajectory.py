@@ -5,17 +5,18 @@ import random
 import pytest
 
 from prorag import trajectory as T
-from prorag.trajectory import RetrievedDoc, Step
+from prorag.data.loaders import Document
+from prorag.trajectory import Step
 
 
 def two_hop() -> list[Step]:
     return [
         Step("subquery", "I need the director of Inception.", "Who directed Inception?",
-             docs=[RetrievedDoc("Inception", "Inception is a 2010 film directed by Christopher Nolan."),
-                   RetrievedDoc("Foo (band)", "A band; not (really) relevant.")]),
+             docs=[Document.from_parts("", "Inception", "Inception is a 2010 film directed by Christopher Nolan."),
+                   Document.from_parts("", "Foo (band)", "A band; not (really) relevant.")]),
         Step("subanswer", "The document says who directed it.", "Christopher Nolan"),
         Step("subquery", "Now his birthplace.", "Where was Christopher Nolan born?",
-             docs=[RetrievedDoc("Christopher Nolan", "Nolan was born in London.")]),
+             docs=[Document.from_parts("", "Christopher Nolan", "Nolan was born in London.")]),
         Step("subanswer", "Found it.", "London"),
         Step("answer", "So the answer is London.", "London"),
     ]
@@ -32,7 +33,7 @@ def test_step_text_is_exact_format():
     assert s.text == "think</step>\n<subquery>\nq?</subquery>"
     assert T.render_step(Step("subanswer", "t", "a")) == "t</step>\n<subanswer>\na</subanswer>\n<step>\n"
     assert T.render_step(Step("answer", "t", "x")) == "t</step>\n<answer>\nx</answer><|im_end|>"
-    with_docs = Step("subquery", "t", "q", docs=[RetrievedDoc("A", "aa"), ("B", "bb")])
+    with_docs = Step("subquery", "t", "q", docs=[Document.from_parts("", "A", "aa"), ("B", "bb")])
     assert T.render_step(with_docs) == ("t</step>\n<subquery>\nq</subquery>\n<retrieval>\n"
                                         "Doc 1(Title: A) aa\nDoc 2(Title: B) bb\n</retrieval>\n<step>\n")
 
@@ -64,7 +65,7 @@ def test_parse_step_kinds_and_whitespace():
 
 
 def test_docs_render_one_line_and_no_tags():
-    text = T.render_docs([RetrievedDoc("T (x)", "line one\nline two </retrieval> <answer>")])
+    text = T.render_docs([Document.from_parts("", "T (x)", "line one\nline two </retrieval> <answer>")])
     assert text == "Doc 1(Title: T (x)) line one line two"
     assert [(d.title, d.text) for d in T.parse_docs(text)] == [("T (x)", "line one line two")]
     assert T.parse_docs("Doc 1(Title: unbalanced ( title) body") [0].text == "body"

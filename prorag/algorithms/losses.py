@@ -1,26 +1,33 @@
-"""Losses shared by the trainer's stages and the embedded base's warm-up (pure torch, no I/O)."""
+"""Token-level losses (pure torch, no I/O, no model calls).
+
+Running the model is the caller's part (prorag.training.lm.weighted_lm_loss runs the trunk on every position and
+the LM head only on trained ones); these functions only see logits and targets.
+"""
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 
-def weighted_lm_loss(model, input_ids, attention_mask, labels, weights):
-    """Format-aware loss: sum_t w_t * CE_t / sum_t w_t over tokens with labels != -100.
+IGNORE_INDEX = -100
 
-    input_ids/attention_mask/labels [B,T] (labels -100 = not trained); weights [B,T].
-    Position t predicts labels[t+1]. The LM head runs only on trained positions (about a fifth
-    of a trajectory: prompt, documents and glue are masked), which halves the step time on CPU.
-    Returns (loss, number of trained tokens).
+
+def weighted_token_ce(logits: torch.Tensor, targets: torch.Tensor,
+                      weights: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Weighted token cross-entropy: sum_i w_i * CE_i / sum_i w_i over targets != IGNORE_INDEX.
+
+    logits [..., V] (computed in fp32 whatever their dtype); targets [...] long; weights [...] float,
+    same leading shape. ProRAG's format-aware SFT loss is this with per-tag weights; all-ones
+    weights give the plain token mean. Returns (loss scalar, number of trained tokens); no trained
+    token -> loss 0.
     """
-    import torch.nn.functional as F
-
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    target = labels[:, 1:]
-    mask = target != -100
-    h = hidden[:, :-1][mask]
-    logits = model.get_output_embeddings()(h).float()
-    ce = F.cross_entropy(logits, target[mask], reduction="none")
-    w = weights[:, 1:][mask]
+    mask = targets != IGNORE_INDEX
+    ce = F.cross_entropy(logits[mask].float(), targets[mask], reduction="none")
+    w = weights[mask].to(ce.dtype)
     return (ce * w).sum() / w.sum().clamp(min=1e-8), int(mask.sum())
 
 
-__all__ = ["weighted_lm_loss"]
+#: name -> loss function, for configuration
+LOSSES = {"weighted_token_ce": weighted_token_ce}
+
+__all__ = ["IGNORE_INDEX", "LOSSES", "weighted_token_ce"]

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from prorag.errors import InvalidArgument
+
 __all__ = [
     "Document",
     "Question",
@@ -66,20 +68,44 @@ def parse_contents(contents: str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class Document:
+    """One corpus passage, wherever it travels: read from a corpus, ranked by a retriever, shown
+    to the policy inside a step. ``score``/``rank`` are set when it comes from a ranking."""
+
     id: str
     title: str
     text: str
     #: the exact string a retriever returns (kept as read, never re-formatted)
     contents: str
+    #: higher = better, on the ranking retriever's own scale; 0.0 outside a ranking
+    score: float = 0.0
+    #: 1-based position in a ranking; 0 outside one
+    rank: int = 0
 
     @classmethod
-    def from_parts(cls, id: str, title: str, text: str) -> "Document":
-        return cls(id=str(id), title=title, text=text, contents=format_contents(title, text))
+    def from_parts(cls, id: str, title: str, text: str, *, score: float = 0.0) -> "Document":
+        return cls(id=str(id), title=title, text=text, contents=format_contents(title, text), score=score)
 
     @classmethod
     def from_contents(cls, id: str, contents: str) -> "Document":
         title, text = parse_contents(contents)
         return cls(id=str(id), title=title, text=text, contents=contents)
+
+    @classmethod
+    def from_row(cls, row: object, where: str = "row") -> "Document":
+        """The one reader of a corpus row: ``{"id", "contents"}`` (wiki-18) or ``{"id", "title", "text"}``
+        (FlashRAG, BEIR); ``_id``/``docid`` are accepted for the id. ``where`` ("file:line") prefixes every error."""
+        if not isinstance(row, dict):
+            raise InvalidArgument(f"{where}: expected a JSON object, got {type(row).__name__}")
+        did = row.get("id", row.get("_id", row.get("docid")))
+        if did is None:
+            raise InvalidArgument(f"{where}: corpus row has no 'id'")
+        contents = row.get("contents")
+        if isinstance(contents, str):
+            return cls.from_contents(did, contents)
+        text = row.get("text")
+        if isinstance(text, str):
+            return cls.from_parts(did, str(row.get("title") or ""), text)
+        raise InvalidArgument(f"{where}: corpus row has neither 'contents' nor 'text'")
 
     def to_row(self) -> dict:
         return {"id": self.id, "contents": self.contents}
@@ -261,23 +287,10 @@ def _rows(path: str | Path) -> Iterator[tuple[str, dict]]:
             yield where, row
 
 
-def _doc_from_row(row: dict, where: str) -> Document:
-    did = row.get("id", row.get("_id", row.get("docid")))
-    if did is None:
-        raise ValueError(f"{where}: corpus row has no 'id'")
-    contents = row.get("contents")
-    if isinstance(contents, str):
-        return Document.from_contents(did, contents)
-    text = row.get("text")
-    if isinstance(text, str):
-        return Document.from_parts(did, str(row.get("title") or ""), text)
-    raise ValueError(f"{where}: corpus row has neither 'contents' nor 'text'")
-
-
 def iter_corpus(path: str | Path) -> Iterator[Document]:
     """Stream documents from a ``.jsonl`` (or ``.jsonl.gz``) corpus."""
     for where, row in _rows(path):
-        yield _doc_from_row(row, where)
+        yield Document.from_row(row, where)
 
 
 def load_corpus(path: str | Path) -> list[Document]:

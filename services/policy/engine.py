@@ -8,9 +8,7 @@ by default.
 
 from __future__ import annotations
 
-import abc
 import contextlib
-import hashlib
 import threading
 import time
 from collections import OrderedDict
@@ -21,8 +19,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from prorag.engine import (ADAPTER_FILES, GeneratedSeq, GenerationEngine, SamplingSpec, already_loaded, check_prompts, derive_seed, validate_adapter_dir)
-from prorag.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from prorag.engine import (ADAPTER_FILES, GeneratedSeq, GenerationEngine, SamplingSpec, already_loaded, check_prompts,
+                           derive_seed, validate_adapter_dir)
+from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
 
 # --- sampling (pure) -------------------------------------------------------------------------
 

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prorag.errors import FailedPrecondition, NotFound
-from services.policy.adapters import AdapterRef, Manifest, verify
+from prorag.registry import ArtifactRef, Manifest, Registry
 from prorag.engine import GenerationEngine, SamplingSpec
 
 
 @dataclass
 class LoadedAdapter:
-    ref: AdapterRef
+    ref: ArtifactRef
     path: Path
     manifest: Manifest
     in_flight: int = 0
@@ -36,11 +36,12 @@ class AdapterManager:
     active: str | None = None  # "name@version" or None = base model
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    async def load(self, ref: AdapterRef, path: str = "") -> LoadedAdapter:
+    async def load(self, ref: ArtifactRef, path: str = "") -> LoadedAdapter:
         async with self._lock:
             if ref.key in self.loaded:
                 return self.loaded[ref.key]
-            resolved, manifest = verify(self.root, ref, path, base_model_sha256=self.base_model_sha256)
+            resolved, manifest = Registry(self.root, "adapter").verify(ref, path,
+                                                                         base_model_sha256=self.base_model_sha256)
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self.engine.load_adapter, ref.key, str(resolved))
             # Warm: one token through the new weights, so the first real request pays no lazy init.
@@ -51,7 +52,7 @@ class AdapterManager:
             self.loaded[ref.key] = entry
             return entry
 
-    async def activate(self, ref: AdapterRef | None, path: str = "") -> str | None:
+    async def activate(self, ref: ArtifactRef | None, path: str = "") -> str | None:
         """Make ``ref`` (None = base model) what new requests use; loads it first if needed."""
         if ref is not None and ref.key not in self.loaded:
             await self.load(ref, path)
@@ -59,7 +60,7 @@ class AdapterManager:
             self.active = None if ref is None else ref.key
             return self.active
 
-    async def unload(self, ref: AdapterRef, drain_timeout_s: float = 30.0) -> None:
+    async def unload(self, ref: ArtifactRef, drain_timeout_s: float = 30.0) -> None:
         """Drain, then unload: new requests can no longer pin ``ref``; those in flight finish first
         (up to ``drain_timeout_s``, then FAILED_PRECONDITION and the adapter stays loaded)."""
         async with self._lock:
@@ -85,7 +86,7 @@ class AdapterManager:
         """The adapter a new request runs on: the named one (must be loaded) or the active one."""
         if not requested:
             return self.active
-        key = AdapterRef.parse(requested).key
+        key = ArtifactRef.parse(requested).key
         if key in self.loaded and self.loaded[key].draining:
             raise FailedPrecondition(f"adapter {key} is being unloaded; use the active version")
         if key not in self.loaded:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prorag import paths
-from prorag.config import cfg_field
+from prorag.config import ConfigError, cfg_field
 from prorag.grpc_server import ServerSpec, start_server
 from prorag.pb import policy_pb2_grpc
 from prorag.service import ServeConfig, Started
@@ -18,8 +18,9 @@ SERVICE = "prorag.v1.Policy"
 class PolicyConfig:
     """Which model the policy serves, on which engine, and the limits it enforces on callers."""
 
-    model: str = cfg_field("", help="HF model dir (Qwen3-8B on GPU hosts); '' = the embedded model of `world`")
-    world: str = cfg_field("default", help="embedded world whose model is served when model is ''")
+    model: str = cfg_field("", help="required: a Hugging Face model directory (Qwen3-8B on GPU hosts) or a published "
+                                     "model name[@version] of `world`'s registry (data/models/<world>)")
+    world: str = cfg_field("default", help="world whose model registry and adapter root are used")
     engine: str = cfg_field("transformers", help="generation engine", choices=("transformers", "vllm"))
     device: str = cfg_field("cpu", help="transformers engine device (cpu, cuda, cuda:1)")
     dtype: str = cfg_field("float32", help="weights dtype", choices=("float32", "bfloat16", "float16", "auto"))
@@ -52,11 +53,14 @@ class PolicyConfig:
                 raise ConfigError(low, f"{getattr(self, low)} exceeds {high} ({getattr(self, high)})")
 
     def resolved_model(self) -> Path:
-        if self.model:
-            return Path(self.model)
-        from prorag_app.embedded import ensure_policy_model
+        """The model directory; the server refuses to start without one (it never builds a model itself)."""
+        if not self.model:
+            raise ConfigError("model", "the policy serves a model it is given: set model to a Hugging Face model "
+                                       "directory or a published name[@version] (`prorag up` builds the embedded "
+                                       "base and passes it)")
+        from prorag.registry import registry
 
-        return ensure_policy_model(self.world)
+        return registry("model", self.world).resolve(self.model)
 
     def resolved_adapter_root(self) -> Path:
         return Path(self.adapter_root) if self.adapter_root else paths.data_dir() / "adapters" / self.world
@@ -76,7 +80,7 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
     import asyncio
 
     from services.policy.manager import AdapterManager
-    from prorag.modeling import model_sha256
+    from prorag.registry import weights_sha256
     from services.policy.openai_http import make_app
     from services.policy.scheduler import GenerationScheduler
     from services.policy.servicer import PolicyServicer, retriever_search_factory
@@ -85,7 +89,7 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
     cfg = cfg or PolicyConfig()
     model_path = cfg.resolved_model()
     engine = engine or build_engine(cfg, model_path)
-    model_info = {"model_id": str(model_path), "sha256": model_sha256(model_path)}
+    model_info = {"model_id": str(model_path), "sha256": weights_sha256(model_path)}
     root = cfg.resolved_adapter_root()
     root.mkdir(parents=True, exist_ok=True)
     manager = AdapterManager(engine, root, str(model_path), model_info["sha256"])

@@ -10,8 +10,10 @@ import grpc
 
 from prorag.errors import InvalidArgument, NotFound, Unavailable
 from prorag.pb import common_pb2, policy_pb2, policy_pb2_grpc
-from prorag.trajectory import STOP_TAGS, RetrievedDoc
-from services.policy.adapters import AdapterRef
+from prorag.data.loaders import Document
+from prorag.pbconv import scored_document_pb, token_trace_pb
+from prorag.trajectory import STOP_TAGS
+from prorag.registry import ArtifactRef
 from prorag.engine import SamplingSpec, derive_seed
 from prorag.rollout import TrajectoryResult, decode, run_rollouts
 
@@ -25,19 +27,17 @@ def _deadline(context) -> float | None:
 
 
 def step_pb(step) -> common_pb2.Step:
-    docs = [common_pb2.ScoredDocument(document=common_pb2.Document(id=d.id, title=d.title, text=d.text),
-                                      score=d.score, rank=i) for i, d in enumerate(step.docs or [])]
     return common_pb2.Step(kind=STEP_KIND.get(step.kind, common_pb2.STEP_KIND_INVALID), thought=step.thought,
-                           content=step.content, retrieved=docs, text=step.text)
+                           content=step.content, retrieved=[scored_document_pb(d) for d in step.docs or []],
+                           text=step.text)
 
 
 def trajectory_pb(t: TrajectoryResult, adapter_version: str) -> policy_pb2.Trajectory:
     return policy_pb2.Trajectory(
         question_id=t.question_id, sample_index=t.sample_index, question=t.question,
         steps=[step_pb(s) for s in t.steps], answer=t.answer or "", format_valid=t.format_valid,
-        finish_reason=t.finish_reason, prompt_length=t.prompt_length, adapter_version=adapter_version,
-        text=t.text, trace=common_pb2.TokenTrace(token_ids=t.token_ids, generated_mask=t.generated_mask,
-                                                 logprobs=t.logprobs))
+        finish_reason=t.finish_reason, prompt_length=t.tokens.prompt_length, adapter_version=adapter_version,
+        text=t.text, trace=token_trace_pb(t.tokens))
 
 
 class PolicyServicer(policy_pb2_grpc.PolicyServicer):
@@ -162,7 +162,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
                 if item is None:
                     break
                 sent += 1
-                tokens += item.generated_tokens
+                tokens += item.tokens.generated_tokens
                 yield policy_pb2.RolloutEvent(trajectory=trajectory_pb(item, version))
             await fut  # re-raises a failure of the rollout (mapped by the interceptor)
         yield policy_pb2.RolloutEvent(summary=policy_pb2.RolloutSummary(
@@ -170,7 +170,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
             adapter_version=version))
 
     async def LoadAdapter(self, request, context):
-        ref = AdapterRef.of(request.ref.name, request.ref.version)
+        ref = ArtifactRef.of(request.ref.name, request.ref.version)
         await self.manager.load(ref, request.path)
         return self._status(ref.key)
 
@@ -178,12 +178,12 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         if not request.ref.name:
             await self.manager.activate(None)
             return policy_pb2.AdapterStatus(active=True)
-        ref = AdapterRef.of(request.ref.name, request.ref.version)
+        ref = ArtifactRef.of(request.ref.name, request.ref.version)
         await self.manager.activate(ref)
         return self._status(ref.key)
 
     async def UnloadAdapter(self, request, context):
-        ref = AdapterRef.of(request.ref.name, request.ref.version)
+        ref = ArtifactRef.of(request.ref.name, request.ref.version)
         await self.manager.unload(ref)
         return policy_pb2.AdapterStatus(ref=common_pb2.AdapterRef(name=ref.name, version=ref.version), loaded=False)
 
@@ -235,17 +235,16 @@ def retriever_search_factory(target: str, timeout: float):
         known[index] = time.monotonic()
 
     def factory(index: str, deadline: float | None):
-        def search(queries: list[str], topk: int) -> list[list[RetrievedDoc]]:
+        def search(queries: list[str], topk: int) -> list[list[Document]]:
             remaining = timeout if deadline is None else max(0.1, deadline - time.monotonic())
             try:
-                found = client.search(queries, topk=topk, index=index, timeout=min(timeout, remaining))
+                return client.search(queries, topk=topk, index=index, timeout=min(timeout, remaining))
             except grpc.RpcError as e:
                 code = e.code()
                 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
                     err = InvalidArgument if code == grpc.StatusCode.INVALID_ARGUMENT else NotFound
                     raise err(f"retriever: {e.details()}") from None
                 raise Unavailable(f"retriever at {target} failed ({code.name}): {e.details()}") from None
-            return [[RetrievedDoc(title=d.title, text=d.text, id=d.id, score=d.score) for d in docs] for docs in found]
 
         return search
 

@@ -2,7 +2,8 @@
 
 Every retriever answers a batch of queries with scored rows (higher = better); the
 :class:`RetrievalEngine` validates requests, picks the index by name and hydrates rows
-into documents from the shared :class:`~services.retriever.indexing.DocStore`. It holds
+into documents (:class:`prorag.data.loaders.Document`, with score and rank) from the shared
+:class:`~services.retriever.indexing.DocStore`. Row indexes stay inside the engine. It holds
 no transport code: the gRPC and HTTP front ends call it.
 """
 
@@ -24,34 +25,12 @@ from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
 from .encoders import Encoder, EncoderConfig
 from .indexing import BM25Config, DocStore, build_all, make_bm25_tokenizer, read_meta, resolve_use_gpu
 
-__all__ = ["ScoredDoc", "StoredDoc", "Retriever", "DenseRetriever", "BM25Retriever", "HybridRetriever",
+__all__ = ["Retriever", "DenseRetriever", "BM25Retriever", "HybridRetriever",
            "PyseriniBM25Retriever", "RetrievalEngine", "build_all"]
 
 log = logging.getLogger(__name__)
 
 Hits = list[list[tuple[int, float]]]  # per query: (row index, score), best first
-
-
-@dataclasses.dataclass(frozen=True)
-class StoredDoc:
-    doc_index: int  # row in the doc store (-1 when the store does not hold it)
-    doc_id: str
-    title: str
-    text: str
-    contents: str
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class ScoredDoc(StoredDoc):
-    score: float = 0.0  # higher = better, on the retriever's own scale
-    rank: int = 0  # 1-based
-
-
-def _stored(idx: int, d: Document) -> StoredDoc:
-    return StoredDoc(idx, d.id, d.title, d.text, d.contents)
 
 
 class Retriever(abc.ABC):
@@ -70,13 +49,10 @@ class Retriever(abc.ABC):
     def search_raw(self, queries: list[str], k: int) -> Hits:
         """[Q queries] -> [Q][<=k] (doc index, score), best first."""
 
-    def search(self, queries: list[str], topk: int) -> list[list[ScoredDoc]]:
-        return [[self._hydrate(i, s, r) for r, (i, s) in enumerate(hits, 1)]
+    def search(self, queries: list[str], topk: int) -> list[list[Document]]:
+        """[Q queries] -> [Q][<=topk] documents, best first, with score and 1-based rank."""
+        return [[dataclasses.replace(self.docstore.get(i), score=float(s), rank=r) for r, (i, s) in enumerate(hits, 1)]
                 for hits in self.search_raw(queries, topk)]
-
-    def _hydrate(self, idx: int, score: float, rank: int) -> ScoredDoc:
-        d = self.docstore.get(idx)
-        return ScoredDoc(idx, d.id, d.title, d.text, d.contents, float(score), rank)
 
     def info(self) -> dict:
         return {"kind": self.kind, "num_documents": self.num_documents, "encoder": "", "faiss_type": "", "extra": {}}
@@ -293,19 +269,17 @@ class PyseriniBM25Retriever(Retriever):
         except NotFound as e:
             raise FailedPrecondition(f"Lucene index {self.path} and the doc store disagree: {e}") from None
 
-    def search(self, queries: list[str], topk: int) -> list[list[ScoredDoc]]:
+    def search(self, queries: list[str], topk: int) -> list[list[Document]]:
         if self.docstore is not None:
             return super().search(queries, topk)
         import json
-
-        from .indexing import row_to_doc
 
         out = []
         for hits in self._lucene(queries, topk):
             docs = []
             for rank, h in enumerate(hits, 1):
-                d = row_to_doc(json.loads(self.searcher.doc(h.docid).raw()), f"{self.path}:{h.docid}")
-                docs.append(ScoredDoc(-1, d.id, d.title, d.text, d.contents, float(h.score), rank))
+                d = Document.from_row(json.loads(self.searcher.doc(h.docid).raw()), f"{self.path}:{h.docid}")
+                docs.append(dataclasses.replace(d, score=float(h.score), rank=rank))
             out.append(docs)
         return out
 
@@ -354,7 +328,7 @@ class RetrievalEngine:
         return name
 
     def search(self, queries: list[str], topk: int, index_name: str = "", *,
-               enforce_max_batch: bool = True) -> list[list[ScoredDoc]]:
+               enforce_max_batch: bool = True) -> list[list[Document]]:
         """Top ``topk`` documents per query, best first, in request order (fewer when the corpus is smaller).
 
         ``enforce_max_batch=False`` is for a batcher that merged several already validated
@@ -366,7 +340,7 @@ class RetrievalEngine:
     def list_indexes(self) -> list[dict]:
         return [{"name": name, **r.info(), "is_default": name == self.default} for name, r in self.indexes.items()]
 
-    def get_documents(self, ids: list[str]) -> list[StoredDoc]:
+    def get_documents(self, ids: list[str]) -> list[Document]:
         """Documents by id, in the order asked; NotFound names every unknown id (up to 10)."""
         if isinstance(ids, (str, bytes)):
             raise InvalidArgument("ids must be a list of document ids, not a single string")
@@ -381,7 +355,7 @@ class RetrievalEngine:
         if missing:
             shown = ", ".join(repr(m) for m in missing[:10]) + (" ..." if len(missing) > 10 else "")
             raise NotFound(f"{len(missing)} unknown document id(s): {shown}")
-        return [_stored(r, self.docstore.get(r)) for r in rows]
+        return [self.docstore.get(r) for r in rows]
 
     def close(self) -> None:
         self.docstore.close()

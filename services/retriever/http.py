@@ -58,7 +58,7 @@ def make_app(frontend: SearchFrontend, default_topk: int = 3, max_body_mb: int =
             log.exception("retrieve failed")
             return _error(500, f"internal error ({type(e).__name__}): {e}")
         return web.json_response({"result": [
-            [{"document": {"id": d.doc_id, "contents": d.contents}, "score": float(d.score)} for d in docs]
+            [{"document": {"id": d.id, "contents": d.contents}, "score": float(d.score)} for d in docs]
             for docs in results]})
 
     async def health(request: web.Request) -> web.Response:

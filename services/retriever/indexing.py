@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 
 from prorag.config import cfg_field, to_dict
-from prorag.data.loaders import Document, format_contents, parse_contents
+from prorag.data.loaders import Document
 from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
 from prorag.io import atomic_dir, atomic_path, write_json
 
@@ -125,29 +125,12 @@ def scan_corpus(corpus_path: str | Path, progress: Progress | None = None) -> Co
     return scan
 
 
-def row_to_doc(row: object, where: str) -> Document:
-    if not isinstance(row, dict):
-        raise InvalidArgument(f"{where}: expected a JSON object, got {type(row).__name__}")
-    did = row.get("id", row.get("_id", row.get("docid")))
-    if did is None:
-        raise InvalidArgument(f"{where}: corpus row has no 'id'")
-    contents = row.get("contents")
-    if isinstance(contents, str):
-        title, text = parse_contents(contents)
-        return Document(id=str(did), title=title, text=text, contents=contents)
-    text = row.get("text")
-    if isinstance(text, str):
-        title = str(row.get("title") or "")
-        return Document(id=str(did), title=title, text=text, contents=format_contents(title, text))
-    raise InvalidArgument(f"{where}: corpus row has neither 'contents' nor 'text'")
-
-
 def _parse_line(raw: bytes, where: str) -> Document:
     try:
         row = json.loads(raw)
     except ValueError as e:
         raise InvalidArgument(f"{where}: not valid JSON ({e})") from None
-    return row_to_doc(row, where)
+    return Document.from_row(row, where)
 
 
 def read_docs(scan: CorpusScan, start: int, stop: int) -> list[Document]:

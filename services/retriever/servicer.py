@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import time
 
-from prorag.pb import common_pb2, retriever_pb2, retriever_pb2_grpc
+from prorag.pb import retriever_pb2, retriever_pb2_grpc
+from prorag.pbconv import document_pb, scored_document_pb
 from services.retriever.frontend import SearchFrontend
 
 
 def _deadline(context) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
-
-
-def scored_doc_pb(d) -> common_pb2.ScoredDocument:
-    return common_pb2.ScoredDocument(
-        document=common_pb2.Document(id=d.doc_id, title=d.title, text=d.text, contents=d.contents),
-        score=float(d.score), rank=int(d.rank))
 
 
 class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
@@ -28,7 +23,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
                                                     deadline=_deadline(context))
         return retriever_pb2.SearchResponse(
             index=index,
-            results=[retriever_pb2.QueryResult(documents=[scored_doc_pb(d) for d in docs]) for docs in results])
+            results=[retriever_pb2.QueryResult(documents=[scored_document_pb(d) for d in docs]) for docs in results])
 
     async def ListIndexes(self, request, context):
         engine = self.frontend.engine
@@ -45,5 +40,4 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
 
     async def GetDocuments(self, request, context):
         docs = self.frontend.engine.get_documents(list(request.ids))
-        return retriever_pb2.GetDocumentsResponse(documents=[
-            common_pb2.Document(id=d.doc_id, title=d.title, text=d.text, contents=d.contents) for d in docs])
+        return retriever_pb2.GetDocumentsResponse(documents=[document_pb(d) for d in docs])

@@ -32,7 +32,8 @@ from prorag.config import to_dict
 from prorag.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from prorag.io import atomic_dir, write_json
 from prorag.runs import code_version
-from services.trainer.stages import (JobContext, Stage, get_stage, resolve_inputs, sha256_tree, validate_config)
+from prorag.training.context import JobContext, sha256_tree
+from services.trainer.stages import Stage, get_stage, resolve_inputs, validate_config
 from services.trainer.tracking import Tracker
 
 log = logging.getLogger("prorag.trainer.jobs")
@@ -365,6 +366,8 @@ class JobManager:
         rec["traceback"] = tb
         if metrics:
             rec["metrics"].update({k: float(v) for k, v in metrics.items() if _is_number(v)})
+            # a stage names what it published (registry references) with string values
+            rec.setdefault("outputs", {}).update({k: v for k, v in metrics.items() if isinstance(v, str)})
         rec["finished_at"] = finished_at or now_iso()
         self._event(rec, message=message, metrics=rec["metrics"] if state == SUCCEEDED else None,
                     artifacts=rec["artifacts"] if state == SUCCEEDED else None)

@@ -33,7 +33,7 @@ def job_to_pb(rec: dict) -> trainer_pb2.Job:
         job_id=rec["job_id"], stage=rec["stage"], state=STATE_TO_PB[rec["state"]], config_json=rec["config_json"],
         run_dir=rec["run_dir"], step=rec["step"], total_steps=rec["total_steps"], error=rec["error"],
         artifacts=_artifacts(rec["run_dir"], rec["artifacts"]), created_at=rec["created_at"],
-        updated_at=rec["updated_at"], metrics=rec["metrics"])
+        updated_at=rec["updated_at"], metrics=rec["metrics"], outputs=rec.get("outputs", {}))
 
 
 def event_to_pb(ev: dict, run_dir: str) -> trainer_pb2.JobEvent:

@@ -5,24 +5,26 @@ live retriever service. Loss: ProRAG's format-aware per-token cross-entropy weig
 tokens only (prompt, retrieved documents and glue are masked). Full fine-tuning, as the paper does
 for SFT (RL later trains LoRA adapters on top of this model).
 
-Written as a plain torch loop rather than TRL's SFTTrainer because the loss needs per-token
-weights (TRL offers completion-only masks, not weights) and the job machinery needs exact
-resume: batch order from (seed, epoch) only, checkpoints through the JobContext.
+Trained by the house loop (prorag.training.loop) rather than TRL's SFTTrainer because the loss
+needs per-token weights (TRL offers completion-only masks, not weights) and the job machinery
+needs exact resume: batch order from (seed, epoch) only, checkpoints through the JobContext.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from prorag import paths
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
-from prorag.algorithms.losses import weighted_lm_loss
+from prorag.methods import DOCS_PER_SEARCH, KINDS
 from prorag.sft_data import length_grouped_batches
-from services.trainer.stages import JobContext, register_stage
+from prorag.training.context import JobContext
+from prorag.training.lm import weighted_lm_loss
+from prorag.training.loop import LoopConfig, run_loop
+from services.trainer.stages import register_stage
 
 
 @dataclass
@@ -30,14 +32,15 @@ class SFTConfig:
     """Supervised warm-up of the policy (mode agent) or of a baseline (no_retrieval, standard_rag)."""
 
     mode: str = cfg_field("agent", help="agent = ProRAG step format; no_retrieval / standard_rag = baselines",
-                          choices=("agent", "no_retrieval", "standard_rag"))
+                          choices=KINDS)
     world: str = cfg_field("default", help="embedded world whose train split is used")
     questions: str = cfg_field("", help="FlashRAG-style train jsonl with decompositions ('' = the world's train split)")
     max_questions: int = cfg_field(0, help="use at most this many training questions (0 = all)", min=0)
-    base_model: str = cfg_field("", help="HF model dir to fine-tune ('' = the world's embedded base model)")
+    base_model: str = cfg_field("", help="required: the Hugging Face model directory to fine-tune (the stage never "
+                                          "builds one; `prorag run` passes the embedded base)")
     retriever: str = cfg_field("127.0.0.1:50051", help="retriever service used to build the documents")
     retriever_index: str = cfg_field("", help="retriever index ('' = its default)")
-    topk: int = cfg_field(3, help="documents per subquery (ProRAG: 3)", min=1, max=20)
+    topk: int = cfg_field(DOCS_PER_SEARCH, help="documents per subquery (ProRAG: 3)", min=1, max=20)
     thoughts: str = cfg_field("template", help="template = offline thoughts; openai = rewritten by an LLM",
                               choices=("template", "openai"))
     openai_base_url: str = cfg_field("", help="OpenAI-compatible endpoint for thoughts='openai'")
@@ -60,6 +63,8 @@ class SFTConfig:
     epochs: float = cfg_field(1.0, help="passes over the data (fractional allowed)", min=0.01, max=100)
     max_steps: int = cfg_field(0, help="optimizer steps; overrides epochs when > 0", min=0)
     batch_size: int = cfg_field(16, help="sequences per optimizer step", min=1, max=4096)
+    grad_accum: int = cfg_field(1, help="micro-batches per optimizer step, batch_size split evenly among them "
+                                        "(less memory per forward pass, same step)", min=1, max=4096)
     lr: float = cfg_field(1e-3, help="peak learning rate (linear warm-up, cosine decay)", min=0.0, max=1.0)
     warmup_ratio: float = cfg_field(0.05, help="fraction of steps warming up", min=0.0, max=0.5)
     weight_decay: float = cfg_field(0.01, help="AdamW weight decay", min=0.0, max=1.0)
@@ -72,15 +77,25 @@ class SFTConfig:
     threads: int = cfg_field(0, help="torch threads (0 = leave as is)", min=0, max=256)
     tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
 
+    def validate(self) -> None:
+        from prorag.config import ConfigError
+
+        if not self.base_model:
+            raise ConfigError("base_model", "required: the model directory to fine-tune")
+        if not Path(self.base_model).is_dir():
+            raise ConfigError("base_model", f"{self.base_model} is not a directory")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError("grad_accum", f"must divide batch_size ({self.batch_size}), got {self.grad_accum}")
+
 
 # ---------------------------------------------------------------- data
 def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]:
-    """Encoded samples for cfg.mode, documents fetched from the retriever service."""
+    """Encoded samples (TokenTrajectory, one per question) for cfg.mode; documents come from the retriever."""
     from prorag.clients import RetrieverClient
-    from prorag.data.loaders import load_questions, load_split
+    from prorag.data.loaders import Document, load_questions, load_split
     from prorag.sft_data import (agent_prompt, agent_steps, baseline_prompt, baseline_steps, encode_segments,
                                  template_thought)
-    from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS, RetrievedDoc
+    from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS
 
     qs = load_questions(cfg.questions) if cfg.questions else load_split(paths.world_dir(cfg.world), "train")
     if cfg.max_questions:
@@ -95,13 +110,12 @@ def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]
     weights = FORMAT_LOSS_WEIGHTS if cfg.loss_weights == "prorag" else {}
     client = RetrieverClient(cfg.retriever, timeout=300)
 
-    def search(queries: list[str]) -> dict[str, list[RetrievedDoc]]:
+    def search(queries: list[str]) -> dict[str, list[Document]]:
         out = {}
         uniq = sorted(set(queries))
         for i in range(0, len(uniq), 256):
             chunk = uniq[i:i + 256]
-            for q, docs in zip(chunk, client.search(chunk, topk=cfg.topk, index=cfg.retriever_index)):
-                out[q] = [RetrievedDoc(title=d.title, text=d.text, id=d.id, score=d.score) for d in docs]
+            out.update(zip(chunk, client.search(chunk, topk=cfg.topk, index=cfg.retriever_index)))
             if progress:
                 progress(min(i + 256, len(uniq)), len(uniq))
         return out
@@ -117,8 +131,7 @@ def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]
                        for s in subs}
             phrasing = written.__getitem__
             retrieved = search(list(written.values()))
-            gold = {d.id: RetrievedDoc(title=d.title, text=d.text, id=d.id)
-                    for d in client.get_documents(sorted({s.doc_id for s in subs}))}
+            gold = {d.id: d for d in client.get_documents(sorted({s.doc_id for s in subs}))}
             for q in qs:
                 if not any(s.doc_id for s in q.decomposition):
                     stats["dropped_no_decomposition"] += 1
@@ -139,7 +152,7 @@ def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]
     stats["dropped_too_long"] = len(samples) - len(kept)
     stats["samples"] = len(kept)
     stats["tokens"] = sum(len(s.token_ids) for s in kept)
-    stats["trained_tokens"] = sum(sum(s.loss_mask) for s in kept)
+    stats["trained_tokens"] = sum(s.generated_tokens for s in kept)
     if not kept:
         raise FailedPrecondition("no training samples: every sequence was longer than max_len or had no decomposition")
     return kept, stats
@@ -160,7 +173,7 @@ def collate(samples, pad_id: int):
         ids[i, :n] = torch.tensor(s.token_ids)
         attn[i, :n] = 1
         lab = torch.tensor(s.token_ids)
-        lab[torch.tensor(s.loss_mask) == 0] = -100
+        lab[torch.tensor(s.generated_mask) == 0] = -100
         labels[i, :n] = lab
         w[i, :n] = torch.tensor(s.weights)
     return ids, attn, labels, w
@@ -170,103 +183,73 @@ def collate(samples, pad_id: int):
 def run_sft(ctx: JobContext) -> dict:
     import torch
 
-    from prorag_app.embedded import ensure_policy_model
-    from prorag.models import publish_model
+    from prorag.registry import ArtifactRef, registry, weights_sha256
     from prorag.modeling import load_policy, save_pretrained
+    from prorag.tokens import TokenTrajectory
 
     cfg: SFTConfig = ctx.config
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    base = Path(cfg.base_model) if cfg.base_model else ensure_policy_model(cfg.world)
+    base = Path(cfg.base_model)
     ctx.seed_everything(cfg.seed)
     model, tokenizer = load_policy(base, device="cpu", dtype="float32")
 
-    # Data is built once and kept with the checkpoints, so a resumed job trains on identical samples.
+    # Data is built once and kept with the checkpoints, so a resumed job trains on identical samples. Saved as
+    # plain lists and loaded with weights_only: nothing in the job store is unpickled into code.
     data_path = ctx.checkpoint_dir / "sft_data.pt"
     if data_path.exists():
-        blob = torch.load(data_path, weights_only=False)
-        samples, stats = blob["samples"], blob["stats"]
+        blob = torch.load(data_path, weights_only=True)
+        samples, stats = [TokenTrajectory.from_dict(d) for d in blob["samples"]], blob["stats"]
     else:
         ctx.emit(0, 1, message=f"building {cfg.mode} training data through the retriever at {cfg.retriever}")
         samples, stats = build_samples(cfg, tokenizer)
         from prorag.io import atomic_path
 
         with atomic_path(data_path) as tmp:
-            torch.save({"samples": samples, "stats": stats}, tmp)
+            torch.save({"samples": [s.to_dict() for s in samples], "stats": stats}, tmp)
     ctx.emit(0, 1, message=f"data: {stats}")
 
-    per_epoch = math.ceil(len(samples) / cfg.batch_size)
-    total = cfg.max_steps or max(1, int(round(per_epoch * cfg.epochs)))
-    warmup = int(total * cfg.warmup_ratio)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / max(1, warmup)
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    start = 0
-    state = ctx.load_checkpoint()
-    if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        start = int(state["step"])
-
+    # batch_size sequences per optimizer step, as grad_accum length-grouped micro-batches
+    micro = cfg.batch_size // cfg.grad_accum
+    per_epoch = math.ceil(len(samples) / micro)
+    total = cfg.max_steps or max(1, int(round(per_epoch * cfg.epochs / cfg.grad_accum)))
     orders: dict[int, list[list[int]]] = {}
     lengths = [len(s.token_ids) for s in samples]
 
-    def batch_at(step: int):
+    def batch_at(i: int):
         # the order is a function of (seed, epoch) only, so a resumed job sees the same batches
-        epoch, i = divmod(step, per_epoch)
+        epoch, j = divmod(i, per_epoch)
         if epoch not in orders:
             orders.clear()
-            orders[epoch] = length_grouped_batches(lengths, cfg.batch_size, cfg.seed * 1_000_003 + epoch)
-        return collate([samples[j] for j in orders[epoch][i]], tokenizer.pad_token_id)
+            orders[epoch] = length_grouped_batches(lengths, micro, cfg.seed * 1_000_003 + epoch)
+        return collate([samples[k] for k in orders[epoch][j]], tokenizer.pad_token_id)
 
-    def snapshot(done: int) -> dict:
-        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "step": done}
+    def loss_fn(m, batch):
+        ids, attn, labels, w = batch
+        return weighted_lm_loss(m, ids, attn, labels, w)[0], int(attn.sum())  # throughput over every real token
 
-    t_last, tok_since, loss_v = time.monotonic(), 0, float("nan")
-    for step in range(start, total):
-        if ctx.should_stop():
-            if not ctx.cancelled():
-                ctx.save_checkpoint(snapshot(step))
-            return {}
-        ids, attn, labels, w = batch_at(step)
-        loss, n_tok = weighted_lm_loss(model, ids, attn, labels, w)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        sched.step()
-        loss_v = float(loss.detach())
-        tok_since += int(attn.sum())
-        done = step + 1
-        if done % cfg.log_every == 0 or done == total:
-            now = time.monotonic()
-            rate = tok_since / max(now - t_last, 1e-9)
-            t_last, tok_since = now, 0
-            ctx.emit(done, total, loss=loss_v, tokens_per_s=rate, metrics={"lr": sched.get_last_lr()[0]})
-        if done % cfg.checkpoint_every == 0 and done < total:
-            ctx.save_checkpoint(snapshot(done))
-
-    model.eval()
+    loop = LoopConfig(steps=total, optimizer="adamw", lr=cfg.lr, beta1=0.9, beta2=0.95, weight_decay=cfg.weight_decay,
+                      schedule="warmup_cosine", warmup_steps=int(total * cfg.warmup_ratio), grad_clip=cfg.grad_clip,
+                      grad_accum=cfg.grad_accum, checkpoint_every=cfg.checkpoint_every, log_every=cfg.log_every)
+    result = run_loop(ctx, model, batch_at, loss_fn, loop)
+    if not result.completed:
+        return {}
+    loss_v = result.loss
     with ctx.artifact_dir("model") as tmp:
         save_pretrained(model, tokenizer, tmp / "m")
         for f in (tmp / "m").iterdir():
             f.rename(tmp / f.name)
         (tmp / "m").rmdir()
     name = cfg.publish_name or ("sft" if cfg.mode == "agent" else cfg.mode)
-    published = publish_model(ctx.run_dir / "model", cfg.world, name, ctx.job_id, base_model=str(base),
-                              extra={"stage": "sft", "mode": cfg.mode, "job_id": ctx.job_id, "topk": cfg.topk})
+    models = registry("model", cfg.world)
+    ref = ArtifactRef.of(name, ctx.job_id)
+    models.publish(ctx.run_dir / "model", ref, base_model=str(base), base_model_sha256=weights_sha256(base),
+                   config={"stage": "sft", "job_id": ctx.job_id, **ctx.config_dict}, metrics={"final_loss": loss_v},
+                   step=total)
+    published = models.path(ref)
     ctx.emit(total, total, message=f"published {name}@{ctx.job_id} at {published}")
-    return {"final_loss": loss_v, "steps": total, **{f"data_{k}": float(v) for k, v in stats.items()}}
+    return {"final_loss": loss_v, "steps": total, "model": ref.key,
+            **{f"data_{k}": float(v) for k, v in stats.items()}}
 
 
 register_stage("sft", SFTConfig, run_sft,

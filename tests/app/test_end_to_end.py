@@ -54,8 +54,10 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     for name, job in on_disk["jobs"].items():
         manifest = json.loads((tmp_path / "runs" / "jobs" / job["job_id"] / "run" / "manifest.json").read_text())
         assert manifest["stage"] == "sft"
-        published = tmp_path / "data" / "models" / "tiny" / name / job["job_id"] / "published.json"
-        assert json.loads(published.read_text())["topk"] == 3  # the tiny profile trains with the default depth
+        published = tmp_path / "data" / "models" / "tiny" / name / job["job_id"] / "manifest.json"
+        recorded = json.loads(published.read_text())
+        assert recorded["kind"] == "model" and recorded["config"]["topk"] == 3  # the tiny profile's default depth
+        assert len(recorded["sha256"]) == 64 and len(recorded["base_model_sha256"]) == 64
     assert results["timings"]["train_sft_s"] > 0
 
     # a second run reuses the finished jobs instead of training again

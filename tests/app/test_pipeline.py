@@ -24,6 +24,7 @@ def test_job_id_follows_config_and_base_weights_not_retriever_address(tmp_path):
 
 def test_every_profile_is_a_valid_sft_and_warmup_config_and_variants_keep_their_own_base():
     from prorag.config import from_dict
+    from prorag.methods import METHODS
     from prorag_app.embedded import policy_base_dir
     from prorag_app.pipeline import PROFILES
     from prorag.modeling import PRESETS, WarmupConfig
@@ -31,8 +32,10 @@ def test_every_profile_is_a_valid_sft_and_warmup_config_and_variants_keep_their_
 
     for name, prof in PROFILES.items():
         assert prof.model_preset in PRESETS, name
-        for method in prof.methods:  # raises on unknown keys
-            cfg = from_dict(SFTConfig, {"mode": "agent", "world": prof.world, **prof.sft_for(method)})
+        for method in prof.methods:
+            settings = prof.sft_for(method)
+            assert settings["mode"] == METHODS[method].kind  # each method trains on its own kind of data
+            cfg = from_dict(SFTConfig, {"world": prof.world, "base_model": str(Path.cwd()), **settings})
             assert cfg.max_steps > 0, (name, method)
         if prof.base_warmup is not None:
             from_dict(WarmupConfig, prof.base_warmup)
@@ -40,17 +43,41 @@ def test_every_profile_is_a_valid_sft_and_warmup_config_and_variants_keep_their_
             assert prof.base_variant and policy_base_dir(prof.world, prof.base_variant) != policy_base_dir(prof.world)
 
 
-def test_a_method_trains_and_is_evaluated_with_its_own_settings_and_the_others_keep_the_shared_ones():
+def test_profiles_are_checked_when_they_are_defined():
+    import pytest
+
+    from prorag.config import ConfigError
+    from prorag.errors import InvalidArgument
+    from prorag_app.pipeline import Profile
+
+    with pytest.raises(ConfigError, match="sft.lerning_rate"):
+        Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={"lerning_rate": 1e-3})
+    with pytest.raises(ConfigError, match="method_sft.sft.topk"):
+        Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={}, method_sft={"sft": {"topk": 0}})
+    with pytest.raises(InvalidArgument, match="unknown method"):
+        Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={}, methods=("sft", "rlhf"))
+    with pytest.raises(ConfigError, match="base_warmup.copy_stepz"):
+        Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={}, base_warmup={"copy_stepz": 1})
+
+
+def test_a_method_trains_with_its_own_settings_and_is_evaluated_as_its_published_model_says(tmp_path, monkeypatch):
+    from prorag.registry import ArtifactRef, Registry
     from prorag_app.pipeline import Profile, eval_options
 
     prof = Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={"max_steps": 24, "topk": 3},
-                   method_sft={"sft": {"topk": 1}}, max_steps=9)
-    assert prof.sft_for("sft") == {"max_steps": 24, "topk": 1}
-    assert prof.sft_for("standard_rag") == {"max_steps": 24, "topk": 3}
-    assert eval_options("sft", prof) == {"topk": 1, "max_steps": 9}
-    assert eval_options("standard_rag", prof) == {"topk": 3}
-    # without a topk anywhere, evaluation uses the one SFT trained with by default
-    from services.trainer.stage_sft import SFTConfig
+                   method_sft={"sft": {"topk": 1}})
+    assert prof.sft_for("sft") == {"mode": "agent", "max_steps": 24, "topk": 1}
+    assert prof.sft_for("standard_rag") == {"mode": "standard_rag", "max_steps": 24, "topk": 3}
+    models = Registry(tmp_path / "models", "model")
+    for name, topk in (("sft", 1), ("standard_rag", 3)):
+        src = tmp_path / "src" / name
+        src.mkdir(parents=True)
+        (src / "model.safetensors").write_bytes(name.encode())
+        (src / "config.json").write_text("{}")
+        models.publish(src, ArtifactRef(name, "job"), config={"topk": topk})
+    assert eval_options("sft", str(models.resolve("sft@job"))) == {"topk": 1, "max_steps": 13}
+    assert eval_options("standard_rag", str(models.resolve("standard_rag@job"))) == {"topk": 3}
+    import pytest
 
-    bare = Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={})
-    assert eval_options("no_retrieval", bare) == {"topk": SFTConfig.topk}
+    with pytest.raises(SystemExit, match="documents per search"):
+        eval_options("sft", str(tmp_path / "src" / "sft"))  # never published: nothing says how it was trained

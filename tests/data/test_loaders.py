@@ -12,6 +12,7 @@ from prorag.config import from_dict
 from prorag.data.loaders import (Document, Question, SubStep, format_contents, iter_corpus, load_corpus,
                                  load_questions, load_split, parse_contents)
 from prorag.data.world import SPLITS, WorldConfig, build_world
+from prorag.errors import InvalidArgument
 
 
 def write_rows(path, rows):
@@ -69,6 +70,14 @@ def test_load_corpus_gzip_and_errors(tmp_path):
     bad.write_text('{"id": "1", "contents": \n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:1: not valid JSON"):
         load_corpus(bad)
+
+
+def test_document_from_row_is_the_one_row_reader():
+    # the retriever's doc store reads its rows here too, so a bad row is INVALID_ARGUMENT to its callers
+    assert Document.from_row({"docid": 3, "contents": "just text"}) == Document("3", "", "just text", "just text")
+    for row, msg in (([1], "expected a JSON object"), ({"contents": "x"}, "no 'id'"), ({"id": "1"}, "neither")):
+        with pytest.raises(InvalidArgument, match=rf"c\.jsonl:4: .*{msg}"):
+            Document.from_row(row, "c.jsonl:4")
 
 
 # ----------------------------------------------------------------------------- questions in each dataset's shape

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prorag.training import checkpoint
-from services.trainer.stages import JobContext
+from prorag.training.context import JobContext
 
 
 def _draws():

@@ -60,18 +60,18 @@ def make_lora(model_dir, out, seed: int, rank: int = 4):
 
 @pytest.fixture(scope="module")
 def adapters(home, model_dir, tmp_path_factory):
-    from services.policy.adapters import AdapterRef, publish
-    from prorag.modeling import model_sha256
+    from prorag.registry import ArtifactRef, Registry, weights_sha256
 
     root = home / "data" / "adapters" / "tiny"
-    sha = model_sha256(model_dir)
+    registry = Registry(root, "adapter")
+    sha = weights_sha256(model_dir)
     src = tmp_path_factory.mktemp("lora")
     for i, version in enumerate(("v1", "v2")):
         make_lora(model_dir, src / version, seed=i + 1)
-        publish(src / version, root, AdapterRef("pol", version), base_model=str(model_dir), base_model_sha256=sha)
+        registry.publish(src / version, ArtifactRef("pol", version), base_model=str(model_dir), base_model_sha256=sha)
     # an adapter built for another base model
     make_lora(model_dir, src / "other", seed=9)
-    publish(src / "other", root, AdapterRef("other", "v1"), base_model="elsewhere", base_model_sha256="0" * 64)
+    registry.publish(src / "other", ArtifactRef("other", "v1"), base_model="elsewhere", base_model_sha256="0" * 64)
     return root
 
 
@@ -121,6 +121,13 @@ def test_rollout_with_untrained_model_ends_cleanly_and_streams(stack):
         assert len(t.trace.generated_mask) == n and len(t.trace.logprobs) == n
         assert not any(t.trace.generated_mask[:t.prompt_length])
         assert len(t.steps) <= 4
+        # one span per step, tiling the sequence after the prompt: generated tokens, then inserted ones
+        spans = t.trace.step_spans
+        assert len(spans) == len(t.steps) >= 1 and spans[-1].end == n
+        assert [s.start for s in spans] == [t.prompt_length] + [s.end for s in spans[:-1]]
+        for s in spans:
+            assert list(t.trace.generated_mask[s.start:s.end]) == \
+                [1] * (s.generated_end - s.start) + [0] * (s.end - s.generated_end)
 
 
 def test_adapters_load_activate_list_swap_and_version(stack):
@@ -217,7 +224,7 @@ def test_bad_input_gets_clear_status_and_service_keeps_serving(stack, call, code
 
 
 def test_corrupt_adapter_is_refused_and_active_keeps_serving(stack, adapters):
-    from services.policy.adapters import WEIGHTS
+    WEIGHTS = "adapter_model.safetensors"
 
     corrupt = adapters / "pol" / "v3"
     import shutil
@@ -284,3 +291,22 @@ def test_llm_thoughts_fall_back_to_templates_when_the_endpoint_is_down(tmp_path)
     ctx = {"q": "Who founded Kest?", "hop": 0}
     assert writer("search", "q1", ctx) == template_thought("search", "q1", ctx)
     assert writer.fallbacks == 1 and writer.calls == 0 and not (tmp_path / "c.jsonl").exists()
+
+
+def test_the_policy_refuses_to_start_without_a_model_and_resolves_published_names(home, model_dir, loop):
+    """A policy server never builds a model itself: no model is a config error naming the field, an unknown
+    published name is NOT_FOUND, and a published name@version serves that model."""
+    from prorag.config import ConfigError
+    from prorag.errors import NotFound
+    from prorag.registry import ArtifactRef, registry
+    from services.policy.server import PolicyConfig
+    from services.policy.server import start as start_policy
+
+    with pytest.raises(ConfigError, match="model"):
+        loop.run(start_policy(ServeConfig(port=0, http_port=-1), PolicyConfig(world="tiny")))
+    with pytest.raises(NotFound, match="no published versions"):
+        PolicyConfig(world="tiny", model="never-published").resolved_model()
+    with env("PRORAG_DATA", str(home / "data")):
+        registry("model", "tiny").publish(model_dir, ArtifactRef("served", "v1"))
+        cfg = PolicyConfig(world="tiny", model="served@v1")
+        assert cfg.resolved_model() == home / "data" / "models" / "tiny" / "served" / "v1"

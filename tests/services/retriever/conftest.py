@@ -130,12 +130,6 @@ def write_corpus(path: Path, rows: list[dict], blank_lines: bool = True) -> Path
     return path
 
 
-def local_parse_contents(contents: str) -> tuple[str, str]:
-    """Test-side reading of a row, independent of the loader under test."""
-    first, _, rest = contents.partition("\n")
-    return first.strip('"'), rest
-
-
 @pytest.fixture(scope="session")
 def corpus_rows() -> list[dict]:
     return make_rows()

@@ -4,8 +4,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from prorag.data.loaders import Document
 from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.retriever.engine import HybridRetriever, PyseriniBM25Retriever, RetrievalEngine, ScoredDoc
+from services.retriever.engine import HybridRetriever, PyseriniBM25Retriever, RetrievalEngine
 
 from .conftest import codes, paraphrases, topic_ids
 
@@ -14,11 +15,11 @@ GOLD = topic_ids() * 2
 
 
 def recall_at(results, k):
-    return sum(any(d.doc_id == g for d in r[:k]) for r, g in zip(results, GOLD)) / len(GOLD)
+    return sum(any(d.id == g for d in r[:k]) for r, g in zip(results, GOLD)) / len(GOLD)
 
 
 def mrr(results):
-    return sum(next((1 / i for i, d in enumerate(r, 1) if d.doc_id == g), 0.0) for r, g in zip(results, GOLD)) / len(GOLD)
+    return sum(next((1 / i for i, d in enumerate(r, 1) if d.id == g), 0.0) for r, g in zip(results, GOLD)) / len(GOLD)
 
 
 def test_list_indexes(engine):
@@ -44,8 +45,8 @@ def test_results_are_scored_sorted_and_hydrated(engine, name):
         scores = [d.score for d in docs]
         assert scores == sorted(scores, reverse=True) and all(isinstance(s, float) for s in scores)
         for d in docs:
-            stored = engine.docstore.get(d.doc_index)
-            assert (d.doc_id, d.title, d.text, d.contents) == (stored.id, stored.title, stored.text, stored.contents)
+            stored = engine.docstore.get_by_id(d.id)
+            assert (d.id, d.title, d.text, d.contents) == (stored.id, stored.title, stored.text, stored.contents)
             assert d.contents.startswith(f'"{d.title}"\n')  # the Search-R1 contents format
 
 
@@ -84,7 +85,7 @@ def test_validation_errors_are_actionable(engine):
 
 def test_get_documents(engine):
     docs = engine.get_documents(["topic-3", "topic-0"])
-    assert [d.doc_id for d in docs] == ["topic-3", "topic-0"]
+    assert [d.id for d in docs] == ["topic-3", "topic-0"]
     assert docs[1].title == "Velmora Lighthouse" and "fishing boats" in docs[1].text
     assert engine.get_documents([]) == []
     with pytest.raises(NotFound, match="2 unknown document id.*'nope-1', 'nope-2'"):
@@ -94,9 +95,9 @@ def test_get_documents(engine):
 
 
 def test_concurrent_searches_match_sequential(engine):
-    want = [[d.doc_id for d in r] for r in engine.search(MIXED[:8], 5, "hybrid")]
+    want = [[d.id for d in r] for r in engine.search(MIXED[:8], 5, "hybrid")]
     with ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(lambda _: [[d.doc_id for d in r] for r in engine.search(MIXED[:8], 5, "hybrid")], range(4)))
+        got = list(pool.map(lambda _: [[d.id for d in r] for r in engine.search(MIXED[:8], 5, "hybrid")], range(4)))
     assert all(g == want for g in got)
 
 
@@ -111,7 +112,7 @@ def test_from_dir_errors(tmp_path, index_root, encoder):
         RetrievalEngine.from_dir(root)
     e = RetrievalEngine.from_dir(root, default="bm25")
     assert [i["name"] for i in e.list_indexes()] == ["bm25"]
-    assert isinstance(e.search(["QV-2291"], 1)[0][0], ScoredDoc)
+    assert isinstance(e.search(["QV-2291"], 1)[0][0], Document)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pyserini") is not None, reason="pyserini installed")

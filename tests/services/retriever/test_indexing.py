@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 from prorag.config import ConfigError, from_dict
+from prorag.data.loaders import parse_contents
 from prorag.errors import InvalidArgument, NotFound
 from services.retriever.indexing import (BM25Config, DenseIndexConfig, DocStore, build_bm25_index, build_dense_index,
                                          build_docstore, scan_corpus)
 
-from .conftest import SHARD, codes, local_parse_contents, make_rows, paraphrases, topic_ids, write_corpus
+from .conftest import SHARD, codes, make_rows, paraphrases, topic_ids, write_corpus
 
 
 def counting(encoder):
@@ -22,7 +23,7 @@ def counting(encoder):
 
 
 def recall_at_1(results, gold):
-    return sum(bool(r) and r[0].doc_id == g for r, g in zip(results, gold)) / len(gold)
+    return sum(bool(r) and r[0].id == g for r, g in zip(results, gold)) / len(gold)
 
 
 # ----------------------------------------------------------------------------- doc store
@@ -34,7 +35,7 @@ def test_docstore_by_index_and_id(index_root, corpus_rows):
         d = ds.get(i)
         row = corpus_rows[i]
         assert d.id == row["id"] and d.contents == row["contents"]
-        assert (d.title, d.text) == local_parse_contents(row["contents"])
+        assert (d.title, d.text) == parse_contents(row["contents"])
         assert ds.get_by_id(row["id"]) == d and ds.index_of(row["id"]) == i
     with pytest.raises(NotFound, match="unknown document id"):
         ds.get_by_id("no-such-doc")
@@ -184,7 +185,7 @@ def test_dense_config_is_strict():
 def test_bm25_finds_keywords(engine):
     assert recall_at_1(engine.search(codes(), 3, "bm25"), topic_ids()) == 1.0
     res = engine.search(["Velmora lighthouse fog"], 3, "bm25")[0]
-    assert res[0].doc_id == "topic-0"
+    assert res[0].id == "topic-0"
 
 
 def test_bm25_noop_and_rebuild_on_config_change(tmp_path):

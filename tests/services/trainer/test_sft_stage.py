@@ -37,7 +37,7 @@ def data_dir(tmp_path_factory):
         from prorag_app.embedded import ensure_indexes, ensure_policy_model
 
         ensure_indexes("tiny")
-        ensure_policy_model("tiny")
+        BASE["model"] = str(ensure_policy_model("tiny"))
         yield d
 
 
@@ -52,8 +52,12 @@ def retriever(data_dir):
     loop.close()
 
 
+#: the tiny world's embedded base, built once by the data_dir fixture (stages never build a model themselves)
+BASE: dict[str, str] = {}
+
+
 def _config(retriever: str, **kw) -> dict:
-    return {"mode": "agent", "world": "tiny", "retriever": retriever, "max_questions": 48, "max_steps": 12,
+    return {"mode": "agent", "world": "tiny", "retriever": retriever, "base_model": BASE["model"], "max_questions": 48, "max_steps": 12,
             "batch_size": 4, "lr": 3e-3, "checkpoint_every": 3, "log_every": 1, "tracking": "local", "threads": 1,
             **kw}
 
@@ -97,7 +101,8 @@ def test_bad_sft_config_is_refused_naming_the_field(tmp_path, data_dir, retrieve
         with TrainerClient(f"127.0.0.1:{t.port}") as c:
             import grpc
 
-            for bad, field in (({"lr": 5.0}, "lr"), ({"mode": "rlhf"}, "mode"), ({"epocs": 1}, "epocs")):
+            for bad, field in (({"lr": 5.0}, "lr"), ({"mode": "rlhf"}, "mode"), ({"epocs": 1}, "epocs"),
+                               ({"base_model": ""}, "base_model"), ({"base_model": str(tmp_path / "no")}, "base_model")):
                 with pytest.raises(grpc.RpcError) as ei:
                     c.start("sft", _config(retriever, **bad))
                 assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT

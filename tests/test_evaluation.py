@@ -1,9 +1,9 @@
-"""prorag_app.eval: scoring groups (per hop, per type, 2+ hops) and the figure's margin test."""
+"""prorag.evaluation: scoring groups (per hop, per type, 2+ hops), the figure's margin test, grouped CIs."""
 
 import pytest
 
-from prorag_app.eval import format_table, margin_beyond_cis, score_records
-from prorag_app.pipeline import multi_hop_figure
+from prorag.evaluation import grouped_mean_ci, margin_beyond_cis, score_records
+from prorag.metrics import summarize
 
 
 def _records(spec):
@@ -41,20 +41,14 @@ def test_margin_must_exceed_the_width_of_both_intervals_and_they_must_not_overla
     assert not margin_beyond_cis({"f1": 0.1, "f1_ci": [0.09, 0.11]}, a)["reached"]
 
 
-def test_pipeline_figure_compares_sft_with_standard_rag_on_two_plus_hops():
-    sft = score_records(_records([(1, "compositional", 0.0)] * 5 + [(2, "compositional", 1.0)] * 30
-                                 + [(3, "compositional", 0.0)] * 10))
-    rag = score_records(_records([(1, "compositional", 1.0)] * 5 + [(2, "compositional", 0.0)] * 40))
-    fig = multi_hop_figure({"sft": sft, "standard_rag": rag, "no_retrieval": rag})
-    assert fig["group"] == "2+ hops" and fig["reached"]
-    assert fig["sft_f1"] == pytest.approx(0.75) and fig["standard_rag_f1"] == 0.0
-    assert multi_hop_figure({"sft": sft}) is None
-    # the reverse comparison fails
-    assert not multi_hop_figure({"sft": rag, "standard_rag": sft})["reached"]
+def test_acc_is_reported_beside_em_and_f1_when_every_record_has_it():
+    recs = [{"hops": 1, "type": "compositional", "em": 0.0, "f1": 0.5, "acc": 1.0},
+            {"hops": 1, "type": "compositional", "em": 1.0, "f1": 1.0, "acc": 1.0}]
+    assert score_records(recs)["overall"]["acc"] == 1.0
+    assert "acc" not in score_records(_records([(1, "compositional", 1.0)]))["overall"]
 
 
-def test_table_has_a_two_plus_hops_column():
-    s = score_records(_records([(1, "compositional", 1.0), (2, "comparison", 0.5), (3, "compositional", 0.0)]))
-    headers = [c.header for c in format_table({"m": s}).columns]
-    assert "2+ hops" in headers
-    assert headers.index("2+ hops") == headers.index("3-hop") + 1
+def test_grouped_means_use_the_one_mean_with_ci_helper():
+    out = grouped_mean_ci([1.0, 0.0, 1.0, 1.0], ["a", "a", "b", "b"], seed=3)
+    assert out["overall"] == summarize([1.0, 0.0, 1.0, 1.0], seed=3)
+    assert out["a"]["mean"] == 0.5 and out["b"] == {"n": 2, "mean": 1.0, "ci": [1.0, 1.0]}

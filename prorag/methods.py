@@ -1,0 +1,64 @@
+"""The one method table: every method the project trains or compares, how it is trained and how it is evaluated.
+
+The CLI's choices, the pipeline, the evaluation runners and the trainer's SFT modes all read this table,
+so a method is added in one place. A method's ``kind`` says how it answers:
+
+- ``agent``: ProRAG's step format, server-side rollouts that search as they go (SFT, and later RFT and RL);
+- ``no_retrieval``: question -> answer;
+- ``standard_rag``: the question's top-k documents, then the answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prorag.errors import InvalidArgument
+
+#: how a method answers; also the SFT stage's ``mode`` (the data it trains on)
+KINDS = ("agent", "no_retrieval", "standard_rag")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    kind: str
+    stage: str = "sft"  # the trainer stage that produces its model
+    description: str = ""
+    #: settings of its training job on top of a run profile's shared ones (e.g. its SFT mode)
+    train: dict = field(default_factory=dict)
+    #: settings of its evaluation (the agent's step limit; documents per search come from the model's manifest)
+    evaluate: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidArgument(f"method {self.name}: kind must be one of {list(KINDS)}, got {self.kind!r}")
+
+
+#: ProRAG inference's step limit (ANCHORS: 13 steps at inference and in RFT)
+AGENT_MAX_STEPS = 13
+#: documents per search, ProRAG's top-3; a published model's manifest says what it was trained with
+DOCS_PER_SEARCH = 3
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("no_retrieval", "no_retrieval", description="fine-tuned to answer from the question alone",
+           train={"mode": "no_retrieval"}),
+    Method("standard_rag", "standard_rag", description="fine-tuned to answer from the question's top-k documents",
+           train={"mode": "standard_rag"}),
+    Method("sft", "agent", description="ProRAG stage 1: SFT on gold step-by-step trajectories",
+           train={"mode": "agent"}, evaluate={"max_steps": AGENT_MAX_STEPS}),
+)}
+
+
+def get_method(name: str) -> Method:
+    """The table's entry for ``name``; InvalidArgument naming the known methods otherwise."""
+    if name not in METHODS:
+        raise InvalidArgument(f"unknown method {name!r} (known: {', '.join(METHODS)})")
+    return METHODS[name]
+
+
+def kind_of(name: str) -> str:
+    """How ``name`` answers; a model outside the table (a user's own name) is evaluated as an agent."""
+    return METHODS[name].kind if name in METHODS else "agent"
+
+
+__all__ = ["KINDS", "Method", "METHODS", "AGENT_MAX_STEPS", "DOCS_PER_SEARCH", "get_method", "kind_of"]

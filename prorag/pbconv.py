@@ -1,0 +1,41 @@
+"""The one conversion between the core's types and the prorag.v1 messages that carry them.
+
+Services and clients convert here only, so a field added to a proto or a core type is
+wired once: documents (``Document`` <-> ``prorag.v1.Document`` / ``ScoredDocument``) and
+token-level trajectories (``TokenTrajectory`` -> ``prorag.v1.TokenTrace``).
+"""
+
+from __future__ import annotations
+
+from prorag.data.loaders import Document
+from prorag.pb import common_pb2
+from prorag.tokens import TokenTrajectory
+
+
+def document_pb(d: Document) -> common_pb2.Document:
+    return common_pb2.Document(id=d.id, title=d.title, text=d.text, contents=d.contents)
+
+
+def scored_document_pb(d: Document) -> common_pb2.ScoredDocument:
+    """The document with its ranking (rank 1-based; 0 and score 0.0 when it comes from no ranking)."""
+    return common_pb2.ScoredDocument(document=document_pb(d), score=float(d.score), rank=int(d.rank))
+
+
+def document_from_pb(m: common_pb2.Document) -> Document:
+    return Document(id=m.id, title=m.title, text=m.text, contents=m.contents)
+
+
+def scored_document_from_pb(m: common_pb2.ScoredDocument) -> Document:
+    d = m.document
+    return Document(id=d.id, title=d.title, text=d.text, contents=d.contents, score=float(m.score), rank=int(m.rank))
+
+
+def token_trace_pb(t: TokenTrajectory) -> common_pb2.TokenTrace:
+    """ids, generated mask, log-probs and each step's span; the loss weights stay with the trainer
+    (they follow from the ids and the tag table)."""
+    return common_pb2.TokenTrace(
+        token_ids=t.token_ids, generated_mask=t.generated_mask, logprobs=t.logprobs,
+        step_spans=[common_pb2.StepSpan(start=s.start, generated_end=s.generated_end, end=s.end) for s in t.spans])
+
+
+__all__ = ["document_pb", "scored_document_pb", "document_from_pb", "scored_document_from_pb", "token_trace_pb"]

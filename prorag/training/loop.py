@@ -1,0 +1,134 @@
+"""The one training loop every gradient-descent stage runs (SFT, the base warm-up, the selftest; RFT and RL next).
+
+A stage supplies its data and its loss, nothing else:
+
+* ``batch_at(i)``: the i-th micro-batch, a pure function of i (micro-batches i = step * grad_accum ...
+  (step + 1) * grad_accum - 1 make optimizer step ``step``), so a resumed run sees exactly the batches an
+  uninterrupted one sees;
+* ``loss_fn(model, batch) -> (loss, tokens)``: a scalar loss averaged over the micro-batch, and how many
+  tokens the model processed for it (the unit of tokens/s and MFU).
+
+The loop does the rest, following the contract at the top of services/trainer/stages.py: optimizer and
+learning-rate schedule by name, gradient accumulation and clipping, a checkpoint (model, optimizer,
+scheduler, step; RNG states through the context) every ``checkpoint_every`` steps with exact resume,
+progress events with loss, tokens/s and model-FLOPs utilisation, and a prompt return when the job is
+cancelled or the trainer stops (after a checkpoint unless cancelled).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from prorag.algorithms.schedules import SCHEDULES, get_schedule
+from prorag.config import cfg_field
+from prorag.modeling import num_parameters
+from prorag.training.context import JobContext
+from prorag.training.flops import model_flops_utilisation, peak_matmul_flops
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass
+class LoopConfig:
+    """How a stage's model is optimised (the stage's own config maps its keys onto these)."""
+
+    steps: int = cfg_field(1, help="optimizer steps in all", min=0)
+    optimizer: str = cfg_field("adamw", help="adamw, or sgd with momentum", choices=OPTIMIZERS)
+    lr: float = cfg_field(1e-3, help="peak learning rate (the schedule scales it)", min=0.0, max=10.0)
+    beta1: float = cfg_field(0.9, help="AdamW beta1", min=0.0, max=0.9999)
+    beta2: float = cfg_field(0.95, help="AdamW beta2", min=0.0, max=0.9999)
+    momentum: float = cfg_field(0.9, help="SGD momentum", min=0.0, max=0.9999)
+    weight_decay: float = cfg_field(0.0, help="weight decay (decoupled for AdamW, L2 for SGD)", min=0.0, max=1.0)
+    schedule: str = cfg_field("warmup_cosine", help="learning-rate schedule (prorag.algorithms.schedules)",
+                              choices=tuple(SCHEDULES))
+    warmup_steps: int = cfg_field(0, help="steps of linear learning-rate warm-up", min=0)
+    grad_clip: float = cfg_field(1.0, help="max gradient norm (0 = off)", min=0.0)
+    grad_accum: int = cfg_field(1, help="micro-batches per optimizer step; the step's gradient is their mean",
+                                min=1, max=65536)
+    checkpoint_every: int = cfg_field(100, help="steps between checkpoints", min=1)
+    log_every: int = cfg_field(10, help="steps between progress events", min=1)
+
+
+@dataclass
+class LoopResult:
+    completed: bool  # False: stopped (cancelled, or the trainer is stopping) before the last step
+    step: int        # optimizer steps done
+    loss: float      # the last step's loss (nan when this attempt ran no step)
+
+
+def build_optimizer(params, cfg: LoopConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], Any],
+             loss_fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, int]], cfg: LoopConfig,
+             grad_hook: Callable[[torch.nn.Module], None] | None = None) -> LoopResult:
+    """Train ``model`` in place for ``cfg.steps`` optimizer steps, resuming from the context's last checkpoint.
+
+    grad_hook(model): called once per step after the micro-batches' backward passes, before clipping
+    (e.g. the selftest's gradient noise). Leaves the model in eval mode.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(params, cfg)
+    schedule = get_schedule(cfg.schedule)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step, cfg.steps, cfg.warmup_steps))
+    start = 0
+    state = ctx.load_checkpoint()
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        start = int(state["step"])
+
+    def snapshot(done: int) -> dict:
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "step": done}
+
+    peak = peak_matmul_flops(next(model.parameters()).device)  # measured before the first window starts
+    n_params = num_parameters(model)
+    k = cfg.grad_accum
+    model.train()
+    try:
+        t_last, tokens, loss_v = time.monotonic(), 0, math.nan
+        for step in range(start, cfg.steps):
+            if ctx.should_stop():
+                if not ctx.cancelled():
+                    ctx.save_checkpoint(snapshot(step))
+                return LoopResult(False, step, loss_v)
+            metrics = {"lr": sched.get_last_lr()[0]}  # the rate this step uses
+            opt.zero_grad(set_to_none=True)
+            loss_v = 0.0
+            for i in range(step * k, (step + 1) * k):
+                loss, n = loss_fn(model, batch_at(i))
+                # the mean of the micro-batches' losses: a k-times-larger batch when they weigh the same
+                (loss / k).backward()
+                loss_v += float(loss.detach()) / k
+                tokens += int(n)
+            if grad_hook is not None:
+                grad_hook(model)
+            if cfg.grad_clip:
+                metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+            opt.step()
+            sched.step()
+            done = step + 1
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                now = time.monotonic()
+                rate = tokens / max(now - t_last, 1e-9)
+                t_last, tokens = now, 0
+                metrics.update(mfu=model_flops_utilisation(rate, n_params, peak), peak_flops=peak)
+                ctx.emit(done, cfg.steps, loss=loss_v, tokens_per_s=rate, metrics=metrics)
+            if done % cfg.checkpoint_every == 0 and done < cfg.steps:
+                ctx.save_checkpoint(snapshot(done))
+    finally:
+        model.eval()
+    return LoopResult(True, cfg.steps, loss_v)
+
+
+__all__ = ["LoopConfig", "LoopResult", "OPTIMIZERS", "build_optimizer", "run_loop"]

@@ -1,0 +1,92 @@
+"""Stage "warmup": pre-training of the embedded base policy (copy task, reading curriculum) before any stage.
+
+Why the embedded base needs it: prorag.warmup_data. Its data is a function of the step and it is trained by
+the one loop (prorag.training.warmup), so a killed warm-up resumes from its last checkpoint, as a trainer job
+or in process through prorag.training.context.local_context (how `prorag run` builds a world's base).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prorag import paths
+from prorag.config import cfg_field
+from prorag.modeling import PRESETS, WarmupConfig
+from prorag.trajectory import CHAT_TOKENS, TAGS
+from prorag.training.context import JobContext
+from services.trainer.stages import register_stage
+
+
+@dataclass
+class WarmupStageConfig:
+    """Warm up a new embedded base (or a given model) on a world's corpus and train-split facts."""
+
+    world: str = cfg_field("default", help="embedded world whose corpus and train split are read")
+    base_model: str = cfg_field("", help="Hugging Face model directory to warm up ('' = a new model of `preset` "
+                                         "with a BPE tokenizer trained on the world's text)")
+    preset: str = cfg_field("cpu", help="shape of the new model (prorag.modeling.PRESETS)", choices=tuple(PRESETS))
+    vocab_size: int = cfg_field(8192, help="vocabulary of the new tokenizer", min=256 + len(CHAT_TOKENS) + len(TAGS))
+    seed: int = cfg_field(0, help="seed for the new model's init and the warm-up's data", min=0, max=2 ** 31 - 1)
+    warmup: WarmupConfig = cfg_field(help="the curriculum: phase lengths, batch size, learning rate",
+                                     factory=WarmupConfig)
+    output: str = cfg_field("", help="also save the warmed model in this directory, atomically ('' = only the "
+                                     "run's artifact)")
+    checkpoint_every: int = cfg_field(50, help="steps between checkpoints", min=1)
+    log_every: int = cfg_field(10, help="steps between progress events", min=1)
+    threads: int = cfg_field(0, help="torch threads (0 = leave as is)", min=0, max=256)
+    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
+
+
+def tokenizer_texts(world_dir) -> list[str]:
+    """What the new tokenizer is trained on: the corpus, train and dev questions, gold sub-questions, and the
+    format's fixed prompt and thought text repeated so its words become whole tokens (shorter sequences)."""
+    from prorag.data.loaders import iter_corpus, load_split
+    from prorag.sft_data import BASELINE_SYSTEM_PROMPT, template_phrases
+    from prorag.trajectory import SYSTEM_PROMPT
+
+    train = load_split(world_dir, "train")
+    questions = [q.question for q in train + load_split(world_dir, "dev")]
+    subs = [s.question for q in train for s in q.decomposition]
+    fmt = [SYSTEM_PROMPT, BASELINE_SYSTEM_PROMPT, *template_phrases()] * 50
+    return [d.contents for d in iter_corpus(world_dir / "corpus.jsonl")] + questions + subs + fmt
+
+
+def run_warmup(ctx: JobContext) -> dict:
+    """Warm up the base policy; artifact "model" (and cfg.output when set)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from prorag.data.loaders import iter_corpus, load_split
+    from prorag.modeling import build_model, load_policy, num_parameters, save_pretrained, train_tokenizer
+    from prorag.training.warmup import warm_up
+    from prorag.warmup_data import facts_from_questions
+
+    cfg: WarmupStageConfig = ctx.config
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    wdir = paths.world_dir(cfg.world)
+    if cfg.base_model:
+        model, tokenizer = load_policy(cfg.base_model)
+    else:
+        # kept with the checkpoints, so a resumed job builds its model on the very same vocabulary
+        saved = ctx.checkpoint_dir / "tokenizer"
+        if saved.is_dir():
+            tokenizer = AutoTokenizer.from_pretrained(str(saved))
+        else:
+            ctx.emit(0, cfg.warmup.total_steps, message=f"training a {cfg.vocab_size}-token tokenizer on {wdir}")
+            tokenizer = train_tokenizer(tokenizer_texts(wdir), vocab_size=cfg.vocab_size, out_dir=saved)
+        model = build_model(cfg.preset, tokenizer, seed=cfg.seed)
+    docs = {d.id: d.contents for d in iter_corpus(wdir / "corpus.jsonl")}
+    facts = facts_from_questions(load_split(wdir, "train"))
+    result = warm_up(ctx, model, tokenizer, docs, facts, cfg.warmup, seed=cfg.seed,
+                     checkpoint_every=cfg.checkpoint_every, log_every=cfg.log_every)
+    if not result.completed:
+        return {}
+    ctx.write_artifact("model", save_pretrained(model, tokenizer, ctx.run_dir / "model"))
+    if cfg.output:
+        save_pretrained(model, tokenizer, cfg.output)
+    return {"final_loss": result.loss, "steps": result.step, "num_parameters": num_parameters(model)}
+
+
+register_stage("warmup", WarmupStageConfig, run_warmup,
+               description="pre-training of the embedded base policy: copy task, then the reading curriculum")

@@ -1,0 +1,158 @@
+"""The one training loop: exact resume, gradient accumulation, cancellation, progress events with tokens/s and MFU."""
+
+import math
+import threading
+
+import pytest
+import torch
+
+from prorag.config import ConfigError, from_dict
+from prorag.training import checkpoint
+from prorag.training.context import local_context
+from prorag.training.flops import peak_matmul_flops
+from prorag.training.loop import LoopConfig, run_loop
+
+N, DIM = 64, 4
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, DIM, generator=g)
+    return x, x @ torch.randn(DIM, 1, generator=g) + 0.1 * torch.randn(N, 1, generator=g)
+
+
+def _batches(size: int):
+    x, y = _data()
+
+    def batch_at(i: int):
+        rows = [(i * size + j) % N for j in range(size)]
+        return x[rows], y[rows]
+    return batch_at
+
+
+def mse(model, batch):
+    xb, yb = batch
+    return torch.nn.functional.mse_loss(model(xb), yb), len(xb)
+
+
+def noise(model):
+    for p in model.parameters():  # from the global RNG: an exact resume has to restore it
+        p.grad.add_(0.01 * torch.randn_like(p.grad))
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(DIM, 1)
+
+
+CFG = LoopConfig(steps=20, optimizer="adamw", lr=0.05, weight_decay=0.01, schedule="warmup_cosine", warmup_steps=3,
+                 grad_clip=1.0, checkpoint_every=5, log_every=1)
+
+
+def _train(work, cfg=CFG, batch_at=None, emit=None, **ctx_kw):
+    model = _model()
+    ctx = local_context(work, cfg, emit=emit, **ctx_kw)
+    result = run_loop(ctx, model, batch_at or _batches(8), mse, cfg, grad_hook=noise)
+    return model, result
+
+
+def _same_weights(a, b, atol=0.0):
+    return all(torch.allclose(a.state_dict()[k], b.state_dict()[k], atol=atol, rtol=0) for k in a.state_dict())
+
+
+def test_resume_after_a_stop_or_a_crash_gives_the_uninterrupted_weights(tmp_path):
+    straight, done = _train(tmp_path / "straight")
+    assert done.completed and done.step == 20
+
+    # a stop (trainer shutting down) at step 7: checkpoint there, return, resume later
+    stop = threading.Event()
+    events = []
+
+    def emit(event):
+        events.append(event)
+        if event.get("step") == 7:
+            stop.set()
+    _, first = _train(tmp_path / "stopped", emit=emit, stop=stop)
+    assert not first.completed and first.step == 7
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "stopped" / "checkpoints")] == [5, 7]
+    resumed, second = _train(tmp_path / "stopped", emit=events.append)
+    assert second.completed and "resumed from step 7" in [e.get("message") for e in events]
+    assert _same_weights(resumed, straight)
+
+    # a crash in step 12 (as a kill -9 would leave it): the next run resumes from the checkpoint at 10
+    def failing(i):
+        if i == 12:
+            raise RuntimeError("killed")
+        return _batches(8)(i)
+    with pytest.raises(RuntimeError, match="killed"):
+        _train(tmp_path / "crashed", batch_at=failing)
+    events.clear()
+    resumed, _ = _train(tmp_path / "crashed", emit=events.append)
+    assert "resumed from step 10" in [e.get("message") for e in events]
+    assert _same_weights(resumed, straight)
+
+
+def test_k_micro_batches_equal_one_k_times_larger_batch(tmp_path):
+    accum = from_dict(LoopConfig, {**CFG.__dict__, "grad_accum": 4, "log_every": 5})
+    big = from_dict(LoopConfig, {**CFG.__dict__, "log_every": 5})
+    seen = {"accum": [], "big": []}
+    a = _model()
+    run_loop(local_context(tmp_path / "a", accum, emit=seen["accum"].append), a, _batches(4), mse, accum)
+    b = _model()
+    run_loop(local_context(tmp_path / "b", big, emit=seen["big"].append), b, _batches(16), mse, big)
+    assert _same_weights(a, b, atol=1e-6)
+    losses = {k: [e["loss"] for e in v if e.get("loss") is not None] for k, v in seen.items()}
+    assert losses["accum"] == pytest.approx(losses["big"], rel=1e-5)
+
+
+def test_cancel_returns_at_once_without_a_checkpoint(tmp_path):
+    cancel = threading.Event()
+
+    def emit(event):
+        if event.get("step") == 3:
+            cancel.set()
+    model, result = _train(tmp_path / "c", cfg=from_dict(LoopConfig, {**CFG.__dict__, "steps": 1000}), emit=emit,
+                           cancel=cancel)
+    assert not result.completed and result.step == 3
+    assert checkpoint.list_checkpoints(tmp_path / "c" / "checkpoints") == []
+    assert not model.training
+
+
+def test_progress_events_report_tokens_per_s_and_mfu(tmp_path):
+    events = []
+    cfg = from_dict(LoopConfig, {**CFG.__dict__, "log_every": 4, "steps": 10})
+    _train(tmp_path / "e", cfg=cfg, emit=events.append)
+    progress = [e for e in events if e.get("loss") is not None]
+    assert [e["step"] for e in progress] == [4, 8, 10] and all(e["total_steps"] == 10 for e in progress)
+    peak = peak_matmul_flops()
+    assert peak > 1e8  # any CPU does better than 0.1 GFLOP/s on a 1024^3 fp32 matmul
+    for e in progress:
+        m = e["metrics"]
+        assert e["tokens_per_s"] > 0 and m["peak_flops"] == peak
+        assert m["mfu"] == pytest.approx(e["tokens_per_s"] * 6 * (DIM + 1) / peak)
+        assert m["lr"] > 0 and m["grad_norm"] >= 0
+    # the last step (index 9) runs at the cosine's 6/7 point: 3 warm-up steps, then 7 of decay
+    assert progress[-1]["metrics"]["lr"] == pytest.approx(0.05 * 0.5 * (1 + math.cos(math.pi * 6 / 7)))
+
+
+def test_a_local_run_resumes_only_its_own_config(tmp_path):
+    _train(tmp_path / "w", emit=None, stop=_stop_at_start())
+    assert checkpoint.list_checkpoints(tmp_path / "w" / "checkpoints")  # stopped at step 0 with a checkpoint
+    other = from_dict(LoopConfig, {**CFG.__dict__, "lr": 0.01})
+    local_context(tmp_path / "w", other)
+    assert checkpoint.list_checkpoints(tmp_path / "w" / "checkpoints") == []
+
+
+def _stop_at_start():
+    stop = threading.Event()
+    stop.set()
+    return stop
+
+
+def test_loop_config_is_strict():
+    with pytest.raises(ConfigError, match="schedule"):
+        from_dict(LoopConfig, {"schedule": "linear"})
+    with pytest.raises(ConfigError, match="optimizer"):
+        from_dict(LoopConfig, {"optimizer": "lion"})
+    with pytest.raises(ConfigError, match="grad_accum"):
+        from_dict(LoopConfig, {"grad_accum": 0})
