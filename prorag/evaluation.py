@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-from prorag.metrics import summarize
+from prorag.metrics import cover_exact_match, summarize
 
 
 def recall_at_k(ranked: Sequence[Sequence[str]], gold: Sequence[set[str]], k: int) -> list[float]:
@@ -56,6 +56,21 @@ def retrieval_queries(questions) -> tuple[list[dict], list[dict]]:
             whole.append({"query": q.question, "gold": docs, "group": f"{q.hops}-hop" if q.qtype == "compositional"
                           else q.qtype})
     return sub, whole
+
+
+def question_entity(question) -> str:
+    """The entity a question starts from: the title of its first hop's document ("" without a decomposition)."""
+    hops = [s for s in question.decomposition if s.doc_id]
+    return hops[0].title if hops and getattr(hops[0], "title", "") else ""
+
+
+def names_entity(text: str, entity: str) -> bool:
+    """Whether ``text`` names ``entity`` as whole normalised tokens (an agent's first subquery should).
+
+    >>> names_entity("Who founded Mai Brewery?", "Mai Brewery"), names_entity("Who founded Mai?", "Mai Brewery")
+    (True, False)
+    """
+    return bool(entity) and cover_exact_match(text, [entity]) == 1.0
 
 
 #: the group the SFT figure is about: questions of this many hops or more

@@ -254,11 +254,21 @@ def registry(kind: str, world: str) -> Registry:
     return Registry(paths.data_dir() / _ROOT_DIRS[kind] / world, kind)
 
 
+def artifact_name(path: str | Path) -> str:
+    """How a served model is named to callers: its ``name@version`` when it is published, else its directory's
+    name at the first 12 hex digits of its weights' hash (a version that changes whenever the weights do)."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return Manifest.read(path / MANIFEST).ref.key
+    return f"{path.name}@{weights_sha256(path)[:12]}"
+
+
 def published_config(path: str | Path) -> dict:
     """The config a published artifact was trained with; {} for a directory that was never published."""
     manifest = Path(path) / MANIFEST
     return Manifest.read(manifest).config if manifest.is_file() else {}
 
 
-__all__ = ["ArtifactRef", "Manifest", "Registry", "registry", "weights_sha256", "published_config", "KINDS",
+__all__ = ["ArtifactRef", "Manifest", "Registry", "registry", "weights_sha256", "artifact_name", "published_config",
+           "KINDS",
            "MANIFEST"]

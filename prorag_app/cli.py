@@ -122,13 +122,29 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def served_policy(world: str, model: str | None) -> str:
+    """What `prorag up` serves: ``model`` when given (a directory or a published name[@version]), else the newest
+    trained agent `prorag run` published for the world (sft), else the world's embedded base (built if missing)."""
+    from prorag.errors import NotFound
+    from prorag.registry import registry
+    from prorag_app.embedded import ensure_policy_model
+
+    models = registry("model", world)
+    if model:
+        return str(models.resolve(model))
+    try:
+        return str(models.resolve("sft"))
+    except NotFound:
+        return str(ensure_policy_model(world))
+
+
 def cmd_up(args) -> int:
     """Start all five services as local processes; Ctrl-C or SIGTERM stops them all."""
-    from prorag_app.embedded import ensure_indexes, ensure_policy_model
+    from prorag_app.embedded import ensure_indexes
     from prorag_app.stack import ServiceStack
 
     ensure_indexes(args.world, size=args.size)  # build what is missing before any service starts
-    base = ensure_policy_model(args.world)
+    policy_model = served_policy(args.world, args.model)
     stopping = False
 
     def stop_all(*_):
@@ -138,9 +154,9 @@ def cmd_up(args) -> int:
     signal.signal(signal.SIGTERM, stop_all)
     signal.signal(signal.SIGINT, stop_all)
     stack = ServiceStack(host=args.host, port_offset=args.port_offset, world=args.world,
-                         start_timeout=args.start_timeout, overrides={"policy": {"model": str(base)}})
+                         start_timeout=args.start_timeout, overrides={"policy": {"model": policy_model}})
     with stack:
-        print("all services up:")
+        print(f"all services up (policy serves {policy_model}):")
         for svc in paths.SERVICES:
             http = f"  {stack.http_url(svc)}" if svc in paths.HTTP_PORTS else ""
             print(f"  {svc:10s} grpc {stack.grpc_target(svc)}{http}")
@@ -225,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--name", default="default")
     w.add_argument("--size", default=None, choices=["tiny", "small", "default", "large"],
                    help="default: the name when it is a size, else 'default'")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=None, help="default: as the existing world was built, else 0")
     w.add_argument("--force", action="store_true", help="rebuild even if complete")
     w.set_defaults(fn=cmd_world)
 
@@ -261,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--world", default="default")
     u.add_argument("--size", default=None, choices=["tiny", "small", "default", "large"])
     u.add_argument("--start-timeout", type=float, default=180.0)
+    u.add_argument("--model", default=None, help="policy model: a directory or a published name[@version] (default: "
+                                                 "the newest agent `prorag run` trained for the world, else its base)")
     u.set_defaults(fn=cmd_up)
 
     b = sub.add_parser("bench", help="benchmarks; --json prints one JSON object as the last line")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from prorag import paths
@@ -15,14 +16,23 @@ def world_is_complete(name: str) -> bool:
     return (paths.world_dir(name) / "DONE").exists()
 
 
-def ensure_world(name: str = "default", size: str | None = None, seed: int = 0, force: bool = False) -> dict:
-    """Generate the embedded benchmark ``name`` unless it is complete. ``size`` defaults to ``name``
-    when that is a size (so worlds "tiny" and "default" are what they say)."""
+def ensure_world(name: str = "default", size: str | None = None, seed: int | None = None,
+                 force: bool = False) -> dict:
+    """Generate the embedded benchmark ``name`` unless it is complete.
+
+    With neither ``size`` nor ``seed`` given, a complete world of that name is used as it was built (any
+    seed, any size): `prorag run --world W` trains on W as `prorag world --name W --seed S` made it. When
+    missing, it is built with seed 0 and ``size`` defaulting to ``name`` when that is a size (so worlds
+    "tiny" and "default" are what they say). An explicit size or seed that differs from a complete
+    build rebuilds it."""
     from prorag.data.world import WorldConfig, build_world
 
     out = paths.world_dir(name)
+    if size is None and seed is None and world_is_complete(name):
+        built = json.loads((out / "world.json").read_text()).get("config", {})
+        size, seed = built.get("size"), built.get("seed")
     size = size or (name if name in WORLD_SIZES else "default")
-    cfg = from_dict(WorldConfig, {"name": name, "size": size, "seed": seed})
+    cfg = from_dict(WorldConfig, {"name": name, "size": size, "seed": 0 if seed is None else seed})
     with progress_bars() as progress:
         summary = build_world(cfg, out, progress=progress, force=force)  # reuses a finished build of this config
     return summary if isinstance(summary, dict) else summary.to_dict()
@@ -91,15 +101,15 @@ def ensure_policy_model(world: str = "default", preset: str | None = None, vocab
     if preset is None and vocab_size is None and warmup is None and marker.exists() \
             and json.loads(marker.read_text()).get("tokenizer") == TOKENIZER_VERSION:
         return out  # whatever current base exists is the one services and jobs share
-    default_preset, default_vocab = DEFAULT_POLICY.get(world, ("cpu", 8192))
+    size = ensure_world(world)["size"]  # the defaults follow the world's size, whatever its name
+    default_preset, default_vocab = DEFAULT_POLICY.get(size, ("cpu", 8192))
     preset = preset or default_preset
     vocab_size = vocab_size or default_vocab
-    wcfg = from_dict(WarmupConfig, warmup if warmup is not None else DEFAULT_WARMUP.get(world, {}))
+    wcfg = from_dict(WarmupConfig, warmup if warmup is not None else DEFAULT_WARMUP.get(size, {}))
     want = {"world": world, "preset": preset, "model": asdict(model_config(preset)), "vocab_size": vocab_size,
             "seed": seed, "warmup": asdict(wcfg), "tokenizer": TOKENIZER_VERSION}
     if marker.exists() and json.loads(marker.read_text()) == want:
         return out
-    ensure_world(world)
     cfg = from_dict(WarmupStageConfig, {"world": world, "preset": preset, "vocab_size": vocab_size, "seed": seed,
                                         "warmup": asdict(wcfg), "output": str(out)})
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from prorag.evaluation import MULTI_HOP_MIN, score_records
+from prorag.evaluation import MULTI_HOP_MIN, names_entity, question_entity, score_records
 from prorag.methods import AGENT_MAX_STEPS, DOCS_PER_SEARCH, kind_of
 from prorag.metrics import qa_scores
 from prorag.trajectory import ANSWER_END, IM_END, extract_answer, parse_step
@@ -25,9 +25,11 @@ def _record(q, prediction: str | None, extra: dict) -> dict:
             "hops": q.hops, "type": q.qtype, **s, **extra}
 
 
-def run_agent(policy, questions, *, max_steps: int = AGENT_MAX_STEPS, topk: int = DOCS_PER_SEARCH, adapter: str = "", chunk: int = 128,
-              progress=None) -> list[dict]:
-    """Greedy rollouts through the policy service (which calls the retriever)."""
+def run_agent(policy, questions, *, max_steps: int = AGENT_MAX_STEPS, topk: int = DOCS_PER_SEARCH, adapter: str = "",
+              chunk: int = 128, progress=None) -> list[dict]:
+    """Greedy rollouts through the policy service (which calls the retriever); each record also says whether
+    the first step was a subquery naming the question's entity (the first hop's document title)."""
+    from prorag.pb import common_pb2
     from google.protobuf.json_format import MessageToDict
 
     by_id = {q.id: q for q in questions}
@@ -41,9 +43,12 @@ def run_agent(policy, questions, *, max_steps: int = AGENT_MAX_STEPS, topk: int 
             q = by_id[t.question_id]
             traj = MessageToDict(t, preserving_proto_field_name=True)
             traj.pop("trace", None)  # token ids are large; the text and steps are kept
+            first = t.steps[0] if t.steps else None
+            first_subquery = first.content if first is not None and first.kind == common_pb2.STEP_KIND_SUBQUERY else ""
             records.append(_record(q, t.answer if t.finish_reason == "answer" else None,
                                    {"finish_reason": t.finish_reason, "format_valid": t.format_valid,
-                                    "adapter_version": t.adapter_version, "trajectory": traj}))
+                                    "adapter_version": t.adapter_version, "trajectory": traj,
+                                    "first_subquery_entity": names_entity(first_subquery, question_entity(q))}))
             if progress:
                 progress(len(records), len(questions))
     return records
@@ -89,6 +94,8 @@ def evaluate(method: str, policy, retriever, questions, out_dir: Path | None = N
         records = run_baseline(policy, retriever, questions, kind, **kw)
     result = score_records(records)
     result["format_valid_rate"] = sum(bool(r.get("format_valid")) for r in records) / len(records)
+    if kind == "agent":
+        result["first_subquery_entity_rate"] = sum(r["first_subquery_entity"] for r in records) / len(records)
     if out_dir is not None:
         save_records(Path(out_dir) / method / "predictions.jsonl", records)
         from prorag.io import write_json

@@ -150,15 +150,15 @@ def job_id_for(world: str, method: str, config: dict) -> str:
     return f"{world}-{method}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]}"
 
 
-def train(stack: ServiceStack, method: str, profile: Profile, base_model: str) -> dict:
-    """Run (or reuse) the training job of ``method`` through the trainer service.
+def train(stack: ServiceStack, method: str, profile: Profile, base_model: str, world: str) -> dict:
+    """Run (or reuse) the training job of ``method`` on ``world`` through the trainer service.
 
     Returns {"job_id", "metrics", "run_dir", "model"}: "model" is the registry reference the job published."""
     from prorag.clients_trainer import TrainerClient, state_name
 
-    config = {"world": profile.world, "base_model": base_model, "retriever": stack.grpc_target("retriever"),
+    config = {"world": world, "base_model": base_model, "retriever": stack.grpc_target("retriever"),
               "publish_name": method, **profile.sft_for(method)}
-    job_id = job_id_for(profile.world, method, config)
+    job_id = job_id_for(world, method, config)
     with TrainerClient(stack.grpc_target("trainer"), timeout=60) as client:
         existing = {j.job_id: j for j in client.list("sft")}
         if job_id in existing and state_name(existing[job_id].state) == "SUCCEEDED":
@@ -194,14 +194,14 @@ def eval_options(method: str, model_dir: str) -> dict:
     return {**get_method(method).evaluate, "topk": int(trained["topk"])}
 
 
-def evaluate_method(method: str, model_dir: str, profile: Profile, stack: ServiceStack, questions, run_dir,
+def evaluate_method(method: str, model_dir: str, world: str, stack: ServiceStack, questions, run_dir,
                     port_offset: int) -> dict:
     """Serve ``model_dir`` in its own policy process and evaluate it through the services."""
     from prorag_app.eval import evaluate
 
 
     kw = eval_options(method, model_dir)
-    eval_stack = ServiceStack(port_offset=port_offset, world=profile.world, services=("policy",),
+    eval_stack = ServiceStack(port_offset=port_offset, world=world, services=("policy",),
                               overrides={"policy": {"model": model_dir, "retriever": stack.grpc_target("retriever"),
                                                     "max_steps": max(64, kw.get("max_steps", 0))}},
                               log_dir=str(run_dir / "logs" / method))
@@ -209,6 +209,45 @@ def evaluate_method(method: str, model_dir: str, profile: Profile, stack: Servic
             RetrieverClient(stack.grpc_target("retriever"), timeout=600) as retriever, progress_bars() as progress:
         return evaluate(method, policy, retriever, questions, out_dir=run_dir,
                         progress=lambda d, t: progress(f"eval {method}", d, t), **kw)
+
+
+def copy_probes(models: dict[str, str], questions) -> dict[str, dict]:
+    """The name-copy probe (prorag.probes) of each model directory, on the split's question entities."""
+    from prorag.evaluation import question_entity
+    from prorag.modeling import load_policy
+    from prorag.probes import name_copy_accuracy
+
+    names = [e for e in dict.fromkeys(question_entity(q) for q in questions) if e]
+    out = {}
+    for name, model_dir in models.items():
+        model, tokenizer = load_policy(model_dir)
+        out[name] = name_copy_accuracy(model, tokenizer, names)
+    return out
+
+
+def diagnostics(methods: dict[str, dict], probes: dict[str, dict]) -> dict[str, dict]:
+    """Per method (and the base): format-valid rate, how often the agent's first subquery names the question's
+    entity, and the copy probe; what makes the next failure visible before F1 does."""
+    out = {"base": {"copy_probe": probes["base"]}} if "base" in probes else {}
+    for m, r in methods.items():
+        out[m] = {"format_valid_rate": r.get("format_valid_rate"),
+                  "first_subquery_entity_rate": r.get("first_subquery_entity_rate"), "copy_probe": probes.get(m)}
+    return out
+
+
+def print_diagnostics(diag: dict[str, dict]) -> None:
+    table = Table(title="Diagnostics: format, the agent's first subquery, copying names read earlier (greedy)")
+    for col in ("model", "format-valid", "1st subquery names the entity", "copy probe: names", "tokens"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+
+    def pct(v):
+        return "-" if v is None else f"{100 * v:.1f}%"
+
+    for name, d in diag.items():
+        probe = d.get("copy_probe") or {}
+        table.add_row(name, pct(d.get("format_valid_rate")), pct(d.get("first_subquery_entity_rate")),
+                      pct(probe.get("name_accuracy")), pct(probe.get("token_accuracy")))
+    console.print(table)
 
 
 def multi_hop_figure(methods: dict) -> dict | None:
@@ -250,15 +289,21 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         print_retrieval_table(retrieval)
         for method in prof.methods:
             t3 = time.monotonic()
-            jobs[method] = train(stack, method, prof, str(base))
+            jobs[method] = train(stack, method, prof, str(base), world)
             timings[f"train_{method}_s"] = time.monotonic() - t3
         for method in prof.methods:
             t4 = time.monotonic()
             model_dir = registry("model", world).resolve(jobs[method]["model"])
-            methods[method] = evaluate_method(method, str(model_dir), prof, stack, eval_qs, run_dir,
+            methods[method] = evaluate_method(method, str(model_dir), world, stack, eval_qs, run_dir,
                                               port_offset + 100)
             timings[f"eval_{method}_s"] = time.monotonic() - t4
     console.print(format_table(methods))
+    t5 = time.monotonic()
+    probes = copy_probes({"base": str(base), **{m: str(registry("model", world).resolve(jobs[m]["model"]))
+                                                 for m in methods}}, test)
+    diag = diagnostics(methods, probes)
+    timings["diagnostics_s"] = time.monotonic() - t5
+    print_diagnostics(diag)
     figure = multi_hop_figure(methods)
     if figure:
         console.print(f"{figure['group']}: sft - standard_rag = {100 * figure['margin']:+.1f} F1; CI widths "
@@ -266,11 +311,13 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
                       f"figure {'reached' if figure['reached'] else 'NOT reached'}")
     results = {
         "methods": {m: {k: v for k, v in r.items()
-                        if k in ("overall", "by_hops", "by_type", "multi_hop", "format_valid_rate")}
+                        if k in ("overall", "by_hops", "by_type", "multi_hop", "format_valid_rate",
+                                 "first_subquery_entity_rate")}
                     for m, r in methods.items()},
         "figure": figure,
+        "diagnostics": diag,
         "retrieval": retrieval,
-        "jobs": {m: {"job_id": j["job_id"], "metrics": j["metrics"]} for m, j in jobs.items()},
+        "jobs": {m: {"job_id": j["job_id"], "model": j["model"], "metrics": j["metrics"]} for m, j in jobs.items()},
         "profile": profile,
         "world": world,
         "base_model": str(base),

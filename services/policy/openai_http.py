@@ -71,9 +71,10 @@ def make_app(servicer, model_name: str, max_body_mb: int = 16) -> web.Applicatio
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def adapter_of(body: dict) -> str:
-        # "model" may name an adapter (name@version), as vLLM serves LoRAs under their own names
+        # "model" may name an adapter (name@version), as vLLM serves LoRAs under their own names; the served
+        # base model's own name@version means no adapter
         m = body.get("model") or ""
-        return m if "@" in m else ""
+        return m if "@" in m and m != model_name else ""
 
     async def parse(request: web.Request) -> dict:
         try:

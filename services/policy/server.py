@@ -80,7 +80,7 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
     import asyncio
 
     from services.policy.manager import AdapterManager
-    from prorag.registry import weights_sha256
+    from prorag.registry import artifact_name, weights_sha256
     from services.policy.openai_http import make_app
     from services.policy.scheduler import GenerationScheduler
     from services.policy.servicer import PolicyServicer, retriever_search_factory
@@ -89,7 +89,7 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
     cfg = cfg or PolicyConfig()
     model_path = cfg.resolved_model()
     engine = engine or build_engine(cfg, model_path)
-    model_info = {"model_id": str(model_path), "sha256": weights_sha256(model_path)}
+    model_info = {"model_id": str(model_path), "sha256": weights_sha256(model_path), "name": artifact_name(model_path)}
     root = cfg.resolved_adapter_root()
     root.mkdir(parents=True, exist_ok=True)
     manager = AdapterManager(engine, root, str(model_path), model_info["sha256"])
@@ -102,7 +102,7 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
     stoppers = [lambda: running.stop(serve.grace_s)]
     http_port = None
     if serve.http_port >= 0:
-        runner, http_port = await start_http(make_app(servicer, model_name=str(model_path)), serve.host, serve.http_port)
+        runner, http_port = await start_http(make_app(servicer, model_name=model_info["name"]), serve.host, serve.http_port)
         stoppers.insert(0, runner.cleanup)
 
     async def close():

@@ -196,7 +196,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         return common_pb2.ModelInfo(model_id=self.model_info["model_id"],
                                     base_model_sha256=self.model_info["sha256"], engine=str(info.get("engine", "")),
                                     device=str(info.get("device", "")), num_parameters=int(info.get("num_parameters", 0)),
-                                    extra={k: str(v) for k, v in info.items()})
+                                    extra={**{k: str(v) for k, v in info.items()}, "name": self.model_info["name"]})
 
     def _status(self, key: str) -> policy_pb2.AdapterStatus:
         entry = self.manager.loaded.get(key)

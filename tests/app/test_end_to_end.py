@@ -29,9 +29,14 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     monkeypatch.delenv("PRORAG_DATA", raising=False)
     monkeypatch.delenv("PRORAG_RUNS", raising=False)
     monkeypatch.setenv("PRORAG_TRACKING", "local")
+    from prorag_app.embedded import ensure_world
     from prorag_app.pipeline import run_main_job
 
-    results = run_main_job(profile="tiny", port_offset=_free_offset())
+    # a world other than the profile's, built with another seed: trained and evaluated as it was built
+    ensure_world("tiny-s7", size="tiny", seed=7)
+    results = run_main_job(profile="tiny", world="tiny-s7", port_offset=_free_offset())
+    assert results["world"] == "tiny-s7"
+    assert json.loads((tmp_path / "data" / "worlds" / "tiny-s7" / "world.json").read_text())["config"]["seed"] == 7
 
     on_disk = json.loads((tmp_path / "runs" / "latest" / "results.json").read_text())
     assert on_disk["methods"].keys() == {"no_retrieval", "standard_rag", "sft"}
@@ -43,6 +48,15 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
         assert lo <= overall["f1"] <= hi
         assert set(m["by_hops"]) >= {"1", "2", "3", "4"}
         assert sum(v["n"] for v in m["by_hops"].values()) == 60
+    # diagnostics: the format, the agent's first subquery and the copy probe of the base and every trained model
+    diag = on_disk["diagnostics"]
+    assert set(diag) == {"base", "no_retrieval", "standard_rag", "sft"}
+    assert 0.0 <= diag["sft"]["first_subquery_entity_rate"] <= 1.0
+    assert diag["sft"]["first_subquery_entity_rate"] == on_disk["methods"]["sft"]["first_subquery_entity_rate"]
+    assert diag["standard_rag"]["first_subquery_entity_rate"] is None  # not an agent
+    for name in diag:
+        probe = diag[name]["copy_probe"]
+        assert probe["names"] > 0 and 0.0 <= probe["name_accuracy"] <= 1.0 and 0.0 <= probe["token_accuracy"] <= 1.0
     # retrieval of gold sub-questions is near perfect on the tiny world
     assert on_disk["retrieval"]["hybrid"]["subquery"]["recall@3"]["overall"]["mean"] > 0.9
     # every prediction and trajectory is saved
@@ -54,13 +68,21 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     for name, job in on_disk["jobs"].items():
         manifest = json.loads((tmp_path / "runs" / "jobs" / job["job_id"] / "run" / "manifest.json").read_text())
         assert manifest["stage"] == "sft"
-        published = tmp_path / "data" / "models" / "tiny" / name / job["job_id"] / "manifest.json"
+        published = tmp_path / "data" / "models" / "tiny-s7" / name / job["job_id"] / "manifest.json"
         recorded = json.loads(published.read_text())
         assert recorded["kind"] == "model" and recorded["config"]["topk"] == 3  # the tiny profile's default depth
+        assert recorded["config"]["world"] == "tiny-s7" and job["job_id"].startswith("tiny-s7-")
         assert len(recorded["sha256"]) == 64 and len(recorded["base_model_sha256"]) == 64
     assert results["timings"]["train_sft_s"] > 0
 
     # a second run reuses the finished jobs instead of training again
-    again = run_main_job(profile="tiny", port_offset=_free_offset())
+    again = run_main_job(profile="tiny", world="tiny-s7", port_offset=_free_offset())
     assert {m: j["job_id"] for m, j in again["jobs"].items()} == {m: j["job_id"] for m, j in on_disk["jobs"].items()}
     assert again["timings"]["train_sft_s"] < results["timings"]["train_sft_s"]
+
+    # `prorag up` now serves the agent this run trained, named by its registry reference
+    from prorag.registry import artifact_name
+    from prorag_app.cli import served_policy
+
+    assert on_disk["jobs"]["sft"]["model"] == f"sft@{on_disk['jobs']['sft']['job_id']}"
+    assert artifact_name(served_policy("tiny-s7", None)) == on_disk["jobs"]["sft"]["model"]

@@ -88,7 +88,7 @@ def stack(loop, home, model_dir, adapters):
     cfg = PolicyConfig(world="tiny", model=str(model_dir), retriever=f"127.0.0.1:{retr.grpc_port}", max_n=8, max_tokens=64,
                        max_prefix_tokens=1500, default_step_tokens=24, max_steps=8, default_max_steps=6)
     pol = run(loop, start_policy(ServeConfig(port=0, http_port=0), cfg))
-    yield {"policy": pol, "retriever": retr, "target": f"127.0.0.1:{pol.grpc_port}"}
+    yield {"policy": pol, "retriever": retr, "target": f"127.0.0.1:{pol.grpc_port}", "model_dir": model_dir}
     run(loop, pol.stop())
     run(loop, retr.stop())
 
@@ -250,7 +250,10 @@ def test_openai_compatible_http_with_the_openai_client(stack):
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack['policy'].http_port}/v1", api_key="unused")
     models = client.models.list()
-    assert models.data[0].id
+    from prorag.registry import artifact_name
+
+    assert models.data[0].id == artifact_name(stack["model_dir"])  # name@version, never a server path
+    assert "/" not in models.data[0].id and "@" in models.data[0].id
     comp = client.completions.create(model=models.data[0].id, prompt="The capital of Kest", max_tokens=5,
                                      temperature=0)
     assert comp.choices[0].text is not None and comp.usage.completion_tokens >= 1
