@@ -139,6 +139,20 @@ def baseline_steps(question, grounded: bool, thought: ThoughtFn = template_thoug
                  content=question.golden_answers[0])]
 
 
+def hop_questions(question) -> list:
+    """One single-hop question per retrieval hop of ``question``'s gold decomposition: its sub-question,
+    answered by its sub-answer (and aliases). The per-hop reading samples a baseline trains on besides whole
+    questions, so it learns to read an answer out of retrieved documents as the agent's subanswers do."""
+    from prorag.data.loaders import Question
+
+    return [Question(id=f"{question.id}/hop{i}", question=s.question,
+                     golden_answers=[s.answer, *[a for a in s.answer_aliases if a != s.answer]],
+                     metadata={"type": "compositional", "hops": 1,
+                               "decomposition": [{"question": s.question, "answer": s.answer, "doc_id": s.doc_id,
+                                                  "title": s.title}]})
+            for i, s in enumerate(x for x in question.decomposition if x.doc_id)]
+
+
 def encode_segments(tokenizer, prompt: str, steps: Sequence[Step], tag_ids: Mapping[str, int],
                     loss_weights: Mapping[str, float] = FORMAT_LOSS_WEIGHTS) -> TokenTrajectory:
     """Tokenise segment by segment exactly as a rollout appends them (prompt, step, glue, step...),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from prorag import paths
 from prorag.config import ConfigError, from_dict
+from prorag.errors import ProragError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here; all models are local files
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -325,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except ProragError as e:  # a caller's mistake (unknown model, bad argument): say it, no traceback
+        print(f"error: {e}", file=sys.stderr)
         return 2
 
 

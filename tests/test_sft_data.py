@@ -196,3 +196,18 @@ def test_length_grouped_batches_keep_a_short_last_batch():
     batches = length_grouped_batches([5, 3, 9, 1, 7], batch_size=2, seed=0)
     assert sorted(len(b) for b in batches) == [1, 2, 2]
     assert sorted(i for b in batches for i in b) == [0, 1, 2, 3, 4]
+
+
+def test_hop_questions_are_single_hop_reading_samples_of_each_retrieval_hop():
+    from prorag.sft_data import hop_questions
+
+    q = _question()
+    hops = hop_questions(q)
+    gold_hops = [s for s in q.decomposition if s.doc_id]
+    assert [h.question for h in hops] == [s.question for s in gold_hops]
+    assert [h.golden_answers[0] for h in hops] == [s.answer for s in gold_hops]
+    assert all(h.hops == 1 and h.decomposition[0].doc_id == s.doc_id for h, s in zip(hops, gold_hops))
+    assert len({h.id for h in hops}) == len(hops) and all(h.id.startswith(q.id + "/hop") for h in hops)
+    # the baselines' answer step answers the hop with its sub-answer
+    step, = baseline_steps(hops[0], grounded=True)
+    assert step.kind == "answer" and step.content == gold_hops[0].answer

@@ -58,6 +58,11 @@ class SFTConfig:
                                                         "the decomposition's randomly drawn one; sub-questions in "
                                                         "other phrasings are kept verbatim; measured to lift dev 2+ hop F1 "
                                                         "32.1 -> 51.1 (docs/BENCHMARKS.md)")
+    hop_samples: bool = cfg_field(False, help="baselines: besides each whole question, train on one sample per gold "
+                                               "hop (its sub-question, for standard_rag with that sub-question's "
+                                               "top-k documents, the gold one among them, answered by its "
+                                               "sub-answer), the reading the agent's subanswers train on "
+                                               "(prorag.sft_data.hop_questions)")
     loss_weights: str = cfg_field("prorag", help="prorag = format-aware tag weights; uniform = plain CE",
                                   choices=("prorag", "uniform"))
     epochs: float = cfg_field(1.0, help="passes over the data (fractional allowed)", min=0.01, max=100)
@@ -94,7 +99,7 @@ def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]
     from prorag.clients import RetrieverClient
     from prorag.data.loaders import Document, load_questions, load_split
     from prorag.sft_data import (agent_prompt, agent_steps, baseline_prompt, baseline_steps, encode_segments,
-                                 template_thought)
+                                 ensure_gold, hop_questions, template_thought)
     from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS
 
     qs = load_questions(cfg.questions) if cfg.questions else load_split(paths.world_dir(cfg.world), "train")
@@ -140,11 +145,17 @@ def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]
                                     restate=cfg.restate_question, plan=cfg.plan_thoughts, phrasing=phrasing)
                 samples.append(encode_segments(tokenizer, agent_prompt(q.question), steps, tag_ids, weights))
         else:
-            docs = search([q.question for q in qs]) if cfg.mode == "standard_rag" else {}
-            for q in qs:
-                prompt = baseline_prompt(q.question, docs.get(q.question) if cfg.mode == "standard_rag" else None)
-                steps = baseline_steps(q, grounded=cfg.mode == "standard_rag", thought=thought,
-                                       restate=cfg.restate_question)
+            hops = [h for q in qs for h in hop_questions(q)] if cfg.hop_samples else []
+            rag = cfg.mode == "standard_rag"
+            docs = search([q.question for q in qs + hops]) if rag else {}
+            if rag and hops:  # a hop's reading sample always holds the document that answers it
+                gold = {d.id: d for d in client.get_documents(sorted({h.decomposition[0].doc_id for h in hops}))}
+                for h in hops:
+                    docs[h.question] = ensure_gold(docs[h.question], gold[h.decomposition[0].doc_id], cfg.topk)
+            stats["hop_samples"] = len(hops)
+            for q in qs + hops:
+                prompt = baseline_prompt(q.question, docs.get(q.question) if rag else None)
+                steps = baseline_steps(q, grounded=rag, thought=thought, restate=cfg.restate_question)
                 samples.append(encode_segments(tokenizer, prompt, steps, tag_ids, weights))
     finally:
         client.close()

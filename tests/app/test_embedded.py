@@ -25,3 +25,11 @@ def test_a_missing_world_is_built_with_seed_zero_and_its_name_as_size(tmp_path, 
 
     built = ensure_world("tiny")
     assert built["seed"] == 0 and built["size"] == "tiny"
+
+
+def test_the_cli_names_an_unknown_model_without_a_traceback(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
+    from prorag_app.cli import main
+
+    assert main(["eval", "--world", "tiny", "--model", "nope@v1"]) == 2
+    assert "nope@v1 is not published" in capsys.readouterr().err

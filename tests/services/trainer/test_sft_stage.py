@@ -151,3 +151,28 @@ def test_sft_kill_dash_nine_resumes_to_the_same_weights(tmp_path, data_dir, retr
         assert torch.allclose(a[k], b[k], atol=1e-5), k
     manifest = json.loads((home / "runs" / "jobs" / "kill-run" / "run" / "manifest.json").read_text())
     assert manifest["stage"] == "sft" and manifest["config"]["mode"] == "agent"
+
+
+def test_standard_rag_with_hop_samples_also_reads_every_gold_hop(data_dir, retriever):
+    """The fair baseline's data: each whole question, plus one sample per gold hop whose documents hold the
+    hop's supporting document and whose answer is the hop's sub-answer."""
+    from transformers import AutoTokenizer
+
+    from prorag.config import from_dict
+    from prorag.data.loaders import load_split
+    from prorag import paths
+    from services.trainer.stage_sft import SFTConfig, build_samples
+
+    tok = AutoTokenizer.from_pretrained(BASE["model"])
+    cfg = from_dict(SFTConfig, _config(retriever, mode="standard_rag", max_questions=12, hop_samples=True))
+    with env("PRORAG_DATA", str(data_dir)):
+        samples, stats = build_samples(cfg, tok)
+        plain, plain_stats = build_samples(from_dict(SFTConfig, _config(retriever, mode="standard_rag",
+                                                                        max_questions=12)), tok)
+        qs = load_split(paths.world_dir("tiny"), "train")[:12]
+    hops = [s for q in qs for s in q.decomposition if s.doc_id]
+    assert stats["hop_samples"] == len(hops) and stats["samples"] == 12 + len(hops) - stats["dropped_too_long"]
+    assert plain_stats["samples"] == 12 - plain_stats["dropped_too_long"] and "hop_samples" not in plain_stats
+    texts = [tok.decode(s.token_ids) for s in samples[-len(hops):]]
+    for hop, text in zip(hops, texts):
+        assert hop.question in text and hop.answer in text and f"(Title: {hop.title})" in text
