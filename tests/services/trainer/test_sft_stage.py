@@ -172,7 +172,7 @@ def test_standard_rag_with_hop_samples_also_reads_every_gold_hop(data_dir, retri
         qs = load_split(paths.world_dir("tiny"), "train")[:12]
     hops = [s for q in qs for s in q.decomposition if s.doc_id]
     assert stats["hop_samples"] == len(hops) and stats["samples"] == 12 + len(hops) - stats["dropped_too_long"]
-    assert plain_stats["samples"] == 12 - plain_stats["dropped_too_long"] and "hop_samples" not in plain_stats
+    assert plain_stats["samples"] == 12 - plain_stats["dropped_too_long"] and plain_stats["hop_samples"] == 0
     texts = [tok.decode(s.token_ids) for s in samples[-len(hops):]]
     for hop, text in zip(hops, texts):
         assert hop.question in text and hop.answer in text and f"(Title: {hop.title})" in text
