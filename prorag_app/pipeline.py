@@ -139,14 +139,20 @@ def print_retrieval_table(results: dict, ks=KS) -> None:
 
 
 # ---------------------------------------------------------------- training through the trainer
+#: bumped when a finished job's outputs change shape, so older jobs are not reused (2: Job.outputs["model"])
+JOB_FORMAT = 2
+
+
 def job_id_for(world: str, method: str, config: dict) -> str:
     """Same config and base weights -> same job id, so a second `make run` reuses the finished job,
     while a rebuilt base (same path, new weights) trains anew. The retriever address is excluded:
-    it moves with --port-offset but does not change the data."""
+    it moves with --port-offset but does not change the data. JOB_FORMAT changes the ids when what a job
+    leaves behind changes (jobs finished before the registry name no model in their outputs)."""
     from prorag.registry import weights_sha256
 
     key = {k: v for k, v in config.items() if k != "retriever"}
     key["base_sha256"] = weights_sha256(config["base_model"])
+    key["job_format"] = JOB_FORMAT
     return f"{world}-{method}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]}"
 
 
