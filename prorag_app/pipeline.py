@@ -96,7 +96,10 @@ PROFILES = {
                     # the agent reads one document per subquery: the top-1 of the default (hybrid) index holds a
                     # gold sub-question's document 98.6% of the time, and the small policy reads one document far
                     # better than three; and it writes each relation's subquery one way (dev 2+ hops 32.1 -> 51.1)
-                    method_sft={"sft": {"topk": 1, "canonical_subqueries": True}}),
+                    method_sft={"sft": {"topk": 1, "canonical_subqueries": True},
+                                # the fair baseline: also trained to read each gold hop's answer out of its
+                                # documents, as the agent's subanswers are (issue 16)
+                                "standard_rag": {"hop_samples": True}}),
 }
 
 
