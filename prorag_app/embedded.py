@@ -68,13 +68,17 @@ def policy_base_dir(world: str = "default", variant: str = "") -> Path:
 #: bumped whenever train_tokenizer changes how text maps to ids, so an older base is rebuilt
 TOKENIZER_VERSION = 3
 
-#: embedded base policy per world size when nobody asks for a specific one
-DEFAULT_POLICY = {"tiny": ("tiny", 2048)}
-#: warm-up per world size (the tiny world is for tests: a few steps of each phase, seconds on CPU). The gap
-#: phase (WarmupConfig.gap_steps) stays off for the default world: it doubled reading behind a stage's tags but
-#: left the agent's table unchanged (its subqueries do not copy the question's name) for ~4 more minutes of
-#: `make run` (docs/BENCHMARKS.md, "Reading behind the format").
-DEFAULT_WARMUP = {"tiny": {"copy_steps": 6, "sentence_steps": 2, "document_steps": 2, "batch_size": 4}}
+#: embedded base policy per world size when nobody asks for a specific one: for default-size worlds the
+#: `cpu` shape with a previous-token and an induction head wired in at init (prorag.init_circuits), so the agent
+#: can copy the question's entity into its subqueries (docs/BENCHMARKS.md, "Induction wired in at init")
+DEFAULT_POLICY = {"tiny": ("tiny", 2048), "default": ("cpu-induction", 8192)}
+#: warm-up per world size. The tiny world is for tests: a few steps of each phase, seconds on CPU. The default
+#: world's keeps copying alive through the reading phases (copy_mix), ramps the learning rate so Adam's first
+#: steps do not disturb the wired circuit, and adds the gap and paraphrase phases (reading behind the format's
+#: tags, names copied into restated questions): the base the SFT figure was reached on.
+DEFAULT_WARMUP = {"tiny": {"copy_steps": 6, "sentence_steps": 2, "document_steps": 2, "batch_size": 4},
+                  "default": {"copy_mix": 4, "lr_warmup_steps": 50, "copy_min_length": 8, "gap_steps": 200,
+                              "paraphrase_steps": 150}}
 
 
 def ensure_policy_model(world: str = "default", preset: str | None = None, vocab_size: int | None = None,

@@ -39,8 +39,20 @@ def test_every_profile_is_a_valid_sft_and_warmup_config_and_variants_keep_their_
             assert cfg.max_steps > 0, (name, method)
         if prof.base_warmup is not None:
             from_dict(WarmupConfig, prof.base_warmup)
-            # a profile with its own warm-up must not rebuild the base every other profile shares
-            assert prof.base_variant and policy_base_dir(prof.world, prof.base_variant) != policy_base_dir(prof.world)
+    # profiles whose bases differ never share a base directory (one would rebuild the other's in place)
+    from prorag_app.embedded import DEFAULT_POLICY, DEFAULT_WARMUP
+
+    bases = {}
+    for name, prof in PROFILES.items():
+        size = prof.world if prof.world in DEFAULT_POLICY else "default"
+        warmup = DEFAULT_WARMUP.get(size, {}) if prof.base_warmup is None else prof.base_warmup
+        settings = (prof.model_preset, prof.vocab_size, tuple(sorted(warmup.items())))
+        where = policy_base_dir(prof.world, prof.base_variant)
+        assert bases.setdefault(where, settings) == settings, (name, where)
+    # the default profile is the recipe that reaches the figure, and its base is what `prorag base` / `up` build
+    assert PROFILES["default"] is PROFILES["full"]
+    assert (PROFILES["default"].model_preset, PROFILES["default"].vocab_size) == DEFAULT_POLICY["default"]
+    assert PROFILES["default"].base_warmup is None and not PROFILES["default"].base_variant
 
 
 def test_profiles_are_checked_when_they_are_defined():
