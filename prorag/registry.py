@@ -254,13 +254,14 @@ def registry(kind: str, world: str) -> Registry:
     return Registry(paths.data_dir() / _ROOT_DIRS[kind] / world, kind)
 
 
-def artifact_name(path: str | Path) -> str:
+def artifact_name(path: str | Path, sha256: str = "") -> str:
     """How a served model is named to callers: its ``name@version`` when it is published, else its directory's
-    name at the first 12 hex digits of its weights' hash (a version that changes whenever the weights do)."""
+    name at the first 12 hex digits of its weights' hash (a version that changes whenever the weights do).
+    sha256: that hash when the caller has it already (hashing an 8B model's shards takes a while)."""
     path = Path(path)
     if (path / MANIFEST).is_file():
         return Manifest.read(path / MANIFEST).ref.key
-    return f"{path.name}@{weights_sha256(path)[:12]}"
+    return f"{path.name}@{(sha256 or weights_sha256(path))[:12]}"
 
 
 def published_config(path: str | Path) -> dict:

@@ -89,7 +89,8 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
     cfg = cfg or PolicyConfig()
     model_path = cfg.resolved_model()
     engine = engine or build_engine(cfg, model_path)
-    model_info = {"model_id": str(model_path), "sha256": weights_sha256(model_path), "name": artifact_name(model_path)}
+    sha = weights_sha256(model_path)  # hashed once: it is the adapters' base identity and the served name's version
+    model_info = {"model_id": str(model_path), "sha256": sha, "name": artifact_name(model_path, sha)}
     root = cfg.resolved_adapter_root()
     root.mkdir(parents=True, exist_ok=True)
     manager = AdapterManager(engine, root, str(model_path), model_info["sha256"])
