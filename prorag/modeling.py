@@ -266,6 +266,9 @@ class WarmupConfig:
                                               "as a subquery does) with gap rows (0 = off)", min=0)
     paraphrase_share: float = cfg_field(0.375, help="paraphrase phase: share of rows that are paraphrases",
                                         min=0.0, max=1.0)
+    copy_final_steps: int = cfg_field(0, help="copy-task steps after every reading phase: the reading phases wear "
+                                              "the copy skill down by a varying amount (measured: a base copying 38% "
+                                              "of names copied 73% after 200 such steps) (0 = off)", min=0)
     lr: float = cfg_field(3e-3, help="AdamW learning rate (constant after the ramp)", min=0.0, max=1.0)
     lr_warmup_steps: int = cfg_field(0, help="steps of linear learning-rate ramp; Adam's first full-size "
                                               "steps disturbed the wired induction circuit (measured)", min=0)
@@ -273,7 +276,7 @@ class WarmupConfig:
     @property
     def total_steps(self) -> int:
         return (self.copy_steps + 3 * self.sentence_steps + self.document_steps + self.gap_steps
-                + self.paraphrase_steps + self.retrieved_steps)
+                + self.paraphrase_steps + self.retrieved_steps + self.copy_final_steps)
 
 
 def describe_model(model) -> dict:

@@ -87,8 +87,9 @@ RECIPE = Profile(world="default", model_preset="cpu-induction", vocab_size=8192,
                  # better than three; and it writes each relation's subquery one way (dev 2+ hops 32.1 -> 51.1)
                  method_sft={"sft": {"topk": 1, "canonical_subqueries": True},
                              # the fair baseline: also trained to read each gold hop's answer out of its documents,
-                             # as the agent's subanswers are (issue 16)
-                             "standard_rag": {"hop_samples": True}})
+                             # as the agent's subanswers are, from the one top document the agent reads, so that on
+                             # 1-hop questions both read the same document (issue 16)
+                             "standard_rag": {"hop_samples": True, "topk": 1}})
 
 PROFILES = {
     "tiny": Profile(world="tiny", model_preset="tiny", vocab_size=2048,

@@ -2,7 +2,7 @@
 
 Phases, in order (prorag.modeling.WarmupConfig sets their lengths): copy task; reading with 1, 2, then 3
 sentences; whole documents; gap rows; paraphrase rows mixed with gap rows; reading among retrieved
-documents. Each step's rows are drawn from a generator seeded with (seed, step) alone, so a resumed
+documents; the copy task again (restores what the reading phases wore down). Each step's rows are drawn from a generator seeded with (seed, step) alone, so a resumed
 warm-up trains on exactly the batches an uninterrupted one does.
 """
 
@@ -37,7 +37,8 @@ def phases(cfg: WarmupConfig) -> list[tuple[str | int | None, int]]:
     """(phase, steps) in training order; phase: "copy", a sentence count, None (whole documents), "gap",
     "paraphrase" or "retrieved"."""
     return [("copy", cfg.copy_steps), *[(k, cfg.sentence_steps) for k in (1, 2, 3)], (None, cfg.document_steps),
-            ("gap", cfg.gap_steps), ("paraphrase", cfg.paraphrase_steps), ("retrieved", cfg.retrieved_steps)]
+            ("gap", cfg.gap_steps), ("paraphrase", cfg.paraphrase_steps), ("retrieved", cfg.retrieved_steps),
+            ("copy", cfg.copy_final_steps)]
 
 
 class WarmupBatches:

@@ -13,7 +13,8 @@ DOCS = {"d1": '"city"\nThe city was founded by the band. The river is in the mou
 FACTS = [Fact("d1", "Who founded the city?", "the band"), Fact("d2", "Who directed the film?", "the president"),
          Fact("d2", "Who was the director of the film?", "the president")]
 CFG = WarmupConfig(copy_steps=2, copy_length=6, copy_min_length=4, copy_mix=2, sentence_steps=1, document_steps=1,
-                   gap_steps=1, paraphrase_steps=1, retrieved_steps=1, distractors=1, batch_size=3)
+                   gap_steps=1, paraphrase_steps=1, retrieved_steps=1, copy_final_steps=1, distractors=1,
+                   batch_size=3)
 
 
 def _same(a, b):
@@ -34,7 +35,7 @@ def test_phases_in_order_with_copy_rows_mixed_into_reading(tiny_policy):
     _, tok = tiny_policy
     batches = WarmupBatches(tok, DOCS, FACTS, CFG)
     assert [batches.phase_at(s) for s in range(CFG.total_steps)] == [
-        "copy", "copy", 1, 2, 3, None, "gap", "paraphrase", "retrieved"]
+        "copy", "copy", 1, 2, 3, None, "gap", "paraphrase", "retrieved", "copy"]
     with pytest.raises(IndexError):
         batches.phase_at(CFG.total_steps)
     copy, reading = batches(0), batches(2)
