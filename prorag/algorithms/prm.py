@@ -1,0 +1,96 @@
+"""Process reward model: where a step's score is read, how a long trajectory is cut, and the pairwise loss.
+
+One rendering serves training and scoring: a trajectory's tokens as the policy saw them, each step scored at
+its last token (after the documents the environment inserted, so a subquery is judged with what it
+retrieved). Reading every step's score at a fixed position of one sequence lets one forward pass score all
+steps; the reference code instead appends EOS when training and not when scoring, and truncates on the right,
+dropping the newest step (ANCHORS.md). Pure functions; tensors and lists in, no model.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from prorag.tokens import StepSpan
+
+
+def score_positions(spans: Sequence[StepSpan]) -> list[int]:
+    """[S] index of each step's score token: its last token, inserted documents included (end - 1).
+    A step with no token at all is an error (nothing to score)."""
+    out = []
+    for k, s in enumerate(spans):
+        if s.end <= s.start:
+            raise ValueError(f"step {k} has no tokens (start {s.start}, end {s.end})")
+        out.append(s.end - 1)
+    return out
+
+
+def left_truncate(token_ids: Sequence[int], positions: Sequence[int], max_len: int,
+                  keep_prefix: int = 0) -> tuple[list[int], list[int | None]]:
+    """Fit a sequence into max_len tokens by cutting from the left, after a kept prefix (the system prompt
+    and question, which every step is judged against).
+
+    token_ids [T]; positions [S] score positions in it; keep_prefix: tokens at the start that are never cut
+    (reduced if it would leave no room). Returns (ids [<= max_len], positions [S]: each shifted into the new
+    sequence, or None where the step's score token was cut away). The last position is always kept:
+    the newest step is never dropped."""
+    if max_len < 1:
+        raise ValueError("max_len must be >= 1")
+    t = len(token_ids)
+    if t <= max_len:
+        return list(token_ids), list(positions)
+    keep_prefix = max(0, min(keep_prefix, max_len - 1))
+    cut = t - max_len  # tokens removed right after the prefix
+    ids = list(token_ids[:keep_prefix]) + list(token_ids[keep_prefix + cut:])
+    shifted: list[int | None] = []
+    for p in positions:
+        if p < keep_prefix:
+            shifted.append(p)
+        elif p < keep_prefix + cut:
+            shifted.append(None)
+        else:
+            shifted.append(p - cut)
+    return ids, shifted
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor,
+                       margin: torch.Tensor | None = None) -> torch.Tensor:
+    """Pairwise reward-model loss: mean of -log sigmoid(r_chosen - r_rejected - margin).
+
+    chosen [N], rejected [N] scalar scores; margin [N] or None (0). Scalar; the same objective as TRL's
+    RewardTrainer."""
+    diff = chosen.float() - rejected.float()
+    if margin is not None:
+        diff = diff - margin.float()
+    return -F.logsigmoid(diff).mean()
+
+
+def pairwise_accuracy(chosen: Sequence[float], rejected: Sequence[float]) -> float:
+    """Share of pairs whose chosen step scores strictly higher; ties count half."""
+    if len(chosen) != len(rejected) or not chosen:
+        raise ValueError("need as many chosen as rejected scores, at least one")
+    return sum(1.0 if c > r else 0.5 if c == r else 0.0 for c, r in zip(chosen, rejected)) / len(chosen)
+
+
+def auc(positive: Sequence[float], negative: Sequence[float]) -> float:
+    """Area under the ROC curve: probability a positive scores above a negative (ties count half);
+    the Mann-Whitney statistic, computed by rank in O(n log n)."""
+    if not positive or not negative:
+        raise ValueError("AUC needs at least one positive and one negative score")
+    scored = sorted([(s, 1) for s in positive] + [(s, 0) for s in negative])
+    rank_sum, i = 0.0, 0
+    while i < len(scored):  # average ranks over ties
+        j = i
+        while j < len(scored) and scored[j][0] == scored[i][0]:
+            j += 1
+        avg = (i + 1 + j) / 2
+        rank_sum += avg * sum(lab for _, lab in scored[i:j])
+        i = j
+    n_pos, n_neg = len(positive), len(negative)
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+__all__ = ["auc", "bradley_terry_loss", "left_truncate", "pairwise_accuracy", "score_positions"]
