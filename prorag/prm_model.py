@@ -1,0 +1,83 @@
+"""The process reward model: the SFT policy's trunk with a scalar head on every position.
+
+A token-classification head (one label) rather than sequence classification: the model is causal, so the
+scalar at a step's last token depends only on the tokens up to it, and one forward pass over a whole
+trajectory scores every step exactly as scoring each prefix on its own would (tests/test_prm_model.py checks
+it). Sequence classification pools one position per row and would need one row per step (the reference
+code's cost). Where steps are scored: prorag.algorithms.prm.score_positions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from prorag.algorithms.prm import left_truncate
+from prorag.errors import InvalidArgument, NotFound
+from prorag.modeling import _dtype, _quiet, add_format_tokens
+
+
+def prm_from_policy(policy_dir: str | Path, seed: int = 0, dtype="float32"):
+    """A new PRM from a policy directory: its trunk and tokenizer, a scalar head initialised from ``seed``
+    (N(0, 0.02), as the trunk's linear layers). Returns (model, tokenizer), the model in train mode."""
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    _quiet()
+    if not Path(policy_dir).is_dir():
+        raise NotFound(f"policy directory {policy_dir} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(str(policy_dir))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForTokenClassification.from_pretrained(str(policy_dir), num_labels=1, dtype=_dtype(dtype))
+    add_format_tokens(tokenizer, model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=g) * 0.02)
+        if model.score.bias is not None:
+            model.score.bias.zero_()
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model.train(), tokenizer
+
+
+def load_prm(path: str | Path, device: str = "cpu", dtype="float32"):
+    """A saved PRM directory (prorag.modeling.save_pretrained of a prm_from_policy model); (model eval, tok)."""
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    _quiet()
+    if not Path(path).is_dir():
+        raise NotFound(f"PRM directory {path} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForTokenClassification.from_pretrained(str(path), dtype=_dtype(dtype))
+    if model.config.num_labels != 1:
+        raise InvalidArgument(f"{path} is not a PRM: its head has {model.config.num_labels} outputs, not 1")
+    return model.to(device).eval(), tokenizer
+
+
+def score_batch(model, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], max_len: int,
+                pad_id: int = 0, keep_prefix: int = 0) -> list[list[float | None]]:
+    """Score every listed position of every sequence in one forward pass.
+
+    sequences: B token-id lists; positions: per sequence, the indices whose scalar is a step's score; longer
+    sequences than max_len are cut on the left after keep_prefix tokens (prorag.algorithms.prm.left_truncate:
+    the newest step always stays). Returns [B][S_b] scores as 0-d tensors (``float(s)`` for a number), None for a step whose score token
+    was cut away.
+    Gradients flow when the model is in train mode and grad is enabled (training uses this too)."""
+    if len(sequences) != len(positions):
+        raise InvalidArgument("one positions list per sequence")
+    cut = [left_truncate(ids, pos, max_len, keep_prefix) for ids, pos in zip(sequences, positions)]
+    T = max(len(ids) for ids, _ in cut)
+    x = torch.full((len(cut), T), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(cut), T), dtype=torch.long)
+    for i, (ids, _) in enumerate(cut):
+        x[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attn[i, :len(ids)] = 1
+    device = next(model.parameters()).device
+    logits = model(input_ids=x.to(device), attention_mask=attn.to(device)).logits[..., 0]  # [B, T]
+    return [[None if p is None else logits[i, p] for p in pos] for i, (_, pos) in enumerate(cut)]
+
+
+__all__ = ["load_prm", "prm_from_policy", "score_batch"]
