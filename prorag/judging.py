@@ -16,10 +16,14 @@ Pure functions; the judge service wraps them as its ``reference`` backend.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from prorag.data.loaders import Question
+from prorag.errors import Unavailable
 from prorag.metrics import cover_exact_match, normalize_answer
 from prorag.trajectory import Step
 
@@ -108,5 +112,59 @@ def judge_pair(question: Question, history: Sequence[Step], a: Step, b: Step) ->
     return PairJudgement(None, None, "both sound" if va.sound else f"both unsound ({va.reason}; {vb.reason})")
 
 
-__all__ = ["INVALID", "PairJudgement", "REDUNDANT_SEARCH", "UNSUPPORTED", "Verdict", "WRONG_ANSWER",
+# ---------------------------------------------------------------- an LLM judge's request and reply
+JUDGE_SYSTEM = (
+    "You judge two alternative next steps of a retrieval-augmented reasoning agent that answers a multi-hop "
+    "question by searching, reading and answering sub-questions. Both steps follow the same context. Choose the "
+    "step that makes correct, efficient progress and reject the step that names a wrong entity, claims what the "
+    "retrieved documents do not support, or repeats a search. If neither step is clearly better, decline. "
+    'Reply with JSON only: {"chosen": 1 or 2 or null, "reason": "<one sentence>"}.')
+
+
+def pair_messages(question: str, context: str, step_a: str, step_b: str) -> list[dict[str, str]]:
+    """The chat request for one sibling pair (OpenAI message format)."""
+    user = (f"Question: {question}\n\nContext so far:\n{context or '(nothing yet)'}\n\n"
+            f"Step 1:\n{step_a}\n\nStep 2:\n{step_b}")
+    return [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": user}]
+
+
+class MalformedJudgeReply(Unavailable):
+    """The judge endpoint answered, but not with a usable choice (the caller retries, counts, then gives up
+    with UNAVAILABLE: a bad upstream, never a label)."""
+
+
+_JSON_OBJECT = re.compile(r"\{.*\}", re.S)
+
+
+def parse_pair_reply(text: str) -> PairJudgement:
+    """{"chosen": 1 | 2 | null, "reason": ...} (also inside code fences or surrounding prose) -> PairJudgement
+    over (step 1, step 2) as indices (0, 1). Anything else -> MalformedJudgeReply."""
+    found = _JSON_OBJECT.search(text or "")
+    if not found:
+        raise MalformedJudgeReply(f"judge reply has no JSON object: {text[:200]!r}")
+    try:
+        reply = json.loads(found.group(0))
+    except json.JSONDecodeError as e:
+        raise MalformedJudgeReply(f"judge reply is not valid JSON ({e.msg}): {found.group(0)[:200]!r}") from None
+    if not isinstance(reply, dict) or "chosen" not in reply:
+        raise MalformedJudgeReply(f"judge reply lacks 'chosen': {found.group(0)[:200]!r}")
+    chosen, reason = reply["chosen"], str(reply.get("reason", ""))
+    if chosen is None or (isinstance(chosen, str) and chosen.strip().lower() in ("", "null", "none")):
+        return PairJudgement(None, None, reason or "declined")
+    if isinstance(chosen, str) and chosen.strip() in ("1", "2"):
+        chosen = int(chosen)
+    if chosen not in (1, 2) or isinstance(chosen, bool):
+        raise MalformedJudgeReply(f"judge chose {chosen!r}; the choices are 1, 2 or null")
+    return PairJudgement(chosen - 1, 2 - chosen, reason)
+
+
+def request_key(model: str, messages: Sequence[Mapping[str, str]], params: Mapping[str, Any]) -> str:
+    """Content key of one judge request (sha256 of its canonical JSON): the persistent cache's key, so the same
+    question is never paid for twice."""
+    blob = json.dumps({"model": model, "messages": list(messages), "params": dict(params)}, sort_keys=True,
+                      ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+__all__ = ["JUDGE_SYSTEM", "MalformedJudgeReply", "pair_messages", "parse_pair_reply", "request_key", "INVALID", "PairJudgement", "REDUNDANT_SEARCH", "UNSUPPORTED", "Verdict", "WRONG_ANSWER",
            "WRONG_ENTITY", "judge_pair", "judge_step", "open_hop"]

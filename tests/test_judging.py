@@ -49,3 +49,29 @@ def test_pairs_choose_or_decline():
     assert (j.chosen, j.rejected) == (1, 0) and WRONG_ENTITY in j.reason
     assert judge_pair(Q, [], good, good).chosen is None
     assert judge_pair(Q, [], bad, bad).chosen is None
+
+
+def test_parse_pair_reply():
+    import pytest
+
+    from prorag.errors import Unavailable
+    from prorag.judging import MalformedJudgeReply, parse_pair_reply
+
+    j = parse_pair_reply('```json\n{"chosen": 2, "reason": "step 1 names the wrong entity"}\n```')
+    assert (j.chosen, j.rejected) == (1, 0) and "wrong entity" in j.reason
+    assert parse_pair_reply('{"chosen": "1"}').chosen == 0
+    assert parse_pair_reply('{"chosen": null, "reason": "tie"}').chosen is None
+    for bad in ("no json here", '{"chosen": 3}', '{"reason": "x"}', '{"chosen": 1,,}', '{"chosen": true}'):
+        with pytest.raises(MalformedJudgeReply):
+            parse_pair_reply(bad)
+    assert issubclass(MalformedJudgeReply, Unavailable)
+
+
+def test_request_key_is_content_keyed():
+    from prorag.judging import pair_messages, request_key
+
+    m = pair_messages("Q?", "", "a", "b")
+    assert request_key("gpt-4o", m, {"temperature": 0}) == request_key("gpt-4o", m, {"temperature": 0})
+    assert request_key("gpt-4o", m, {"temperature": 0}) != request_key("gpt-4o", pair_messages("Q?", "", "b", "a"),
+                                                                       {"temperature": 0})
+    assert request_key("gpt-4o", m, {}) != request_key("gpt-4o-mini", m, {})
