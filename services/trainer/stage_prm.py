@@ -1,0 +1,170 @@
+"""Stage "prm": the process reward model, trained with a Bradley-Terry loss on labelled sibling pairs.
+
+Why not TRL's RewardTrainer: it pools one score per sequence (sequence classification) and owns its training
+loop; here the score is read at each step's last token of the one rendering that scoring uses
+(prorag.pairs.prm_inputs), so one forward pass later scores a whole trajectory, and the project's one loop
+gives checkpoints, exact resume, cancellation and the same events as every other stage. The objective is the
+same: -log sigmoid(r_chosen - r_rejected).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from prorag.config import cfg_field
+from prorag.errors import FailedPrecondition, InvalidArgument
+from prorag.training.context import JobContext
+from prorag.training.loop import LoopConfig, run_loop
+from services.trainer.stages import register_stage
+
+
+@dataclass
+class PRMConfig:
+    """Train a PRM (the policy's trunk with a scalar head) on labelled sibling pairs."""
+
+    world: str = cfg_field("default", help="embedded world whose registry receives the PRM")
+    pairs: str = cfg_field("", help="required: JSONL of sibling pairs (prorag.pairs.StepPair rows), e.g. the "
+                                    "MCTS stage's output")
+    policy_model: str = cfg_field("", help="required: the policy directory (or published name@version in the "
+                                           "world's model registry) whose trunk the PRM starts from (ProRAG: the "
+                                           "SFT model)")
+    label_source: str = cfg_field("judge", help="which label trains it: judge, value (margin) or both (only "
+                                                "pairs where they agree)", choices=("judge", "value", "both"))
+    holdout: float = cfg_field(0.1, help="share of questions whose pairs are held out for pairwise accuracy",
+                               min=0.0, max=0.5)
+    epochs: float = cfg_field(3.0, help="passes over the training pairs (ProRAG: 3)", min=0.01, max=100)
+    batch_size: int = cfg_field(8, help="pairs per optimizer step", min=1, max=1024)
+    lr: float = cfg_field(1e-4, help="peak learning rate (ProRAG: 2e-5 for an 8B model; small models take more)",
+                          min=0.0, max=1.0)
+    warmup_ratio: float = cfg_field(0.05, help="fraction of steps warming up", min=0.0, max=0.5)
+    max_len: int = cfg_field(2048, help="longest input; longer ones are cut on the left, after the prompt",
+                             min=16)
+    seed: int = cfg_field(0, help="seed for the head's init and the data order", min=0, max=2 ** 31 - 1)
+    checkpoint_every: int = cfg_field(100, help="steps between checkpoints", min=1)
+    log_every: int = cfg_field(10, help="steps between progress events", min=1)
+    publish_name: str = cfg_field("prm", help="publish as name@<job id> under data/prms/<world>")
+    threads: int = cfg_field(0, help="torch threads (0 = leave as is)", min=0, max=256)
+    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
+
+
+def _held_out(question_id: str, share: float) -> bool:
+    # by question, so held-out pairs come from trees the PRM never saw
+    return int(hashlib.sha256(question_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < share
+
+
+def _resolve_policy(cfg: PRMConfig) -> Path:
+    from prorag.registry import registry
+
+    if not cfg.policy_model:
+        raise InvalidArgument("policy_model is required: the SFT policy directory or its name@version")
+    p = Path(cfg.policy_model)
+    if p.is_dir():
+        return p
+    if "@" in cfg.policy_model:
+        return registry("model", cfg.world).resolve(cfg.policy_model)
+    raise InvalidArgument(f"policy_model {cfg.policy_model!r} is neither a directory nor a name@version")
+
+
+def encode_pairs(tokenizer, pairs, source: str) -> list[tuple[list[int], int, list[int], int]]:
+    """(chosen ids, chosen score position, rejected ids, rejected position) per labelled pair."""
+    from prorag.pairs import prm_inputs
+
+    out = []
+    for p in pairs:
+        choice = p.label(source)
+        if choice is None:
+            continue
+        encoded = [prm_inputs(tokenizer, p.question, [*p.context, p.steps[i]]) for i in (choice, 1 - choice)]
+        (c_ids, c_pos), (r_ids, r_pos) = encoded
+        out.append((c_ids, c_pos[-1], r_ids, r_pos[-1]))
+    return out
+
+
+def pair_scores(model, batch, max_len: int, pad_id: int, keep_prefix: int = 0):
+    """[N] chosen and [N] rejected scores of a batch of encoded pairs, in one forward pass."""
+    import torch
+
+    from prorag.prm_model import score_batch
+
+    seqs = [b[0] for b in batch] + [b[2] for b in batch]
+    pos = [[b[1]] for b in batch] + [[b[3]] for b in batch]
+    scores = torch.stack([s[0] for s in score_batch(model, seqs, pos, max_len, pad_id, keep_prefix)])
+    n = len(batch)
+    return scores[:n], scores[n:]
+
+
+def run_prm(ctx: JobContext) -> dict:
+    import math
+
+    import torch
+
+    from prorag.algorithms.prm import bradley_terry_loss, pairwise_accuracy
+    from prorag.io import read_jsonl
+    from prorag.modeling import save_pretrained
+    from prorag.pairs import StepPair
+    from prorag.prm_model import prm_from_policy
+    from prorag.registry import ArtifactRef, registry, weights_sha256
+
+    cfg: PRMConfig = ctx.config
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if not cfg.pairs or not Path(cfg.pairs).is_file():
+        raise InvalidArgument(f"pairs file {cfg.pairs!r} does not exist (the MCTS stage writes one)")
+    policy = _resolve_policy(cfg)
+    ctx.seed_everything(cfg.seed)
+    model, tokenizer = prm_from_policy(policy, seed=cfg.seed)
+    pairs = [StepPair.from_dict(row) for row in read_jsonl(cfg.pairs)]
+    train = encode_pairs(tokenizer, [p for p in pairs if not _held_out(p.question_id, cfg.holdout)], cfg.label_source)
+    held = encode_pairs(tokenizer, [p for p in pairs if _held_out(p.question_id, cfg.holdout)], cfg.label_source)
+    if not train:
+        raise FailedPrecondition(f"no {cfg.label_source}-labelled pairs to train on in {cfg.pairs} "
+                                 f"({len(pairs)} pairs read)")
+    pad = tokenizer.pad_token_id
+    per_epoch = math.ceil(len(train) / cfg.batch_size)
+    total = max(1, int(round(per_epoch * cfg.epochs)))
+
+    def batch_at(i: int):
+        epoch, j = divmod(i, per_epoch)
+        order = list(range(len(train)))
+        random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)  # a function of (seed, epoch): exact resume
+        return [train[k] for k in order[j * cfg.batch_size:(j + 1) * cfg.batch_size]]
+
+    def loss_fn(m, batch):
+        chosen, rejected = pair_scores(m, batch, cfg.max_len, pad)
+        return bradley_terry_loss(chosen, rejected), sum(len(b[0]) + len(b[2]) for b in batch)
+
+    loop = LoopConfig(steps=total, optimizer="adamw", lr=cfg.lr, weight_decay=0.0, schedule="warmup_cosine",
+                      warmup_steps=int(total * cfg.warmup_ratio), grad_clip=1.0, checkpoint_every=cfg.checkpoint_every,
+                      log_every=cfg.log_every)
+    result = run_loop(ctx, model, batch_at, loss_fn, loop)
+    if not result.completed:
+        return {}
+    model.eval()
+    metrics = {"final_loss": result.loss, "train_pairs": len(train), "heldout_pairs": len(held)}
+    if held:
+        with torch.no_grad():
+            c, r = [], []
+            for i in range(0, len(held), cfg.batch_size):
+                sc, sr = pair_scores(model, held[i:i + cfg.batch_size], cfg.max_len, pad)
+                c += sc.tolist()
+                r += sr.tolist()
+        metrics["heldout_pairwise_accuracy"] = pairwise_accuracy(c, r)
+    with ctx.artifact_dir("prm") as tmp:
+        save_pretrained(model, tokenizer, tmp / "m")
+        for f in (tmp / "m").iterdir():
+            f.rename(tmp / f.name)
+        (tmp / "m").rmdir()
+    prms = registry("prm", cfg.world)
+    ref = ArtifactRef.of(cfg.publish_name, ctx.job_id)
+    prms.publish(ctx.run_dir / "prm", ref, base_model=str(policy), base_model_sha256=weights_sha256(policy),
+                 config={"stage": "prm", "job_id": ctx.job_id, **ctx.config_dict}, metrics=metrics, step=total)
+    ctx.emit(total, total, message=f"published {ref.key} at {prms.path(ref)}")
+    return {**metrics, "steps": total, "prm": ref.key}
+
+
+register_stage("prm", PRMConfig, run_prm,
+               description="process reward model: Bradley-Terry on labelled sibling pairs, scored at each step's "
+                           "last token; published to the PRM registry")

@@ -1,0 +1,73 @@
+"""The `prm` stage: Bradley-Terry on labelled sibling pairs learns a contrast it can see, holds questions out,
+publishes to the PRM registry, and refuses what it cannot train on."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from prorag.config import from_dict
+from prorag.data.loaders import Document
+from prorag.errors import FailedPrecondition, InvalidArgument
+from prorag.pairs import StepPair, prm_inputs
+from prorag.prm_model import load_prm, score_batch
+from prorag.registry import registry
+from prorag.training.context import local_context
+from prorag.trajectory import Step
+from services.trainer.stage_prm import PRMConfig, run_prm
+
+NAMES = ["Tova Lunn", "Kora Vell", "Arn Pell", "Mira Dost", "Sel Varn", "Oda Kree", "Bram Tull", "Ina Rook"]
+
+
+def _pairs(n, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        good, bad = rng.sample(NAMES, 2)
+        doc = Document(id=f"d{i}", title="Mai Brewery", text=f"Mai Brewery was founded by {good}.",
+                       contents=f'"Mai Brewery"\nMai Brewery was founded by {good}.')
+        ctx = [Step("subquery", thought="First the founder.", content="Who founded Mai Brewery?", docs=[doc])]
+        steps = (Step("subanswer", thought="The document names the founder.", content=good),
+                 Step("subanswer", thought="I will guess.", content=bad))
+        flip = rng.random() < 0.5
+        out.append(StepPair(f"q{i}", "Who founded Mai Brewery?", ctx, steps[::-1] if flip else steps,
+                            judge_choice=1 if flip else 0, value_choice=None))
+    return out
+
+
+def test_prm_stage_learns_publishes_and_scores(tiny_policy, tmp_path, monkeypatch):
+    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
+    model_dir, tok = tiny_policy
+    pairs_file = tmp_path / "pairs.jsonl"
+    pairs_file.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in _pairs(80)))
+    cfg = from_dict(PRMConfig, {"world": "tiny", "pairs": str(pairs_file), "policy_model": str(model_dir),
+                                "holdout": 0.25, "epochs": 4, "batch_size": 8, "lr": 2e-3, "threads": 1,
+                                "checkpoint_every": 1000, "max_len": 512})
+    out = run_prm(local_context(tmp_path / "work", cfg))
+    assert out["heldout_pairs"] > 5 and out["train_pairs"] + out["heldout_pairs"] == 80
+    assert out["final_loss"] < 0.3  # from ln 2 = 0.69 at a random head
+    assert out["heldout_pairwise_accuracy"] >= 0.9
+    published = registry("prm", "tiny").resolve(out["prm"])
+    prm, ptok = load_prm(published)
+    fresh = _pairs(1, seed=99)[0]
+    chosen, rejected = fresh.steps[fresh.judge_choice], fresh.steps[1 - fresh.judge_choice]
+    seqs = [prm_inputs(ptok, fresh.question, [*fresh.context, s]) for s in (chosen, rejected)]
+    with torch.no_grad():
+        sc = score_batch(prm, [s[0] for s in seqs], [[s[1][-1]] for s in seqs], 512, ptok.pad_token_id)
+    assert float(sc[0][0]) > float(sc[1][0])
+
+
+def test_prm_stage_refuses_what_it_cannot_train(tiny_policy, tmp_path, monkeypatch):
+    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
+    model_dir, _ = tiny_policy
+    with pytest.raises(InvalidArgument, match="pairs file"):
+        run_prm(local_context(tmp_path / "a", from_dict(PRMConfig, {"policy_model": str(model_dir)})))
+    unlabelled = tmp_path / "pairs.jsonl"
+    unlabelled.write_text("".join(json.dumps({**p.to_dict(), "judge_choice": None}) + "\n" for p in _pairs(4)))
+    with pytest.raises(FailedPrecondition, match="no judge-labelled pairs"):
+        run_prm(local_context(tmp_path / "b", from_dict(PRMConfig, {"pairs": str(unlabelled),
+                                                                    "policy_model": str(model_dir)})))
+    with pytest.raises(InvalidArgument, match="policy_model"):
+        run_prm(local_context(tmp_path / "c", from_dict(PRMConfig, {"pairs": str(unlabelled),
+                                                                    "policy_model": "nowhere"})))
