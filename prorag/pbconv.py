@@ -10,6 +10,11 @@ from __future__ import annotations
 from prorag.data.loaders import Document
 from prorag.pb import common_pb2
 from prorag.tokens import TokenTrajectory
+from prorag.trajectory import Step
+
+STEP_KIND = {"subquery": common_pb2.STEP_KIND_SUBQUERY, "subanswer": common_pb2.STEP_KIND_SUBANSWER,
+             "answer": common_pb2.STEP_KIND_ANSWER, "invalid": common_pb2.STEP_KIND_INVALID}
+STEP_KIND_NAME = {v: k for k, v in STEP_KIND.items()}
 
 
 def document_pb(d: Document) -> common_pb2.Document:
@@ -28,6 +33,27 @@ def document_from_pb(m: common_pb2.Document) -> Document:
 def scored_document_from_pb(m: common_pb2.ScoredDocument) -> Document:
     d = m.document
     return Document(id=d.id, title=d.title, text=d.text, contents=d.contents, score=float(m.score), rank=int(m.rank))
+
+
+def step_pb(step: Step) -> common_pb2.Step:
+    return common_pb2.Step(kind=STEP_KIND.get(step.kind, common_pb2.STEP_KIND_INVALID), thought=step.thought,
+                           content=step.content, retrieved=[scored_document_pb(d) for d in step.docs or []],
+                           text=step.text)
+
+
+def step_from_pb(m: common_pb2.Step) -> Step:
+    """A caller's step; an unspecified kind is parsed from its text (``text`` alone is enough), a subquery
+    without documents has docs None (not searched yet)."""
+    from prorag.trajectory import parse_step
+
+    if m.kind == common_pb2.STEP_KIND_UNSPECIFIED:
+        parsed = parse_step(m.text)
+        if m.retrieved:
+            parsed.docs = [scored_document_from_pb(d) for d in m.retrieved]
+        return parsed
+    kind = STEP_KIND_NAME.get(m.kind, "invalid")
+    docs = [scored_document_from_pb(d) for d in m.retrieved] if kind == "subquery" and m.retrieved else None
+    return Step(kind, thought=m.thought, content=m.content, docs=docs, text=m.text)
 
 
 def token_trace_pb(t: TokenTrajectory) -> common_pb2.TokenTrace:

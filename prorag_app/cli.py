@@ -101,6 +101,14 @@ async def _serve(service: str, args) -> None:
 
         overrides.setdefault("retriever", f"127.0.0.1:{paths.GRPC_PORTS['retriever'] + args.port_offset}")
         started = await start(serve, from_dict(PolicyConfig, overrides))
+    elif service == "judge":
+        from services.judge.server import JudgeConfig, start
+
+        cfg = from_dict(JudgeConfig, overrides)
+        from prorag_app.embedded import ensure_world
+
+        ensure_world(cfg.world)
+        started = await start(serve, cfg)
     elif service == "trainer":
         from services.trainer.server import TrainerConfig, start
 

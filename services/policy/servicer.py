@@ -11,25 +11,17 @@ import grpc
 from prorag.errors import InvalidArgument, NotFound, Unavailable
 from prorag.pb import common_pb2, policy_pb2, policy_pb2_grpc
 from prorag.data.loaders import Document
-from prorag.pbconv import scored_document_pb, token_trace_pb
+from prorag.pbconv import step_pb, token_trace_pb
 from prorag.trajectory import STOP_TAGS
 from prorag.registry import ArtifactRef
 from prorag.engine import SamplingSpec, derive_seed
 from prorag.rollout import TrajectoryResult, decode, run_rollouts
 
-STEP_KIND = {"subquery": common_pb2.STEP_KIND_SUBQUERY, "subanswer": common_pb2.STEP_KIND_SUBANSWER,
-             "answer": common_pb2.STEP_KIND_ANSWER, "invalid": common_pb2.STEP_KIND_INVALID}
 
 
 def _deadline(context) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
-
-
-def step_pb(step) -> common_pb2.Step:
-    return common_pb2.Step(kind=STEP_KIND.get(step.kind, common_pb2.STEP_KIND_INVALID), thought=step.thought,
-                           content=step.content, retrieved=[scored_document_pb(d) for d in step.docs or []],
-                           text=step.text)
 
 
 def trajectory_pb(t: TrajectoryResult, adapter_version: str) -> policy_pb2.Trajectory:
