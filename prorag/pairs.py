@@ -110,4 +110,11 @@ def prm_inputs(tokenizer, question: str, steps: Sequence[Step]) -> tuple[list[in
     return list(traj.token_ids), score_positions(traj.spans)
 
 
-__all__ = ["StepPair", "label_agreement", "prm_inputs", "step_from_dict", "step_to_dict"]
+def prompt_length(tokenizer, question: str) -> int:
+    """Tokens of ``question``'s agent prompt: what left truncation keeps before any step."""
+    from prorag.sft_data import agent_prompt
+
+    return len(tokenizer.encode(agent_prompt(question), add_special_tokens=False))
+
+
+__all__ = ["StepPair", "label_agreement", "prm_inputs", "prompt_length", "step_from_dict", "step_to_dict"]

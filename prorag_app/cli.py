@@ -101,6 +101,10 @@ async def _serve(service: str, args) -> None:
 
         overrides.setdefault("retriever", f"127.0.0.1:{paths.GRPC_PORTS['retriever'] + args.port_offset}")
         started = await start(serve, from_dict(PolicyConfig, overrides))
+    elif service == "prm":
+        from services.prm.server import PRMServeConfig, start
+
+        started = await start(serve, from_dict(PRMServeConfig, overrides))
     elif service == "judge":
         from services.judge.server import JudgeConfig, start
 

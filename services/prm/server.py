@@ -1,19 +1,76 @@
-"""prm service process. Until its engine is built it starts, reports itself live
-but not ready, and answers every RPC with UNIMPLEMENTED and the reason."""
+"""PRM service process: batched step scoring (all steps of a trajectory in one pass, concurrent callers in one
+engine call), the model version in every response, and hot-swap of a newly published PRM."""
 
 from __future__ import annotations
 
-from prorag.grpc_server import ServerSpec, start_server, unimplemented_servicer
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from prorag.config import cfg_field
+from prorag.errors import FailedPrecondition
+from prorag.grpc_server import ServerSpec, start_server
 from prorag.pb import prm_pb2_grpc
 from prorag.service import ServeConfig, Started
+from services.prm.servicer import PRMServicer
 
 SERVICE = "prorag.v1.ProcessRewardModel"
-REASON = "the process reward model arrives with ProRAG stage 2 (see ROADMAP)"
+log = logging.getLogger("prorag.prm")
 
 
-async def start(serve: ServeConfig, **_: object) -> Started:
-    servicer = unimplemented_servicer(prm_pb2_grpc.ProcessRewardModelServicer, SERVICE, REASON)
-    spec = ServerSpec(name="prm", services=[(SERVICE, lambda s: prm_pb2_grpc.add_ProcessRewardModelServicer_to_server(servicer, s))],
-                      ready={SERVICE: False})
+@dataclass
+class PRMServeConfig:
+    """Which PRM is served and the limits callers get."""
+
+    model: str = cfg_field("", help="required: a PRM directory, or name[@version] in the world's PRM registry "
+                                    "(a bare name serves its newest version)")
+    world: str = cfg_field("default", help="world whose PRM registry `model` is looked up in")
+    follow_latest_s: float = cfg_field(0.0, help="with a bare name: seconds between checks for a newer published "
+                                                 "version, hot-swapped in when found (0 = never)", min=0.0)
+    max_len: int = cfg_field(0, help="longest scored input in tokens (0 = the model's context)", min=0)
+    max_items: int = cfg_field(512, help="most trajectories in one request", min=1, max=100000)
+    max_steps: int = cfg_field(64, help="most steps in one trajectory", min=1, max=10000)
+    max_batch_tokens: int = cfg_field(32768, help="tokens per forward pass when merged requests are scored",
+                                      min=256)
+
+
+def resolve_model(cfg: PRMServeConfig):
+    from prorag.registry import registry
+
+    if not cfg.model:
+        raise FailedPrecondition("the PRM service needs `model`: a PRM directory or a published name[@version]")
+    return registry("prm", cfg.world).resolve(cfg.model)
+
+
+async def _follow(cfg: PRMServeConfig, engine) -> None:
+    while True:
+        await asyncio.sleep(cfg.follow_latest_s)
+        try:
+            path = await asyncio.to_thread(resolve_model, cfg)
+            if path != engine.model_dir:
+                version = await asyncio.to_thread(engine.load, path)
+                log.info("hot-swapped the PRM to %s", version)
+        except Exception:  # noqa: BLE001 - a bad publish must not stop serving the current model
+            log.exception("checking for a newer PRM failed; still serving %s", engine.version)
+
+
+async def start(serve: ServeConfig, cfg: PRMServeConfig | None = None, engine=None) -> Started:
+    cfg = cfg or PRMServeConfig()
+    if engine is None and cfg.model:
+        from services.prm.engine import PRMEngine
+
+        engine = PRMEngine(resolve_model(cfg), max_len=cfg.max_len, max_batch_tokens=cfg.max_batch_tokens)
+    # without a model (a stack started before any PRM is trained) it is live but not ready, and says why
+    servicer = PRMServicer(engine, cfg.max_items, cfg.max_steps)
+    spec = ServerSpec(name="prm",
+                      services=[(SERVICE, lambda s: prm_pb2_grpc.add_ProcessRewardModelServicer_to_server(servicer, s))],
+                      ready={SERVICE: engine is not None})
     running = await start_server(spec, serve.port, serve.host, serve.max_message_mb)
-    return Started("prm", running.port, None, [lambda: running.stop(serve.grace_s)])
+    stoppers = [lambda: running.stop(serve.grace_s), servicer.close]
+    if engine is not None and cfg.follow_latest_s and "@" not in cfg.model:
+        task = asyncio.get_running_loop().create_task(_follow(cfg, engine))
+
+        async def stop_follow():
+            task.cancel()
+        stoppers.insert(0, stop_follow)
+    return Started("prm", running.port, None, stoppers)

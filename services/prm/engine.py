@@ -1,0 +1,119 @@
+"""PRM engine: every step of many trajectories scored in one forward pass per batch of rows.
+
+A trajectory is rendered once (prorag.pairs.prm_inputs) and read at each step's last token. One that does not
+fit the context is cut on the left (prompt kept); steps whose score token the cut removed are scored on rows
+of their own (their prefix, cut the same way), in the same forward pass. The reference code instead cut on
+the right, dropping the newest step, and called the model once per step.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from prorag.algorithms.prm import left_truncate
+from prorag.errors import InvalidArgument
+from prorag.pairs import prm_inputs, prompt_length
+from prorag.prm_model import load_prm, score_batch
+from prorag.registry import artifact_name
+from prorag.trajectory import Step
+
+
+@dataclass
+class ScoringItem:
+    question: str
+    steps: list[Step]
+    last_step_only: bool = False
+
+
+class PRMEngine:
+    """Loads a PRM directory; ``score(items)`` -> per item, one float per scored step."""
+
+    def __init__(self, model_dir: str | Path, max_len: int = 0, max_batch_tokens: int = 32768, dtype="float32"):
+        self.lock = threading.Lock()
+        self.max_batch_tokens = max_batch_tokens
+        self._max_len_cfg = max_len
+        self.load(model_dir, dtype)
+
+    def load(self, model_dir: str | Path, dtype="float32") -> str:
+        """(Re)load weights; returns the new version. Calls in flight finish on the old model."""
+        model, tok = load_prm(model_dir, dtype=dtype)
+        limit = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
+        with self.lock:
+            self.model, self.tokenizer, self.model_dir = model, tok, Path(model_dir)
+            self.max_len = min(self._max_len_cfg or limit, limit)
+            self.version = artifact_name(model_dir)
+        return self.version
+
+    def _rows(self, item: ScoringItem) -> tuple[list[tuple[list[int], list[int | None]]], list[tuple[int, int]]]:
+        """Rows to run and, per scored step, (row, index into that row's positions)."""
+        ids, positions = prm_inputs(self.tokenizer, item.question, item.steps)
+        keep = prompt_length(self.tokenizer, item.question)
+        wanted = [len(positions) - 1] if item.last_step_only else list(range(len(positions)))
+        cut_ids, cut_pos = left_truncate(ids, [positions[k] for k in wanted], self.max_len, keep)
+        rows = [(cut_ids, cut_pos)]
+        where = []
+        for j, k in enumerate(wanted):
+            if cut_pos[j] is not None:
+                where.append((0, j))
+            else:  # its score token was cut away: score its own prefix
+                p = positions[k]
+                rows.append(left_truncate(ids[:p + 1], [p], self.max_len, keep))
+                where.append((len(rows) - 1, 0))
+        return rows, where
+
+    def score(self, items: Sequence[ScoringItem]) -> list[tuple[str, list[float]]]:
+        """Per item: (the model version that scored it, one score per scored step)."""
+        with self.lock:
+            model, tok, version = self.model, self.tokenizer, self.version
+            plans = [self._rows(it) for it in items]
+            flat = [(i, r) for i, (rows, _) in enumerate(plans) for r in range(len(rows))]
+            results: dict[tuple[int, int], list] = {}
+            chunk: list[tuple[int, int]] = []
+            tokens = 0
+
+            def run(chunk):
+                seqs = [plans[i][0][r][0] for i, r in chunk]
+                pos = [[p for p in plans[i][0][r][1] if p is not None] for i, r in chunk]
+                with torch.no_grad():
+                    out = score_batch(model, seqs, pos, max_len=self.max_len, pad_id=tok.pad_token_id or 0)
+                for (i, r), scores in zip(chunk, out):
+                    results[(i, r)] = [float(s) for s in scores]
+
+            for key in flat:
+                n = len(plans[key[0]][0][key[1]][0])
+                if chunk and tokens + n > self.max_batch_tokens:
+                    run(chunk)
+                    chunk, tokens = [], 0
+                chunk.append(key)
+                tokens += n
+            if chunk:
+                run(chunk)
+        out = []
+        for i, (rows, where) in enumerate(plans):
+            # index among the row's kept (non-None) positions
+            kept_index = {r: {j: n for n, j in enumerate(jj for jj, p in enumerate(rows[r][1]) if p is not None)}
+                          for r in range(len(rows))}
+            out.append((version, [results[(i, r)][kept_index[r][j]] for r, j in where]))
+        return out
+
+
+def validate_items(items: Sequence[ScoringItem], max_items: int, max_steps: int) -> None:
+    if not items:
+        raise InvalidArgument("no trajectories to score")
+    if len(items) > max_items:
+        raise InvalidArgument(f"{len(items)} trajectories in one request; at most {max_items} (split the request)")
+    for k, it in enumerate(items):
+        if not it.question.strip():
+            raise InvalidArgument(f"input {k}: empty question")
+        if not it.steps:
+            raise InvalidArgument(f"input {k}: no steps to score")
+        if len(it.steps) > max_steps:
+            raise InvalidArgument(f"input {k}: {len(it.steps)} steps; at most {max_steps}")
+        for j, s in enumerate(it.steps):
+            if not (s.text.strip() or s.content.strip()):
+                raise InvalidArgument(f"input {k}, step {j}: empty step (no text and no content)")

@@ -1,0 +1,164 @@
+"""The PRM service as a real gRPC server on port 0 on loopback: whole trajectories scored in one pass, equal to
+the engine in process; concurrent callers merged; the version in every response; hot-swap of a newly
+published PRM; bad input refused with the right status while the server keeps serving."""
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from prorag.data.loaders import Document
+from prorag.modeling import save_pretrained
+from prorag.pb import common_pb2, prm_pb2, prm_pb2_grpc
+from prorag.pbconv import step_pb
+from prorag.prm_model import prm_from_policy
+from prorag.registry import ArtifactRef, registry
+from prorag.service import ServeConfig
+from prorag.trajectory import Step
+from services.prm.engine import PRMEngine, ScoringItem
+from services.prm.server import PRMServeConfig, start
+from tests.helpers import LoopThread
+
+DOC = Document(id="d1", title="Mai Brewery", text="Mai Brewery was founded by Tova Lunn.",
+               contents='"Mai Brewery"\nMai Brewery was founded by Tova Lunn.')
+STEPS = [Step("subquery", thought="First the founder.", content="Who founded Mai Brewery?", docs=[DOC]),
+         Step("subanswer", thought="The document says.", content="Tova Lunn"),
+         Step("answer", thought="Done.", content="Tova Lunn")]
+Q = "Who founded Mai Brewery?"
+
+
+class CountingEngine(PRMEngine):
+    calls = 0
+
+    def score(self, items):
+        type(self).calls += 1
+        time.sleep(0.05)  # long enough for concurrent callers to queue behind the running call
+        return super().score(items)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_policy, tmp_path_factory):
+    data = tmp_path_factory.mktemp("data")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PRORAG_DATA", str(data))
+    model_dir, _ = tiny_policy
+    prm, tok = prm_from_policy(model_dir, seed=1)
+    save_pretrained(prm, tok, data / "prm-v1")
+    prms = registry("prm", "tiny")
+    prms.publish(data / "prm-v1", ArtifactRef.of("prm", "v1"))
+    loop = LoopThread()
+    engine = CountingEngine(prms.resolve("prm"), max_len=0)
+    cfg = PRMServeConfig(model="prm", world="tiny", follow_latest_s=0.2, max_items=8, max_steps=4)
+    started = loop.run(start(ServeConfig(port=0), cfg, engine=engine))
+    with grpc.insecure_channel(f"127.0.0.1:{started.grpc_port}") as ch:
+        yield prm_pb2_grpc.ProcessRewardModelStub(ch), engine, prm, tok, data
+    loop.run(started.stop())
+    loop.close()
+    mp.undo()
+
+
+def _input(steps, last_only=False, question=Q):
+    return prm_pb2.ScoringInput(question=question, steps=[step_pb(s) for s in steps], last_step_only=last_only)
+
+
+def test_scores_every_step_like_the_engine_in_process(served):
+    stub, engine, *_ = served
+    resp = stub.ScoreSteps(prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS), _input(STEPS[:2]),
+                                                             _input(STEPS, last_only=True)]), timeout=30)
+    assert resp.model_version == "prm@v1"
+    full, two, last = [list(r.scores) for r in resp.results]
+    assert len(full) == 3 and len(two) == 2 and len(last) == 1
+    local = [s for _, s in engine.score([ScoringItem(Q, STEPS)])][0]
+    assert full == pytest.approx(local, abs=1e-5)
+    assert two == pytest.approx(full[:2], abs=1e-5)  # a step's score depends only on what came before it
+    assert last == pytest.approx(full[2:], abs=1e-5)
+
+
+def test_a_trajectory_longer_than_the_context_keeps_every_step(served):
+    from prorag.pairs import prm_inputs
+
+    _, engine, _, tok, _ = served
+    long_doc = Document(id="d2", title="Long", text=" ".join(["filler"] * 300), contents="x")
+    steps = [*STEPS[:2], Step("subquery", thought="Search.", content="Who founded Tova Lunn?", docs=[long_doc]),
+             STEPS[2]]
+    _, positions = prm_inputs(tok, Q, steps)
+    saved = engine.max_len
+    engine.max_len = positions[1] + 20  # the first two steps fit, the whole trajectory does not
+    assert positions[-1] >= engine.max_len
+    try:
+        (_, cut), = engine.score([ScoringItem(Q, steps)])
+    finally:
+        engine.max_len = saved
+    (_, whole), = engine.score([ScoringItem(Q, steps)])
+    assert len(cut) == 4 and all(s == s for s in cut)  # every step scored, none NaN
+    # the steps whose prefix fits are scored on their own prefix: exactly as without the limit
+    assert cut[:2] == pytest.approx(whole[:2], abs=1e-5)
+
+
+def test_concurrent_callers_share_engine_calls(served):
+    stub, engine, *_ = served
+    before, errors = CountingEngine.calls, []
+
+    def call():
+        try:
+            stub.ScoreSteps(prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)]), timeout=30)
+        except grpc.RpcError as e:  # pragma: no cover - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert CountingEngine.calls - before < 8
+
+
+@pytest.mark.parametrize("request_, words", [
+    (prm_pb2.ScoreStepsRequest(), "no trajectories"),
+    (prm_pb2.ScoreStepsRequest(inputs=[_input([])]), "no steps"),
+    (prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS, question=" ")]), "empty question"),
+    (prm_pb2.ScoreStepsRequest(inputs=[prm_pb2.ScoringInput(question=Q, steps=[common_pb2.Step()])]), "empty step"),
+    (prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)] * 9), "at most 8"),
+    (prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS + STEPS)]), "at most 4"),
+])
+def test_bad_input_is_refused_and_the_server_keeps_serving(served, request_, words):
+    stub, *_ = served
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.ScoreSteps(request_, timeout=30)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in ei.value.details()
+    assert stub.GetModelInfo(prm_pb2.PrmInfoRequest(), timeout=10).model_id.startswith("prm@")
+
+
+def test_hot_swap_of_a_newly_published_prm(served):
+    stub, engine, prm, tok, data = served
+    with torch.no_grad():
+        prm.score.weight.mul_(-1.0)
+    save_pretrained(prm, tok, data / "prm-v2")
+    time.sleep(0.05)  # a later creation time than v1's
+    registry("prm", "tiny").publish(data / "prm-v2", ArtifactRef.of("prm", "v2"))
+    before = list(stub.ScoreSteps(prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)]), timeout=30).results[0].scores)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        resp = stub.ScoreSteps(prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)]), timeout=30)
+        if resp.model_version == "prm@v2":
+            break
+        time.sleep(0.1)
+    assert resp.model_version == "prm@v2"
+    after = list(resp.results[0].scores)
+    assert after != pytest.approx(before, abs=1e-6)
+
+
+def test_without_a_model_it_is_not_ready_and_says_why():
+    loop = LoopThread()
+    started = loop.run(start(ServeConfig(port=0), PRMServeConfig()))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{started.grpc_port}") as ch:
+            with pytest.raises(grpc.RpcError) as ei:
+                prm_pb2_grpc.ProcessRewardModelStub(ch).ScoreSteps(
+                    prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)]), timeout=10)
+            assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no PRM is loaded" in ei.value.details()
+    finally:
+        loop.run(started.stop())
+        loop.close()
