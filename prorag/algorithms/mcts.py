@@ -49,9 +49,13 @@ def may_widen(num_children: int, visits: int, max_children: int, alpha: float = 
 
     Unlike the reference code, which expands a node once and never again, a node that keeps being visited
     keeps gaining siblings, up to max_children."""
-    if max_children <= 0:
-        return False
-    return num_children < min(max_children, math.ceil(k * (visits + 1) ** alpha))
+    return num_children < children_allowed(visits, max_children, alpha, k)
+
+
+def children_allowed(visits: int, max_children: int, alpha: float = 0.5, k: float = 1.0) -> int:
+    """How many children progressive widening allows a node with ``visits``: min(max_children,
+    ceil(k * (visits + 1) ** alpha)) (0 when max_children is 0)."""
+    return max(0, min(max_children, math.ceil(k * (visits + 1) ** alpha)))
 
 
 def discounted_returns(reward: float, depth: int, gamma: float = DISCOUNT) -> list[float]:
@@ -150,6 +154,6 @@ def best_worst_pair(values: Sequence[float], visits: Sequence[int], min_margin: 
     return pairs[0] if pairs else None
 
 
-__all__ = ["DISCOUNT", "PUCT_C", "backup", "best_worst_pair", "dedupe_siblings", "discounted_returns", "jaccard",
+__all__ = ["DISCOUNT", "PUCT_C", "backup", "best_worst_pair", "children_allowed", "dedupe_siblings", "discounted_returns", "jaccard",
            "may_widen", "mean_reward", "puct_scores", "select_child", "spre_internal_value", "spre_leaf_value",
            "step_tokens", "value_margin_pairs"]
