@@ -19,17 +19,25 @@ from prorag.errors import InvalidArgument, NotFound
 from prorag.modeling import _dtype, _quiet, add_format_tokens
 
 
+def _tokenizer(path: str | Path, what: str):
+    """The directory's tokenizer with a pad token (eos when it has none); NotFound for a missing directory."""
+    from transformers import AutoTokenizer
+
+    _quiet()
+    if not Path(path).is_dir():
+        raise NotFound(f"{what} directory {path} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def prm_from_policy(policy_dir: str | Path, seed: int = 0, dtype="float32"):
     """A new PRM from a policy directory: its trunk and tokenizer, a scalar head initialised from ``seed``
     (N(0, 0.02), as the trunk's linear layers). Returns (model, tokenizer), the model in train mode."""
-    from transformers import AutoModelForTokenClassification, AutoTokenizer
+    from transformers import AutoModelForTokenClassification
 
-    _quiet()
-    if not Path(policy_dir).is_dir():
-        raise NotFound(f"policy directory {policy_dir} does not exist")
-    tokenizer = AutoTokenizer.from_pretrained(str(policy_dir))
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = _tokenizer(policy_dir, "policy")
     model = AutoModelForTokenClassification.from_pretrained(str(policy_dir), num_labels=1, dtype=_dtype(dtype))
     add_format_tokens(tokenizer, model)
     g = torch.Generator().manual_seed(seed)
@@ -43,14 +51,9 @@ def prm_from_policy(policy_dir: str | Path, seed: int = 0, dtype="float32"):
 
 def load_prm(path: str | Path, device: str = "cpu", dtype="float32"):
     """A saved PRM directory (prorag.modeling.save_pretrained of a prm_from_policy model); (model eval, tok)."""
-    from transformers import AutoModelForTokenClassification, AutoTokenizer
+    from transformers import AutoModelForTokenClassification
 
-    _quiet()
-    if not Path(path).is_dir():
-        raise NotFound(f"PRM directory {path} does not exist")
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = _tokenizer(path, "PRM")
     model = AutoModelForTokenClassification.from_pretrained(str(path), dtype=_dtype(dtype))
     if model.config.num_labels != 1:
         raise InvalidArgument(f"{path} is not a PRM: its head has {model.config.num_labels} outputs, not 1")
