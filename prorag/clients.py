@@ -138,6 +138,35 @@ class PolicyClient(_Client):
 
 
 
+class JudgeClient(_Client):
+    """Typed client of prorag.v1.Judge: which of two or more sibling steps is sound progress, which is flawed."""
+
+    def __init__(self, target: str, timeout: float = 120.0, max_message_mb: int = 64):
+        from prorag.pb import judge_pb2, judge_pb2_grpc
+
+        self._pb = judge_pb2
+        self.target = target
+        self.timeout = timeout
+        self._channel = channel(target, max_message_mb)
+        self._stub = judge_pb2_grpc.JudgeStub(self._channel)
+
+    def judge(self, items, timeout: float | None = None):
+        """items: (id, question_id, question, golden answers, history steps, candidate steps, q values, visits)
+        tuples; returns one Verdict per item (chosen / rejected candidate index, -1 = none; rationale)."""
+        from prorag.pbconv import step_pb
+
+        pbs = [self._pb.JudgeItem(
+            id=i, question_id=qid, question=q, golden_answers=list(golden), history=[step_pb(s) for s in history],
+            candidates=[self._pb.Candidate(step=step_pb(c), q_value=float(v), visits=int(n))
+                        for c, v, n in zip(cands, values, visits)])
+            for i, qid, q, golden, history, cands, values, visits in items]
+        return list(self._stub.JudgePairs(self._pb.JudgePairsRequest(items=pbs), timeout=timeout or self.timeout)
+                    .verdicts)
+
+    def info(self, timeout: float | None = None):
+        return self._stub.GetJudgeInfo(self._pb.JudgeInfoRequest(), timeout=timeout or self.timeout)
+
+
 def push_adapter(replicas: list[str], name: str, version: str, activate: bool = True,
                  timeout: float = 120.0) -> list:
     """Load (and activate) ``name@version`` on every policy replica; one ReplicaAck per replica.

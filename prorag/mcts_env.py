@@ -1,0 +1,159 @@
+"""The MCTS environment through the services: what :func:`prorag.mcts.search` calls to sample steps, roll out
+and score, with the policy service generating and the retriever service searching (through a cache shared by
+every question of a run, since siblings and rollouts repeat subqueries).
+
+Token ids are carried as in :mod:`prorag.rollout`: each generated step keeps the ids the policy returned, and
+the environment's glue (retrieval block, next-step opener, end of turn) is tokenised on its own, so a prefix
+sent back to the policy is exactly the sequence the policy produced.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+from prorag.data.loaders import Document
+from prorag.metrics import f1_score
+from prorag.trajectory import Step, clean_doc, glue_after, parse_step, render_prompt
+
+
+class CachedSearch:
+    """Retrieval through a RetrieverClient with a run-wide cache keyed by (query, topk, index); thread-safe.
+
+    Concurrent misses on the same key may both search; the result is the same, so it is only counted twice."""
+
+    def __init__(self, client, topk: int, index: str = ""):
+        self.client, self.topk, self.index = client, topk, index
+        self._cache: dict[tuple[str, int, str], list[Document]] = {}
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def __call__(self, query: str) -> list[Document]:
+        key = (query, self.topk, self.index)
+        with self._lock:
+            found = self._cache.get(key)
+            if found is not None:
+                self.hits += 1
+                return found
+            self.misses += 1
+        docs = [clean_doc(d) for d in self.client.search([query], topk=self.topk, index=self.index)[0]]
+        with self._lock:
+            self._cache[key] = docs
+        return docs
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+
+@dataclass
+class EnvTimes:
+    """Seconds spent waiting on each service (summed over threads), for "where the time goes"."""
+
+    generate_s: float = 0.0
+    search_s: float = 0.0
+    generate_calls: int = 0
+
+    def __post_init__(self):
+        self._lock = threading.Lock()
+
+    def add(self, field_name: str, seconds: float) -> None:
+        with self._lock:
+            setattr(self, field_name, getattr(self, field_name) + seconds)
+            if field_name == "generate_s":
+                self.generate_calls += 1
+
+
+class ServiceEnv:
+    """expand / rollout / reward of one question for :func:`prorag.mcts.search`.
+
+    policy: a PolicyClient; search: a CachedSearch; tokenizer: the policy's (to encode the prompt and glue and
+    to decode generated ids); golden: the question's gold answers (the terminal reward is token F1 against
+    them, with the shared normaliser)."""
+
+    def __init__(self, policy, search: CachedSearch, tokenizer, question: str, golden: Sequence[str], *,
+                 temperature: float = 1.0, rollout_temperature: float = 1.0, max_step_tokens: int = 128,
+                 max_steps: int = 10, max_len: int = 4096, adapter: str = "", seed: int = 0,
+                 times: EnvTimes | None = None):
+        self.policy, self.search, self.tok = policy, search, tokenizer
+        self.golden = list(golden)
+        self.temperature, self.rollout_temperature = temperature, rollout_temperature
+        self.max_step_tokens, self.max_steps, self.max_len = max_step_tokens, max_steps, max_len
+        self.adapter, self.seed = adapter, seed
+        self.times = times or EnvTimes()
+        self._calls = 0
+        self.prompt_ids = tokenizer.encode(render_prompt(question), add_special_tokens=False)
+        # id(step) -> its generated ids + its glue ids; steps live in the tree for the whole search
+        self._ids: dict[int, list[int]] = {}
+
+    # -- helpers
+    def prefix(self, history: Sequence[Step]) -> list[int]:
+        ids = list(self.prompt_ids)
+        for s in history:
+            ids += self._ids[id(s)]
+        return ids
+
+    def _next_seed(self) -> int:
+        # distinct seeds per call keep a seeded run's samples reproducible and its siblings different
+        self._calls += 1
+        return 0 if not self.seed else (self.seed * 1_000_003 + self._calls) % (2 ** 62)
+
+    def _generate(self, prefix: list[int], n: int, temperature: float):
+        import time
+
+        t = time.monotonic()
+        resp = self.policy.generate_steps(
+            [prefix], self.policy.sampling(n=n, temperature=temperature, max_tokens=self.max_step_tokens,
+                                           seed=self._next_seed()), adapter=self.adapter)
+        self.times.add("generate_s", time.monotonic() - t)
+        return list(resp.results[0].completions)
+
+    def _finish_step(self, gen_ids: list[int]) -> Step:
+        """Parse a generated step, search when it is a subquery, and remember its ids with the glue."""
+        import time
+
+        from prorag.rollout import decode
+
+        step = parse_step(decode(self.tok, gen_ids))
+        if step.kind == "subquery":
+            t = time.monotonic()
+            step.docs = self.search(step.content)
+            self.times.add("search_s", time.monotonic() - t)
+        glue = glue_after(step)
+        self._ids[id(step)] = list(gen_ids) + (self.tok.encode(glue, add_special_tokens=False) if glue else [])
+        return step
+
+    # -- the three callables of prorag.mcts.search
+    def expand(self, history: Sequence[Step], n: int) -> tuple[list[Step], int]:
+        prefix = self.prefix(history)
+        if len(prefix) >= self.max_len:
+            return [], 0
+        completions = self._generate(prefix, n, self.temperature)
+        steps = [self._finish_step(list(c.token_ids)) for c in completions]
+        return steps, sum(len(c.token_ids) for c in completions)
+
+    def rollout(self, history: Sequence[Step]) -> tuple[float, int]:
+        """One sampled completion from ``history`` to a final answer (or the step/length limit)."""
+        steps, tokens = list(history), 0
+        while len(steps) < self.max_steps:
+            prefix = self.prefix(steps)
+            if len(prefix) >= self.max_len:
+                break
+            c = self._generate(prefix, 1, self.rollout_temperature)[0]
+            tokens += len(c.token_ids)
+            step = self._finish_step(list(c.token_ids))
+            steps.append(step)
+            if step.kind in ("answer", "invalid"):
+                break
+        return self.reward(steps), tokens
+
+    def reward(self, history: Sequence[Step]) -> float:
+        last = history[-1] if history else None
+        if last is None or last.kind != "answer":
+            return 0.0
+        return f1_score(last.content, self.golden)
+
+
+__all__ = ["CachedSearch", "EnvTimes", "ServiceEnv"]

@@ -1,0 +1,209 @@
+"""Stage "mcts": search over reasoning steps for train questions through the policy and retriever services,
+saving the trees and the sibling pairs the PRM trains on (labelled by value margin, and by the judge service
+when one is given).
+
+Many questions are searched at once (``concurrency`` threads), so the policy service merges their step
+requests into shared engine calls; retrieval goes through one cache for the whole run. Each finished question
+is appended (fsynced) to a journal in the checkpoint directory, so a stopped or killed job resumes with the
+questions it has not finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from prorag import paths
+from prorag.config import cfg_field
+from prorag.errors import FailedPrecondition, InvalidArgument
+from prorag.mcts import MCTSConfig
+from prorag.training.context import JobContext
+from services.trainer.stages import register_stage
+
+
+@dataclass
+class MCTSStageConfig:
+    """Search train questions with MCTS through the services; write trees and sibling pairs."""
+
+    world: str = cfg_field("default", help="embedded world whose questions are searched")
+    split: str = cfg_field("train", help="split of the world to search (never the test split's questions for "
+                                         "training data)")
+    max_questions: int = cfg_field(200, help="questions searched, the split's first ones (0 = all)", min=0)
+    policy: str = cfg_field("127.0.0.1:50052", help="policy service that samples steps")
+    policy_model: str = cfg_field("", help="required: the model the policy serves (directory, or name@version in "
+                                           "the world's model registry), for its tokenizer")
+    adapter: str = cfg_field("", help="policy adapter name@version ('' = the active one)")
+    retriever: str = cfg_field("127.0.0.1:50051", help="retriever service")
+    retriever_index: str = cfg_field("", help="retriever index ('' = its default)")
+    topk: int = cfg_field(1, help="documents per subquery, as the policy was trained (the embedded agent: 1; "
+                                  "ProRAG: 3)", min=1, max=20)
+    judge: str = cfg_field("", help="judge service that labels each pair ('' = value-margin labels only)")
+    mcts: MCTSConfig = cfg_field(help="the search: simulations, expansions, widening, depth, PUCT c, discount, "
+                                      "rollouts, per-question budgets", factory=MCTSConfig)
+    temperature: float = cfg_field(1.0, help="sampling temperature of expansions", min=0.0, max=5.0)
+    rollout_temperature: float = cfg_field(1.0, help="sampling temperature of rollouts", min=0.0, max=5.0)
+    max_step_tokens: int = cfg_field(128, help="most tokens of one generated step", min=8, max=4096)
+    max_len: int = cfg_field(2048, help="longest prefix sent to the policy (tokens)", min=64)
+    min_margin: float = cfg_field(0.01, help="value margin from which a pair gets a value label", min=0.0)
+    concurrency: int = cfg_field(16, help="questions searched at once", min=1, max=512)
+    seed: int = cfg_field(0, help="base of the per-call sampling seeds (0 = unseeded)", min=0, max=2 ** 31 - 1)
+    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
+
+    def validate(self) -> None:
+        from prorag.config import ConfigError
+
+        if not self.policy_model:
+            raise ConfigError("policy_model", "required: the policy's model directory or name@version")
+
+
+def _resolve_model(cfg: MCTSStageConfig) -> Path:
+    from prorag.registry import registry
+
+    p = Path(cfg.policy_model)
+    if p.is_dir():
+        return p
+    if "@" in cfg.policy_model:
+        return registry("model", cfg.world).resolve(cfg.policy_model)
+    raise InvalidArgument(f"policy_model {cfg.policy_model!r} is neither a directory nor a name@version")
+
+
+def _append(path: Path, row: dict) -> None:
+    # one line per finished question, fsynced: the journal a resumed job reads
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_journal(path: Path) -> dict[str, dict]:
+    done = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a kill: that question is searched again
+            done[row["question_id"]] = row
+    return done
+
+
+def judge_pairs(client, questions: dict, pairs: list) -> None:
+    """Set judge_choice / judge_reason of each pair from the judge service (chosen = its pick when it also
+    rejects the other; None when it declines)."""
+    for i in range(0, len(pairs), 64):
+        chunk = pairs[i:i + 64]
+        verdicts = client.judge([(f"{k}", p.question_id, p.question, questions[p.question_id].golden_answers,
+                                  p.context, list(p.steps), list(p.values), list(p.visits))
+                                 for k, p in enumerate(chunk)])
+        for p, v in zip(chunk, verdicts):
+            p.judge_choice = v.chosen if v.chosen in (0, 1) and v.rejected == 1 - v.chosen else None
+            p.judge_reason = v.rationale
+
+
+def run_mcts(ctx: JobContext) -> dict:
+    from transformers import AutoTokenizer
+
+    from prorag.clients import JudgeClient, PolicyClient, RetrieverClient
+    from prorag.data.loaders import load_split
+    from prorag.io import write_jsonl
+    from prorag.mcts import extract_pairs, search
+    from prorag.mcts_env import CachedSearch, EnvTimes, ServiceEnv
+    from prorag.pairs import StepPair, label_agreement
+
+    cfg: MCTSStageConfig = ctx.config
+    if cfg.split == "test":
+        raise InvalidArgument("split 'test' is held out for evaluation; search the train (or dev) split")
+    qs = load_split(paths.world_dir(cfg.world), cfg.split)
+    if cfg.max_questions:
+        qs = qs[:cfg.max_questions]
+    if not qs:
+        raise FailedPrecondition(f"no questions in split {cfg.split!r} of world {cfg.world!r}")
+    by_id = {q.id: q for q in qs}
+    tokenizer = AutoTokenizer.from_pretrained(str(_resolve_model(cfg)))
+    journal = ctx.checkpoint_dir / "mcts-journal.jsonl"
+    ctx.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    done = _read_journal(journal)
+    todo = [q for q in qs if q.id not in done]
+    ctx.emit(len(done), len(qs), message=f"{len(qs)} questions, {len(done)} already searched, "
+                                         f"{cfg.concurrency} at a time")
+
+    policy = PolicyClient(cfg.policy, timeout=600)
+    retriever = RetrieverClient(cfg.retriever, timeout=300)
+    cache = CachedSearch(retriever, topk=cfg.topk, index=cfg.retriever_index)
+    times = EnvTimes()
+    lock = threading.Lock()
+    started = time.monotonic()
+    sims_here = [0]
+
+    def one(q) -> None:
+        if ctx.should_stop():
+            return
+        env = ServiceEnv(policy, cache, tokenizer, q.question, q.golden_answers, temperature=cfg.temperature,
+                         rollout_temperature=cfg.rollout_temperature, max_step_tokens=cfg.max_step_tokens,
+                         max_steps=cfg.mcts.max_depth, max_len=cfg.max_len, adapter=cfg.adapter,
+                         seed=(cfg.seed * 7919 + hash_id(q.id)) if cfg.seed else 0, times=times)
+        root, stats = search(env.expand, env.rollout, env.reward, cfg.mcts)
+        pairs = extract_pairs(root, q.id, q.question, min_margin=cfg.min_margin)
+        row = {"question_id": q.id, "tree": root.to_dict(), "pairs": [p.to_dict() for p in pairs],
+               "stats": {"simulations": stats.simulations, "tokens": stats.tokens, "seconds": stats.seconds,
+                         "stopped_by": stats.stopped_by}}
+        with lock:
+            _append(journal, row)
+            done[q.id] = row
+            sims_here[0] += stats.simulations
+            ctx.emit(len(done), len(qs), message="")
+
+    try:
+        with ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="mcts") as pool:
+            for fut in [pool.submit(one, q) for q in todo]:
+                fut.result()
+        ctx.check_stop()
+        wall = time.monotonic() - started
+        rows = [done[q.id] for q in qs]
+        pairs = [StepPair.from_dict(p) for r in rows for p in r["pairs"]]
+        if cfg.judge:
+            with JudgeClient(cfg.judge, timeout=600) as judge:
+                judge_pairs(judge, by_id, pairs)
+    finally:
+        policy.close()
+        retriever.close()
+
+    with ctx.artifact_file("pairs", "pairs.jsonl") as tmp:
+        write_jsonl(tmp, (p.to_dict() for p in pairs))
+    with ctx.artifact_file("trees", "trees.jsonl") as tmp:
+        write_jsonl(tmp, ({"question_id": r["question_id"], "stats": r["stats"], "tree": r["tree"]} for r in rows))
+    sims = sum(r["stats"]["simulations"] for r in rows)
+    tokens = sum(r["stats"]["tokens"] for r in rows)
+    agreement = label_agreement(pairs)
+    metrics = {
+        "questions": len(rows), "simulations": sims, "generated_tokens": tokens, "pairs": len(pairs),
+        "pairs_per_question": len(pairs) / len(rows),
+        "value_labelled": sum(p.value_choice is not None for p in pairs),
+        "judge_labelled": sum(p.judge_choice is not None for p in pairs),
+        "both_labelled": agreement["both_labelled"],
+        "retrieval_cache_hit_rate": cache.hit_rate, "retrieval_searches": cache.misses,
+        "simulations_per_s": sims_here[0] / wall if wall > 0 else 0.0, "wall_s": wall,
+        "policy_wait_s": times.generate_s, "retriever_wait_s": times.search_s, "policy_calls": times.generate_calls,
+        "stopped_by_budget": sum(r["stats"]["stopped_by"] != "simulations" for r in rows),
+    }
+    if agreement["both_labelled"]:
+        metrics["judge_value_agreement"] = agreement["agreement"]
+    ctx.emit(len(qs), len(qs), message=f"{len(pairs)} pairs from {len(rows)} questions; cache hit rate "
+                                       f"{cache.hit_rate:.0%}")
+    return {**metrics, "pairs_path": str(ctx.run_dir / "pairs.jsonl")}
+
+
+def hash_id(question_id: str) -> int:
+    import hashlib
+
+    return int(hashlib.sha256(question_id.encode()).hexdigest()[:8], 16)
+
+
+register_stage("mcts", MCTSStageConfig, run_mcts,
+               description="MCTS over reasoning steps through the policy and retriever services: trees and "
+                           "sibling pairs (value-margin labels, judge labels when a judge is given)")

@@ -1,0 +1,203 @@
+"""The MCTS stage against real retriever, policy and judge servers on loopback (port 0), on the tiny world:
+trees and sibling pairs written, every pair two siblings under one context, prefixes sent to the policy equal to
+the rendered trajectory, retrieval cached across the run, judge labels from the judge service, and a stopped
+job resuming without searching finished questions again.
+
+The policy server runs a scripted engine (GoldWalkEngine) instead of a model: a policy that writes valid steps
+takes minutes of training that a unit test cannot spend, and the stage under test only needs steps that are
+sometimes right and sometimes wrong. Everything else (servers, retrieval, judging, the search) is real.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from prorag.config import from_dict
+from prorag.io import read_jsonl
+from prorag.pairs import StepPair
+from prorag.service import ServeConfig
+from prorag.training.context import local_context
+from prorag.engine import GeneratedSeq, GenerationEngine
+from tests.helpers import LoopThread, env
+
+
+class GoldWalkEngine(GenerationEngine):
+    """Next step of a tiny-world question, drawn per seed: the gold hop's sub-question or another question's
+    (a wrong entity), the gold sub-answer or a wrong one after a search, then the last sub-answer as the answer."""
+
+    name = "gold-walk"
+
+    def __init__(self, tok, questions, max_model_len=2048):
+        from prorag.trajectory import render_prompt
+
+        self.tokenizer, self.max_model_len = tok, max_model_len
+        self.by_prompt = {render_prompt(q.question): q for q in questions}
+        self.others = [h.question for q in questions for h in q.decomposition if h.doc_id][:50]
+
+    def _next(self, q, generated: str, rng) -> str:
+        hop = generated.count("</subanswer>")
+        hops = [h for h in q.decomposition if h.doc_id]
+        if generated.rstrip().endswith("</retrieval>") or generated.rstrip().endswith("<step>") and \
+                generated.count("</subquery>") > hop:
+            answer = hops[min(hop, len(hops) - 1)].answer if rng.random() < 0.6 else rng.choice(["Nobody", "1900"])
+            return f"The document says.</step>\n<subanswer>\n{answer}</subanswer>"
+        if hop < len(hops):
+            sub = hops[hop].question if rng.random() < 0.6 else rng.choice(self.others)
+            return f"Next I search.</step>\n<subquery>\n{sub}</subquery>"
+        last = generated.rsplit("<subanswer>\n", 1)[-1].split("</subanswer>")[0] if hop else "unknown"
+        return f"That answers it.</step>\n<answer>\n{last}</answer>"
+
+    def generate(self, prompts, params, adapter=None, seeds=None):
+        import random
+
+        from prorag.rollout import decode
+
+        out = []
+        for i, p in enumerate(prompts):
+            text = decode(self.tokenizer, p)
+            head = next(h for h in self.by_prompt if text.startswith(h))
+            seqs = []
+            for j in range(params.n):
+                rng = random.Random(((seeds[i] if seeds else params.seed) or 0) * 131 + j)
+                ids = self.tokenizer.encode(self._next(self.by_prompt[head], text[len(head):], rng),
+                                            add_special_tokens=False)
+                seqs.append(GeneratedSeq(ids, [-0.5] * len(ids), "stop", ids[-1]))
+            out.append(seqs)
+        return out
+
+    def load_adapter(self, key, path): ...
+    def unload_adapter(self, key): ...
+    def adapters(self): return []
+    def info(self): return {"engine": self.name}
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    data = tmp_path_factory.mktemp("mcts") / "data"
+    with env("PRORAG_DATA", str(data)):
+        from prorag_app.embedded import ensure_indexes, ensure_policy_model
+        from services.judge.server import JudgeConfig, start as start_judge
+        from services.policy.server import PolicyConfig, start as start_policy
+        from services.retriever.server import RetrieverConfig, start as start_retriever
+
+        from transformers import AutoTokenizer
+
+        from prorag import paths
+        from prorag.data.loaders import load_split
+
+        ensure_indexes("tiny")
+        base = str(ensure_policy_model("tiny"))
+        engine = GoldWalkEngine(AutoTokenizer.from_pretrained(base), load_split(paths.world_dir("tiny"), "train"))
+        loop = LoopThread()
+        r = loop.run(start_retriever(ServeConfig(port=0, http_port=-1), RetrieverConfig(world="tiny")))
+        retriever = f"127.0.0.1:{r.grpc_port}"
+        p = loop.run(start_policy(ServeConfig(port=0, http_port=-1),
+                                  PolicyConfig(model=base, world="tiny", retriever=retriever), engine=engine))
+        j = loop.run(start_judge(ServeConfig(port=0), JudgeConfig(world="tiny")))
+        yield {"retriever": retriever, "policy": f"127.0.0.1:{p.grpc_port}", "judge": f"127.0.0.1:{j.grpc_port}",
+               "base": base}
+        for s in (j, p, r):
+            loop.run(s.stop())
+        loop.close()
+
+
+def _config(services, **kw):
+    from services.trainer.stage_mcts import MCTSStageConfig
+
+    return from_dict(MCTSStageConfig, {
+        "world": "tiny", "split": "train", "max_questions": 6, "policy": services["policy"],
+        "policy_model": services["base"], "retriever": services["retriever"], "judge": services["judge"],
+        "topk": 1, "concurrency": 3, "seed": 3, "max_step_tokens": 48, "tracking": "local",
+        "mcts": {"simulations": 6, "expansions": 3, "max_children": 3, "max_depth": 4, "rollouts": 1}, **kw})
+
+
+def test_mcts_stage_writes_trees_and_sibling_pairs_through_the_services(services, tmp_path, one_thread):
+    from services.trainer.stage_mcts import run_mcts
+
+    cfg = _config(services)
+    metrics = run_mcts(local_context(tmp_path / "job", cfg, stage="mcts"))
+    trees = list(read_jsonl(tmp_path / "job" / "run" / "trees.jsonl"))
+    pairs = [StepPair.from_dict(r) for r in read_jsonl(tmp_path / "job" / "run" / "pairs.jsonl")]
+    assert metrics["questions"] == len(trees) == 6
+    for t in trees:
+        root = t["tree"]
+        assert t["stats"]["simulations"] == root["visits"] <= 6  # every simulation backs up through the root
+        assert all(c["depth"] == 1 for c in root["children"]) and len(root["children"]) <= 3
+    assert metrics["simulations"] == sum(t["stats"]["simulations"] for t in trees)
+    assert metrics["pairs"] == len(pairs) and metrics["pairs_per_question"] == len(pairs) / 6
+    assert metrics["generated_tokens"] > 0 and metrics["policy_calls"] > 0
+    # retrieval: repeated subqueries (siblings, rollouts) are served from the run's cache
+    assert metrics["retrieval_searches"] >= 1 and 0.0 < metrics["retrieval_cache_hit_rate"] < 1.0
+    assert metrics["pairs"] > 0 and metrics["value_labelled"] > 0
+    for p in pairs:
+        assert p.steps[0] is not p.steps[1] and p.visits[0] >= 1 and p.visits[1] >= 1
+        assert p.values[0] >= p.values[1]  # best sibling first
+        if p.value_choice is not None:
+            assert p.value_choice == 0 and p.values[0] - p.values[1] >= cfg.min_margin
+    # the judge service labelled the pairs it could decide
+    assert 0 < metrics["judge_labelled"] == sum(p.judge_choice is not None for p in pairs)
+    both = [p for p in pairs if p.judge_choice is not None and p.value_choice is not None]
+    assert metrics["both_labelled"] == len(both)
+    if both:
+        assert metrics["judge_value_agreement"] == sum(p.judge_choice == p.value_choice for p in both) / len(both)
+
+
+def test_prefixes_sent_to_the_policy_are_the_rendered_trajectory(services, one_thread):
+    from transformers import AutoTokenizer
+
+    from prorag.clients import PolicyClient, RetrieverClient
+    from prorag.mcts_env import CachedSearch, ServiceEnv
+    from prorag.rollout import decode
+    from prorag.trajectory import render_trajectory
+
+    tok = AutoTokenizer.from_pretrained(services["base"])
+    with PolicyClient(services["policy"]) as policy, RetrieverClient(services["retriever"]) as retriever:
+        cache = CachedSearch(retriever, topk=1)
+        from prorag import paths
+        from prorag.data.loaders import load_split
+
+        question = next(q for q in load_split(paths.world_dir("tiny"), "train") if q.hops >= 2).question
+        env = ServiceEnv(policy, cache, tok, question, ["x"], temperature=1.0, max_step_tokens=48, max_steps=4,
+                         seed=5)
+        history = []
+        for _ in range(3):
+            steps, tokens = env.expand(history, 2)
+            assert len(steps) == 2 and tokens > 0
+            if steps[0].kind in ("answer", "invalid"):
+                break
+            history.append(steps[0])
+        assert decode(tok, env.prefix(history)) == render_trajectory(question, history)
+        # a second search for the same subquery is a cache hit
+        searched = [s for s in history if s.kind == "subquery"]
+        if searched:
+            before = cache.hits
+            assert cache(searched[0].content) == searched[0].docs
+            assert cache.hits == before + 1
+
+
+def test_stopped_mcts_job_resumes_without_searching_finished_questions_again(services, tmp_path, one_thread):
+    from services.trainer.stage_mcts import run_mcts
+
+    cfg = _config(services, judge="", max_questions=4, concurrency=1)
+    stop = threading.Event()
+    seen = []
+
+    def emit(ev):
+        seen.append(ev)
+        if ev.get("step", 0) >= 2:
+            stop.set()  # stop after two questions are journalled
+
+    from prorag.training.context import StageStopped
+
+    with pytest.raises(StageStopped):
+        run_mcts(local_context(tmp_path / "job", cfg, emit=emit, stop=stop, stage="mcts"))
+    journal = list(read_jsonl(tmp_path / "job" / "checkpoints" / "mcts-journal.jsonl"))
+    assert 2 <= len(journal) < 4
+    first = {r["question_id"]: r["tree"] for r in journal}
+    metrics = run_mcts(local_context(tmp_path / "job", cfg, stage="mcts"))
+    trees = {r["question_id"]: r["tree"] for r in read_jsonl(tmp_path / "job" / "run" / "trees.jsonl")}
+    assert metrics["questions"] == 4 == len(trees)
+    assert all(trees[q] == t for q, t in first.items())  # finished questions kept as they were
+    assert metrics["policy_calls"] > 0  # the unfinished ones were searched now
