@@ -13,8 +13,10 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch 2.13.0 lies on the machine; install it first so nothing pulls a CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# --no-compile: byte-compiling every module of torch and friends took ~20 s of the install; Python
+	# compiles the modules it imports on first use instead.
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP) proto

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -156,42 +158,101 @@ def job_id_for(world: str, method: str, config: dict) -> str:
     leaves behind changes (jobs finished before the registry name no model in their outputs)."""
     from prorag.registry import weights_sha256
 
-    key = {k: v for k, v in config.items() if k != "retriever"}
+    key = {k: v for k, v in config.items() if k not in ("retriever", "threads")}  # where and how fast, not what
     key["base_sha256"] = weights_sha256(config["base_model"])
     key["job_format"] = JOB_FORMAT
     return f"{world}-{method}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]}"
 
 
-def train(stack: ServiceStack, method: str, profile: Profile, base_model: str, world: str) -> dict:
-    """Run (or reuse) the training job of ``method`` on ``world`` through the trainer service.
-
-    Returns {"job_id", "metrics", "run_dir", "model"}: "model" is the registry reference the job published."""
-    from prorag.clients_trainer import TrainerClient, state_name
-
+def method_config(stack: ServiceStack, method: str, profile: Profile, base_model: str, world: str,
+                  threads: int = 0) -> dict:
+    """The SFT job config of ``method``; ``threads`` (torch threads per job, 0 = the trainer's) is left out of
+    the job id, as it changes the speed and not the model."""
     config = {"world": world, "base_model": base_model, "retriever": stack.grpc_target("retriever"),
               "publish_name": method, **profile.sft_for(method)}
-    job_id = job_id_for(world, method, config)
+    if threads and "threads" not in config:
+        config["threads"] = threads
+    return config
+
+
+def train_methods(stack: ServiceStack, methods, profile: Profile, base_model: str, world: str,
+                  threads: int = 0) -> dict[str, dict]:
+    """Run (or reuse) every method's training job on ``world`` through the trainer service: all are submitted
+    first, in the given order, so a trainer with ``parallel_jobs`` > 1 runs them side by side; then each is
+    awaited.
+
+    Returns method -> {"job_id", "metrics", "run_dir", "model", "train_s"}: "model" is the registry reference the
+    job published; "train_s" the job's own running time (its queue wait left out)."""
+    from prorag.clients_trainer import TrainerClient, state_name
+
+    ids, fresh = {}, []
     with TrainerClient(stack.grpc_target("trainer"), timeout=60) as client:
         existing = {j.job_id: j for j in client.list("sft")}
-        if job_id in existing and state_name(existing[job_id].state) == "SUCCEEDED":
-            console.print(f"[green]{method}[/green]: reusing finished job {job_id}")
-        else:
-            client.start("sft", config, job_id=job_id)
-            with progress_bars() as progress:
-                for ev in client.watch(job_id):
-                    if ev.total_steps:
-                        progress(f"train {method}", int(ev.step), int(ev.total_steps))
-                    if ev.message and not ev.message.startswith("checkpoint"):
-                        console.print(f"[dim]{method}: {ev.message[:200]}[/dim]")
-                    if state_name(ev.state) in ("SUCCEEDED", "FAILED", "CANCELLED"):
-                        break
-        job = client.get(job_id)
-        state = state_name(job.state)
-        if state != "SUCCEEDED":
-            raise SystemExit(f"training {method} ended {state}: {job.error}")
-        if "model" not in job.outputs:
-            raise SystemExit(f"training {method}: job {job_id} succeeded but names no published model")
-        return {"job_id": job_id, "metrics": dict(job.metrics), "run_dir": job.run_dir, "model": job.outputs["model"]}
+        for method in methods:
+            config = method_config(stack, method, profile, base_model, world, threads)
+            ids[method] = job_id = job_id_for(world, method, config)
+            if job_id in existing and state_name(existing[job_id].state) == "SUCCEEDED":
+                console.print(f"[green]{method}[/green]: reusing finished job {job_id}")
+            else:
+                client.start("sft", config, job_id=job_id)
+                fresh.append(method)
+        with progress_bars() as progress:
+            errors: list[BaseException] = []
+            began: dict[str, float] = {}
+            seconds = {m: 0.0 for m in methods}
+
+            def watch(method: str) -> None:
+                try:
+                    with TrainerClient(stack.grpc_target("trainer"), timeout=60) as own:
+                        for ev in own.watch(ids[method]):
+                            if state_name(ev.state) == "RUNNING":
+                                began.setdefault(method, time.monotonic())
+                            if ev.total_steps:
+                                progress(f"train {method}", int(ev.step), int(ev.total_steps))
+                            if ev.message and not ev.message.startswith("checkpoint"):
+                                console.print(f"[dim]{method}: {ev.message[:200]}[/dim]")
+                            if state_name(ev.state) in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                                if method in began:
+                                    seconds[method] = time.monotonic() - began[method]
+                                break
+                except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                    errors.append(exc)
+
+            watchers = [threading.Thread(target=watch, args=(m,), daemon=True) for m in fresh]
+            for t in watchers:
+                t.start()
+            for t in watchers:
+                t.join()
+            if errors:
+                raise errors[0]
+        out = {}
+        for method in methods:
+            job = client.get(ids[method])
+            state = state_name(job.state)
+            if state != "SUCCEEDED":
+                raise SystemExit(f"training {method} ended {state}: {job.error}")
+            if "model" not in job.outputs:
+                raise SystemExit(f"training {method}: job {ids[method]} succeeded but names no published model")
+            out[method] = {"job_id": ids[method], "metrics": dict(job.metrics), "run_dir": job.run_dir,
+                           "model": job.outputs["model"], "train_s": round(seconds[method], 1)}
+        return out
+
+
+def training_parallelism(n_jobs: int, cores: int | None = None) -> tuple[int, int]:
+    """(jobs side by side, torch threads per job) for training ``n_jobs`` small CPU policies on ``cores``.
+
+    Each job keeps at least two threads: on 2 cores one embedded policy's step runs 1.73x faster on 2 threads
+    than on 1, and two jobs of 1 thread side by side gain only 17% over one of 2 (docs/BENCHMARKS.md), so on 2
+    cores splitting them would slow the agent's job, the longest, by ~1.7x. Beyond a few threads a small
+    model's step hardly speeds up, so bigger machines run the jobs side by side."""
+    cores = cores or os.cpu_count() or 1
+    parallel = max(1, min(n_jobs, cores // 2))
+    return parallel, max(1, cores // parallel)
+
+
+def train(stack: ServiceStack, method: str, profile: Profile, base_model: str, world: str) -> dict:
+    """Run (or reuse) the training job of one method (:func:`train_methods`)."""
+    return train_methods(stack, [method], profile, base_model, world)[method]
 
 
 def eval_options(method: str, model_dir: str) -> dict:
@@ -221,6 +282,27 @@ def evaluate_method(method: str, model_dir: str, world: str, stack: ServiceStack
             RetrieverClient(stack.grpc_target("retriever"), timeout=600) as retriever, progress_bars() as progress:
         return evaluate(method, policy, retriever, questions, out_dir=run_dir,
                         progress=lambda d, t: progress(f"eval {method}", d, t), **kw)
+
+
+def evaluate_methods(models: dict[str, str], world: str, stack: ServiceStack, questions, run_dir,
+                     port_offset: int, timings: dict | None = None) -> dict[str, dict]:
+    """Evaluate every method at once, each served by its own policy process (ports port_offset + 10 * i).
+
+    Why side by side: each evaluation starts a policy process (imports, model load) and waits on retrieval
+    between decoding rounds; overlapped, three evaluations took less wall time than one after another
+    (docs/BENCHMARKS.md). Returns method -> result in the order of ``models``; timings gets eval_<method>_s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int, method: str) -> dict:
+        t = time.monotonic()
+        out = evaluate_method(method, models[method], world, stack, questions, run_dir, port_offset + 10 * i)
+        if timings is not None:
+            timings[f"eval_{method}_s"] = time.monotonic() - t
+        return out
+
+    with ThreadPoolExecutor(max_workers=len(models)) as pool:
+        futures = {m: pool.submit(one, i, m) for i, m in enumerate(models)}
+        return {m: f.result() for m, f in futures.items()}
 
 
 def copy_probes(models: dict[str, str], questions) -> dict[str, dict]:
@@ -291,24 +373,26 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
     test = load_split(paths.world_dir(world), "test")
     eval_qs = test[:prof.eval_questions] if prof.eval_questions else test
     methods, jobs = {}, {}
+    parallel, threads = training_parallelism(len(prof.methods))
     with ServiceStack(port_offset=port_offset, world=world, log_dir=str(run_dir / "logs" / "stack"),
-                      overrides={"policy": {"model": str(base)}}) as stack:
+                      overrides={"policy": {"model": str(base)}, "trainer": {"parallel_jobs": parallel}}) as stack:
         timings["start_services_s"] = time.monotonic() - t1
         t2 = time.monotonic()
         with RetrieverClient(stack.grpc_target("retriever")) as client:
             retrieval = evaluate_retrieval(client, test)
         timings["evaluate_retrieval_s"] = time.monotonic() - t2
         print_retrieval_table(retrieval)
+        t3 = time.monotonic()
+        # the agent's job is the longest: started first, the baselines share the other worker(s) meanwhile
+        order = sorted(prof.methods, key=lambda m: prof.sft_for(m).get("mode") != "agent")
+        jobs = train_methods(stack, order, prof, str(base), world, threads=threads)
+        timings["train_all_s"] = time.monotonic() - t3
         for method in prof.methods:
-            t3 = time.monotonic()
-            jobs[method] = train(stack, method, prof, str(base), world)
-            timings[f"train_{method}_s"] = time.monotonic() - t3
-        for method in prof.methods:
-            t4 = time.monotonic()
-            model_dir = registry("model", world).resolve(jobs[method]["model"])
-            methods[method] = evaluate_method(method, str(model_dir), world, stack, eval_qs, run_dir,
-                                              port_offset + 100)
-            timings[f"eval_{method}_s"] = time.monotonic() - t4
+            timings[f"train_{method}_s"] = jobs[method]["train_s"]
+        t4 = time.monotonic()
+        methods = evaluate_methods({m: str(registry("model", world).resolve(jobs[m]["model"])) for m in prof.methods},
+                                   world, stack, eval_qs, run_dir, port_offset + 100, timings)
+        timings["eval_all_s"] = time.monotonic() - t4
     console.print(format_table(methods))
     t5 = time.monotonic()
     probes = copy_probes({"base": str(base), **{m: str(registry("model", world).resolve(jobs[m]["model"]))

@@ -7,8 +7,8 @@ Layout under the jobs root (default ``<PRORAG_HOME>/runs/jobs``)::
     <job_id>/checkpoints/    step-<N>.pt, last K kept
     <job_id>/run/            outputs: artifacts, metrics.jsonl, wandb/, and manifest.json (written last)
 
-Jobs run one at a time in a worker thread of the trainer process, so killing the
-trainer kills the job too. On start the manager re-queues jobs a killed trainer left
+Jobs run in worker threads of the trainer process (one at a time by default; ``parallel_jobs``
+workers side by side), so killing the trainer kills its jobs too. On start the manager re-queues jobs a killed trainer left
 QUEUED or RUNNING; their stages resume from the last checkpoint.
 """
 
@@ -140,9 +140,19 @@ class JobStore:
 
 # ---------------------------------------------------------------- the manager
 class JobManager:
-    """Accepts, persists and runs jobs one at a time; thread-safe; used by the gRPC servicer."""
+    """Accepts, persists and runs jobs, ``parallel_jobs`` at a time in FIFO order; thread-safe; used by the
+    gRPC servicer.
 
-    def __init__(self, root: str | Path, *, keep_checkpoints: int = 2, tracking: str = "wandb"):
+    Why more than one: a small policy's training step stops speeding up after a few threads, so on a machine
+    with many cores several jobs side by side finish sooner than one after another (on 2 cores, two jobs of 1
+    thread gave 17% more steps than one job of 2, docs/BENCHMARKS.md). torch's thread count is global to the
+    process, so jobs running together should each ask for ``threads`` = cores / parallel_jobs."""
+
+    def __init__(self, root: str | Path, *, keep_checkpoints: int = 2, tracking: str = "wandb",
+                 parallel_jobs: int = 1):
+        if parallel_jobs < 1:
+            raise ValueError(f"parallel_jobs must be >= 1, got {parallel_jobs}")
+        self.parallel_jobs = parallel_jobs
         self.store = JobStore(root)
         self.keep_checkpoints = keep_checkpoints
         self.tracking = tracking
@@ -154,8 +164,8 @@ class JobManager:
         self._cancel: dict[str, threading.Event] = {}
         self._listeners: dict[str, set[Callable[[], None]]] = collections.defaultdict(set)
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.current: str | None = None
+        self._threads: list[threading.Thread] = []
+        self.running: set[str] = set()
         self.loaded = False
 
     # -- lifecycle
@@ -193,19 +203,22 @@ class JobManager:
     def start(self) -> None:
         if not self.loaded:
             self.load()
-        self._thread = threading.Thread(target=self._worker, name="trainer-jobs", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._worker, name=f"trainer-jobs-{i}", daemon=True)
+                         for i in range(self.parallel_jobs)]
+        for t in self._threads:
+            t.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the running stage to stop (it checkpoints; the job resumes on the next start) and wait."""
         self._stop.set()
         with self._wake:
             self._wake.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("job %s did not stop within %.0fs; it resumes from its last checkpoint on restart",
-                            self.current, timeout)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._threads):
+            log.warning("jobs %s did not stop within %.0fs; they resume from their last checkpoint on restart",
+                        sorted(self.running), timeout)
 
     def _ready(self) -> None:
         if not self.loaded:
@@ -265,7 +278,7 @@ class JobManager:
             rec = self._get(job_id)
             if rec["state"] in TERMINAL:
                 raise FailedPrecondition(f"job {job_id!r} is already {rec['state']}; nothing to cancel")
-            if rec["state"] == QUEUED and job_id != self.current:
+            if rec["state"] == QUEUED and job_id not in self.running:
                 self._queue.remove(job_id)
                 self._finish(rec, CANCELLED, "cancelled before it started")
                 return self._copy(rec)
@@ -381,7 +394,7 @@ class JobManager:
                 if self._stop.is_set():
                     return
                 job_id = self._queue.popleft()
-                self.current = job_id
+                self.running.add(job_id)
             try:
                 self._run(job_id)
             except Exception:  # noqa: BLE001 - a manager bug must not kill the worker
@@ -393,7 +406,7 @@ class JobManager:
                                      tb=traceback.format_exc())
             finally:
                 with self._lock:
-                    self.current = None
+                    self.running.discard(job_id)
 
     def _run(self, job_id: str) -> None:
         with self._lock:

@@ -35,6 +35,9 @@ class TrainerConfig:
                                        "or 'wandb'", choices=("", "wandb", "local"))
     stage_modules: list[str] = cfg_field(help="extra modules that register stages on import "
                                               "(services.trainer.stage_* are always loaded)", factory=list)
+    parallel_jobs: int = cfg_field(1, help="jobs run side by side (FIFO); on CPU give each job threads = cores / "
+                                          "parallel_jobs (small models gain little from a second thread per job)",
+                                   min=1, max=64)
     stop_timeout_s: float = cfg_field(30.0, help="seconds the running stage gets to checkpoint at shutdown", min=0)
 
     def resolved_root(self) -> Path:
@@ -51,7 +54,7 @@ async def start(serve: ServeConfig, cfg: TrainerConfig | None = None, **_: objec
     cfg = cfg or TrainerConfig()
     load_stage_modules(cfg.stage_modules)
     manager = JobManager(cfg.resolved_root(), keep_checkpoints=cfg.keep_checkpoints,
-                         tracking=cfg.resolved_tracking())
+                         tracking=cfg.resolved_tracking(), parallel_jobs=cfg.parallel_jobs)
     servicer = TrainerServicer(manager)
     spec = ServerSpec(name="trainer",
                       services=[(SERVICE, lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s))],

@@ -17,7 +17,7 @@ def _free_offset() -> int:
     for _ in range(50):
         off = rng.randrange(3000, 14000)
         ports = [p + off for p in (50051, 50052, 50053, 50054, 50055, 8000, 8001)]
-        ports += [p + 100 for p in ports]
+        ports += [p + 100 + 10 * i for p in ports for i in range(3)]  # the evaluations' policy processes
         if all(port_free("127.0.0.1", p) for p in ports):
             return off
     raise RuntimeError("no free port range on loopback")

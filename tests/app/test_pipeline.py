@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from prorag_app.pipeline import job_id_for
+from prorag_app.pipeline import job_id_for, training_parallelism
 
 
 def fake_model(path: Path, weights: bytes) -> str:
@@ -17,9 +17,18 @@ def test_job_id_follows_config_and_base_weights_not_retriever_address(tmp_path):
     first = job_id_for("default", "sft", config)
     assert first.startswith("default-sft-")
     assert job_id_for("default", "sft", {**config, "retriever": "127.0.0.1:50151"}) == first
+    assert job_id_for("default", "sft", {**config, "threads": 1}) == first  # speed, not the model
     assert job_id_for("default", "sft", {**config, "lr": 1e-3}) != first
     fake_model(tmp_path / "policy-base", b"weights v2")  # base rebuilt in place: same path, new weights
     assert job_id_for("default", "sft", config) != first
+
+
+def test_training_parallelism_keeps_two_threads_per_job_and_shares_the_rest():
+    assert training_parallelism(3, cores=2) == (1, 2)  # 2 cores: one job at a time on both
+    assert training_parallelism(3, cores=4) == (2, 2)
+    assert training_parallelism(3, cores=16) == (3, 5)
+    assert training_parallelism(1, cores=16) == (1, 16)
+    assert training_parallelism(3, cores=1) == (1, 1)
 
 
 def test_every_profile_is_a_valid_sft_and_warmup_config_and_variants_keep_their_own_base():

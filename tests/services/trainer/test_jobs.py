@@ -23,8 +23,8 @@ FAST = {"steps": 40, "checkpoint_every": 10, "log_every": 10, "tracking": "local
 def managers(tmp_path):
     made = []
 
-    def make(root=None):
-        m = JobManager(root or tmp_path / "jobs", tracking="local")
+    def make(root=None, **kw):
+        m = JobManager(root or tmp_path / "jobs", tracking="local", **kw)
         m.start()
         made.append(m)
         return m
@@ -194,6 +194,28 @@ def test_cancel_running_queued_and_finished(managers):
     with pytest.raises(NotFound):
         m.cancel("missing")
     assert queued["state"] == "QUEUED"
+
+
+def test_parallel_workers_run_jobs_side_by_side_in_fifo_order(managers):
+    m = managers(parallel_jobs=2)
+    slow = {**FAST, "steps": 10_000, "step_sleep_s": 0.01}
+    for name in ("first", "second", "third"):
+        m.submit("selftest", slow, job_id=name)
+    wait = threading.Event()
+    while not (m.get("first")["step"] >= 5 and m.get("second")["step"] >= 5) and not wait.wait(0.05):
+        pass
+    assert m.running == {"first", "second"}  # both progress at once; the third waits for a free worker
+    assert m.get("third")["state"] == "QUEUED"
+    m.cancel("first")
+    assert m.wait("first", 30)["state"] == "CANCELLED"
+    while m.get("third")["state"] == "QUEUED" and not wait.wait(0.05):
+        pass
+    assert m.get("third")["state"] == "RUNNING" and m.get("second")["state"] == "RUNNING"
+    for name in ("second", "third"):
+        m.cancel(name)
+        assert m.wait(name, 30)["state"] == "CANCELLED"
+    with pytest.raises(ValueError, match="parallel_jobs"):
+        JobManager(m.store.root, parallel_jobs=0)
 
 
 def test_list_filters_by_stage_and_get_unknown_is_not_found(managers, needs_policy_stage):

@@ -176,3 +176,36 @@ def test_standard_rag_with_hop_samples_also_reads_every_gold_hop(data_dir, retri
     texts = [tok.decode(s.token_ids) for s in samples[-len(hops):]]
     for hop, text in zip(hops, texts):
         assert hop.question in text and hop.answer in text and f"(Title: {hop.title})" in text
+
+
+def test_one_document_hop_samples_hold_their_gold_document_without_searching(data_dir, retriever, monkeypatch):
+    """With topk=1 a hop's reading sample holds exactly its gold document, so its sub-question is not searched;
+    (On seed 1's world all 26,000 samples were identical to those built with the search, docs/BENCHMARKS.md.)"""
+    from transformers import AutoTokenizer
+
+    from prorag.clients import RetrieverClient
+    from prorag.config import from_dict
+    from services.trainer.stage_sft import SFTConfig, build_samples
+
+    tok = AutoTokenizer.from_pretrained(BASE["model"])
+    searched: list[str] = []
+    real = RetrieverClient.search
+
+    def counting(self, queries, *a, **kw):
+        searched.extend(queries)
+        return real(self, queries, *a, **kw)
+
+    monkeypatch.setattr(RetrieverClient, "search", counting)
+    cfg = from_dict(SFTConfig, _config(retriever, mode="standard_rag", max_questions=12, hop_samples=True, topk=1))
+    with env("PRORAG_DATA", str(data_dir)):
+        samples, stats = build_samples(cfg, tok)
+        from prorag import paths
+        from prorag.data.loaders import load_split
+
+        qs = load_split(paths.world_dir("tiny"), "train")[:12]
+    assert sorted(set(searched)) == sorted({q.question for q in qs})  # whole questions only
+    hops = [s for q in qs for s in q.decomposition if s.doc_id]
+    assert stats["hop_samples"] == len(hops)
+    for hop, s in zip(hops, samples[-len(hops):]):
+        text = tok.decode(s.token_ids)
+        assert text.count("(Title: ") == 1 and f"(Title: {hop.title})" in text and hop.answer in text
