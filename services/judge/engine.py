@@ -1,19 +1,26 @@
 """Judge engines. ``reference`` (the offline default) checks ProRAG's judging rules against the benchmark's gold
-decomposition (prorag.judging); the ``openai`` backend arrives with the rest of stage 2 (ROADMAP)."""
+decomposition (prorag.judging); ``openai`` asks any OpenAI-compatible endpoint (GPT-4o in the paper, a vLLM
+server, this project's policy service) with ProRAG's judging prompt, through a persistent cache and a budget."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from prorag.data.loaders import Question, load_split
-from prorag.errors import InvalidArgument, NotFound
+from prorag.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted,
+                           Unavailable)
 from prorag.judging import judge_step
 from prorag.metrics import normalize_answer
 from prorag.trajectory import Step
 
 SPLITS = ("train", "dev", "test")
+log = logging.getLogger("prorag.judge")
 
 
 @dataclass
@@ -33,6 +40,7 @@ class Judgement:
     chosen: int  # -1 = none
     rejected: int  # -1 = none
     rationale: str
+    cached: bool = False  # served from the persistent cache (no paid call)
 
 
 class ReferenceJudge:
@@ -79,3 +87,170 @@ class ReferenceJudge:
                 reasons = "; ".join(f"candidate {i}: {v.reason}" for i, v in enumerate(verdicts))
                 out.append(Judgement(item.id, -1, -1, f"no contrast ({reasons})"))
         return out
+
+    def info(self) -> dict:
+        # no paid calls: the service reports the requests it answered
+        return {"cache_entries": 0, "budget_left_usd": 0.0, "cost_usd": 0.0}
+
+
+class JudgeCache:
+    """Verdicts by request content key (prorag.judging.request_key), appended to a JSONL file and fsynced, so a
+    paid request is never made twice, across restarts too. A torn last line (a killed process) is skipped."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._rows: dict[str, dict] = {}
+        self._lock = threading.Lock()
+        if self.path.is_file():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    row = json.loads(line)
+                    self._rows[row["key"]] = row
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, key: str) -> dict | None:
+        with self._lock:
+            return self._rows.get(key)
+
+    def put(self, key: str, row: dict) -> None:
+        row = {"key": key, **row}
+        with self._lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self._rows[key] = row
+
+
+@dataclass
+class Budget:
+    """Paid calls and dollars one judge process may spend (0 = no limit); prices per million tokens."""
+
+    max_calls: int = 0
+    max_cost_usd: float = 0.0
+    usd_per_m_input: float = 2.5  # GPT-4o list price (2026); set per endpoint
+    usd_per_m_output: float = 10.0
+
+    def __post_init__(self):
+        self.calls = 0
+        self.cost_usd = 0.0
+        self._lock = threading.Lock()
+
+    def reserve(self) -> None:
+        with self._lock:
+            if self.max_calls and self.calls >= self.max_calls:
+                raise ResourceExhausted(f"judge budget spent: {self.calls} of {self.max_calls} paid calls made; "
+                                        "cached verdicts are still served (raise max_calls to judge new pairs)")
+            if self.max_cost_usd and self.cost_usd >= self.max_cost_usd:
+                raise ResourceExhausted(f"judge budget spent: ${self.cost_usd:.4f} of ${self.max_cost_usd:.4f}; "
+                                        "cached verdicts are still served (raise max_cost_usd to judge new pairs)")
+            self.calls += 1
+
+    def charge(self, prompt_tokens: int, completion_tokens: int) -> float:
+        cost = (prompt_tokens * self.usd_per_m_input + completion_tokens * self.usd_per_m_output) / 1e6
+        with self._lock:
+            self.cost_usd += cost
+        return cost
+
+    def left_usd(self) -> float:
+        return max(0.0, self.max_cost_usd - self.cost_usd) if self.max_cost_usd else float("inf")
+
+
+class OpenAIJudge:
+    """ProRAG's LLM judge over an OpenAI-compatible chat endpoint: one request per sibling pair, the reply parsed
+    by prorag.judging.parse_pair_reply (the judge may decline), cached by content, within a call/cost budget.
+
+    Transport failures are retried by the openai client (exponential backoff on connection errors, 408/409/429
+    and 5xx, up to ``max_retries``); a reply that is not a usable choice is asked again up to ``malformed_retries``
+    times, then the request fails with UNAVAILABLE (a bad upstream, never a label)."""
+
+    backend = "openai"
+
+    def __init__(self, base_url: str, model: str, cache: JudgeCache, budget: Budget, api_key: str = "",
+                 timeout_s: float = 60.0, max_retries: int = 4, malformed_retries: int = 2,
+                 temperature: float = 0.0, max_tokens: int = 128, concurrency: int = 8):
+        import openai
+
+        self.model = model
+        self.cache, self.budget = cache, budget
+        self.params = {"temperature": temperature, "max_tokens": max_tokens}
+        self.malformed_retries = malformed_retries
+        self.client = openai.OpenAI(base_url=base_url or None, api_key=api_key or "none", timeout=timeout_s,
+                                    max_retries=max_retries)
+        self.cached_hits = 0
+        self.concurrency = concurrency
+
+    def _ask(self, messages: list[dict]) -> tuple[str, dict]:
+        import openai
+
+        try:
+            resp = self.client.chat.completions.create(model=self.model, messages=messages, **self.params)
+        except openai.APITimeoutError as e:
+            raise DeadlineExceeded(f"judge endpoint timed out after retries: {e}") from None
+        except openai.APIConnectionError as e:
+            raise Unavailable(f"judge endpoint unreachable after retries: {e}") from None
+        except openai.RateLimitError as e:
+            raise Unavailable(f"judge endpoint rate-limited us after retries: {e}") from None
+        except (openai.AuthenticationError, openai.PermissionDeniedError) as e:
+            raise FailedPrecondition(f"the judge endpoint refused this server's API key: {e}") from None
+        except openai.BadRequestError as e:
+            raise FailedPrecondition(f"the judge endpoint refused the request (model {self.model!r}?): {e}") from None
+        except openai.APIStatusError as e:
+            raise Unavailable(f"judge endpoint failed with HTTP {e.status_code} after retries") from None
+        usage = resp.usage
+        tokens = {"prompt_tokens": getattr(usage, "prompt_tokens", 0) or 0,
+                  "completion_tokens": getattr(usage, "completion_tokens", 0) or 0}
+        return resp.choices[0].message.content or "", tokens
+
+    def judge_one(self, item: PairRequest) -> Judgement:
+        from prorag.judging import MalformedJudgeReply, pair_messages, parse_pair_reply, request_key
+        from prorag.trajectory import render_step
+
+        if len(item.candidates) != 2:
+            raise InvalidArgument(f"item {item.id!r}: the openai judge compares exactly two sibling steps, got "
+                                  f"{len(item.candidates)} (send one item per pair)")
+        context = "".join(render_step(s) for s in item.history)
+        a, b = (render_step(c) for c in item.candidates)
+        messages = pair_messages(item.question, context, a, b)
+        key = request_key(self.model, messages, self.params)
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.cached_hits += 1
+            return Judgement(item.id, hit["chosen"], hit["rejected"], hit["reason"], cached=True)
+        last = None
+        for _ in range(1 + self.malformed_retries):
+            self.budget.reserve()
+            text, usage = self._ask(messages)
+            self.budget.charge(usage["prompt_tokens"], usage["completion_tokens"])
+            try:
+                pj = parse_pair_reply(text)
+            except MalformedJudgeReply as e:
+                last = e
+                continue
+            chosen = -1 if pj.chosen is None else pj.chosen
+            rejected = -1 if pj.rejected is None else pj.rejected
+            self.cache.put(key, {"chosen": chosen, "rejected": rejected, "reason": pj.reason, "model": self.model,
+                                 "usage": usage})
+            return Judgement(item.id, chosen, rejected, pj.reason)
+        raise MalformedJudgeReply(f"item {item.id!r}: no usable choice in {1 + self.malformed_retries} replies "
+                                  f"from {self.model!r}; last: {last}")
+
+    def judge(self, items: Sequence[PairRequest]) -> list[Judgement]:
+        """Items in order; up to ``concurrency`` requests in flight (an endpoint's latency, not its compute,
+        bounds one request at a time)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if len(items) <= 1 or self.concurrency <= 1:
+            return [self.judge_one(it) for it in items]
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(items))) as pool:
+            return list(pool.map(self.judge_one, items))
+
+    def info(self) -> dict:
+        left = self.budget.left_usd()
+        return {"cache_entries": len(self.cache), "calls_made": self.budget.calls,
+                "budget_left_usd": left if left != float("inf") else 0.0, "cost_usd": self.budget.cost_usd}

@@ -19,17 +19,45 @@ class JudgeConfig:
     """Which judge answers and the limits it enforces on callers."""
 
     backend: str = cfg_field("reference", help="reference = ProRAG's rules checked against the world's gold "
-                                               "decompositions (offline); openai arrives with stage 2",
-                             choices=("reference",))
+                                               "decompositions (offline); openai = an OpenAI-compatible chat "
+                                               "endpoint with ProRAG's judging prompt (GPT-4o in the paper)",
+                             choices=("reference", "openai"))
     world: str = cfg_field("default", help="embedded world whose gold decompositions the reference judge reads")
+    base_url: str = cfg_field("", help="openai: the endpoint ('' = api.openai.com), e.g. a vLLM server's /v1")
+    model: str = cfg_field("gpt-4o", help="openai: the judging model")
+    api_key_env: str = cfg_field("OPENAI_API_KEY", help="openai: environment variable holding the API key (the key "
+                                                        "itself never goes in a config)")
+    cache_path: str = cfg_field("", help="openai: JSONL cache of verdicts by request content ('' = "
+                                         "data/cache/judge-<model>.jsonl)")
+    max_calls: int = cfg_field(0, help="openai: most paid calls this process makes (0 = no limit); cached "
+                                       "verdicts are always served", min=0)
+    max_cost_usd: float = cfg_field(0.0, help="openai: most dollars this process spends (0 = no limit)", min=0.0)
+    usd_per_m_input: float = cfg_field(2.5, help="openai: price per million prompt tokens", min=0.0)
+    usd_per_m_output: float = cfg_field(10.0, help="openai: price per million completion tokens", min=0.0)
+    timeout_s: float = cfg_field(60.0, help="openai: deadline of one HTTP request", min=0.1)
+    max_retries: int = cfg_field(4, help="openai: retries with exponential backoff on connection errors, 429 and "
+                                         "5xx", min=0, max=20)
+    malformed_retries: int = cfg_field(2, help="openai: asks again when a reply holds no usable choice", min=0,
+                                       max=10)
+    concurrency: int = cfg_field(8, help="openai: requests in flight at once", min=1, max=256)
     max_items: int = cfg_field(256, help="most items in one request", min=1, max=100000)
     max_candidates: int = cfg_field(16, help="most sibling candidates in one item", min=2, max=1024)
 
 
 def open_engine(cfg: JudgeConfig):
-    from services.judge.engine import ReferenceJudge
+    import os
+    import re
 
-    return ReferenceJudge.from_world(paths.world_dir(cfg.world))
+    from services.judge.engine import Budget, JudgeCache, OpenAIJudge, ReferenceJudge
+
+    if cfg.backend == "reference":
+        return ReferenceJudge.from_world(paths.world_dir(cfg.world))
+    cache = cfg.cache_path or str(paths.data_dir() / "cache" / f"judge-{re.sub(r'[^A-Za-z0-9._-]', '_', cfg.model)}.jsonl")
+    return OpenAIJudge(cfg.base_url, cfg.model, JudgeCache(cache),
+                       Budget(cfg.max_calls, cfg.max_cost_usd, cfg.usd_per_m_input, cfg.usd_per_m_output),
+                       api_key=os.environ.get(cfg.api_key_env, ""), timeout_s=cfg.timeout_s,
+                       max_retries=cfg.max_retries, malformed_retries=cfg.malformed_retries,
+                       concurrency=cfg.concurrency)
 
 
 async def start(serve: ServeConfig, cfg: JudgeConfig | None = None, engine=None) -> Started:

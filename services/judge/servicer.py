@@ -40,9 +40,12 @@ class JudgeServicer(judge_pb2_grpc.JudgeServicer):
         results = await asyncio.to_thread(self.engine.judge, items)
         self.calls += 1
         return judge_pb2.JudgePairsResponse(verdicts=[
-            judge_pb2.Verdict(id=r.id, chosen=r.chosen, rejected=r.rejected, rationale=r.rationale, cached=False,
-                              backend=self.engine.backend) for r in results])
+            judge_pb2.Verdict(id=r.id, chosen=r.chosen, rejected=r.rejected, rationale=r.rationale,
+                              cached=r.cached, backend=self.engine.backend)
+            for r in results])
 
     async def GetJudgeInfo(self, request, context):
-        return judge_pb2.JudgeInfo(backend=self.engine.backend, model=self.engine.model, cache_entries=0,
-                                   calls_made=self.calls, budget_left_usd=0.0)
+        info = self.engine.info()
+        return judge_pb2.JudgeInfo(backend=self.engine.backend, model=self.engine.model,
+                                   cache_entries=info["cache_entries"], calls_made=info.get("calls_made", self.calls),
+                                   budget_left_usd=info["budget_left_usd"])
