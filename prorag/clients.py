@@ -167,6 +167,30 @@ class JudgeClient(_Client):
         return self._stub.GetJudgeInfo(self._pb.JudgeInfoRequest(), timeout=timeout or self.timeout)
 
 
+class PRMClient(_Client):
+    """Typed client of prorag.v1.ProcessRewardModel: scores of reasoning steps, every step of a trajectory in one
+    pass, with the model version that produced them."""
+
+    def __init__(self, target: str, timeout: float = 120.0, max_message_mb: int = 64):
+        from prorag.pb import prm_pb2, prm_pb2_grpc
+
+        self._pb = prm_pb2
+        self.target = target
+        self.timeout = timeout
+        self._channel = channel(target, max_message_mb)
+        self._stub = prm_pb2_grpc.ProcessRewardModelStub(self._channel)
+
+    def score(self, inputs, timeout: float | None = None) -> tuple[str, list[list[float]]]:
+        """inputs: (question, steps, last_step_only) tuples -> (model version, per input its step scores)."""
+        from prorag.pbconv import step_pb
+
+        req = self._pb.ScoreStepsRequest(inputs=[
+            self._pb.ScoringInput(question=q, steps=[step_pb(s) for s in steps], last_step_only=bool(last))
+            for q, steps, last in inputs])
+        resp = self._stub.ScoreSteps(req, timeout=timeout or self.timeout)
+        return resp.model_version, [list(r.scores) for r in resp.results]
+
+
 def push_adapter(replicas: list[str], name: str, version: str, activate: bool = True,
                  timeout: float = 120.0) -> list:
     """Load (and activate) ``name@version`` on every policy replica; one ReplicaAck per replica.

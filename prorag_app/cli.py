@@ -198,8 +198,41 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_eval_prm(args) -> int:
+    """`prorag eval prm`: gold steps against corrupted ones on a split (prorag.prm_eval), AUC per kind and a PNG."""
+    from prorag.data.loaders import load_corpus, load_split
+    from prorag.io import write_json
+    from prorag.registry import MANIFEST, Manifest, registry
+    from prorag.runs import new_run_dir, point_latest
+    from prorag_app.pipeline import PROFILES
+    from prorag_app.stage2 import print_prm_table, validate_prm
+
+    prm_dir = registry("prm", args.world).resolve(args.model or "prm")
+    world_dir = paths.world_dir(args.world)
+    qs = load_split(world_dir, args.split)
+    qs = qs[:args.limit] if args.limit else qs
+    docs = {d.id: d for d in load_corpus(world_dir / "corpus.jsonl")}
+    out = Path(args.out) if args.out else new_run_dir("eval-prm")
+    validation = validate_prm(str(prm_dir), qs, docs, PROFILES[args.profile].sft_for("sft"), seed=args.seed,
+                              png=out / "prm" / "scores.png")
+    manifest = prm_dir / MANIFEST
+    metrics = Manifest.read(manifest).metrics if manifest.is_file() else {}
+    prm = {"model": validation["version"], "split": args.split,
+           "auc_gold_vs_corrupted": {k: validation[k] for k in ("overall", "by_kind", "n")},
+           "pairwise_accuracy": metrics.get("heldout_pairwise_accuracy"), "png": validation["png"]}
+    write_json(out / "results.json", {"prm": prm})
+    if not args.out:
+        point_latest(out)
+    print_prm_table(prm)
+    print(json.dumps({"prm": prm}))
+    return 0
+
+
 def cmd_eval(args) -> int:
     from rich.console import Console
+
+    if args.target == "prm":
+        return cmd_eval_prm(args)
 
     from prorag.data.loaders import load_split
     from prorag_app.eval import evaluate, format_table
@@ -295,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.set_defaults(fn=cmd_up)
 
     b = sub.add_parser("bench", help="benchmarks; --json prints one JSON object as the last line")
-    b.add_argument("target", help="retriever | policy | swap | sft")
+    b.add_argument("target", help="retriever | policy | swap | sft | prm")
     b.add_argument("--json", action="store_true")
     b.add_argument("--world", default="default")
     b.add_argument("--batch", type=int, default=64)
@@ -310,10 +343,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seq-len", type=int, default=512, help="sft: tokens per training sequence")
     b.set_defaults(fn=cmd_bench)
 
-    e = sub.add_parser("eval", help="evaluate a policy model over a split through the services")
+    e = sub.add_parser("eval", help="evaluate a policy model over a split through the services, or (eval prm) a "
+                                    "process reward model on gold against corrupted steps")
+    e.add_argument("target", nargs="?", default="policy", choices=["policy", "prm"],
+                   help="policy (default) or prm")
+    e.add_argument("--profile", default="default", choices=list(PROFILES),
+                   help="prm: the profile whose agent format the gold steps are written in")
+    e.add_argument("--seed", type=int, default=0, help="prm: seed of the corruptions")
     e.add_argument("--method", default="sft", help=f"a method of the table ({', '.join(METHODS)}) or another "
                                                    "name, evaluated as an agent (step-by-step rollouts)")
-    e.add_argument("--model", default=None, help="published model name[@version] or a path (default: --method)")
+    e.add_argument("--model", default=None, help="published model name[@version] or a path (default: --method; "
+                                                 "prm: the newest published PRM)")
     e.add_argument("--world", default="default")
     e.add_argument("--split", default="test", choices=["train", "dev", "test"])
     e.add_argument("--limit", type=int, default=0, help="first N questions only")

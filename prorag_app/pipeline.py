@@ -55,6 +55,7 @@ class Profile:
     base_warmup: dict | None = None  # base warm-up (WarmupConfig overrides); None = the world's default base
     base_variant: str = ""           # directory suffix of a base other than the world's default
     method_sft: dict = field(default_factory=dict)  # {method: SFT settings on top of ``sft`` for that method only}
+    stage2: dict | None = None  # MCTS, judging, PRM and its validation (prorag_app.stage2.Stage2Settings); None = off
 
     def __post_init__(self) -> None:
         from prorag.config import check_fields
@@ -68,6 +69,18 @@ class Profile:
             check_fields(SFTConfig, settings, prefix=f"method_sft.{m}.")
         if self.base_warmup is not None:
             check_fields(WarmupConfig, self.base_warmup, prefix="base_warmup.")
+        if self.stage2 is not None:
+            from prorag.mcts import MCTSConfig
+            from prorag_app.stage2 import Stage2Settings
+            from services.trainer.stage_mcts import MCTSStageConfig
+            from services.trainer.stage_prm import PRMConfig
+
+            check_fields(Stage2Settings, {k: v for k, v in self.stage2.items() if k not in ("mcts", "prm")},
+                         prefix="stage2.")
+            mcts = dict(self.stage2.get("mcts", {}))
+            check_fields(MCTSConfig, mcts.pop("mcts", {}), prefix="stage2.mcts.mcts.")
+            check_fields(MCTSStageConfig, mcts, prefix="stage2.mcts.")
+            check_fields(PRMConfig, self.stage2.get("prm", {}), prefix="stage2.prm.")
 
     def sft_for(self, method: str) -> dict:
         """The SFT job settings of ``method``: its table entry's, the profile's shared ones, then its own."""
@@ -95,7 +108,12 @@ RECIPE = Profile(world="default", model_preset="cpu-induction", vocab_size=8192,
 
 PROFILES = {
     "tiny": Profile(world="tiny", model_preset="tiny", vocab_size=2048,
-                    sft={"max_steps": 24, "batch_size": 8, "lr": 3e-3, "log_every": 4, "checkpoint_every": 12}),
+                    sft={"max_steps": 24, "batch_size": 8, "lr": 3e-3, "log_every": 4, "checkpoint_every": 12},
+                    stage2={"mcts": {"max_questions": 6, "concurrency": 3, "max_step_tokens": 64, "seed": 1,
+                                     "mcts": {"simulations": 4, "expansions": 2, "max_children": 2, "max_depth": 6}},
+                            "prm": {"epochs": 1, "batch_size": 4, "log_every": 1, "checkpoint_every": 10,
+                                    "label_source": "judge"},
+                            "eval_questions": 20}),
     "default": RECIPE,
     # the name the recipe had while it was not the default; outside scripts call it
     "full": RECIPE,
@@ -305,6 +323,25 @@ def evaluate_methods(models: dict[str, str], world: str, stack: ServiceStack, qu
         return {m: f.result() for m, f in futures.items()}
 
 
+def stage2(prof: Profile, stack: ServiceStack, world: str, sft_model: str, run_dir, port_offset: int,
+           timings: dict) -> dict:
+    """Stage 2 on the trained agent: a policy process serving it, then prorag_app.stage2.run_stage2."""
+    from prorag.config import from_dict
+    from prorag_app.stage2 import Stage2Settings, print_prm_table, run_stage2
+
+    settings = from_dict(Stage2Settings, prof.stage2)
+    t = time.monotonic()
+    serving = ServiceStack(port_offset=port_offset, world=world, services=("policy",),
+                           overrides={"policy": {"model": sft_model, "retriever": stack.grpc_target("retriever")}},
+                           log_dir=str(run_dir / "logs" / "stage2-policy"))
+    with serving:
+        out = run_stage2(stack, serving.grpc_target("policy"), world, sft_model, prof.sft_for("sft"), settings,
+                         run_dir, f"{world}-stage2", timings)
+    timings["stage2_s"] = time.monotonic() - t
+    print_prm_table(out)
+    return out
+
+
 def copy_probes(models: dict[str, str], questions) -> dict[str, dict]:
     """The name-copy probe (prorag.probes) of each model directory, on the split's question entities."""
     from prorag.evaluation import question_entity
@@ -393,7 +430,11 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         methods = evaluate_methods({m: str(registry("model", world).resolve(jobs[m]["model"])) for m in prof.methods},
                                    world, stack, eval_qs, run_dir, port_offset + 100, timings)
         timings["eval_all_s"] = time.monotonic() - t4
-    console.print(format_table(methods))
+        console.print(format_table(methods))
+        prm = None
+        if prof.stage2 is not None and "sft" in jobs:
+            prm = stage2(prof, stack, world, str(registry("model", world).resolve(jobs["sft"]["model"])), run_dir,
+                         port_offset + 100, timings)
     t5 = time.monotonic()
     probes = copy_probes({"base": str(base), **{m: str(registry("model", world).resolve(jobs[m]["model"]))
                                                  for m in methods}}, test)
@@ -411,6 +452,7 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
                                  "first_subquery_entity_rate")}
                     for m, r in methods.items()},
         "figure": figure,
+        **({"prm": prm} if prm is not None else {}),
         "diagnostics": diag,
         "retrieval": retrieval,
         "jobs": {m: {"job_id": j["job_id"], "model": j["model"], "metrics": j["metrics"]} for m, j in jobs.items()},

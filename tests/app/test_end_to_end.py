@@ -74,6 +74,18 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
         assert recorded["config"]["world"] == "tiny-s7" and job["job_id"].startswith("tiny-s7-")
         assert len(recorded["sha256"]) == 64 and len(recorded["base_model_sha256"]) == 64
     assert results["timings"]["train_sft_s"] > 0
+    # stage 2 ran on the trained agent: an MCTS job through the services, then the PRM when pairs were labelled
+    prm = on_disk["prm"]
+    assert prm["mcts"]["questions"] == 6 and prm["mcts"]["simulations"] > 0
+    assert 0.0 <= prm["mcts"]["retrieval_cache_hit_rate"] <= 1.0
+    if "skipped" in prm:  # a 24-step tiny agent may write no step the judge can tell apart from its sibling
+        assert prm["mcts"]["judge_labelled"] == 0 and "no judge-labelled" in prm["skipped"]
+    else:
+        auc = prm["auc_gold_vs_corrupted"]
+        assert 0.0 <= auc["overall"] <= 1.0 and auc["n"] > 0 and set(auc["by_kind"]) <= {
+            "swapped_entity", "unsupported_subanswer", "redundant_search", "premature_answer"}
+        assert (run_dir / "prm" / "scores.png").read_bytes()[:4] == b"\x89PNG"
+        assert prm["model"].startswith("prm@tiny-s7-stage2-prm-")
 
     # a second run reuses the finished jobs instead of training again
     again = run_main_job(profile="tiny", world="tiny-s7", port_offset=_free_offset())

@@ -1,0 +1,201 @@
+"""Stage 2 of the pipeline: MCTS over the SFT agent's steps, judging, the PRM, and its validation.
+
+Runs through the services of a ServiceStack: the trainer's ``mcts`` job searches train questions with the policy
+service (serving the SFT agent) and the retriever, and labels the sibling pairs through the judge service; its
+``prm`` job trains the PRM on them; the validation scores gold test steps against corrupted ones
+(prorag.prm_eval) with the PRM in process and writes a PNG of the score distributions.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from prorag import paths
+from prorag.config import cfg_field
+
+console = Console()
+
+
+@dataclass
+class Stage2Settings:
+    """What a profile asks of stage 2 (the trainer's mcts and prm jobs take the rest from their defaults)."""
+
+    mcts: dict = cfg_field(help="mcts job settings (services.trainer.stage_mcts.MCTSStageConfig)", factory=dict)
+    prm: dict = cfg_field(help="prm job settings (services.trainer.stage_prm.PRMConfig)", factory=dict)
+    eval_questions: int = cfg_field(0, help="test questions whose gold steps validate the PRM (0 = all)", min=0)
+    seed: int = cfg_field(0, help="seed of the corruptions", min=0)
+
+
+def run_job(stack, stage: str, config: dict, job_id: str) -> dict:
+    """Run (or reuse) one trainer job and wait; returns the finished Job as a dict of metrics and outputs."""
+    from prorag.clients_trainer import TrainerClient, state_name
+    from prorag.progress import progress_bars
+
+    with TrainerClient(stack.grpc_target("trainer"), timeout=60) as client:
+        existing = {j.job_id: j for j in client.list(stage)}
+        if job_id in existing and state_name(existing[job_id].state) == "SUCCEEDED":
+            console.print(f"[green]{stage}[/green]: reusing finished job {job_id}")
+        else:
+            client.start(stage, config, job_id=job_id)
+            with progress_bars() as progress:
+                for ev in client.watch(job_id):
+                    if ev.total_steps:
+                        progress(stage, int(ev.step), int(ev.total_steps))
+                    if ev.message and not ev.message.startswith("checkpoint"):
+                        console.print(f"[dim]{stage}: {ev.message[:200]}[/dim]")
+                    if state_name(ev.state) in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                        break
+        job = client.get(job_id)
+        if state_name(job.state) != "SUCCEEDED":
+            raise SystemExit(f"{stage} job {job_id} ended {state_name(job.state)}: {job.error}")
+        return {"job_id": job_id, "metrics": dict(job.metrics), "outputs": dict(job.outputs), "run_dir": job.run_dir}
+
+
+def gold_trajectories(questions, docs_by_id: dict, sft_settings: dict) -> list[list]:
+    """Each question's gold step-by-step trajectory, written as the SFT agent was trained to write it (its
+    restated questions, plans and subquery phrasing), one gold document per search."""
+    from prorag.data.world import canonical_question
+    from prorag.sft_data import agent_steps
+
+    phrasing = canonical_question if sft_settings.get("canonical_subqueries") else None
+    return [agent_steps(q, {}, docs_by_id, topk=1, restate=bool(sft_settings.get("restate_question")),
+                        plan=bool(sft_settings.get("plan_thoughts")), phrasing=phrasing) for q in questions]
+
+
+def validate_prm(prm_dir: str, questions, docs_by_id: dict, sft_settings: dict, seed: int = 0,
+                 png: Path | None = None) -> dict:
+    """AUC of gold steps against corrupted ones per kind (prorag.prm_eval), scored by the PRM in one batched
+    pass per chunk; a PNG of the score distributions when ``png`` is given."""
+    from prorag.evaluation import question_entity
+    from prorag.prm_eval import auc_by_kind, corrupt
+    from services.prm.engine import PRMEngine, ScoringItem
+
+    usable = [q for q in questions if any(s.doc_id for s in q.decomposition)
+              and all(s.doc_id in docs_by_id for s in q.decomposition if s.doc_id)]
+    entities = sorted({question_entity(q) for q in usable} - {""})
+    answers = sorted({s.answer for q in usable for s in q.decomposition if s.doc_id})
+    rng = random.Random(seed)
+    cases = [c for q, steps in zip(usable, gold_trajectories(usable, docs_by_id, sft_settings))
+             for c in corrupt(q, steps, rng, entities, answers)]
+    engine = PRMEngine(prm_dir)
+    items = [ScoringItem(c.question, [*c.context, step], last_step_only=True) for c in cases
+             for step in (c.gold, c.corrupted)]
+    scored = []
+    for i in range(0, len(items), 256):
+        scored += [s[0] for _, s in engine.score(items[i:i + 256])]
+    gold, bad = scored[0::2], scored[1::2]
+    out = auc_by_kind(cases, gold, bad)
+    out["questions"] = len(usable)
+    out["version"] = engine.version
+    if png is not None:
+        plot_scores(cases, gold, bad, out, png)
+        out["png"] = str(png)
+    return out
+
+
+def plot_scores(cases, gold, bad, aucs: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from prorag.prm_eval import CORRUPTIONS
+
+    kinds = [k for k in CORRUPTIONS if k in aucs["by_kind"]]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 3.2), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        idx = [i for i, c in enumerate(cases) if c.kind == kind]
+        ax.hist([gold[i] for i in idx], bins=30, alpha=0.6, label="gold step")
+        ax.hist([bad[i] for i in idx], bins=30, alpha=0.6, label="corrupted")
+        ax.set_title(f"{kind}\nAUC {aucs['by_kind'][kind]['auc']:.3f} (n={len(idx)})", fontsize=9)
+        ax.set_xlabel("PRM score")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    tmp = png.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(png)
+
+
+def print_prm_table(prm: dict) -> None:
+    if "skipped" in prm:
+        return
+    table = Table(title="PRM validation: gold steps against corrupted ones (test split)")
+    for col in ("corruption", "AUC", "cases"):
+        table.add_column(col, justify="left" if col == "corruption" else "right")
+    for kind, v in prm["auc_gold_vs_corrupted"]["by_kind"].items():
+        table.add_row(kind, f"{v['auc']:.3f}", str(v["n"]))
+    table.add_row("overall", f"{prm['auc_gold_vs_corrupted']['overall']:.3f}",
+                  str(prm["auc_gold_vs_corrupted"]["n"]))
+    console.print(table)
+    pa = prm.get("pairwise_accuracy")
+    console.print(f"held-out pairwise accuracy: {pa:.3f}" if pa is not None else "held-out pairwise accuracy: -")
+
+
+def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settings: dict, settings: Stage2Settings,
+               run_dir: Path, job_prefix: str, timings: dict) -> dict:
+    """MCTS -> judged pairs -> PRM -> validation, through the stack's trainer, retriever and judge and the policy
+    service at ``policy_target`` (serving ``sft_model``). Returns results.json's "prm"."""
+    import hashlib
+    import json
+
+    from prorag.clients import RetrieverClient
+    from prorag.data.loaders import load_split
+    from prorag.registry import registry
+
+    def jid(stage: str, cfg: dict) -> str:
+        key = {k: v for k, v in cfg.items() if k not in ("policy", "retriever", "judge")}
+        return f"{job_prefix}-{stage}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]}"
+
+    t = time.monotonic()
+    mcts_cfg = {"world": world, "policy": policy_target, "policy_model": sft_model,
+                "retriever": stack.grpc_target("retriever"), "judge": stack.grpc_target("judge"),
+                "topk": int(sft_settings.get("topk", 1)), **settings.mcts}
+    mcts = run_job(stack, "mcts", mcts_cfg, jid("mcts", mcts_cfg))
+    timings["stage2_mcts_s"] = time.monotonic() - t
+    m = mcts["metrics"]
+    summary = {k: m.get(k) for k in ("questions", "simulations", "pairs", "pairs_per_question", "value_labelled",
+                                     "judge_labelled", "both_labelled", "judge_value_agreement",
+                                     "retrieval_cache_hit_rate", "simulations_per_s", "wall_s", "policy_wait_s",
+                                     "retriever_wait_s", "generated_tokens")}
+    source = settings.prm.get("label_source", "judge")
+    labelled = {"judge": m.get("judge_labelled", 0), "value": m.get("value_labelled", 0),
+                "both": round(m.get("both_labelled", 0) * m.get("judge_value_agreement", 0.0))}[source]
+    if not labelled:
+        reason = (f"the search found no {source}-labelled sibling pairs ({int(m.get('pairs', 0))} pairs from "
+                  f"{int(m.get('questions', 0))} questions): no PRM to train")
+        console.print(f"[yellow]stage 2: {reason}[/yellow]")
+        return {"skipped": reason, "mcts": summary, "jobs": {"mcts": mcts["job_id"]}, "settings": asdict(settings)}
+    t = time.monotonic()
+    prm_cfg = {"world": world, "pairs": mcts["outputs"]["pairs_path"], "policy_model": sft_model, **settings.prm}
+    prm = run_job(stack, "prm", prm_cfg, jid("prm", {**prm_cfg, "pairs": mcts["job_id"]}))
+    timings["stage2_prm_s"] = time.monotonic() - t
+    t = time.monotonic()
+    test = load_split(paths.world_dir(world), "test")
+    test = test[:settings.eval_questions] if settings.eval_questions else test
+    with RetrieverClient(stack.grpc_target("retriever"), timeout=300) as client:
+        ids = sorted({s.doc_id for q in test for s in q.decomposition if s.doc_id})
+        docs = {d.id: d for d in client.get_documents(ids)}
+    prm_dir = str(registry("prm", world).resolve(prm["outputs"]["prm"]))
+    validation = validate_prm(prm_dir, test, docs, sft_settings, seed=settings.seed,
+                              png=run_dir / "prm" / "scores.png")
+    timings["stage2_validate_s"] = time.monotonic() - t
+    return {
+        "model": prm["outputs"]["prm"],
+        "auc_gold_vs_corrupted": {k: validation[k] for k in ("overall", "by_kind", "n")},
+        "pairwise_accuracy": prm["metrics"].get("heldout_pairwise_accuracy"),
+        "png": validation["png"],
+        "mcts": summary,
+        "jobs": {"mcts": mcts["job_id"], "prm": prm["job_id"]},
+        "settings": asdict(settings),
+    }
+
+
+__all__ = ["Stage2Settings", "gold_trajectories", "plot_scores", "print_prm_table", "run_stage2", "validate_prm"]
