@@ -104,7 +104,13 @@ RECIPE = Profile(world="default", model_preset="cpu-induction", vocab_size=8192,
                              # the fair baseline: also trained to read each gold hop's answer out of its documents,
                              # as the agent's subanswers are, from the one top document the agent reads, so that on
                              # 1-hop questions both read the same document (issue 16)
-                             "standard_rag": {"hop_samples": True, "topk": 1}})
+                             "standard_rag": {"hop_samples": True, "topk": 1}},
+                 # stage 2 on the trained agent: MCTS on 200 train questions (ProRAG: 200 simulations x 5
+                 # expansions on 728; cut to what 2 cores finish in minutes), pairs labelled by the reference judge,
+                 # the PRM (Bradley-Terry) on them, validated on the whole test split
+                 stage2={"mcts": {"max_questions": 200, "concurrency": 32, "max_step_tokens": 96, "seed": 1,
+                                  "mcts": {"simulations": 12, "expansions": 4, "max_children": 4}},
+                         "prm": {"epochs": 2, "batch_size": 8, "lr": 5e-4, "label_source": "judge"}})
 
 PROFILES = {
     "tiny": Profile(world="tiny", model_preset="tiny", vocab_size=2048,
