@@ -82,11 +82,13 @@ def corrupt(question, steps: Sequence[Step], rng: random.Random, entities: Seque
         pos = rng.choice(later)
         prev = steps[max(p for p in subqueries if p < pos)]
         case("redundant_search", pos, Step("subquery", thought=steps[pos].thought, content=prev.content))
-    # premature answer: answering with what is known so far while a hop is still to be searched
+    # premature answer: answering with what is known so far while a hop is still to be searched; the thought is
+    # the gold final answer's, so only the timing and the content give it away
     if later:
         pos = rng.choice(later)
         known = steps[pos - 1].content if steps[pos - 1].kind == "subanswer" else question_entity(question)
-        case("premature_answer", pos, Step("answer", thought="I can answer now.", content=known))
+        final = steps[-1].thought if steps and steps[-1].kind == "answer" else ""
+        case("premature_answer", pos, Step("answer", thought=final, content=known))
     return out
 
 
