@@ -23,7 +23,7 @@ from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag.mcts import MCTSConfig
 from prorag.training.context import JobContext
-from services.trainer.stages import register_stage
+from services.trainer.stages import register_stage, resolve_model
 
 
 @dataclass
@@ -59,17 +59,6 @@ class MCTSStageConfig:
 
         if not self.policy_model:
             raise ConfigError("policy_model", "required: the policy's model directory or name@version")
-
-
-def _resolve_model(cfg: MCTSStageConfig) -> Path:
-    from prorag.registry import registry
-
-    p = Path(cfg.policy_model)
-    if p.is_dir():
-        return p
-    if "@" in cfg.policy_model:
-        return registry("model", cfg.world).resolve(cfg.policy_model)
-    raise InvalidArgument(f"policy_model {cfg.policy_model!r} is neither a directory nor a name@version")
 
 
 def _append(path: Path, row: dict) -> None:
@@ -124,7 +113,7 @@ def run_mcts(ctx: JobContext) -> dict:
     if not qs:
         raise FailedPrecondition(f"no questions in split {cfg.split!r} of world {cfg.world!r}")
     by_id = {q.id: q for q in qs}
-    tokenizer = AutoTokenizer.from_pretrained(str(_resolve_model(cfg)))
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(cfg.world, cfg.policy_model, "policy_model")))
     journal = ctx.checkpoint_dir / "mcts-journal.jsonl"
     ctx.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     done = _read_journal(journal)

@@ -18,7 +18,7 @@ from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag.training.context import JobContext
 from prorag.training.loop import LoopConfig, run_loop
-from services.trainer.stages import register_stage
+from services.trainer.stages import register_stage, resolve_model
 
 
 @dataclass
@@ -53,19 +53,6 @@ class PRMConfig:
 def _held_out(question_id: str, share: float) -> bool:
     # by question, so held-out pairs come from trees the PRM never saw
     return int(hashlib.sha256(question_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < share
-
-
-def _resolve_policy(cfg: PRMConfig) -> Path:
-    from prorag.registry import registry
-
-    if not cfg.policy_model:
-        raise InvalidArgument("policy_model is required: the SFT policy directory or its name@version")
-    p = Path(cfg.policy_model)
-    if p.is_dir():
-        return p
-    if "@" in cfg.policy_model:
-        return registry("model", cfg.world).resolve(cfg.policy_model)
-    raise InvalidArgument(f"policy_model {cfg.policy_model!r} is neither a directory nor a name@version")
 
 
 def encode_pairs(tokenizer, pairs, source: str) -> list[tuple[list[int], int, list[int], int]]:
@@ -113,7 +100,7 @@ def run_prm(ctx: JobContext) -> dict:
         torch.set_num_threads(cfg.threads)
     if not cfg.pairs or not Path(cfg.pairs).is_file():
         raise InvalidArgument(f"pairs file {cfg.pairs!r} does not exist (the MCTS stage writes one)")
-    policy = _resolve_policy(cfg)
+    policy = resolve_model(cfg.world, cfg.policy_model, "policy_model")
     ctx.seed_everything(cfg.seed)
     model, tokenizer = prm_from_policy(policy, seed=cfg.seed)
     pairs = [StepPair.from_dict(row) for row in read_jsonl(cfg.pairs)]

@@ -248,3 +248,17 @@ def load_stage_modules(names: Sequence[str] = ()) -> list[str]:
         importlib.import_module(name.strip())  # a broken stage module should stop the trainer loudly
         loaded.append(name.strip())
     return loaded
+
+
+def resolve_model(world: str, spec: str, field_name: str):
+    """A stage's model setting -> its directory: a directory, or name[@version] in ``world``'s model registry.
+    A missing one is the job config's mistake, named by its field."""
+    from prorag.errors import InvalidArgument, NotFound
+    from prorag.registry import registry
+
+    if not spec:
+        raise InvalidArgument(f"{field_name} is required: a model directory or a published name@version")
+    try:
+        return registry("model", world).resolve(spec)
+    except NotFound as e:
+        raise InvalidArgument(f"{field_name} {spec!r}: {e}") from None
