@@ -253,4 +253,4 @@ class OpenAIJudge:
     def info(self) -> dict:
         left = self.budget.left_usd()
         return {"cache_entries": len(self.cache), "calls_made": self.budget.calls,
-                "budget_left_usd": left if left != float("inf") else 0.0, "cost_usd": self.budget.cost_usd}
+                "budget_left_usd": left if left != float("inf") else -1.0, "cost_usd": self.budget.cost_usd}

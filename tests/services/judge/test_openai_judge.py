@@ -91,6 +91,7 @@ def test_pairs_are_judged_cached_and_never_paid_for_twice(endpoint, tmp_path):
         assert (declined.chosen, declined.rejected) == (-1, -1)
         info = stub.GetJudgeInfo(judge_pb2.JudgeInfoRequest(), timeout=5)
         assert (info.backend, info.model, info.cache_entries, info.calls_made) == ("openai", "judge-model", 3, 3)
+        assert info.budget_left_usd == -1.0  # no dollar limit set
     finally:
         ch.close()
         loop.run(started.stop())
