@@ -11,15 +11,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prorag.data.loaders import Document
 from prorag.pb import retriever_pb2, retriever_pb2_grpc
 from prorag.pbconv import document_from_pb, scored_document_from_pb
+from prorag.security import ClientSecurity, secure_channel
 
 MiB = 1024 * 1024
 
 
-def channel(target: str, max_message_mb: int = 64) -> grpc.Channel:
-    return grpc.insecure_channel(target, options=[
+def channel(target: str, max_message_mb: int = 64, security: ClientSecurity | None = None,
+            extra_options: list | None = None) -> grpc.Channel:
+    """A channel with the servers' message limits and the TLS and token settings of ``security``
+    (default: PRORAG_TLS_CA, PRORAG_TOKEN_FILE, ... from the environment, see :mod:`prorag.security`)."""
+    return secure_channel(target, [
         ("grpc.max_receive_message_length", max_message_mb * MiB),
         ("grpc.max_send_message_length", max_message_mb * MiB),
-    ])
+    ] + list(extra_options or []), security)
 
 
 def wait_for_health(target: str, service: str = "", timeout: float = 60.0) -> bool:

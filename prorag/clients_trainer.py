@@ -8,6 +8,7 @@ from typing import Any, Iterator
 
 import grpc
 
+from prorag.clients import channel
 from prorag.pb import trainer_pb2, trainer_pb2_grpc
 
 MiB = 1024 * 1024
@@ -29,9 +30,7 @@ class TrainerClient:
         self.timeout = timeout
         self.reconnect_backoff_s = reconnect_backoff_s
         # Short reconnect backoff: a restarted trainer is picked up within a second.
-        self._channel = grpc.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", max_message_mb * MiB),
-            ("grpc.max_send_message_length", max_message_mb * MiB),
+        self._channel = channel(target, max_message_mb, extra_options=[
             ("grpc.initial_reconnect_backoff_ms", 200),
             ("grpc.min_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", 2000),

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prorag.errors import ProragError
+from prorag.security import AuthInterceptor, ServerSecurity
 
 log = logging.getLogger("prorag.grpc")
 
@@ -141,23 +142,35 @@ class RunningServer:
 
 
 async def start_server(spec: ServerSpec, port: int, host: str = "127.0.0.1",
-                       max_message_mb: int = 64, max_concurrent_rpcs: int | None = None) -> RunningServer:
-    """Start a grpc.aio server with interceptor, health and reflection on host:port (0 = any free)."""
+                       max_message_mb: int = 64, max_concurrent_rpcs: int | None = None,
+                       security: ServerSecurity | None = None) -> RunningServer:
+    """Start a grpc.aio server with interceptors, health and reflection on host:port (0 = any free).
+
+    ``security`` (default: plaintext, no auth) adds TLS and the bearer-token check; health stays open."""
+    security = security or ServerSecurity()
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    tokens = security.tokens()
+    if tokens is not None:
+        # Outermost, so an unauthenticated call never reaches a servicer.
+        interceptors.append(AuthInterceptor(tokens, spec.name))
+    interceptors.append(ErrorMappingInterceptor())
     options = [
         ("grpc.max_receive_message_length", max_message_mb * MiB),
         ("grpc.max_send_message_length", max_message_mb * MiB),
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=options,
-                             maximum_concurrent_rpcs=max_concurrent_rpcs)
+    server = grpc.aio.server(interceptors=interceptors, options=options,
+                             maximum_concurrent_rpcs=max_concurrent_rpcs or None)
     for _, add in spec.services:
         add(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [n for n, _ in spec.services]
     reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = security.grpc_credentials()
+    bound = (server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
+             else server.add_insecure_port(f"{host}:{port}"))
     if bound == 0:
         raise OSError(f"could not bind {host}:{port} for the {spec.name} service (port in use?)")
     await server.start()
@@ -167,7 +180,7 @@ async def start_server(spec: ServerSpec, port: int, host: str = "127.0.0.1",
     for n in names:
         await health_servicer.set(n, health_pb2.HealthCheckResponse.SERVING if spec.ready.get(n, True)
                                   else health_pb2.HealthCheckResponse.NOT_SERVING)
-    log.info("%s listening on %s:%d", spec.name, host, bound)
+    log.info("%s listening on %s:%d (%s)", spec.name, host, bound, security.describe())
     return running
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from prorag.config import cfg_field
+from prorag.security import ServerSecurity
 
 
 @dataclass
@@ -18,6 +19,21 @@ class ServeConfig:
                                min=-1, max=65535)
     max_message_mb: int = cfg_field(64, help="gRPC max send/receive message size, MiB", min=1, max=2047)
     grace_s: float = cfg_field(5.0, help="seconds in-flight calls get to finish at shutdown", min=0)
+    max_concurrent_rpcs: int = cfg_field(256, help="calls served at once; more are refused with RESOURCE_EXHAUSTED "
+                                                   "(0 = no limit)", min=0)
+    tls_cert: str = cfg_field("", help="PEM certificate chain: serve TLS ('' = $PRORAG_TLS_CERT, unset = plaintext)")
+    tls_key: str = cfg_field("", help="PEM key of tls_cert ('' = $PRORAG_TLS_KEY)")
+    tls_client_ca: str = cfg_field("", help="PEM CA bundle: require client certificates it signed, mutual TLS "
+                                            "('' = $PRORAG_TLS_CLIENT_CA)")
+    auth_tokens: str = cfg_field("", help="YAML tokens file: require bearer tokens with scopes "
+                                          "('' = $PRORAG_AUTH_TOKENS, unset = no auth)")
+
+    def security(self) -> ServerSecurity:
+        """The TLS and token settings, each field falling back to its environment variable."""
+        env = ServerSecurity.from_env()
+        return ServerSecurity(tls_cert=self.tls_cert or env.tls_cert, tls_key=self.tls_key or env.tls_key,
+                              tls_client_ca=self.tls_client_ca or env.tls_client_ca,
+                              auth_tokens=self.auth_tokens or env.auth_tokens)
 
 
 @dataclass

@@ -85,6 +85,9 @@ async def _serve(service: str, args) -> None:
         "host": args.host,
         "port": paths.GRPC_PORTS[service] if args.port is None else args.port,
         "http_port": default_http if args.http_port is None else args.http_port,
+        "tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
+        "auth_tokens": args.auth_tokens,
+        **({"max_concurrent_rpcs": args.max_concurrent_rpcs} if args.max_concurrent_rpcs is not None else {}),
     })
     overrides = _service_config(service, args)
     if service == "retriever":
@@ -127,6 +130,41 @@ async def _serve(service: str, args) -> None:
     from prorag.grpc_server import serve_until_signal
 
     await serve_until_signal([started.stop])
+
+
+def cmd_health(args) -> int:
+    """Exit 0 when the service answers SERVING over the gRPC health protocol (TLS and token from the env):
+    what container health checks and Kubernetes exec probes run."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from prorag.clients import channel
+
+    target = args.target or f"127.0.0.1:{paths.GRPC_PORTS[args.service_of] if args.service_of else 50051}"
+    try:
+        with channel(target) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                        timeout=args.timeout)
+    except grpc.RpcError as e:
+        print(f"{target} {args.service or '(process)'}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(f"{target} {args.service or '(process)'}: {status}")
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def cmd_security_init(args) -> int:
+    from prorag.security import DEFAULT_TLS_HOSTS, generate_secrets
+
+    hosts = tuple(args.host) if args.host else DEFAULT_TLS_HOSTS
+    files = generate_secrets(args.out, hosts=hosts, days=args.days)
+    print(json.dumps(files, indent=2))
+    print(f"servers: PRORAG_TLS_CERT={files['server_cert']} PRORAG_TLS_KEY={files['server_key']} "
+          f"PRORAG_AUTH_TOKENS={files['tokens']} [PRORAG_TLS_CLIENT_CA={files['ca']} for mutual TLS]", file=sys.stderr)
+    print(f"clients: PRORAG_TLS_CA={files['ca']} PRORAG_TOKEN_FILE={files['token_client']} (admin: "
+          f"{files['token_admin']}) [PRORAG_TLS_CLIENT_CERT={files['client_cert']} "
+          f"PRORAG_TLS_CLIENT_KEY={files['client_key']}]", file=sys.stderr)
+    return 0
 
 
 def cmd_serve(args) -> int:
@@ -315,7 +353,35 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=None, help="YAML file with the service's settings")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting")
     s.add_argument("--port-offset", type=int, default=0, help="shift of the ports of the other services it calls")
+    s.add_argument("--tls-cert", default="", help="PEM certificate: serve TLS (default $PRORAG_TLS_CERT)")
+    s.add_argument("--tls-key", default="", help="PEM key of --tls-cert (default $PRORAG_TLS_KEY)")
+    s.add_argument("--tls-client-ca", default="", help="require client certificates from this CA (mutual TLS; "
+                                                       "default $PRORAG_TLS_CLIENT_CA)")
+    s.add_argument("--auth-tokens", default="", help="YAML tokens file: require bearer tokens "
+                                                     "(default $PRORAG_AUTH_TOKENS)")
+    s.add_argument("--max-concurrent-rpcs", type=int, default=None, help="calls served at once (0 = no limit)")
     s.set_defaults(fn=cmd_serve)
+
+    h = sub.add_parser("health", help="check a service over the gRPC health protocol (exit 0 = SERVING); "
+                                      "TLS and token from PRORAG_TLS_CA / PRORAG_TOKEN_FILE")
+    h.add_argument("--target", default="", help="host:port (default: 127.0.0.1 and the service's documented port)")
+    h.add_argument("--service-of", default="", choices=[""] + list(paths.SERVICES),
+                   help="which service's documented port to use when --target is not given")
+    h.add_argument("--service", default="", help="health service name ('' = the process, "
+                                                 "prorag.v1.Policy = readiness of the policy)")
+    h.add_argument("--timeout", type=float, default=3.0)
+    h.set_defaults(fn=cmd_health)
+
+    sec = sub.add_parser("security", help="generate TLS material and tokens")
+    sec_sub = sec.add_subparsers(dest="security_cmd", required=True)
+    si = sec_sub.add_parser("init", help="write a private CA, server and client certificates, a tokens file (hashes "
+                                         "only) and the tokens themselves (files 0600)")
+    si.add_argument("--out", default="secrets", help="directory to write (keep it out of git)")
+    si.add_argument("--host", action="append", default=[], help="name or IP the server certificate is valid for "
+                                                                "(repeatable; default: localhost, 127.0.0.1 and "
+                                                                "the compose and k8s service names)")
+    si.add_argument("--days", type=int, default=365)
+    si.set_defaults(fn=cmd_security_init)
 
     u = sub.add_parser("up", help="start all five services on the documented ports")
     u.add_argument("--port-offset", type=int, default=0)

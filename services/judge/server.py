@@ -65,5 +65,6 @@ async def start(serve: ServeConfig, cfg: JudgeConfig | None = None, engine=None)
     servicer = JudgeServicer(engine or open_engine(cfg), cfg.max_items, cfg.max_candidates)
     spec = ServerSpec(name="judge",
                       services=[(SERVICE, lambda s: judge_pb2_grpc.add_JudgeServicer_to_server(servicer, s))])
-    running = await start_server(spec, serve.port, serve.host, serve.max_message_mb)
+    running = await start_server(spec, serve.port, serve.host, serve.max_message_mb, serve.max_concurrent_rpcs,
+                                 security=serve.security())
     return Started("judge", running.port, None, [lambda: running.stop(serve.grace_s)])

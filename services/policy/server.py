@@ -99,11 +99,14 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
     servicer = PolicyServicer(engine, scheduler, manager, cfg,
                               retriever_search_factory(cfg.retriever, cfg.retriever_timeout_s), model_info)
     spec = ServerSpec(name="policy", services=[(SERVICE, lambda s: policy_pb2_grpc.add_PolicyServicer_to_server(servicer, s))])
-    running = await start_server(spec, serve.port, serve.host, serve.max_message_mb)
+    security = serve.security()
+    running = await start_server(spec, serve.port, serve.host, serve.max_message_mb, serve.max_concurrent_rpcs,
+                                 security=security)
     stoppers = [lambda: running.stop(serve.grace_s)]
     http_port = None
     if serve.http_port >= 0:
-        runner, http_port = await start_http(make_app(servicer, model_name=model_info["name"]), serve.host, serve.http_port)
+        runner, http_port = await start_http(make_app(servicer, model_name=model_info["name"]), serve.host, serve.http_port,
+                                             security, "policy")
         stoppers.insert(0, runner.cleanup)
 
     async def close():

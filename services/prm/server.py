@@ -65,7 +65,8 @@ async def start(serve: ServeConfig, cfg: PRMServeConfig | None = None, engine=No
     spec = ServerSpec(name="prm",
                       services=[(SERVICE, lambda s: prm_pb2_grpc.add_ProcessRewardModelServicer_to_server(servicer, s))],
                       ready={SERVICE: engine is not None})
-    running = await start_server(spec, serve.port, serve.host, serve.max_message_mb)
+    running = await start_server(spec, serve.port, serve.host, serve.max_message_mb, serve.max_concurrent_rpcs,
+                                 security=serve.security())
     stoppers = [lambda: running.stop(serve.grace_s), servicer.close]
     if engine is not None and cfg.follow_latest_s and "@" not in cfg.model:
         task = asyncio.get_running_loop().create_task(_follow(cfg, engine))

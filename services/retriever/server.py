@@ -51,11 +51,14 @@ async def start(serve: ServeConfig, cfg: RetrieverConfig | None = None, engine=N
     servicer = RetrieverServicer(frontend)
     spec = ServerSpec(name="retriever",
                       services=[(SERVICE, lambda s: retriever_pb2_grpc.add_RetrieverServicer_to_server(servicer, s))])
-    running = await start_server(spec, serve.port, serve.host, serve.max_message_mb)
+    security = serve.security()
+    running = await start_server(spec, serve.port, serve.host, serve.max_message_mb, serve.max_concurrent_rpcs,
+                                 security=security)
     stoppers = [lambda: running.stop(serve.grace_s)]
     http_port = None
     if serve.http_port >= 0:
-        runner, http_port = await start_http(make_app(frontend, cfg.default_topk), serve.host, serve.http_port)
+        runner, http_port = await start_http(make_app(frontend, cfg.default_topk), serve.host, serve.http_port,
+                                             security, "retriever")
         stoppers.insert(0, runner.cleanup)
     stoppers.append(frontend.close)
     return Started("retriever", running.port, http_port, stoppers)

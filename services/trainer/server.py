@@ -59,7 +59,8 @@ async def start(serve: ServeConfig, cfg: TrainerConfig | None = None, **_: objec
     spec = ServerSpec(name="trainer",
                       services=[(SERVICE, lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s))],
                       ready={SERVICE: False})
-    running = await start_server(spec, serve.port, serve.host, serve.max_message_mb)
+    running = await start_server(spec, serve.port, serve.host, serve.max_message_mb, serve.max_concurrent_rpcs,
+                                 security=serve.security())
     try:
         await asyncio.to_thread(manager.load)
     except BaseException:
