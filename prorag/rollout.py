@@ -1,8 +1,8 @@
 """Agentic rollouts with live retrieval: pure orchestration over an engine and a search function.
 
 All questions x n samples advance together in rounds. Each round makes one ``engine.generate``
-call for every unfinished trajectory and one ``search_fn`` call for all of the round's
-subqueries. Token ids are carried, never re-encoded: generated ids are appended as the engine
+call for every unfinished trajectory and ``search_fn`` calls of at most ``search_batch`` of the
+round's subqueries each (a retriever refuses a request over its max_batch). Token ids are carried, never re-encoded: generated ids are appended as the engine
 returned them (mask 1, with their log-probs and format-aware loss weights) and the environment's
 glue and documents are tokenised on their own and appended (mask 0, log-prob 0), each step's
 span recorded in the trajectory's :class:`~prorag.tokens.TokenTrajectory`.
@@ -24,6 +24,9 @@ from prorag.trajectory import (
 from prorag.engine import GenerationEngine, SamplingSpec, derive_seed
 
 SearchFn = Callable[[list[str], int], list[list[Document]]]
+#: queries per search_fn call when neither the caller nor the search function says: half the
+#: retriever's default max_batch (512), as RetrieverClient.get_documents chunks
+DEFAULT_SEARCH_BATCH = 256
 FINISH_REASONS = ("answer", "max_steps", "length", "invalid_format")
 
 
@@ -76,7 +79,8 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
                  search_fn: SearchFn, max_steps: int = 13, topk: int = 3, adapter: str | None = None,
                  on_finished: Callable[[TrajectoryResult], None] | None = None,
                  max_model_len: int | None = None,
-                 loss_weights: Mapping[str, float] = FORMAT_LOSS_WEIGHTS) -> list[TrajectoryResult]:
+                 loss_weights: Mapping[str, float] = FORMAT_LOSS_WEIGHTS,
+                 search_batch: int | None = None) -> list[TrajectoryResult]:
     """Run ``params.n`` trajectories per (id, question); returns them question-major, sample-minor.
 
     params: n = samples per question; max_tokens caps one step; stop ids are the format's own.
@@ -85,6 +89,9 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
     Seeds: trajectory (q, j) at round r samples with ``derive_seed(params.seed, q, j, r)``
     (unseeded when params.seed is 0), so a seeded run does not depend on batching.
     ``on_finished`` is called as each trajectory ends, before the next round.
+    search_batch: most subqueries per ``search_fn`` call; default: ``search_fn.max_batch`` when the
+    search function carries one (e.g. learnt from the retriever's ListIndexes), else
+    ``DEFAULT_SEARCH_BATCH``. A round with more subqueries makes several calls, in order.
     Every round either ends a trajectory or adds a step, so at most ``max_steps`` rounds run.
     """
     params.validate()
@@ -92,6 +99,9 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
         raise InvalidArgument(f"max_steps must be >= 1, got {max_steps}")
     if topk < 1:
         raise InvalidArgument(f"topk must be >= 1, got {topk}")
+    search_batch = int(search_batch or getattr(search_fn, "max_batch", 0) or DEFAULT_SEARCH_BATCH)
+    if search_batch < 1:
+        raise InvalidArgument(f"search_batch must be >= 1, got {search_batch}")
     limit = int(max_model_len or getattr(engine, "max_model_len", 0) or 0)
     if limit <= 0:
         raise InvalidArgument("the engine reports no max_model_len; pass max_model_len")
@@ -177,9 +187,13 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
                     still.append(k)
         if searches:
             queries = [results[k].steps[-1].content for k in searches]
-            found = search_fn(queries, topk)
-            if len(found) != len(queries):
-                raise InvalidArgument(f"search_fn returned {len(found)} results for {len(queries)} queries")
+            found = []
+            for i in range(0, len(queries), search_batch):
+                chunk = queries[i:i + search_batch]
+                got = list(search_fn(chunk, topk))
+                if len(got) != len(chunk):
+                    raise InvalidArgument(f"search_fn returned {len(got)} results for {len(chunk)} queries")
+                found += got
             for k, docs in zip(searches, found):
                 step = results[k].steps[-1]
                 docs = [clean_doc(d) for d in list(docs)[:topk]]
@@ -215,4 +229,4 @@ def summarize(results: Sequence[TrajectoryResult]) -> dict:
             "mean_steps": sum(len(t.steps) for t in results) / n}
 
 
-__all__ = ["TrajectoryResult", "SearchFn", "FINISH_REASONS", "run_rollouts", "format_stop_ids", "decode", "summarize"]
+__all__ = ["TrajectoryResult", "SearchFn", "DEFAULT_SEARCH_BATCH", "FINISH_REASONS", "run_rollouts", "format_stop_ids", "decode", "summarize"]

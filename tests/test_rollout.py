@@ -205,3 +205,68 @@ def test_bad_arguments(tiny_policy):
         run_rollouts(eng, tok, [("a", "q")], SamplingSpec(), Searcher(), max_steps=0)
     with pytest.raises(InvalidArgument):
         run_rollouts(eng, tok, [("a", "Broken question?")], SamplingSpec(), lambda qs, k: [])
+
+
+@pytest.fixture(scope="module")
+def retrievers(tmp_path_factory):
+    """Two real retriever services (gRPC on loopback, port 0) over a small BM25 index: one with the default
+    max_batch (512), one with max_batch 16."""
+    import json
+
+    from prorag.clients import RetrieverClient
+    from prorag.service import ServeConfig
+    from services.retriever.indexing import build_all
+    from services.retriever.server import RetrieverConfig, start
+    from tests.helpers import LoopThread
+
+    root = tmp_path_factory.mktemp("rollout-retriever")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"d{i}", "contents": f'"Film {i}"\nFilm {i} was directed by '
+                                                                        f'Person {i}, born in Town {i}.'}) + "\n"
+                              for i in range(40)))
+    build_all(corpus, root / "indexes", dense=False)
+    loop = LoopThread()
+    servers, clients = {}, {}
+    for max_batch in (512, 16):
+        cfg = RetrieverConfig(index_root=str(root / "indexes"), default_index="bm25", max_batch=max_batch)
+        servers[max_batch] = loop.run(start(ServeConfig(port=0, http_port=-1), cfg))
+        clients[max_batch] = RetrieverClient(f"127.0.0.1:{servers[max_batch].grpc_port}")
+    yield clients
+    for max_batch, s in servers.items():
+        clients[max_batch].close()
+        loop.run(s.stop())
+    loop.close()
+
+
+def test_a_round_over_the_retrievers_max_batch_is_searched_in_chunks(tiny_policy, retrievers):
+    """600 subqueries in one round against a retriever that takes 512 per request, searched as the policy's
+    rollouts search (one client.search per search_fn call): chunked, so every trajectory gets its documents."""
+    tok, client = tiny_policy[1], retrievers[512]
+    calls = []
+
+    def search(queries, topk):
+        calls.append(len(queries))
+        return client.search(queries, topk=topk)
+
+    q = "Where was the director of Inception born?"
+    res = run_rollouts(ScriptedEngine(tok, SCRIPTS), tok, [("a", q)], SamplingSpec(n=600, max_tokens=200),
+                       search, topk=2)
+    assert all(r.finish_reason == "answer" and len(r.steps[0].docs) == 2 for r in res)
+    assert max(calls) <= 256 and sum(calls) == 1200  # two search rounds of 600
+
+
+def test_the_search_batch_comes_from_the_search_function_when_it_knows_the_retrievers_limit(tiny_policy, retrievers):
+    tok, client = tiny_policy[1], retrievers[16]
+
+    def search(queries, topk):
+        return client.search(queries, topk=topk)
+
+    search.max_batch = client.list_indexes().max_batch  # what the retriever says it takes
+    q = "Where was the director of Inception born?"
+    res = run_rollouts(ScriptedEngine(tok, SCRIPTS), tok, [("a", q)], SamplingSpec(n=40, max_tokens=200),
+                       search, topk=2)
+    assert all(r.finish_reason == "answer" and len(r.steps[2].docs) == 2 for r in res)
+    # an explicit search_batch wins
+    res = run_rollouts(ScriptedEngine(tok, SCRIPTS), tok, [("a", q)], SamplingSpec(n=20, max_tokens=200),
+                       search, topk=2, search_batch=7)
+    assert all(r.finish_reason == "answer" for r in res)
