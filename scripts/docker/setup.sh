@@ -24,7 +24,8 @@ fetch_model() {  # $1 = directory, $2 = Hugging Face repo id
   fi
 }
 
-case "${1:-cpu}" in
+set -- "${1:-cpu}"
+case "$1" in
   cpu)
     prorag index --world "$WORLD"
     prorag base --world "$WORLD"
@@ -47,4 +48,6 @@ case "${1:-cpu}" in
     exit 2
     ;;
 esac
-echo "setup done"
+# the k8s Deployments' wait-for-setup init containers wait for this file
+touch "${PRORAG_HOME:-/data}/data/.prorag-setup-done-$1"
+echo "setup done ($1)"
