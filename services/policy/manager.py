@@ -1,8 +1,15 @@
 """Adapter lifecycle in the policy service: verify -> load -> warm -> switch -> drain -> unload.
 
 Requests pin the adapter they start with (``acquire``), so an activation never changes the
-weights under a request in flight; unloading refuses the active version and drains the pinned
-ones (new pins refused, in-flight requests finish) before the engine drops the weights. All state changes happen under one asyncio lock (one event loop owns them).
+weights under a request in flight; unloading drains the pinned ones (new pins refused, in-flight
+requests finish) before the engine drops the weights.
+
+Every check-and-change of ``loaded``/``active`` happens under one asyncio lock (one event loop owns
+them), so these invariants hold between any two awaits: the active adapter is loaded and not
+draining, and one adapter has at most one unload in progress. Unloading the active adapter is
+refused (FAILED_PRECONDITION) rather than silently falling back to the base model: a push that
+unloads what serves traffic is almost always a mistake, and the fix (activate another version or
+the base first) is one call away.
 """
 
 from __future__ import annotations
@@ -38,37 +45,57 @@ class AdapterManager:
 
     async def load(self, ref: ArtifactRef, path: str = "") -> LoadedAdapter:
         async with self._lock:
-            if ref.key in self.loaded:
-                return self.loaded[ref.key]
-            resolved, manifest = Registry(self.root, "adapter").verify(ref, path,
-                                                                         base_model_sha256=self.base_model_sha256)
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, self.engine.load_adapter, ref.key, str(resolved))
-            # Warm: one token through the new weights, so the first real request pays no lazy init.
-            warm_prompt = [[int(self.engine.tokenizer.eos_token_id or 0)]]
-            await loop.run_in_executor(None, lambda: self.engine.generate(
-                warm_prompt, SamplingSpec(n=1, temperature=0.0, max_tokens=1), ref.key))
-            entry = LoadedAdapter(ref, resolved, manifest)
-            self.loaded[ref.key] = entry
+            return await self._load_locked(ref, path)
+
+    async def _load_locked(self, ref: ArtifactRef, path: str) -> LoadedAdapter:
+        entry = self.loaded.get(ref.key)
+        if entry is not None:
+            if entry.draining:
+                raise FailedPrecondition(f"adapter {ref} is being unloaded; load it again once UnloadAdapter returns")
             return entry
+        resolved, manifest = Registry(self.root, "adapter").verify(ref, path,
+                                                                     base_model_sha256=self.base_model_sha256)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.engine.load_adapter, ref.key, str(resolved))
+        # Warm: one token through the new weights, so the first real request pays no lazy init.
+        warm_prompt = [[int(self.engine.tokenizer.eos_token_id or 0)]]
+        await loop.run_in_executor(None, lambda: self.engine.generate(
+            warm_prompt, SamplingSpec(n=1, temperature=0.0, max_tokens=1), ref.key))
+        entry = LoadedAdapter(ref, resolved, manifest)
+        self.loaded[ref.key] = entry
+        return entry
 
     async def activate(self, ref: ArtifactRef | None, path: str = "") -> str | None:
-        """Make ``ref`` (None = base model) what new requests use; loads it first if needed."""
-        if ref is not None and ref.key not in self.loaded:
-            await self.load(ref, path)
+        """Make ``ref`` (None = base model) what new requests use; loads it first if needed.
+
+        Load and switch happen under one lock hold, so an Unload of ``ref`` cannot slip in between
+        and leave an unloaded adapter active. An adapter that is being unloaded cannot be activated
+        (FAILED_PRECONDITION): load it again after the unload returns."""
         async with self._lock:
-            self.active = None if ref is None else ref.key
+            if ref is None:
+                self.active = None
+                return None
+            entry = await self._load_locked(ref, path)
+            if entry.draining:  # defensive: _load_locked refuses a draining entry already
+                raise FailedPrecondition(f"adapter {ref} is being unloaded; load it again once UnloadAdapter returns")
+            self.active = ref.key
             return self.active
 
     async def unload(self, ref: ArtifactRef, drain_timeout_s: float = 30.0) -> None:
         """Drain, then unload: new requests can no longer pin ``ref``; those in flight finish first
-        (up to ``drain_timeout_s``, then FAILED_PRECONDITION and the adapter stays loaded)."""
+        (up to ``drain_timeout_s``, then FAILED_PRECONDITION and the adapter stays loaded).
+
+        The active adapter is refused with FAILED_PRECONDITION (activate another version or the base
+        model first); so is an adapter another Unload is already draining."""
         async with self._lock:
             entry = self.loaded.get(ref.key)
             if entry is None:
                 raise NotFound(f"adapter {ref} is not loaded (loaded: {', '.join(self.loaded) or 'none'})")
             if self.active == ref.key:
-                raise FailedPrecondition(f"adapter {ref} is active; activate another version before unloading it")
+                raise FailedPrecondition(f"adapter {ref} is active; activate another version or the base model "
+                                         f"before unloading it")
+            if entry.draining:
+                raise FailedPrecondition(f"adapter {ref} is already being unloaded by another request")
             entry.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_timeout_s
@@ -79,6 +106,7 @@ class AdapterManager:
                 entry.draining = False
                 raise FailedPrecondition(f"adapter {ref} still serves {entry.in_flight} request(s) after "
                                          f"{drain_timeout_s:.0f}s of draining; retry later")
+            # No re-check of `active` needed: while draining, activate and load refused this entry.
             del self.loaded[ref.key]
             await loop.run_in_executor(None, self.engine.unload_adapter, ref.key)
 
