@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -34,23 +35,102 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             tmp_path.unlink()
 
 
+def _fsync_path(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (``root`` too), so a rename of ``root`` publishes
+    contents that are on disk, not only in the page cache."""
+    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            p = Path(dirpath, name)
+            if not p.is_symlink():
+                _fsync_path(p)
+        _fsync_path(Path(dirpath), directory=True)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where the libc or the
+    filesystem cannot, and the caller falls back to two renames."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def _aside(path: Path) -> Path:
+    return path.with_name(f".{path.name}.old")
+
+
+def recover_dir(path: str | Path) -> None:
+    """Repair what a process that died inside :func:`atomic_dir`'s two-rename fallback left: the old copy
+    renamed aside with nothing at ``path`` (put it back), or both (drop the aside copy). Readers that
+    may run right after such a crash call this before opening ``path``; atomic_dir calls it itself."""
+    path = Path(path)
+    aside = _aside(path)
+    if not aside.exists():
+        return
+    if path.exists():
+        # the new copy got in; the aside one is the old copy (maybe half deleted)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        # died between the renames: the aside copy is the complete old one (only ever removed
+        # while ``path`` exists)
+        os.replace(aside, path)
+        _fsync_path(path.parent, directory=True)
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it becomes ``path`` (replacing an old one)."""
+    """Yield a temporary sibling directory; on success it becomes ``path`` (replacing an old one).
+
+    Durable and never missing: the new tree is fsynced before it is renamed in, the parent after. An
+    existing ``path`` is swapped with the new tree in one atomic exchange where the filesystem can
+    (Linux renameat2); elsewhere the old copy is renamed aside first, and a death between the two
+    renames is repaired by :func:`recover_dir` (run by the next atomic_dir call on ``path``). Two
+    writers of the same ``path`` at once are not supported (callers hold their own lock)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    recover_dir(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     os.chmod(tmp, 0o777 & ~_UMASK)
     try:
         yield tmp
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
+        fsync_tree(tmp)
+        if not path.exists():
             os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
+        elif _exchange(tmp, path):
+            pass  # ``tmp`` now holds the old copy; the finally below removes it
         else:
-            os.replace(tmp, path)
+            aside = _aside(path)
+            os.replace(path, aside)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                # put the old copy back so ``path`` stays readable; if this fails too, recover_dir will
+                with contextlib.suppress(OSError):
+                    os.replace(aside, path)
+                raise
+            _fsync_path(path.parent, directory=True)
+            shutil.rmtree(aside, ignore_errors=True)
+        _fsync_path(path.parent, directory=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
