@@ -2,25 +2,33 @@
 
 Layout under the jobs root (default ``<PRORAG_HOME>/runs/jobs``)::
 
+    .trainer.lock            flock'ed by the one trainer using this root (its pid inside)
     <job_id>/job.json        the job record, replaced atomically on every change
     <job_id>/events.jsonl    one JSON event per line, fsynced per event; seq survives restarts
+    <job_id>/job.log         log records of the job's worker thread, appended per attempt
     <job_id>/checkpoints/    step-<N>.pt, last K kept
     <job_id>/run/            outputs: artifacts, metrics.jsonl, wandb/, and manifest.json (written last)
 
 Jobs run in worker threads of the trainer process (one at a time by default; ``parallel_jobs``
 workers side by side), so killing the trainer kills its jobs too. On start the manager re-queues jobs a killed trainer left
-QUEUED or RUNNING; their stages resume from the last checkpoint.
+QUEUED or RUNNING; their stages resume from the last checkpoint. A job whose process died under it
+``max_attempts`` times (a crash it causes, e.g. out of memory, would otherwise loop forever) is FAILED
+instead. One trainer at a time owns a jobs root (an exclusive flock held for the manager's life): two
+would run the same queued jobs side by side and corrupt their records.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime as _dt
+import fcntl
 import json
 import logging
 import os
 import re
 import shutil
+import socket
 import threading
 import time
 import traceback
@@ -41,6 +49,7 @@ log = logging.getLogger("prorag.trainer.jobs")
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+LOCK_NAME = ".trainer.lock"
 
 
 def now_iso() -> str:
@@ -60,6 +69,30 @@ class JobStore:
 
     def job_dir(self, job_id: str) -> Path:
         return self.root / job_id
+
+    def log_path(self, job_id: str) -> Path:
+        return self.job_dir(job_id) / "job.log"
+
+    def lock(self) -> int:
+        """Take the root's exclusive lock; returns the open fd that holds it (closing it releases the lock,
+        and so does the process dying, however it dies). Another holder -> FailedPrecondition naming it."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise FailedPrecondition(
+                f"jobs root {self.root} is in use by another trainer ({holder}); run one trainer per jobs root: "
+                f"stop that one, or give this one another jobs_root") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {now_iso()}\n".encode(), 0)
+        return fd
 
     def run_dir(self, job_id: str) -> Path:
         return self.job_dir(job_id) / "run"
@@ -149,10 +182,14 @@ class JobManager:
     process, so jobs running together should each ask for ``threads`` = cores / parallel_jobs."""
 
     def __init__(self, root: str | Path, *, keep_checkpoints: int = 2, tracking: str = "wandb",
-                 parallel_jobs: int = 1):
+                 parallel_jobs: int = 1, max_attempts: int = 3):
         if parallel_jobs < 1:
             raise ValueError(f"parallel_jobs must be >= 1, got {parallel_jobs}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         self.parallel_jobs = parallel_jobs
+        self.max_attempts = max_attempts
+        self._lock_fd: int | None = None
         self.store = JobStore(root)
         self.keep_checkpoints = keep_checkpoints
         self.tracking = tracking
@@ -170,8 +207,17 @@ class JobManager:
 
     # -- lifecycle
     def load(self) -> None:
-        """Read every job; re-queue the ones a killed trainer left QUEUED or RUNNING."""
-        self.store.root.mkdir(parents=True, exist_ok=True)
+        """Lock the root; read every job; re-queue the ones a killed trainer left QUEUED or RUNNING, unless
+        their process died under them ``max_attempts`` times."""
+        if self._lock_fd is None:
+            self._lock_fd = self.store.lock()
+        try:
+            self._load_locked()
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _load_locked(self) -> None:
         records = sorted(self.store.load_all(), key=lambda r: (r.get("created_at", ""), r["job_id"]))
         with self._lock:
             for rec in records:
@@ -192,13 +238,31 @@ class JobManager:
                 elif rec.get("cancel_requested"):
                     self._finish(rec, CANCELLED, "cancelled (the trainer stopped before the job did)")
                 else:
-                    was = rec["state"]
+                    was, died = rec["state"], rec["state"] == RUNNING and not rec.get("stopped_cleanly")
+                    if died and self._died_too_often(rec):
+                        continue
                     rec["state"] = QUEUED
-                    self._event(rec, message=f"re-queued after a trainer restart (was {was}); "
+                    why = (f"; its process died under it ({rec['process_deaths']} of max_attempts "
+                           f"{self.max_attempts})" if died else "")
+                    self._event(rec, message=f"re-queued after a trainer restart (was {was}{why}); "
                                              "resumes from its last checkpoint")
                     self._queue.append(job_id)
             self.loaded = True
         log.info("job store %s: %d jobs, %d queued", self.store.root, len(self._jobs), len(self._queue))
+
+    def _died_too_often(self, rec: dict) -> bool:
+        """Count one more death of the job's process (it was RUNNING and never stopped cleanly); FAILED
+        and True once that makes ``max_attempts``. The count is in the job record, saved atomically."""
+        rec["process_deaths"] = int(rec.get("process_deaths", 0)) + 1
+        deaths = rec["process_deaths"]
+        if deaths < self.max_attempts:
+            self.store.save(rec)  # counted before the job runs again, so its next death counts too
+            return False
+        why = (f"the job's process died {deaths} time{'s' if deaths != 1 else ''} while running "
+               f"(last at step {rec['step']}); not retried (max_attempts {self.max_attempts}): see "
+               f"{self.store.log_path(rec['job_id'])} and the trainer's log")
+        self._finish(rec, FAILED, f"failed: {why}", error=why)
+        return True
 
     def start(self) -> None:
         if not self.loaded:
@@ -219,6 +283,13 @@ class JobManager:
         if any(t.is_alive() for t in self._threads):
             log.warning("jobs %s did not stop within %.0fs; they resume from their last checkpoint on restart",
                         sorted(self.running), timeout)
+            return  # a job still writes to the root: keep it locked until this process exits
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _ready(self) -> None:
         if not self.loaded:
@@ -423,6 +494,7 @@ class JobManager:
                 return
             resumed = rec["attempts"] > 0
             rec["state"] = RUNNING
+            rec["stopped_cleanly"] = False  # until a stop says otherwise: a restart then counts a death
             rec["attempts"] += 1
             rec["started_at"] = rec["started_at"] or now_iso()
             Path(rec["run_dir"]).mkdir(parents=True, exist_ok=True)
@@ -436,7 +508,12 @@ class JobManager:
                          artifact_fn=lambda art: self._artifact(job_id, art),
                          cancel_event=cancel, stop_event=self._stop, tracker=tracker,
                          keep_checkpoints=self.keep_checkpoints, total_steps=rec["total_steps"])
-        log.info("job %s (%s) running in %s", job_id, stage.name, rec["run_dir"])
+        with _job_log(self.store.log_path(job_id)):
+            log.info("job %s (%s) running in %s (attempt %d)", job_id, stage.name, rec["run_dir"], rec["attempts"])
+            self._run_stage(job_id, rec, stage, cfg, inputs, ctx, tracker, cancel)
+
+    def _run_stage(self, job_id: str, rec: dict, stage: Stage, cfg: Any, inputs: dict, ctx: JobContext,
+                   tracker: Tracker, cancel: threading.Event) -> None:
         try:
             metrics = stage.fn(ctx) or {}
         except Exception as exc:  # noqa: BLE001 - the stage's failure is the job's, not ours
@@ -445,6 +522,7 @@ class JobManager:
                 if cancel.is_set():
                     self._finish(rec, CANCELLED, "cancelled")
                 elif self._stop.is_set():
+                    rec["stopped_cleanly"] = True
                     self._event(rec, message="trainer stopping; the job resumes from its last checkpoint")
                 else:
                     tb = traceback.format_exc()
@@ -460,6 +538,7 @@ class JobManager:
         if self._stop.is_set():
             tracker.finish()
             with self._lock:
+                rec["stopped_cleanly"] = True
                 self._event(rec, message="trainer stopping; the job resumes from its last checkpoint")
             return
         try:
@@ -520,6 +599,36 @@ class JobManager:
             "resumed_from_step": rec.get("resumed_from_step"),
         }
         return self.store.write_manifest(rec["job_id"], manifest)
+
+
+class _ThreadFilter(logging.Filter):
+    def __init__(self, thread_id: int):
+        super().__init__()
+        self.thread_id = thread_id
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread == self.thread_id
+
+
+@contextlib.contextmanager
+def _job_log(path: Path):
+    """Copy this thread's log records to the job's own log file: when the process dies under a job, the
+    last lines of that job are there (each record is flushed as it is written)."""
+    try:
+        handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    except OSError as exc:  # logging must never fail a job
+        log.warning("no job log at %s: %s", path, exc)
+        yield
+        return
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(_ThreadFilter(threading.get_ident()))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def _is_number(v: Any) -> bool:

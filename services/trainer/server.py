@@ -39,6 +39,9 @@ class TrainerConfig:
                                           "parallel_jobs (small models gain little from a second thread per job)",
                                    min=1, max=64)
     stop_timeout_s: float = cfg_field(30.0, help="seconds the running stage gets to checkpoint at shutdown", min=0)
+    max_attempts: int = cfg_field(3, help="times a job's process may die under it (killed, out of memory, a crash) "
+                                         "before the job is FAILED instead of re-queued at the next start; a clean "
+                                         "shutdown does not count", min=1, max=1000)
 
     def resolved_root(self) -> Path:
         return Path(self.jobs_root) if self.jobs_root else paths.runs_dir() / "jobs"
@@ -54,7 +57,8 @@ async def start(serve: ServeConfig, cfg: TrainerConfig | None = None, **_: objec
     cfg = cfg or TrainerConfig()
     load_stage_modules(cfg.stage_modules)
     manager = JobManager(cfg.resolved_root(), keep_checkpoints=cfg.keep_checkpoints,
-                         tracking=cfg.resolved_tracking(), parallel_jobs=cfg.parallel_jobs)
+                         tracking=cfg.resolved_tracking(), parallel_jobs=cfg.parallel_jobs,
+                         max_attempts=cfg.max_attempts)
     servicer = TrainerServicer(manager)
     spec = ServerSpec(name="trainer",
                       services=[(SERVICE, lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s))],

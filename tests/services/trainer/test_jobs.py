@@ -2,7 +2,12 @@
 
 import json
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 from dataclasses import dataclass
 
 import pytest
@@ -16,6 +21,7 @@ from services.trainer.jobs import JobManager, JobStore
 from services.trainer.stages import register_stage, unregister_stage
 from services.trainer.tracking import Tracker
 
+REPO = Path(__file__).resolve().parents[3]
 FAST = {"steps": 40, "checkpoint_every": 10, "log_every": 10, "tracking": "local"}
 
 
@@ -63,6 +69,7 @@ def test_torn_last_event_line_is_ignored_and_seq_continues(tmp_path, managers):
     with open(events_file, "ab") as fh:
         fh.write(b'{"job_id": "torn", "seq": 2, "state": "RUN')  # a kill mid-append
     assert [e["seq"] for e in JobStore(root).read_events("torn")] == [1]
+    m.stop()  # the killed trainer is gone: its lock on the root with it
 
     m2 = managers(root)  # the restarted trainer
     done = m2.wait("torn", 60)
@@ -272,6 +279,110 @@ def test_restart_recovers_a_job_killed_after_its_manifest(tmp_path, managers):
     again = managers(tmp_path / "jobs")
     assert again.get("late")["state"] == "SUCCEEDED"
     assert again.get("late")["metrics"]["final_loss"] == job["metrics"]["final_loss"]
+
+
+# ---------------------------------------------------------------- one trainer per root, bounded retries
+def test_a_second_trainer_on_the_same_jobs_root_is_refused_naming_the_root_and_the_holder(tmp_path, managers):
+    root = tmp_path / "jobs"
+    first = managers(root)
+    second = JobManager(root, tracking="local")
+    with pytest.raises(FailedPrecondition) as ei:
+        second.start()
+    msg = str(ei.value)
+    assert str(root) in msg and f"pid {os.getpid()}" in msg and "one trainer per jobs root" in msg
+    assert not second.loaded
+    first.stop(10)  # the first one going away frees the root
+    third = managers(root)
+    assert third.loaded
+
+
+def test_a_second_trainer_process_on_the_same_jobs_root_fails_to_start(tmp_path, managers):
+    root = tmp_path / "jobs"
+    managers(root)
+    code = f"from services.trainer.jobs import JobManager; JobManager({str(root)!r}, tracking='local').load()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"jobs root {root} is in use by another trainer (pid {os.getpid()}" in proc.stderr
+
+
+def _left_running(root: Path, job_id: str, stopped_cleanly: bool = False) -> None:
+    """Rewrite the record as a trainer leaves it when its process dies (or stops cleanly) mid-job."""
+    path = root / job_id / "job.json"
+    rec = json.loads(path.read_text())
+    rec.update(state="RUNNING", step=rec["step"] + 7, stopped_cleanly=stopped_cleanly)
+    path.write_text(json.dumps(rec))
+
+
+def test_a_job_whose_process_keeps_dying_fails_after_max_attempts(tmp_path):
+    root = tmp_path / "jobs"
+    m = JobManager(root, tracking="local")
+    m.load()  # no workers: nothing runs, the restarts are simulated on the record
+    m.submit("selftest", FAST, job_id="doomed")
+    m.stop()
+    _left_running(root, "doomed", stopped_cleanly=True)  # a clean shutdown: not a death
+    for deaths in (0, 1, 2):
+        m = JobManager(root, tracking="local", max_attempts=3)
+        m.load()
+        job = m.get("doomed")
+        assert job["state"] == "QUEUED" and job.get("process_deaths", 0) == deaths
+        m.stop()
+        _left_running(root, "doomed")
+    m = JobManager(root, tracking="local", max_attempts=3)
+    m.load()
+    job = m.get("doomed")
+    m.stop()
+    assert job["state"] == "FAILED" and job["process_deaths"] == 3
+    assert job["error"] == (f"the job's process died 3 times while running (last at step {7 * 4}); not retried "
+                            f"(max_attempts 3): see {root / 'doomed' / 'job.log'} and the trainer's log")
+    assert json.loads((root / "doomed" / "job.json").read_text())["state"] == "FAILED"  # persisted
+    messages = [e["message"] for e in m.events_after("doomed")]
+    assert sum("its process died under it" in msg for msg in messages) == 2
+    # and it stays failed: a later start neither re-queues nor counts it again
+    again = JobManager(root, tracking="local", max_attempts=3)
+    again.load()
+    assert again.get("doomed")["state"] == "FAILED" and not again._queue
+    again.stop()
+
+
+DIES = textwrap.dedent("""
+    import os, sys, time
+    from dataclasses import dataclass
+    from prorag.config import cfg_field
+    from services.trainer.jobs import JobManager
+    from services.trainer.stages import register_stage
+
+    @dataclass
+    class Cfg:
+        note: str = cfg_field("", help="unused")
+
+    def dies(ctx):
+        ctx.emit(step=5, total_steps=10)
+        ctx.log.warning("about to die")
+        os._exit(9)  # what an out-of-memory kill or a segfault looks like to the trainer: no clean-up
+
+    register_stage("dies", Cfg, dies)
+    m = JobManager(sys.argv[1], tracking="local", max_attempts=2)
+    m.start()
+    if sys.argv[2] == "submit":
+        m.submit("dies", {}, job_id="crasher")
+    time.sleep(60)
+    sys.exit("the stage did not kill the process")
+""")
+
+
+def test_a_stage_that_kills_its_process_is_retried_then_failed(tmp_path):
+    root = tmp_path / "jobs"
+    for arg in ("submit", "restart"):
+        proc = subprocess.run([sys.executable, "-c", DIES, str(root), arg], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 9, proc.stderr[-2000:]
+    m = JobManager(root, tracking="local", max_attempts=2)
+    m.load()
+    job = m.get("crasher")
+    m.stop()
+    assert job["state"] == "FAILED" and job["attempts"] == 2
+    assert "the job's process died 2 times while running (last at step 5)" in job["error"]
+    assert (root / "crasher" / "job.log").read_text().count("about to die") == 2
 
 
 # ---------------------------------------------------------------- tracking
