@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import random
 import re
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from prorag.errors import FailedPrecondition
 from prorag.io import atomic_path
 
 log = logging.getLogger("prorag.trainer.checkpoint")
@@ -100,16 +102,39 @@ def save(ckpt_dir: str | Path, state: dict, step: int, keep: int = 2, include_rn
     return path
 
 
+class UnsafeFile(FailedPrecondition):
+    """A torch file that would run code to load (a pickled object other than tensors and plain values)."""
+
+
+def load_weights_file(path: str | Path, map_location: str | torch.device = "cpu") -> Any:
+    """``torch.load`` of a file a caller or a shared volume could have written: tensors and plain values only
+    (weights_only), never code. Anything else -> :class:`UnsafeFile` naming the file and what it asked for,
+    instead of torch's message, which suggests retrying with weights_only=False."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        what = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[-1] if lines else "")
+        raise UnsafeFile(f"refusing to load {path}: it holds a pickled object that is not plain data ({what}); "
+                         f"only tensors, numbers, strings, lists and dicts are loaded, because loading anything "
+                         f"else runs code the file names. Re-save it as plain data (e.g. a state_dict), or delete "
+                         f"it if it did not come from this program") from None
+
+
 def load(path: str | Path) -> dict:
     # weights_only: a checkpoint is data; it never needs to run code to load.
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return load_weights_file(path)
 
 
 def load_latest(ckpt_dir: str | Path) -> tuple[dict, Path] | None:
-    """The newest checkpoint that loads; an unreadable one is skipped with a warning."""
+    """The newest checkpoint that loads; an unreadable one is skipped with a warning. One that would run code
+    (:class:`UnsafeFile`) is not skipped: it was written by something other than this program, and resuming
+    from an older checkpoint would hide that."""
     for step, path in reversed(list_checkpoints(ckpt_dir)):
         try:
             return load(path), path
+        except UnsafeFile:
+            raise
         except Exception as exc:  # noqa: BLE001 - fall back to the previous checkpoint
             log.warning("checkpoint %s (step %d) is unreadable, trying an older one: %s", path, step, exc)
     return None

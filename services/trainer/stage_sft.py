@@ -213,7 +213,9 @@ def run_sft(ctx: JobContext) -> dict:
     # plain lists and loaded with weights_only: nothing in the job store is unpickled into code.
     data_path = ctx.checkpoint_dir / "sft_data.pt"
     if data_path.exists():
-        blob = torch.load(data_path, weights_only=True)
+        from prorag.training.checkpoint import load_weights_file
+
+        blob = load_weights_file(data_path)
         samples, stats = [TokenTrajectory.from_dict(d) for d in blob["samples"]], blob["stats"]
     else:
         ctx.emit(0, 1, message=f"building {cfg.mode} training data through the retriever at {cfg.retriever}")

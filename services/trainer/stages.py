@@ -188,7 +188,9 @@ def _selftest(ctx: JobContext) -> dict:
     ctx.seed_everything(cfg.seed)
     model = torch.nn.Linear(cfg.dim, 1)
     if "init_from" in ctx.inputs:
-        model.load_state_dict(torch.load(ctx.input_artifact("init_from", "weights"), weights_only=True))
+        from prorag.training.checkpoint import load_weights_file
+
+        model.load_state_dict(load_weights_file(ctx.input_artifact("init_from", "weights")))
 
     micro = cfg.batch_size // cfg.grad_accum
     per_epoch = math.ceil(cfg.n_samples / micro)

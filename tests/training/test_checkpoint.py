@@ -94,3 +94,29 @@ def test_job_context_checkpoint_round_trip_emits_resume_event(tmp_path):
     assert [e["message"] for e in events] == ["checkpoint saved at step 30", "resumed from step 30"]
     with pytest.raises(ValueError, match="step"):
         second.save_checkpoint({"model": {}})
+
+
+class RunsCode:
+    """A pickled object whose loading runs a shell command (here: creates a marker file)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_with_a_clear_error_and_not_skipped(tmp_path):
+    marker, ck = tmp_path / "ran", tmp_path / "ck"
+    checkpoint.save(ck, {"w": torch.ones(2)}, step=10)
+    bad = ck / "step-000000020.pt"  # e.g. written by someone else on a shared volume
+    torch.save({"step": 20, "model": {"w": torch.ones(2)}, "extra": RunsCode(marker)}, bad)
+    with pytest.raises(checkpoint.UnsafeFile) as ei:
+        checkpoint.load(bad)
+    msg = str(ei.value)
+    assert str(bad) in msg and "posix.system" in msg and "not plain data" in msg
+    assert "weights_only=False" not in msg  # torch's own message advises exactly that
+    # resuming from the older checkpoint instead would hide a tampered job store
+    with pytest.raises(checkpoint.UnsafeFile):
+        checkpoint.load_latest(ck)
+    assert not marker.exists()

@@ -385,6 +385,25 @@ def test_a_stage_that_kills_its_process_is_retried_then_failed(tmp_path):
     assert (root / "crasher" / "job.log").read_text().count("about to die") == 2
 
 
+class RunsCode:
+    def __reduce__(self):
+        return os.system, ("true",)
+
+
+def test_a_planted_checkpoint_that_would_run_code_fails_the_job_with_a_clear_error(tmp_path, managers):
+    root = tmp_path / "jobs"
+    m = JobManager(root, tracking="local")
+    m.load()  # no workers yet
+    m.submit("selftest", FAST, job_id="planted")
+    ck = root / "planted" / "checkpoints"
+    ck.mkdir()
+    torch.save({"step": 10, "model": {}, "evil": RunsCode()}, ck / "step-000000010.pt")
+    m.stop()
+    job = managers(root).wait("planted", 60)
+    assert job["state"] == "FAILED"
+    assert "UnsafeFile: refusing to load" in job["error"] and "step-000000010.pt" in job["error"]
+
+
 # ---------------------------------------------------------------- tracking
 def test_tracking_falls_back_to_local_when_wandb_init_fails(tmp_path, monkeypatch, caplog):
     import wandb
