@@ -114,7 +114,11 @@ def load_weights_file(path: str | Path, map_location: str | torch.device = "cpu"
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        what = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[-1] if lines else "")
+        # A global or an object to build is code to run; any other refusal (a bad opcode) is a damaged file.
+        what = next((ln for ln in lines if "GLOBAL" in ln or ln.startswith(("Can only create", "Can only build"))),
+                    None)
+        if what is None:
+            raise
         raise UnsafeFile(f"refusing to load {path}: it holds a pickled object that is not plain data ({what}); "
                          f"only tensors, numbers, strings, lists and dicts are loaded, because loading anything "
                          f"else runs code the file names. Re-save it as plain data (e.g. a state_dict), or delete "
