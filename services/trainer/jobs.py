@@ -34,14 +34,15 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from prorag.config import to_dict
 from prorag.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from prorag.io import atomic_dir, write_json
 from prorag.runs import code_version
 from prorag.training.context import JobContext, sha256_tree
-from services.trainer.stages import Stage, get_stage, resolve_inputs, validate_config
+from prorag.validation import DEFAULT_ALLOWED_ENDPOINTS, check_allowed_endpoints, data_roots
+from services.trainer.stages import Stage, check_job_config, get_stage, resolve_inputs, validate_config
 from services.trainer.tracking import Tracker
 
 log = logging.getLogger("prorag.trainer.jobs")
@@ -182,13 +183,15 @@ class JobManager:
     process, so jobs running together should each ask for ``threads`` = cores / parallel_jobs."""
 
     def __init__(self, root: str | Path, *, keep_checkpoints: int = 2, tracking: str = "wandb",
-                 parallel_jobs: int = 1, max_attempts: int = 3):
+                 parallel_jobs: int = 1, max_attempts: int = 3,
+                 allowed_endpoints: Sequence[str] = DEFAULT_ALLOWED_ENDPOINTS):
         if parallel_jobs < 1:
             raise ValueError(f"parallel_jobs must be >= 1, got {parallel_jobs}")
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         self.parallel_jobs = parallel_jobs
         self.max_attempts = max_attempts
+        self.allowed_endpoints = check_allowed_endpoints(allowed_endpoints)
         self._lock_fd: int | None = None
         self.store = JobStore(root)
         self.keep_checkpoints = keep_checkpoints
@@ -304,8 +307,12 @@ class JobManager:
                 config = json.loads(config) if config.strip() else {}
             except json.JSONDecodeError as exc:
                 raise InvalidArgument(f"config_json is not valid JSON: {exc}") from None
+        if isinstance(config, dict):
+            # before the config's own validation, which may look at the paths it names (is_dir...)
+            self._check_config(stage, config)
         cfg = validate_config(stage, config)
         cfg_dict = to_dict(cfg)
+        self._check_config(stage, cfg_dict)  # the defaults too
         cfg_json = canonical_json(cfg_dict)
         if job_id:
             if not JOB_ID_RE.match(job_id):
@@ -342,6 +349,13 @@ class JobManager:
             self._wake.notify_all()
             log.info("job %s (%s) queued", job_id, stage.name)
             return self._copy(rec)
+
+    def _check_config(self, stage: Stage, config: dict) -> None:
+        """Names, paths and endpoints the config names (prorag.validation); InvalidArgument naming the field.
+        INVALID_ARGUMENT rather than PERMISSION_DENIED: the allowlist and the data root bind every caller
+        alike, so no other credentials would make this request acceptable; only a changed config would."""
+        check_job_config(stage, config, roots=data_roots([self.store.root]),
+                         allowed_endpoints=self.allowed_endpoints)
 
     def cancel(self, job_id: str) -> dict:
         self._ready()
@@ -485,6 +499,7 @@ class JobManager:
             try:
                 stage = get_stage(rec["stage"])
                 cfg = validate_config(stage, rec["config"])
+                self._check_config(stage, rec["config"])  # the allowlist may have narrowed since StartJob
                 inputs = resolve_inputs(stage, cfg, self._job_run_dir)  # they may have vanished since StartJob
             except Exception as exc:  # noqa: BLE001
                 self._finish(rec, FAILED, "failed before it started", error=str(exc))

@@ -17,6 +17,7 @@ from prorag import paths
 from prorag.config import cfg_field
 from prorag.grpc_server import ServerSpec, start_server
 from prorag.pb import trainer_pb2_grpc
+from prorag.validation import DEFAULT_ALLOWED_ENDPOINTS
 from prorag.service import ServeConfig, Started
 from services.trainer.jobs import JobManager
 from services.trainer.servicer import TrainerServicer
@@ -39,6 +40,12 @@ class TrainerConfig:
                                           "parallel_jobs (small models gain little from a second thread per job)",
                                    min=1, max=64)
     stop_timeout_s: float = cfg_field(30.0, help="seconds the running stage gets to checkpoint at shutdown", min=0)
+    allowed_endpoints: list[str] = cfg_field(
+        help="where a job config may point the trainer (retriever, policy, judge, prm, openai_base_url): host "
+             "patterns with * wildcards (prorag-*), IPs or networks (127.0.0.0/8), each optionally with :port "
+             "(judge.internal:50054); a job naming any other endpoint is refused at StartJob (INVALID_ARGUMENT). "
+             "The default is loopback and the compose/k8s service names",
+        factory=lambda: list(DEFAULT_ALLOWED_ENDPOINTS))
     max_attempts: int = cfg_field(3, help="times a job's process may die under it (killed, out of memory, a crash) "
                                          "before the job is FAILED instead of re-queued at the next start; a clean "
                                          "shutdown does not count", min=1, max=1000)
@@ -58,7 +65,7 @@ async def start(serve: ServeConfig, cfg: TrainerConfig | None = None, **_: objec
     load_stage_modules(cfg.stage_modules)
     manager = JobManager(cfg.resolved_root(), keep_checkpoints=cfg.keep_checkpoints,
                          tracking=cfg.resolved_tracking(), parallel_jobs=cfg.parallel_jobs,
-                         max_attempts=cfg.max_attempts)
+                         max_attempts=cfg.max_attempts, allowed_endpoints=cfg.allowed_endpoints)
     servicer = TrainerServicer(manager)
     spec = ServerSpec(name="trainer",
                       services=[(SERVICE, lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s))],

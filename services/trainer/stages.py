@@ -46,6 +46,20 @@ from prorag.training.context import JobContext, manifest_path
 log = logging.getLogger("prorag.trainer.stages")
 
 
+#: What StartJob checks in any stage's config, by field name (prorag.validation): "name" becomes a path part,
+#: "path" must lie in the data root, "model" is a directory (a path) or a published name[@version], "endpoint"
+#: is a gRPC target and "url" an http(s) URL on the trainer's allowed_endpoints. A stage adds or overrides
+#: kinds with register_stage(checks=...); its inputs are checked as "input" (job:<id> or a path).
+FIELD_CHECKS: dict[str, str] = {
+    "world": "name", "split": "name", "publish_name": "name",
+    "questions": "path", "pairs": "path", "output": "path", "base_model": "path",
+    "policy_model": "model", "prm_model": "model",
+    "retriever": "endpoint", "policy": "endpoint", "prm": "endpoint", "judge": "endpoint",
+    "openai_base_url": "url",
+}
+CHECK_KINDS = ("name", "path", "model", "endpoint", "url", "input")
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -53,6 +67,7 @@ class Stage:
     fn: Callable[["JobContext"], dict | None]
     inputs: Mapping[str, bool]  # input name (a str field of config_cls) -> required
     description: str = ""
+    checks: Mapping[str, str] = dataclasses.field(default_factory=dict)  # field -> kind, beyond FIELD_CHECKS
 
 
 _REGISTRY: dict[str, Stage] = {}
@@ -61,9 +76,10 @@ _REG_LOCK = threading.Lock()
 
 def register_stage(name: str, config_cls: type, fn: Callable[["JobContext"], dict | None],
                    inputs: Sequence[str] | Mapping[str, bool] = (), description: str = "",
-                   replace: bool = False) -> Stage:
+                   replace: bool = False, checks: Mapping[str, str] | None = None) -> Stage:
     """Register a stage. ``inputs``: names of config fields holding the manifest path of an
-    earlier run (a sequence means all required; a mapping gives name -> required)."""
+    earlier run (a sequence means all required; a mapping gives name -> required). ``checks``: field ->
+    kind (see FIELD_CHECKS) for fields whose name alone does not say what they hold; "" turns a default off."""
     if not name or not name.replace("_", "").replace("-", "").isalnum():
         raise ValueError(f"stage name must be alphanumeric (with - or _), got {name!r}")
     if not dataclasses.is_dataclass(config_cls):
@@ -74,7 +90,11 @@ def register_stage(name: str, config_cls: type, fn: Callable[["JobContext"], dic
         if input_name not in fields:
             # An input is passed like any other setting, so the config must carry it.
             raise TypeError(f"stage {name!r}: input {input_name!r} must be a str field of {config_cls.__name__}")
-    stage = Stage(name, config_cls, fn, spec, description or (fn.__doc__ or "").strip().split("\n")[0])
+    for field_name, kind in (checks or {}).items():
+        if kind and kind not in CHECK_KINDS:
+            raise ValueError(f"stage {name!r}: check of {field_name!r} must be one of {CHECK_KINDS}, got {kind!r}")
+    stage = Stage(name, config_cls, fn, spec, description or (fn.__doc__ or "").strip().split("\n")[0],
+                  dict(checks or {}))
     with _REG_LOCK:
         if name in _REGISTRY and not replace and _REGISTRY[name].fn is not fn:
             raise ValueError(f"stage {name!r} is already registered")
@@ -108,6 +128,56 @@ def validate_config(stage: Stage, config: Mapping[str, Any] | None) -> Any:
         raise InvalidArgument(f"config.{exc}") from None
     except (TypeError, ValueError) as exc:  # a config's own validate() may raise these
         raise InvalidArgument(f"config: {exc}") from None
+
+
+def check_job_config(stage: Stage, config: Mapping[str, Any], *, roots: Sequence[str | Path],
+                     allowed_endpoints: Sequence[str]) -> None:
+    """What the job config names, checked before anything runs (prorag.validation); InvalidArgument naming
+    ``config.<field>``. ``config``: the caller's mapping or the built config's to_dict; nested configs are
+    walked, and a field that is not a string (or is empty) is left to the config's own validation."""
+    from prorag import validation as v
+
+    kinds = {**FIELD_CHECKS, **{n: "input" for n in stage.inputs}, **stage.checks}
+
+    def walk(mapping: Mapping[str, Any], prefix: str) -> None:
+        for key, value in mapping.items():
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{key}.")
+                continue
+            kind = kinds.get(key, "")
+            if not kind or not isinstance(value, str) or not value:
+                continue
+            field = f"{prefix}{key}"
+            if kind == "name":
+                v.check_name(field, value)
+            elif kind == "path":
+                v.check_path(field, value, roots)
+            elif kind == "model":
+                _check_model(field, value, roots)
+            elif kind == "input":
+                if value.startswith("job:"):
+                    v.check_name(field, value[4:])
+                else:
+                    v.check_path(field, value, roots)
+            elif kind == "endpoint":
+                v.check_endpoint(field, value, allowed_endpoints)
+            elif kind == "url":
+                v.check_url(field, value, allowed_endpoints)
+
+    walk(config, "config.")
+
+
+def _check_model(field: str, value: str, roots: Sequence[str | Path]) -> None:
+    # as resolve_model reads it: a directory when it looks like a path or is one, else name[@version]
+    from prorag import validation as v
+
+    if "/" in value or value.startswith(".") or Path(value).is_dir():
+        v.check_path(field, value, roots)
+        return
+    name, _, version = value.partition("@")
+    v.check_name(field, name)
+    if version:
+        v.check_name(field, version)
 
 
 # ---------------------------------------------------------------- inputs and manifests

@@ -143,9 +143,12 @@ def test_missing_or_incomplete_input_is_a_failed_precondition(tmp_path, managers
     m = managers()
     with pytest.raises(InvalidArgument, match="config.policy: input 'policy' is required"):
         m.submit("needs_policy", {})
-    with pytest.raises(FailedPrecondition, match="input 'policy'.*not a complete run"):
+    # (inside the data root, which includes the jobs root: a path outside it is refused before it is looked at)
+    with pytest.raises(InvalidArgument, match="config.policy .* outside the data root"):
         m.submit("needs_policy", {"policy": str(tmp_path / "nowhere" / "manifest.json")})
-    half = tmp_path / "half-run"
+    with pytest.raises(FailedPrecondition, match="input 'policy'.*not a complete run"):
+        m.submit("needs_policy", {"policy": str(m.store.root / "nowhere" / "manifest.json")})
+    half = m.store.root / "half-run"
     half.mkdir()
     (half / "weights.pt").write_bytes(b"x")  # outputs but no manifest: not complete
     with pytest.raises(FailedPrecondition, match="input 'policy'"):

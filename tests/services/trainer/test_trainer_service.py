@@ -95,13 +95,13 @@ def test_cancel_a_running_job(trainer):
 
 
 def test_errors_map_to_statuses(trainer, tmp_path):
-    _, tc, _ = trainer
+    _, tc, root = trainer
     cases = [
         ((tc.start, "selftest", "{oops"), grpc.StatusCode.INVALID_ARGUMENT, "not valid JSON"),
         ((tc.start, "selftest", {"lr": 5}), grpc.StatusCode.INVALID_ARGUMENT, "config.lr: must be <= 1.0"),
         ((tc.start, "selftest", {"nope": 1}), grpc.StatusCode.INVALID_ARGUMENT, "config.nope"),
         ((tc.start, "sft2000", {}), grpc.StatusCode.INVALID_ARGUMENT, "known stages"),
-        ((tc.start, "selftest", {"init_from": str(tmp_path)}), grpc.StatusCode.FAILED_PRECONDITION,
+        ((tc.start, "selftest", {"init_from": str(root / "not-a-run")}), grpc.StatusCode.FAILED_PRECONDITION,
          "input 'init_from'"),
         ((tc.get, "ghost"), grpc.StatusCode.NOT_FOUND, "ghost"),
         ((tc.cancel, "ghost"), grpc.StatusCode.NOT_FOUND, "ghost"),
@@ -128,3 +128,45 @@ def test_watch_honours_the_call_deadline(trainer):
         list(tc.watch("svc-deadline", timeout=0.5))
     tc.cancel("svc-deadline")
     assert state_name(tc.wait("svc-deadline", timeout=30).state) == "CANCELLED"
+
+
+def _sft(root, **kw):
+    # a config that passes every check (the jobs root stands in for a model directory inside the data root)
+    return {"world": "tiny", "base_model": str(root), "retriever": "127.0.0.1:50051", "tracking": "local", **kw}
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"world": "../worlds/tiny"}, "config.world '../worlds/tiny': must be a plain name"),
+    ({"world": "a/b"}, "config.world"),
+    ({"publish_name": ".."}, "config.publish_name"),
+    ({"base_model": "/etc"}, "config.base_model '/etc' resolves to /etc, outside the data root"),
+    ({"base_model": "{root}/../../.."}, "outside the data root"),
+    ({"questions": "/etc/passwd"}, "config.questions"),
+    ({"thoughts": "openai", "openai_base_url": "https://evil.example"},
+     "config.openai_base_url 'https://evil.example': evil.example:443 is not on this trainer's allowed endpoints"),
+    ({"thoughts": "openai", "openai_base_url": "file:///etc/passwd"}, "not an http(s) URL"),
+    ({"retriever": "evil.example:50051"}, "config.retriever"),
+    ({"retriever": "ipv4:127.0.0.1:50051,10.1.2.3:50051"}, "10.1.2.3:50051"),
+    ({"retriever": "dns://8.8.8.8/retriever:50051"}, "8.8.8.8"),  # the DNS server it would ask is dialled too
+    ({"retriever": "unix:/var/run/docker.sock"}, "target scheme"),
+])
+def test_a_job_naming_a_path_outside_the_data_root_or_an_unlisted_endpoint_is_refused(trainer, change, fragment):
+    _, tc, root = trainer
+    change = {k: v.replace("{root}", str(root)) for k, v in change.items()}
+    got, details = _code(tc.start, "sft", _sft(root, **change), job_id="refused")
+    assert got == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert fragment in details, details
+    assert "refused" not in {j.job_id for j in tc.list()}  # nothing was queued, let alone run
+
+
+def test_a_job_on_allowed_endpoints_inside_the_data_root_still_starts(trainer):
+    _, tc, root = trainer
+    config = _sft(root, retriever="dns:///localhost:50051", thoughts="openai",
+                  openai_base_url="http://127.0.0.1:8001/v1", publish_name="sft.v2")
+    job = tc.start("sft", config, job_id="accepted")
+    assert job.job_id == "accepted" and state_name(job.state) in ("QUEUED", "RUNNING")
+    try:
+        tc.cancel("accepted")  # its base model is not a model: it would only fail
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION  # it failed already
+    assert state_name(tc.wait("accepted", timeout=60).state) in ("CANCELLED", "FAILED")
