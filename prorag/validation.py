@@ -22,9 +22,10 @@ from prorag.errors import InvalidArgument
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
-#: loopback, and the service names of compose.yaml and k8s/ (``prorag-*`` also covers their cluster FQDNs)
-DEFAULT_ALLOWED_ENDPOINTS: tuple[str, ...] = ("127.0.0.0/8", "::1", "localhost", "retriever", "policy", "prm",
-                                              "judge", "prorag-*")
+#: loopback (and the unspecified addresses, which dial this machine too: what `prorag up --host 0.0.0.0` puts
+#: in job configs), and the service names of compose.yaml and k8s/ (``prorag-*`` also covers their cluster FQDNs)
+DEFAULT_ALLOWED_ENDPOINTS: tuple[str, ...] = ("127.0.0.0/8", "::1", "0.0.0.0", "::", "localhost", "retriever",
+                                              "policy", "prm", "judge", "prorag-*")
 
 
 # ---------------------------------------------------------------- names and paths

@@ -80,7 +80,7 @@ def test_targets_that_cannot_be_read_or_checked_are_refused(target):
                                     "[::ffff:127.0.0.1]:1", "retriever:50051", "policy:50052", "prm:50053",
                                     "judge:50054", "prorag-retriever:50051",
                                     "prorag-policy.prorag.svc.cluster.local:50052", "dns:///judge:50054",
-                                    "ipv4:127.0.0.1:1,127.0.0.2:1"])
+                                    "ipv4:127.0.0.1:1,127.0.0.2:1", "0.0.0.0:50051"])
 def test_loopback_and_the_service_names_are_allowed_by_default(target):
     v.check_endpoint("config.retriever", target, ALLOWED)
 
