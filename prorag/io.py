@@ -39,6 +39,10 @@ def _fsync_path(path: Path, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
         os.fsync(fd)
+    except OSError as exc:
+        # some filesystems (network, FUSE) cannot fsync a directory: nothing more durable is possible there
+        if not directory or exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
     finally:
         os.close(fd)
 
