@@ -166,13 +166,20 @@ def _compose_binaries() -> list[list[str]]:
     return found
 
 
-def test_compose_config_with_the_compose_binaries_present():
-    """`config -q` of every binary on this machine (none is needed: the schema test always runs)."""
+def test_compose_config_with_the_compose_binaries_present(tmp_path):
+    """`config -q` of every binary on this machine (none is needed: the schema test always runs). In a copy of
+    the project's layout with placeholder ./secrets/ files, as scripts/make_secrets.sh would leave them."""
     binaries = _compose_binaries()
+    for f in ("compose.yaml", "compose.secure.yaml", "services", "scripts", "pyproject.toml", "README.md"):
+        (tmp_path / f).symlink_to(ROOT / f)
+    (tmp_path / "secrets").mkdir()
+    for f in ("ca.pem", "server.pem", "server.key", "tokens.yaml", "token-client", "token-admin", "client.pem",
+              "client.key"):
+        (tmp_path / "secrets" / f).write_text("placeholder\n")
     for cmd in binaries:
         for files in (["-f", "compose.yaml"], ["-f", "compose.yaml", "-f", "compose.secure.yaml"]):
             for profile in ("cpu", "gpu"):
-                r = subprocess.run([*cmd, *files, "--profile", profile, "config", "-q"], cwd=ROOT,
+                r = subprocess.run([*cmd, *files, "--profile", profile, "config", "-q"], cwd=tmp_path,
                                    capture_output=True, text=True, timeout=120,
                                    env={**os.environ, "COMPOSE_PROJECT_NAME": "prorag-test"})
                 assert r.returncode == 0, f"{' '.join(cmd)} {' '.join(files)} --profile {profile}: {r.stderr}"
