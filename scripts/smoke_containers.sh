@@ -13,7 +13,8 @@
 #   PRORAG_TORCH_WHEEL=F  the torch 2.13.0 CPU wheel to build with (default: found on disk; else the PyTorch
 #                         CPU index is used)
 #   SMOKE_WORLD=tiny      embedded world of the smoke (tiny: seconds to build; default: ~10 minutes on 2 cores)
-#   SMOKE_SECURE=1        also run with compose.secure.yaml (TLS + tokens from scripts/make_secrets.sh)
+#   SMOKE_SECURE=1        run with compose.secure.yaml too (TLS + tokens from scripts/make_secrets.sh)
+#   SMOKE_TRAIN=0         skip the tiny SFT job through the trainer (then the untrained base answers)
 #   KEEP=1                leave the stack running for a look (tear down with the printed command)
 #   SMOKE_TIMEOUT=1800    seconds to wait for the stack to be healthy
 set -uo pipefail
@@ -59,7 +60,7 @@ if [ -z "$BASE" ]; then
   if docker image inspect python:3.11-slim >/dev/null 2>&1 || docker pull -q python:3.11-slim >/dev/null 2>&1; then
     BASE=python:3.11-slim
   else
-    say "python:3.11-slim cannot be pulled (no registry); building a local Debian bookworm base"
+    say "python:3.11-slim cannot be pulled (no registry); using a local Debian bookworm base (built if missing)"
     BASE=prorag-local/python:3.11-bookworm
     bash scripts/build_base_image.sh "$BASE" >"$LOG_DIR/base-image.log" 2>&1 \
       || skip "no base image: python:3.11-slim unreachable and the local build failed ($(tail -2 "$LOG_DIR/base-image.log" | tr '\n' ' '))"
@@ -138,6 +139,41 @@ while :; do
 done
 say "all five services healthy in $(( $(date +%s) - T_UP ))s after up (setup-cpu included)"
 
+# ---------------------------------------------------------------- train an agent through the trainer
+# The embedded base only warms up on text: it does not write the step format yet, so its first step is invalid and
+# the policy never searches. The tiny profile's SFT job (SMOKE_SFT_STEPS=200 steps, a few minutes on 2 cores) runs
+# in the trainer container,
+# reads the retriever by service name and publishes a model the policy is then restarted on.
+if [ "${SMOKE_TRAIN:-1}" = 1 ]; then
+  T_SFT=$(date +%s)
+  MODEL="$("${DC[@]}" exec -T trainer-cpu python - "$WORLD" "${SMOKE_SFT_STEPS:-200}" <<'PYEOF' 2>"$LOG_DIR/sft.err"
+import sys
+from prorag.clients_trainer import TrainerClient, state_name
+from prorag_app.pipeline import PROFILES
+
+world = sys.argv[1]
+config = {"world": world, "base_model": f"/data/data/models/{world}/policy-base", "retriever": "retriever:50051",
+          "publish_name": "sft", **PROFILES["tiny"].sft_for("sft"), "max_steps": int(sys.argv[2])}
+with TrainerClient("trainer:50055", timeout=60) as tc:
+    job = tc.start("sft", config)
+    job = tc.wait(job.job_id, timeout=1800)
+    if state_name(job.state) != "SUCCEEDED":
+        raise SystemExit(f"sft job {job.job_id} {state_name(job.state)}: {job.error}")
+    print(job.outputs["model"])
+PYEOF
+)" || fail "the SFT job through the trainer: $(tail -20 "$LOG_DIR/sft.err")"
+  MODEL="$(echo "$MODEL" | tail -1)"
+  say "SFT job through the trainer published $MODEL in $(( $(date +%s) - T_SFT ))s; restarting the policy on it"
+  export POLICY_MODEL_CPU="$MODEL"
+  "${DC[@]}" up -d --no-build --no-deps policy-cpu >>"$LOG_DIR/up.log" 2>&1 || fail "restarting policy-cpu"
+  deadline=$(( $(date +%s) + 600 ))
+  until [ "$(state policy-cpu)" = healthy ]; do
+    [ "$(date +%s)" -lt "$deadline" ] || fail "policy-cpu not healthy on $MODEL: $("${DC[@]}" logs --no-color --tail 30 policy-cpu)"
+    sleep 5
+  done
+  say "policy-cpu healthy on $MODEL"
+fi
+
 # ---------------------------------------------------------------- one question end to end
 # A client in the trainer's container (not the policy's): the call crosses the compose network by service name,
 # the policy runs the whole trajectory and calls the retriever for every subquery.
@@ -149,23 +185,28 @@ from prorag.clients import PolicyClient, RetrieverClient
 from prorag.data.loaders import load_split
 
 world = sys.argv[1]
-q = load_split(paths.world_dir(world), "test")[0]
+qs = load_split(paths.world_dir(world), "test")[:4]
 with RetrieverClient("retriever:50051") as r:
-    docs = r.search([q.question], topk=1)[0]
+    docs = r.search([qs[0].question], topk=1)[0]
 t = time.time()
 with PolicyClient("policy:50052", timeout=600) as p:
-    events = list(p.rollout([(q.id, q.question)], sampling=p.sampling(n=1, temperature=0.0), topk=1))
-traj = [e for e in events if hasattr(e, "steps")][0]
+    events = list(p.rollout([(q.id, q.question) for q in qs], sampling=p.sampling(n=1, temperature=0.0), topk=1))
+trajs = {e.question_id: e for e in events if hasattr(e, "steps")}
+others = [{"q": q.question, "gold": q.golden_answers, "answer": trajs[q.id].answer,
+           "finish": trajs[q.id].finish_reason, "docs": sum(len(s.retrieved) for s in trajs[q.id].steps)} for q in qs[1:]]
+q, traj = qs[0], trajs[qs[0].id]
 print(json.dumps({"question": q.question, "gold": q.golden_answers, "answer": traj.answer,
                   "finish_reason": traj.finish_reason, "steps": len(traj.steps),
                   "step_contents": [s.content for s in traj.steps][:8],
                   "documents_inserted": sum(len(s.retrieved) for s in traj.steps),
                   "retriever_top1": docs[0].title if docs else None,
-                  "rollout_s": round(time.time() - t, 2)}))
+                  "rollout_s": round(time.time() - t, 2), "documents_inserted_all": sum(o["docs"] for o in others)
+                  + sum(len(s.retrieved) for s in traj.steps), "others": others}))
 PYEOF
 )"
 rc=$?
 [ $rc = 0 ] && [ -n "$ANSWER" ] || fail "the question did not come back (rc $rc): $(tail -20 "$LOG_DIR/question.err")"
 say "answered in $(( $(date +%s) - T_Q ))s: $ANSWER"
 echo "$ANSWER" >"$LOG_DIR/answer.json"
-say "PASSED: CPU images built, compose cpu profile healthy, one question answered through policy -> retriever"
+docs_in="$(echo "$ANSWER" | python3 -c 'import json,sys; print(json.load(sys.stdin)["documents_inserted_all"])')"
+say "PASSED: CPU images built, compose cpu profile healthy, one question answered through the policy's Rollout (4 questions, $docs_in documents from the retriever inserted)"
