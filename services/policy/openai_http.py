@@ -17,6 +17,7 @@ from prorag.errors import InvalidArgument, ProragError
 from prorag.trajectory import IM_END
 from prorag.engine import SamplingSpec, derive_seed
 from prorag.rollout import decode
+from services.policy.servicer import check_work
 
 
 def _err(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
@@ -55,6 +56,8 @@ def make_app(servicer, model_name: str, max_body_mb: int = 16) -> web.Applicatio
                             stop_token_ids=tuple(stop_ids), seed=int(body.get("seed") or 0)).validate()
 
     async def run(prompts: list[list[int]], spec: SamplingSpec, adapter_req: str):
+        check_work(len(prompts) * spec.n * spec.max_tokens, limits.max_request_tokens,
+                   f"{len(prompts)} prompts x n={spec.n} x max_tokens={spec.max_tokens}")
         for i, p in enumerate(prompts):
             if not p:
                 raise InvalidArgument(f"prompt {i} is empty")
@@ -62,8 +65,18 @@ def make_app(servicer, model_name: str, max_body_mb: int = 16) -> web.Applicatio
                 raise InvalidArgument(f"prompt {i} has {len(p)} tokens; too long for this model")
         with servicer.manager.acquire(adapter_req) as adapter:
             outs = await servicer.scheduler.generate(prompts, spec, adapter,
-                                                     [derive_seed(spec.seed, i) for i in range(len(prompts))])
+                                                     [derive_seed(spec.seed, i) for i in range(len(prompts))],
+                                                     time.monotonic() + limits.http_timeout_s)
         return outs, adapter
+
+    def check_prompts(texts: list[str], what: str = "prompt") -> None:
+        # Checked before tokenising: a huge string would hold the event loop in the tokenizer.
+        if len(texts) > limits.max_prefixes:
+            raise InvalidArgument(f"{len(texts)} {what}s; at most {limits.max_prefixes} per request")
+        max_chars = limits.max_prefix_tokens * 16
+        for i, t in enumerate(texts):
+            if len(t) > max_chars:
+                raise InvalidArgument(f"{what} {i} has {len(t):,} characters; at most {max_chars:,}")
 
     def usage(prompts, outs):
         p = sum(len(x) for x in prompts)
@@ -93,6 +106,7 @@ def make_app(servicer, model_name: str, max_body_mb: int = 16) -> web.Applicatio
                 prompt = [prompt]
             if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) for p in prompt):
                 raise InvalidArgument('"prompt" must be a string or a non-empty list of strings')
+            check_prompts(prompt)
             spec = sampling(body, [IM_END])
             prompts = [tok.encode(p, add_special_tokens=False) for p in prompt]
             outs, adapter = await run(prompts, spec, adapter_of(body))
@@ -120,6 +134,7 @@ def make_app(servicer, model_name: str, max_body_mb: int = 16) -> web.Applicatio
                 raise InvalidArgument('"messages" must be a non-empty list of {"role": system|user|assistant, '
                                       '"content": str}')
             spec = sampling(body, [IM_END])
+            check_prompts([m["content"] for m in messages], what="message")
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             prompts = [tok.encode(text, add_special_tokens=False)]
             outs, adapter = await run(prompts, spec, adapter_of(body))

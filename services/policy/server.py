@@ -43,6 +43,13 @@ class PolicyConfig:
     max_topk: int = cfg_field(20, help="largest topk a rollout may ask for", min=1)
     max_concurrent_rollouts: int = cfg_field(16, help="Rollout requests running at once", min=1)
     max_batch_items: int = cfg_field(1024, help="most prompts merged into one engine call across callers", min=1)
+    max_queued_rollouts: int = cfg_field(64, help="Rollout requests waiting for a free slot; more are refused with "
+                                                  "RESOURCE_EXHAUSTED (retry later)", min=0)
+    max_request_tokens: int = cfg_field(8_388_608, help="most tokens one request may ask for: prefixes x n x "
+                                                        "max_tokens (GenerateSteps, HTTP) or questions x n x "
+                                                        "max_steps x max_tokens (Rollout)", min=1)
+    http_timeout_s: float = cfg_field(300.0, help="deadline of one HTTP completion request (enforced between "
+                                                  "engine calls and while queued)", min=0.1)
 
     def validate(self) -> None:
         from prorag.config import ConfigError

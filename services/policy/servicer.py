@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from prorag.errors import InvalidArgument, NotFound, Unavailable
+from prorag.errors import (Cancelled, DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted,
+                           Unavailable)
 from prorag.pb import common_pb2, policy_pb2, policy_pb2_grpc
 from prorag.data.loaders import Document
 from prorag.pbconv import step_pb, token_trace_pb
@@ -22,6 +24,45 @@ from prorag.rollout import TrajectoryResult, decode, run_rollouts
 def _deadline(context) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
+
+
+def check_work(requested_tokens: int, limit: int, what: str) -> None:
+    """Refuse a request whose worst case generates more than ``limit`` tokens (split it instead)."""
+    if requested_tokens > limit:
+        raise ResourceExhausted(f"{what} may generate up to {requested_tokens:,} tokens; this server accepts at most "
+                                f"{limit:,} per request (max_request_tokens): split it into smaller requests")
+
+
+class RolloutGuard:
+    """Stops a rollout between engine and retriever calls once its caller has gone or its deadline passed,
+    so neither a cancelled nor an overdue rollout keeps the engine busy (each engine call is itself
+    bounded by max_tokens)."""
+
+    def __init__(self, engine, search, deadline: float | None):
+        self.engine, self._search, self.deadline = engine, search, deadline
+        self.cancelled = threading.Event()
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.rounds = 0
+
+    def check(self) -> None:
+        if self.cancelled.is_set():
+            raise Cancelled("the caller cancelled the rollout")
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise DeadlineExceeded(f"the rollout ran past its deadline after {self.rounds} engine calls; "
+                                   "give it a longer deadline or fewer questions")
+
+    def generate(self, prompts, params, adapter=None, seeds=None):
+        self.check()
+        self.rounds += 1
+        return self.engine.generate(prompts, params, adapter, seeds)
+
+    def search(self, queries, topk):
+        self.check()
+        return self._search(queries, topk)
+
+    def __getattr__(self, name):  # the rest of the engine interface (info, adapters, ...)
+        return getattr(self.engine, name)
 
 
 def trajectory_pb(t: TrajectoryResult, adapter_version: str) -> policy_pb2.Trajectory:
@@ -48,6 +89,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
                 self._stop_ids[tag] = ids[0]
         self._rollout_pool = ThreadPoolExecutor(max_workers=limits.max_concurrent_rollouts,
                                                 thread_name_prefix="rollout")
+        self._rollouts_admitted = 0  # running + queued; touched only on the event loop
 
     # -- validation --
     def _sampling(self, sp: policy_pb2.SamplingParams, *, default_max_tokens: int) -> SamplingSpec:
@@ -97,6 +139,8 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         if len(request.prefixes) > self.limits.max_prefixes:
             raise InvalidArgument(f"{len(request.prefixes)} prefixes; at most {self.limits.max_prefixes} per request")
         spec = self._sampling(request.sampling, default_max_tokens=self.limits.default_step_tokens)
+        check_work(len(request.prefixes) * spec.n * spec.max_tokens, self.limits.max_request_tokens,
+                   f"{len(request.prefixes)} prefixes x n={spec.n} x max_tokens={spec.max_tokens}")
         prompts = [self._prefix_ids(i, p) for i, p in enumerate(request.prefixes)]
         seeds = [derive_seed(spec.seed, i) for i in range(len(prompts))]
         with self.manager.acquire(request.adapter) as adapter:
@@ -128,35 +172,57 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         topk = request.topk or L.default_topk
         if not 1 <= topk <= L.max_topk:
             raise InvalidArgument(f"topk is {request.topk}; allowed 1..{L.max_topk} (0 = default)")
+        check_work(len(request.questions) * spec.n * max_steps * spec.max_tokens, L.max_request_tokens,
+                   f"{len(request.questions)} questions x n={spec.n} x max_steps={max_steps} x "
+                   f"max_tokens={spec.max_tokens}")
+        if self._rollouts_admitted >= L.max_concurrent_rollouts + L.max_queued_rollouts:
+            raise ResourceExhausted(f"the policy is busy: {self._rollouts_admitted} rollout requests running or "
+                                    f"queued (max_concurrent_rollouts {L.max_concurrent_rollouts} + "
+                                    f"max_queued_rollouts {L.max_queued_rollouts}); retry with backoff")
+        self._rollouts_admitted += 1
+        try:
+            async for event in self._rollout(request, context, spec, max_steps, topk):
+                yield event
+        finally:
+            self._rollouts_admitted -= 1
+
+    async def _rollout(self, request, context, spec, max_steps: int, topk: int):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         check = getattr(self.search_fn_factory, "check_index", None)
         if check is not None:
             await loop.run_in_executor(None, check, request.retriever_index)
-        search = self.search_fn_factory(request.retriever_index, _deadline(context))
+        deadline = _deadline(context)
         started = time.monotonic()
         with self.manager.acquire(request.adapter) as adapter:
-            engine = self.scheduler.sync_engine(_deadline(context))
+            guard = RolloutGuard(self.scheduler.sync_engine(deadline),
+                                 self.search_fn_factory(request.retriever_index, deadline), deadline)
             version = adapter or ""
 
             def work():
-                return run_rollouts(engine, self.tokenizer, [(q.id or str(i), q.question)
-                                                             for i, q in enumerate(request.questions)],
-                                    spec, search, max_steps=max_steps, topk=topk, adapter=adapter,
+                return run_rollouts(guard, self.tokenizer, [(q.id or str(i), q.question)
+                                                            for i, q in enumerate(request.questions)],
+                                    spec, guard.search, max_steps=max_steps, topk=topk, adapter=adapter,
                                     on_finished=lambda t: loop.call_soon_threadsafe(queue.put_nowait, t))
 
             fut = loop.run_in_executor(self._rollout_pool, work)
             fut.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
             total = len(request.questions) * spec.n
             sent, tokens = 0, 0
-            while sent < total:
-                item = await queue.get()
-                if item is None:
-                    break
-                sent += 1
-                tokens += item.tokens.generated_tokens
-                yield policy_pb2.RolloutEvent(trajectory=trajectory_pb(item, version))
-            await fut  # re-raises a failure of the rollout (mapped by the interceptor)
+            try:
+                while sent < total:
+                    item = await queue.get()
+                    if item is None:
+                        break
+                    sent += 1
+                    tokens += item.tokens.generated_tokens
+                    yield policy_pb2.RolloutEvent(trajectory=trajectory_pb(item, version))
+                await fut  # re-raises a failure of the rollout (mapped by the interceptor)
+            finally:
+                if not fut.done():
+                    # The caller went away (cancelled, deadline, disconnected): stop the work at its next
+                    # engine or retriever call instead of finishing every question for nobody.
+                    guard.cancelled.set()
         yield policy_pb2.RolloutEvent(summary=policy_pb2.RolloutSummary(
             num_trajectories=sent, generated_tokens=tokens, wall_s=time.monotonic() - started,
             adapter_version=version))
