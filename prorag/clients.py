@@ -3,6 +3,7 @@ matching the servers'. Other systems can use these or the protos directly."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
@@ -16,13 +17,20 @@ from prorag.security import ClientSecurity, secure_channel
 MiB = 1024 * 1024
 
 
+# Calls spread over every address a target resolves to (the pods of a headless Service, or an
+# ``ipv4:a:p,b:p`` list) instead of gRPC's default of sticking to the first one.
+ROUND_ROBIN = ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]}))
+
+
 def channel(target: str, max_message_mb: int = 64, security: ClientSecurity | None = None,
             extra_options: list | None = None) -> grpc.Channel:
-    """A channel with the servers' message limits and the TLS and token settings of ``security``
-    (default: PRORAG_TLS_CA, PRORAG_TOKEN_FILE, ... from the environment, see :mod:`prorag.security`)."""
+    """A channel with the servers' message limits, round-robin over the target's addresses, and the TLS and
+    token settings of ``security`` (default: PRORAG_TLS_CA, PRORAG_TOKEN_FILE, ... from the environment,
+    see :mod:`prorag.security`)."""
     return secure_channel(target, [
         ("grpc.max_receive_message_length", max_message_mb * MiB),
         ("grpc.max_send_message_length", max_message_mb * MiB),
+        ROUND_ROBIN,
     ] + list(extra_options or []), security)
 
 
@@ -195,15 +203,53 @@ class PRMClient(_Client):
         return resp.model_version, [list(r.scores) for r in resp.results]
 
 
-def push_adapter(replicas: list[str], name: str, version: str, activate: bool = True,
-                 timeout: float = 120.0) -> list:
-    """Load (and activate) ``name@version`` on every policy replica; one ReplicaAck per replica.
+def resolve_replicas(target: str) -> list[str]:
+    """Every address behind a policy target, one ``host:port`` per replica.
 
-    Replicas are addressed directly (a headless Service's pod IPs in k8s); every replica is
-    attempted even when one fails, so the caller sees exactly which ones hold the version."""
+    ``dns:///prorag-policy-headless:50052`` or ``prorag-policy-headless:50052`` (a headless Service: one
+    A record per pod) -> every resolved IP; ``ipv4:10.0.0.1:50052,10.0.0.2:50052`` (gRPC's static list)
+    and ``a:1,b:2`` -> those addresses. The lookup is made now: call it again to see replicas that came
+    or went."""
+    import socket
+
+    target = target.strip()
+    if target.startswith("ipv4:") or target.startswith("ipv6:"):
+        return [a.strip() for a in target.split(":", 1)[1].split(",") if a.strip()]
+    if "," in target:
+        return [a.strip() for a in target.split(",") if a.strip()]
+    if target.startswith("dns:"):
+        target = target[4:].lstrip("/")
+        if "/" in target:  # dns://authority/host:port
+            target = target.split("/", 1)[1]
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"policy target {target!r} is not host:port")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot resolve the policy replicas of {target!r}: {e}") from None
+    seen: list[str] = []
+    for family, *_, addr in infos:
+        hostport = f"[{addr[0]}]:{addr[1]}" if family == socket.AF_INET6 else f"{addr[0]}:{addr[1]}"
+        if hostport not in seen:
+            seen.append(hostport)
+    return seen
+
+
+def push_adapter(replicas: list[str] | str, name: str, version: str, activate: bool = True,
+                 timeout: float = 120.0) -> list:
+    """Load (and activate) ``name@version`` on every policy replica and wait for each; one ReplicaAck per replica.
+
+    ``replicas`` is a list of addresses or one target that :func:`resolve_replicas` expands (a headless
+    Service's pod IPs in k8s); every replica is attempted even when one fails, so the caller sees exactly
+    which ones hold the version. A replica that restarts later loads the active version by itself."""
     import concurrent.futures as cf
 
     from prorag.pb import common_pb2
+
+    if isinstance(replicas, str):
+        replicas = resolve_replicas(replicas)
 
     def one(target: str):
         t0 = time.monotonic()

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from prorag import paths
 from prorag.config import ConfigError, cfg_field
+from prorag.errors import FailedPrecondition, ProragError
 from prorag.grpc_server import ServerSpec, start_server
 from prorag.pb import policy_pb2_grpc
 from prorag.service import ServeConfig, Started
 
 SERVICE = "prorag.v1.Policy"
+log = logging.getLogger("prorag.policy")
 
 
 @dataclass
@@ -48,6 +51,10 @@ class PolicyConfig:
     max_request_tokens: int = cfg_field(8_388_608, help="most tokens one request may ask for: prefixes x n x "
                                                         "max_tokens (GenerateSteps, HTTP) or questions x n x "
                                                         "max_steps x max_tokens (Rollout)", min=1)
+    restore_active: bool = cfg_field(True, help="at start, load and activate the adapter version last activated "
+                                                "in adapter_root (ACTIVE.json, written by every ActivateAdapter), "
+                                                "so a restarted replica serves what the others serve; if it "
+                                                "cannot be loaded the start fails with the reason")
     http_timeout_s: float = cfg_field(300.0, help="deadline of one HTTP completion request (enforced between "
                                                   "engine calls and while queued)", min=0.1)
 
@@ -101,6 +108,18 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
     root = cfg.resolved_adapter_root()
     root.mkdir(parents=True, exist_ok=True)
     manager = AdapterManager(engine, root, str(model_path), model_info["sha256"])
+    if cfg.restore_active:
+        from services.policy.servicer import read_active
+
+        active = read_active(root)
+        if active is not None:
+            try:
+                await manager.activate(active)
+            except ProragError as e:
+                raise FailedPrecondition(f"{root}/ACTIVE.json says {active} is the active adapter, but it cannot be "
+                                         f"loaded: {e}; publish it again, or activate another version on the "
+                                         "running replicas (or start with restore_active=false)") from e
+            log.info("restored the active adapter %s", active)
     scheduler = GenerationScheduler(engine, max_items=cfg.max_batch_items)
     scheduler.bind(asyncio.get_running_loop())
     servicer = PolicyServicer(engine, scheduler, manager, cfg,

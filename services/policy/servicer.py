@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 
@@ -24,6 +27,27 @@ from prorag.rollout import TrajectoryResult, decode, run_rollouts
 def _deadline(context) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
+
+
+ACTIVE_FILE = "ACTIVE.json"
+
+
+def record_active(adapter_root, ref: ArtifactRef | None) -> None:
+    """Write what is active into the shared adapter root, so that a replica that (re)starts serves the same
+    version as the others (see :func:`read_active`). Every replica of a push writes the same content."""
+    from prorag.io import write_json
+
+    write_json(Path(adapter_root) / ACTIVE_FILE, {"name": ref.name, "version": ref.version} if ref else {})
+
+
+def read_active(adapter_root) -> ArtifactRef | None:
+    import json
+
+    path = Path(adapter_root) / ACTIVE_FILE
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return ArtifactRef.of(data["name"], data["version"]) if data.get("name") else None
 
 
 def check_work(requested_tokens: int, limit: int, what: str) -> None:
@@ -235,9 +259,11 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
     async def ActivateAdapter(self, request, context):
         if not request.ref.name:
             await self.manager.activate(None)
+            await asyncio.to_thread(record_active, self.manager.root, None)
             return policy_pb2.AdapterStatus(active=True)
         ref = ArtifactRef.of(request.ref.name, request.ref.version)
         await self.manager.activate(ref)
+        await asyncio.to_thread(record_active, self.manager.root, ref)
         return self._status(ref.key)
 
     async def UnloadAdapter(self, request, context):
@@ -254,7 +280,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         return common_pb2.ModelInfo(model_id=self.model_info["model_id"],
                                     base_model_sha256=self.model_info["sha256"], engine=str(info.get("engine", "")),
                                     device=str(info.get("device", "")), num_parameters=int(info.get("num_parameters", 0)),
-                                    extra={**{k: str(v) for k, v in info.items()}, "name": self.model_info["name"]})
+                                    extra={**{k: str(v) for k, v in info.items()}, "name": self.model_info["name"],
+                                           # which replica answered: callers behind a round-robin channel see it
+                                           "replica": f"{socket.gethostname()}:{os.getpid()}",
+                                           "active_adapter": self.manager.active or ""})
 
     def _status(self, key: str) -> policy_pb2.AdapterStatus:
         entry = self.manager.loaded.get(key)
