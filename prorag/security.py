@@ -366,7 +366,8 @@ class ClientSecurity:
         return ctx
 
 
-class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                     grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
     """Adds the bearer token to every call; works on plaintext loopback channels too, where gRPC's
     call credentials are refused."""
 
@@ -384,6 +385,12 @@ class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
 
     def intercept_unary_stream(self, continuation, client_call_details, request):
         return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # e.g. reflection
+        return continuation(self._details(client_call_details), request_iterator)
 
 
 class _Details(grpc.ClientCallDetails):
