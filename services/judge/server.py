@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from prorag import paths
 from prorag.config import cfg_field
@@ -27,6 +28,8 @@ class JudgeConfig:
     model: str = cfg_field("gpt-4o", help="openai: the judging model")
     api_key_env: str = cfg_field("OPENAI_API_KEY", help="openai: environment variable holding the API key (the key "
                                                         "itself never goes in a config)")
+    api_key_file: str = cfg_field("", help="openai: file holding the API key (a mounted Secret); wins over "
+                                           "api_key_env when set")
     cache_path: str = cfg_field("", help="openai: JSONL cache of verdicts by request content ('' = "
                                          "data/cache/judge-<model>.jsonl)")
     max_calls: int = cfg_field(0, help="openai: most paid calls this process makes (0 = no limit); cached "
@@ -44,6 +47,19 @@ class JudgeConfig:
     max_candidates: int = cfg_field(16, help="most sibling candidates in one item", min=2, max=1024)
 
 
+def api_key(cfg: JudgeConfig) -> str:
+    import os
+
+    from prorag.errors import FailedPrecondition
+
+    if cfg.api_key_file:
+        try:
+            return Path(cfg.api_key_file).read_text().strip()
+        except OSError as e:
+            raise FailedPrecondition(f"cannot read the judge's API key file {cfg.api_key_file}: {e}") from None
+    return os.environ.get(cfg.api_key_env, "")
+
+
 def open_engine(cfg: JudgeConfig):
     import os
     import re
@@ -55,7 +71,7 @@ def open_engine(cfg: JudgeConfig):
     cache = cfg.cache_path or str(paths.data_dir() / "cache" / f"judge-{re.sub(r'[^A-Za-z0-9._-]', '_', cfg.model)}.jsonl")
     return OpenAIJudge(cfg.base_url, cfg.model, JudgeCache(cache),
                        Budget(cfg.max_calls, cfg.max_cost_usd, cfg.usd_per_m_input, cfg.usd_per_m_output),
-                       api_key=os.environ.get(cfg.api_key_env, ""), timeout_s=cfg.timeout_s,
+                       api_key=api_key(cfg), timeout_s=cfg.timeout_s,
                        max_retries=cfg.max_retries, malformed_retries=cfg.malformed_retries,
                        concurrency=cfg.concurrency)
 

@@ -146,3 +146,38 @@ def test_unreachable_endpoint_is_unavailable(tmp_path):
         ch.close()
         loop.run(started.stop())
         loop.close()
+
+
+def test_a_secured_endpoint_is_reached_with_the_key_from_a_file_and_a_wrong_key_is_a_precondition(
+        tiny_policy, tmp_path):
+    """The policy's HTTP side with bearer tokens on: the judge's API key (read from a mounted file) is the token."""
+    from prorag.security import generate_secrets
+    from services.policy.server import PolicyConfig, start as start_policy
+
+    files = generate_secrets(tmp_path / "secrets")
+    model_dir, tok = tiny_policy
+    loop = LoopThread()
+    pol = loop.run(start_policy(ServeConfig(port=0, http_port=0, auth_tokens=files["tokens"]),
+                                PolicyConfig(model=str(model_dir), world="tiny",
+                                             adapter_root=str(tmp_path / "adapters")), engine=ReplyEngine(tok)))
+    url = f"http://127.0.0.1:{pol.http_port}/v1"
+    (tmp_path / "wrong").write_text("w" * 43)
+    try:
+        started, ch, stub = judge_server(loop, url, tmp_path / "c1.jsonl", api_key_file=files["token_client"])
+        try:
+            v = stub.JudgePairs(judge_pb2.JudgePairsRequest(items=[item()]), timeout=30).verdicts[0]
+            assert (v.chosen, v.rejected) == (0, 1)
+        finally:
+            ch.close()
+            loop.run(started.stop())
+        started, ch, stub = judge_server(loop, url, tmp_path / "c2.jsonl", api_key_file=str(tmp_path / "wrong"))
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.JudgePairs(judge_pb2.JudgePairsRequest(items=[item()]), timeout=30)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        finally:
+            ch.close()
+            loop.run(started.stop())
+    finally:
+        loop.run(pol.stop())
+        loop.close()
