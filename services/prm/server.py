@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
@@ -42,24 +43,49 @@ def resolve_model(cfg: PRMServeConfig):
     return registry("prm", cfg.world).resolve(cfg.model)
 
 
-async def _follow(cfg: PRMServeConfig, engine) -> None:
+def _make_engine(cfg: PRMServeConfig, path):
+    from services.prm.engine import PRMEngine
+
+    return PRMEngine(path, max_len=cfg.max_len, max_batch_tokens=cfg.max_batch_tokens)
+
+
+async def _follow(cfg: PRMServeConfig, servicer, running) -> None:
+    """Swap in each newly published version; with none published yet, become ready at the first publish."""
+    from prorag.errors import NotFound
+
     while True:
         await asyncio.sleep(cfg.follow_latest_s)
+        engine = servicer.engine
         try:
             path = await asyncio.to_thread(resolve_model, cfg)
-            if path != engine.model_dir:
+            if engine is None:
+                servicer.engine = await asyncio.to_thread(_make_engine, cfg, path)
+                await running.set_ready(SERVICE, True)
+                log.info("the first PRM was published: serving %s", servicer.engine.version)
+            elif path != engine.model_dir:
                 version = await asyncio.to_thread(engine.load, path)
                 log.info("hot-swapped the PRM to %s", version)
+        except NotFound:
+            if engine is not None:
+                log.error("%s is no longer in the registry; still serving %s", cfg.model, engine.version)
         except Exception:  # noqa: BLE001 - a bad publish must not stop serving the current model
-            log.exception("checking for a newer PRM failed; still serving %s", engine.version)
+            log.exception("checking for a newer PRM failed; still serving %s",
+                          engine.version if engine is not None else "nothing")
 
 
 async def start(serve: ServeConfig, cfg: PRMServeConfig | None = None, engine=None) -> Started:
-    cfg = cfg or PRMServeConfig()
-    if engine is None and cfg.model:
-        from services.prm.engine import PRMEngine
+    from prorag.errors import NotFound
 
-        engine = PRMEngine(resolve_model(cfg), max_len=cfg.max_len, max_batch_tokens=cfg.max_batch_tokens)
+    cfg = cfg or PRMServeConfig()
+    following = bool(cfg.follow_latest_s) and "@" not in cfg.model and not Path(cfg.model).is_dir()
+    if engine is None and cfg.model:
+        try:
+            engine = _make_engine(cfg, resolve_model(cfg))
+        except NotFound:
+            if not following:
+                raise
+            # named before it is trained (a deployment started ahead of stage 2): ready at the first publish
+            log.warning("no PRM %r published yet in world %r; not ready until one is", cfg.model, cfg.world)
     # without a model (a stack started before any PRM is trained) it is live but not ready, and says why
     servicer = PRMServicer(engine, cfg.max_items, cfg.max_steps)
     spec = ServerSpec(name="prm",
@@ -68,8 +94,8 @@ async def start(serve: ServeConfig, cfg: PRMServeConfig | None = None, engine=No
     running = await start_server(spec, serve.port, serve.host, serve.max_message_mb, serve.max_concurrent_rpcs,
                                  security=serve.security())
     stoppers = [lambda: running.stop(serve.grace_s), servicer.close]
-    if engine is not None and cfg.follow_latest_s and "@" not in cfg.model:
-        task = asyncio.get_running_loop().create_task(_follow(cfg, engine))
+    if following:
+        task = asyncio.get_running_loop().create_task(_follow(cfg, servicer, running))
 
         async def stop_follow():
             task.cancel()

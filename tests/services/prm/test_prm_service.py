@@ -136,9 +136,12 @@ def test_hot_swap_of_a_newly_published_prm(served):
     with torch.no_grad():
         prm.score.weight.mul_(-1.0)
     save_pretrained(prm, tok, data / "prm-v2")
+    # Scored before the publish: the follower may swap within 0.2 s of it.
+    r0 = stub.ScoreSteps(prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)]), timeout=30)
+    assert r0.model_version == "prm@v1"
+    before = list(r0.results[0].scores)
     time.sleep(0.05)  # a later creation time than v1's
     registry("prm", "tiny").publish(data / "prm-v2", ArtifactRef.of("prm", "v2"))
-    before = list(stub.ScoreSteps(prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)]), timeout=30).results[0].scores)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         resp = stub.ScoreSteps(prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)]), timeout=30)
@@ -159,6 +162,40 @@ def test_without_a_model_it_is_not_ready_and_says_why():
                 prm_pb2_grpc.ProcessRewardModelStub(ch).ScoreSteps(
                     prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)]), timeout=10)
             assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no PRM is loaded" in ei.value.details()
+    finally:
+        loop.run(started.stop())
+        loop.close()
+
+
+def test_named_before_it_is_published_it_becomes_ready_at_the_first_publish(served):
+    """A deployment names the PRM before stage 2 trained one: live, not ready, then serving once published."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    _, _, prm, tok, data = served
+    loop = LoopThread()
+    started = loop.run(start(ServeConfig(port=0), PRMServeConfig(model="later", world="tiny", follow_latest_s=0.2)))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{started.grpc_port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            stub = prm_pb2_grpc.ProcessRewardModelStub(ch)
+
+            def ready():
+                return health.Check(health_pb2.HealthCheckRequest(service="prorag.v1.ProcessRewardModel"),
+                                    timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+
+            time.sleep(0.5)
+            assert not ready()
+            with pytest.raises(grpc.RpcError) as ei:
+                stub.ScoreSteps(prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)]), timeout=10)
+            assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            save_pretrained(prm, tok, data / "later-v1")
+            registry("prm", "tiny").publish(data / "later-v1", ArtifactRef.of("later", "v1"))
+            deadline = time.monotonic() + 30
+            while not ready() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert ready()
+            resp = stub.ScoreSteps(prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)]), timeout=30)
+            assert resp.model_version == "later@v1" and len(resp.results[0].scores) == len(STEPS)
     finally:
         loop.run(started.stop())
         loop.close()
