@@ -19,6 +19,8 @@ would run the same queued jobs side by side and corrupt their records.
 
 from __future__ import annotations
 
+import dataclasses
+
 import collections
 import contextlib
 import datetime as _dt
@@ -184,7 +186,8 @@ class JobManager:
 
     def __init__(self, root: str | Path, *, keep_checkpoints: int = 2, tracking: str = "wandb",
                  parallel_jobs: int = 1, max_attempts: int = 3,
-                 allowed_endpoints: Sequence[str] = DEFAULT_ALLOWED_ENDPOINTS):
+                 allowed_endpoints: Sequence[str] = DEFAULT_ALLOWED_ENDPOINTS,
+                 service_addresses: dict[str, str] | None = None):
         if parallel_jobs < 1:
             raise ValueError(f"parallel_jobs must be >= 1, got {parallel_jobs}")
         if max_attempts < 1:
@@ -192,6 +195,7 @@ class JobManager:
         self.parallel_jobs = parallel_jobs
         self.max_attempts = max_attempts
         self.allowed_endpoints = check_allowed_endpoints(allowed_endpoints)
+        self.service_addresses = dict(service_addresses or {})
         self._lock_fd: int | None = None
         self.store = JobStore(root)
         self.keep_checkpoints = keep_checkpoints
@@ -307,6 +311,13 @@ class JobManager:
                 config = json.loads(config) if config.strip() else {}
             except json.JSONDecodeError as exc:
                 raise InvalidArgument(f"config_json is not valid JSON: {exc}") from None
+        if config is None:
+            config = {}
+        if isinstance(config, dict) and self.service_addresses:
+            # the deployment's addresses for what the job leaves unset (its 127.0.0.1 defaults reach nothing
+            # in a container); only fields this stage's config has
+            fields = {f.name for f in dataclasses.fields(stage.config_cls)}
+            config = {**{k: v for k, v in self.service_addresses.items() if k in fields}, **config}
         if isinstance(config, dict):
             # before the config's own validation, which may look at the paths it names (is_dir...)
             self._check_config(stage, config)

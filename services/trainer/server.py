@@ -46,6 +46,10 @@ class TrainerConfig:
              "(judge.internal:50054); a job naming any other endpoint is refused at StartJob (INVALID_ARGUMENT). "
              "The default is loopback and the compose/k8s service names",
         factory=lambda: list(DEFAULT_ALLOWED_ENDPOINTS))
+    service_addresses: dict[str, str] = cfg_field(
+        help="addresses a job config gets for the fields it leaves unset, e.g. {\"retriever\": \"retriever:50051\", "
+             "\"policy\": \"dns:///prorag-policy-headless:50052\"} in containers, where the stages' 127.0.0.1 "
+             "defaults reach nothing; only fields the stage has are filled", factory=dict)
     max_attempts: int = cfg_field(3, help="times a job's process may die under it (killed, out of memory, a crash) "
                                          "before the job is FAILED instead of re-queued at the next start; a clean "
                                          "shutdown does not count", min=1, max=1000)
@@ -65,7 +69,8 @@ async def start(serve: ServeConfig, cfg: TrainerConfig | None = None, **_: objec
     load_stage_modules(cfg.stage_modules)
     manager = JobManager(cfg.resolved_root(), keep_checkpoints=cfg.keep_checkpoints,
                          tracking=cfg.resolved_tracking(), parallel_jobs=cfg.parallel_jobs,
-                         max_attempts=cfg.max_attempts, allowed_endpoints=cfg.allowed_endpoints)
+                         max_attempts=cfg.max_attempts, allowed_endpoints=cfg.allowed_endpoints,
+                         service_addresses=cfg.service_addresses)
     servicer = TrainerServicer(manager)
     spec = ServerSpec(name="trainer",
                       services=[(SERVICE, lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s))],

@@ -455,3 +455,25 @@ def test_job_with_wandb_offline_tracking(tmp_path, managers, monkeypatch):
     run = tmp_path / "jobs" / "wb" / "run"
     assert list((run / "wandb").glob("offline-run-*")), "wandb wrote its offline run into the run dir"
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+@dataclass
+class CallsServicesConfig:
+    retriever: str = cfg_field("127.0.0.1:50051", help="retriever service")
+    judge: str = cfg_field("", help="judge service ('' = none)")
+
+
+def test_service_addresses_fill_what_a_job_config_leaves_unset(managers):
+    register_stage("calls_services", CallsServicesConfig, lambda ctx: {"ok": 1}, replace=True)
+    try:
+        m = managers(service_addresses={"retriever": "retriever:50051", "judge": "judge:50054",
+                                        "policy": "policy:50052"})
+        job = m.submit("calls_services", {})
+        assert job["config"] == {"retriever": "retriever:50051", "judge": "judge:50054"}  # no field 'policy' here
+        job = m.submit("calls_services", {"judge": ""})
+        assert job["config"] == {"retriever": "retriever:50051", "judge": ""}  # what the job sets wins
+        with pytest.raises(InvalidArgument, match="allowed_endpoints"):  # the filled-in value is checked like any
+            managers(root=m.store.root.parent / "other", service_addresses={"retriever": "evil.example:1"}).submit(
+                "calls_services", None)
+    finally:
+        unregister_stage("calls_services")
