@@ -71,13 +71,31 @@ class RetrieverClient(_Client):
         self.timeout = timeout
         self._channel = channel(target, max_message_mb)
         self._stub = retriever_pb2_grpc.RetrieverStub(self._channel)
+        self._max_batch: int | None = None
 
     def search(self, queries: list[str], topk: int = 3, index: str = "",
                timeout: float | None = None) -> list[list[Document]]:
-        """Per query, its top ``topk`` documents best first, each with its score and 1-based rank."""
-        resp = self._stub.Search(retriever_pb2.SearchRequest(queries=queries, topk=topk, index=index),
-                                 timeout=timeout or self.timeout)
-        return [[scored_document_from_pb(d) for d in r.documents] for r in resp.results]
+        """Per query, its top ``topk`` documents best first, each with its score and 1-based rank.
+
+        More queries than the server takes in one request (its max_batch, asked once) go in several."""
+        limit = self.max_batch(timeout)
+        out: list[list[Document]] = []
+        for i in range(0, len(queries), limit) if queries else [0]:
+            resp = self._stub.Search(retriever_pb2.SearchRequest(queries=queries[i:i + limit], topk=topk, index=index),
+                                     timeout=timeout or self.timeout)
+            out += [[scored_document_from_pb(d) for d in r.documents] for r in resp.results]
+        return out
+
+    def max_batch(self, timeout: float | None = None) -> int:
+        """The most queries the server takes in one Search (learned from ListIndexes once; 256 if it cannot say)."""
+        if self._max_batch is None:
+            try:
+                self._max_batch = max(1, self.list_indexes(timeout=timeout).max_batch) or 256
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise
+                return 256  # unknown for now (server starting?): a size every retriever takes; ask again next time
+        return self._max_batch
 
     def get_documents(self, ids: list[str], timeout: float | None = None, chunk: int = 256) -> list[Document]:
         out = []

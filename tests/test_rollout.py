@@ -270,3 +270,11 @@ def test_the_search_batch_comes_from_the_search_function_when_it_knows_the_retri
     res = run_rollouts(ScriptedEngine(tok, SCRIPTS), tok, [("a", q)], SamplingSpec(n=20, max_tokens=200),
                        search, topk=2, search_batch=7)
     assert all(r.finish_reason == "answer" for r in res)
+
+
+def test_the_retriever_client_splits_a_search_over_the_servers_max_batch(retrievers):
+    client = retrievers[16]
+    queries = [f"Who directed Inception? ({i})" for i in range(40)]
+    results = client.search(queries, topk=2)
+    assert client.max_batch() == 16 and len(results) == 40 and all(len(r) == 2 for r in results)
+    assert [r[0].id for r in results[:16]] == [r[0].id for r in client.search(queries[:16], topk=2)]
