@@ -1,0 +1,191 @@
+"""Rewards, advantages and policy losses of stages 3-4 and the baselines, as pure functions (verl's core_algos
+style): numbers and tensors in, numbers and tensors out; no model, no I/O; shapes in docstrings.
+
+ProRAG's dual-granularity advantage for rollout i of a group of G, at a token t of its step k:
+
+    A_{i,t} = (R_i - mean_G R) / (std_G R + eps)  +  beta * (s_{i,k} - mu) / (sigma + eps)
+
+R is the outcome reward (answer F1 and format), s the step score (PRM score and step validity), and mu,
+sigma the mean and standard deviation of s over the group: token-weighted as the reference code computes
+them (every generated token of a step counts once, so long steps weigh more), or per step (each step counts
+once; ANCHORS.md "Process advantage normalized per step"). beta = 0 is outcome-only GRPO (Search-R1 style).
+Only generated tokens carry an advantage: retrieval and glue tokens the environment inserted are masked.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from prorag.tokens import StepSpan
+
+EPS = 1e-4  # the reference code's std epsilon for the outcome normalisation
+
+
+# ---------------------------------------------------------------- rewards
+def outcome_reward_reference(f1: float, format_valid: bool, threshold: float = 0.2) -> float:
+    """The reference code's outcome reward: (2 F1 if F1 >= threshold else 0) + (+1 valid format / -1 invalid).
+
+    >>> outcome_reward_reference(0.5, True), outcome_reward_reference(0.1, True), outcome_reward_reference(1.0, False)
+    (2.0, 1.0, 1.0)
+    """
+    return (2.0 * f1 if f1 >= threshold else 0.0) + (1.0 if format_valid else -1.0)
+
+
+def outcome_reward_paper(f1: float, format_valid: bool, nu: float = 1.0) -> float:
+    """The paper's outcome reward: F1 + nu * I(valid format).
+
+    >>> outcome_reward_paper(0.5, True), outcome_reward_paper(0.5, False)
+    (1.5, 0.5)
+    """
+    return f1 + (nu if format_valid else 0.0)
+
+
+def step_score_reference(prm_logit: float, step_valid: bool) -> float:
+    """The reference code's step score: sigmoid(PRM logit) + (+1 for a valid step / -2 for an invalid one).
+
+    >>> round(step_score_reference(0.0, True), 3), round(step_score_reference(0.0, False), 3)
+    (1.5, -1.5)
+    """
+    return 1.0 / (1.0 + math.exp(-prm_logit)) + (1.0 if step_valid else -2.0)
+
+
+#: name -> outcome reward, for configuration (the reference code's is the default of the RL stage)
+OUTCOME_REWARDS: dict[str, Callable[..., float]] = {"reference": outcome_reward_reference,
+                                                    "paper": outcome_reward_paper}
+
+
+# ---------------------------------------------------------------- advantages
+def group_normalized(rewards: Sequence[float], eps: float = EPS) -> list[float]:
+    """GRPO's outcome advantage: (R_i - mean) / (std + eps) within one group.
+
+    rewards [G] -> [G]. The standard deviation is the sample one (ddof 1), as TRL's GRPO (which the reference
+    code subclasses) takes it with ``torch.std``; a group of one gets advantage 0.
+
+    >>> [round(a, 3) for a in group_normalized([1.0, 0.0])]
+    [0.707, -0.707]
+    """
+    g = len(rewards)
+    if g == 0:
+        return []
+    mean = sum(rewards) / g
+    if g == 1:
+        return [0.0]
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (g - 1))
+    return [(r - mean) / (std + eps) for r in rewards]
+
+
+def step_score_stats(step_scores: Sequence[Sequence[float]], step_weights: Sequence[Sequence[float]]
+                     ) -> tuple[float, float]:
+    """Weighted mean and standard deviation of the step scores of a group.
+
+    step_scores [G][S_i]; step_weights [G][S_i]: each step's weight (its number of generated tokens for the
+    reference's token-weighted statistics, 1 for per-step). Population variance (ddof 0), as a token-level
+    mean/std over a flat tensor. Steps with weight 0 do not count. No weight at all -> (0, 0)."""
+    total = sum(w for ws in step_weights for w in ws)
+    if total <= 0:
+        return 0.0, 0.0
+    pairs = [(s, w) for ss, ws in zip(step_scores, step_weights) for s, w in zip(ss, ws)]
+    mean = sum(s * w for s, w in pairs) / total
+    var = sum(w * (s - mean) ** 2 for s, w in pairs) / total
+    return mean, math.sqrt(var)
+
+
+def process_advantages(step_scores: Sequence[Sequence[float]], step_tokens: Sequence[Sequence[int]],
+                       normalization: str = "token", eps: float = EPS) -> list[list[float]]:
+    """Each step's normalised score (s - mu) / (sigma + eps) within the group.
+
+    step_scores [G][S_i]; step_tokens [G][S_i]: generated tokens of each step. normalization: "token" (the
+    reference: statistics over every generated token of the group) or "step" (each step counts once).
+    Returns [G][S_i]."""
+    if normalization == "token":
+        weights = [[float(n) for n in ns] for ns in step_tokens]
+    elif normalization == "step":
+        weights = [[1.0 if n > 0 else 0.0 for n in ns] for ns in step_tokens]
+    else:
+        raise ValueError(f"normalization must be 'token' or 'step', got {normalization!r}")
+    if [len(s) for s in step_scores] != [len(t) for t in step_tokens]:
+        raise ValueError("step_scores and step_tokens must have one entry per step of each rollout")
+    mu, sigma = step_score_stats(step_scores, weights)
+    return [[(s - mu) / (sigma + eps) for s in ss] for ss in step_scores]
+
+
+def dual_granularity_advantages(outcome: Sequence[float], process: Sequence[Sequence[float]],
+                                beta: float) -> list[list[float]]:
+    """A_{i,k} = outcome_i + beta * process_{i,k}: outcome [G] (group-normalised), process [G][S_i]
+    (normalised step scores) -> [G][S_i]. beta = 0 gives every step its rollout's outcome advantage."""
+    if len(outcome) != len(process):
+        raise ValueError("one outcome advantage per rollout")
+    return [[a + beta * p for p in ps] for a, ps in zip(outcome, process)]
+
+
+def token_advantages(step_advantages: Sequence[float], spans: Sequence[StepSpan], length: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Broadcast each step's advantage to the tokens the policy generated in it.
+
+    step_advantages [S]; spans [S] (token positions of each step in a sequence of ``length`` tokens).
+    Returns (advantages [T] float, loss_mask [T] float): the prompt, retrieved documents and glue tokens the
+    environment inserted get advantage 0 and mask 0."""
+    if len(step_advantages) != len(spans):
+        raise ValueError(f"{len(step_advantages)} advantages for {len(spans)} steps")
+    adv = torch.zeros(length)
+    mask = torch.zeros(length)
+    for a, span in zip(step_advantages, spans):
+        if not 0 <= span.start <= span.generated_end <= span.end <= length:
+            raise ValueError(f"step span {span} does not fit a sequence of {length} tokens")
+        adv[span.start:span.generated_end] = a
+        mask[span.start:span.generated_end] = 1.0
+    return adv, mask
+
+
+# ---------------------------------------------------------------- losses
+def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, clip: float = 0.2, kl_coef: float = 0.0,
+                        ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO/GRPO clipped surrogate, averaged over the masked tokens of the batch (token-mean, as DAPO and
+    the reference's TRL loss), plus an optional k3 KL penalty to a reference policy.
+
+    logprobs [B, T] (with grad), old_logprobs [B, T] (the sampling policy's), advantages [B, T], mask [B, T]
+    (1 = a generated token), ref_logprobs [B, T] when kl_coef > 0. Returns (loss scalar, stats: clip_fraction,
+    approx_kl, kl, tokens)."""
+    mask = mask.to(logprobs.dtype)
+    n = mask.sum().clamp(min=1.0)
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip, 1.0 + clip) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    kl_value = torch.zeros((), dtype=logprobs.dtype)
+    if kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs")
+        delta = ref_logprobs - logprobs
+        k3 = torch.exp(delta) - delta - 1.0  # unbiased, non-negative estimator of KL(pi || ref)
+        per_token = per_token + kl_coef * k3
+        kl_value = (k3 * mask).sum() / n
+    loss = (per_token * mask).sum() / n
+    with torch.no_grad():
+        was_clipped = ((ratio - 1.0).abs() > clip).to(mask.dtype)
+        stats = {"clip_fraction": float((was_clipped * mask).sum() / n),
+                 "approx_kl": float(((old_logprobs - logprobs) * mask).sum() / n),
+                 "kl": float(kl_value), "tokens": float(mask.sum())}
+    return loss, stats
+
+
+def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+             ref_rejected_logps: torch.Tensor, beta: float = 0.3) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPO's sigmoid loss (ReasonRAG: beta 0.3): -log sigmoid(beta * ((pc - rc) - (pr - rr))), batch mean.
+
+    Each argument [B]: summed log-probabilities of the chosen / rejected continuation under the policy and the
+    reference. Returns (loss, stats: reward_accuracy, margin)."""
+    logits = beta * ((chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps))
+    loss = -torch.nn.functional.logsigmoid(logits).mean()
+    with torch.no_grad():
+        stats = {"reward_accuracy": float((logits > 0).float().mean()), "margin": float(logits.mean() / beta)}
+    return loss, stats
+
+
+__all__ = ["EPS", "OUTCOME_REWARDS", "clipped_policy_loss", "dpo_loss", "dual_granularity_advantages",
+           "group_normalized", "outcome_reward_paper", "outcome_reward_reference", "process_advantages",
+           "step_score_reference", "step_score_stats", "token_advantages"]

@@ -1,0 +1,115 @@
+"""Rewards, advantages and policy losses of stages 3-4 against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from prorag.algorithms.rl import (OUTCOME_REWARDS, clipped_policy_loss, dpo_loss, dual_granularity_advantages,
+                                  group_normalized, outcome_reward_paper, outcome_reward_reference,
+                                  process_advantages, step_score_reference, step_score_stats, token_advantages)
+from prorag.tokens import StepSpan
+
+
+def test_outcome_rewards_reference_and_paper():
+    assert outcome_reward_reference(0.2, True) == pytest.approx(1.4)   # at the threshold: 2 * 0.2 + 1
+    assert outcome_reward_reference(0.19, True) == 1.0                 # below it: only the format term
+    assert outcome_reward_reference(0.0, False) == -1.0
+    assert outcome_reward_paper(0.3, True, nu=0.5) == pytest.approx(0.8)
+    assert outcome_reward_paper(0.3, False, nu=0.5) == pytest.approx(0.3)
+    assert set(OUTCOME_REWARDS) == {"reference", "paper"}
+
+
+def test_step_score_reference():
+    assert step_score_reference(2.0, True) == pytest.approx(1 / (1 + math.exp(-2)) + 1)  # 1.8808
+    assert step_score_reference(-1.0, False) == pytest.approx(1 / (1 + math.e) - 2)      # -1.7311
+
+
+def test_group_normalized_by_hand():
+    # rewards 3, 1, 2: mean 2, sample std 1 -> (1, -1, 0) / (1 + 1e-4)
+    assert group_normalized([3.0, 1.0, 2.0]) == pytest.approx([1 / 1.0001, -1 / 1.0001, 0.0])
+    assert group_normalized([0.5, 0.5, 0.5]) == [0.0, 0.0, 0.0]  # no signal: no advantage
+    assert group_normalized([2.0]) == [0.0] and group_normalized([]) == []
+
+
+def test_process_advantages_token_weighted_vs_per_step():
+    scores = [[1.0, 3.0], [2.0]]
+    tokens = [[1, 3], [4]]
+    # token-weighted: values 1 (x1), 3 (x3), 2 (x4) over 8 tokens -> mean (1 + 9 + 8) / 8 = 2.25;
+    # var = (1.25^2 * 1 + 0.75^2 * 3 + 0.25^2 * 4) / 8 = (1.5625 + 1.6875 + 0.25) / 8 = 0.4375
+    mu, sigma = step_score_stats(scores, [[1, 3], [4]])
+    assert (mu, sigma) == pytest.approx((2.25, math.sqrt(0.4375)))
+    tok = process_advantages(scores, tokens, "token")
+    s = math.sqrt(0.4375) + 1e-4
+    assert tok[0] == pytest.approx([-1.25 / s, 0.75 / s]) and tok[1] == pytest.approx([-0.25 / s])
+    # per step: values 1, 3, 2 -> mean 2, population std sqrt(2/3)
+    step = process_advantages(scores, tokens, "step")
+    s = math.sqrt(2 / 3) + 1e-4
+    assert step[0] == pytest.approx([-1 / s, 1 / s]) and step[1] == pytest.approx([0.0])
+    # a step with no generated token does not move the statistics
+    assert process_advantages([[1.0, 3.0, 100.0]], [[1, 1, 0]], "step")[0][:2] == pytest.approx([-1 / 1.0001, 1 / 1.0001])
+    with pytest.raises(ValueError, match="'token' or 'step'"):
+        process_advantages(scores, tokens, "sequence")
+
+
+def test_dual_granularity_and_broadcast_to_generated_tokens():
+    adv = dual_granularity_advantages([0.5, -0.5], [[1.0, -1.0], [2.0]], beta=0.3)
+    assert adv[0] == pytest.approx([0.8, 0.2]) and adv[1] == pytest.approx([0.1])
+    assert dual_granularity_advantages([0.5], [[7.0, -9.0]], beta=0.0) == [[0.5, 0.5]]  # outcome-only GRPO
+    # prompt 0-3; step 0 generated 3-6, documents 6-9; step 1 generated 9-11, nothing inserted
+    spans = [StepSpan(3, 6, 9), StepSpan(9, 11, 11)]
+    a, m = token_advantages([0.8, 0.2], spans, 12)
+    assert a.tolist() == pytest.approx([0, 0, 0, 0.8, 0.8, 0.8, 0, 0, 0, 0.2, 0.2, 0])
+    assert m.tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0]
+    with pytest.raises(ValueError, match="does not fit"):
+        token_advantages([0.1], [StepSpan(3, 6, 20)], 12)
+
+
+def test_clipped_policy_loss_by_hand():
+    old = torch.zeros(1, 4)
+    # ratios e^0.5 = 1.6487 (clipped to 1.2 for A > 0), e^-0.5 = 0.6065 (clipped to 0.8 for A < 0 -> min picks 0.8*A?)
+    new = torch.tensor([[0.5, -0.5, 0.1, 0.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0, 2.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the last token is a document token: ignored
+    loss, stats = clipped_policy_loss(new, old, adv, mask, clip=0.2)
+    r = [math.exp(0.5), math.exp(-0.5), math.exp(0.1)]
+    expected = -(min(r[0] * 1, 1.2 * 1) + min(r[1] * -1, 0.8 * -1) + min(r[2] * 2, min(max(r[2], 0.8), 1.2) * 2)) / 3
+    assert float(loss.detach()) == pytest.approx(expected)
+    assert stats["clip_fraction"] == pytest.approx(2 / 3) and stats["tokens"] == 3
+    loss.backward()
+    # clipped tokens get no gradient; the unclipped one gets -A * ratio / n
+    assert new.grad[0, 0] == 0 and new.grad[0, 1] == 0 and new.grad[0, 3] == 0
+    assert float(new.grad[0, 2]) == pytest.approx(-2 * r[2] / 3)
+
+
+def test_kl_penalty_is_zero_at_the_reference_and_positive_away_from_it():
+    lp = torch.tensor([[-1.0, -2.0]])
+    mask = torch.ones(1, 2)
+    zero_adv = torch.zeros(1, 2)
+    loss, stats = clipped_policy_loss(lp, lp, zero_adv, mask, kl_coef=0.1, ref_logprobs=lp)
+    assert float(loss) == 0 and stats["kl"] == 0
+    ref = torch.tensor([[-1.5, -2.0]])  # delta = -0.5 on the first token: k3 = e^-0.5 + 0.5 - 1 = 0.10653
+    loss, stats = clipped_policy_loss(lp, lp, zero_adv, mask, kl_coef=0.1, ref_logprobs=ref)
+    assert stats["kl"] == pytest.approx((math.exp(-0.5) + 0.5 - 1) / 2)
+    assert float(loss) == pytest.approx(0.1 * stats["kl"])
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        clipped_policy_loss(lp, lp, zero_adv, mask, kl_coef=0.1)
+
+
+def test_dpo_loss_by_hand():
+    pc, pr = torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -1.0])
+    rc, rr = torch.tensor([-1.5, -2.0]), torch.tensor([-2.5, -1.5])
+    loss, stats = dpo_loss(pc, pr, rc, rr, beta=0.3)
+    # logits: 0.3 * ((0.5) - (-0.5)) = 0.3; 0.3 * ((0) - (0.5)) = -0.15
+    expected = -(math.log(1 / (1 + math.exp(-0.3))) + math.log(1 / (1 + math.exp(0.15)))) / 2
+    assert float(loss) == pytest.approx(expected)
+    assert stats["reward_accuracy"] == 0.5 and stats["margin"] == pytest.approx((1.0 - 0.5) / 2)
+
+
+def test_the_docstring_examples_hold():
+    import doctest
+
+    import prorag.algorithms.rl as rl
+
+    result = doctest.testmod(rl)
+    assert result.attempted >= 4 and result.failed == 0
