@@ -64,4 +64,16 @@ def token_trace_pb(t: TokenTrajectory) -> common_pb2.TokenTrace:
         step_spans=[common_pb2.StepSpan(start=s.start, generated_end=s.generated_end, end=s.end) for s in t.spans])
 
 
-__all__ = ["document_pb", "scored_document_pb", "document_from_pb", "scored_document_from_pb", "token_trace_pb"]
+def token_trace_from_pb(m: common_pb2.TokenTrace, prompt_length: int) -> TokenTrajectory:
+    """A rollout's trace as a TokenTrajectory (loss weights 1.0 on generated tokens; a trainer that wants the
+    format-aware weights recomputes them from the ids)."""
+    from prorag.tokens import StepSpan
+
+    mask = list(m.generated_mask)
+    return TokenTrajectory(token_ids=list(m.token_ids), generated_mask=mask, weights=[float(x) for x in mask],
+                           logprobs=list(m.logprobs), prompt_length=prompt_length,
+                           spans=[StepSpan(s.start, s.generated_end, s.end) for s in m.step_spans])
+
+
+__all__ = ["document_pb", "scored_document_pb", "document_from_pb", "scored_document_from_pb", "token_trace_pb",
+           "token_trace_from_pb"]

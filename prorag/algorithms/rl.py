@@ -57,6 +57,19 @@ OUTCOME_REWARDS: dict[str, Callable[..., float]] = {"reference": outcome_reward_
                                                     "paper": outcome_reward_paper}
 
 
+# ---------------------------------------------------------------- rejection sampling (RFT)
+def rft_keep(correct: bool, format_valid: bool, step_scores: Sequence[float], threshold: float = 0.0) -> bool:
+    """Whether a sampled trajectory becomes RFT training data: a correct answer in a valid format, and every
+    step scored by the PRM at or above ``threshold`` (ProRAG keeps steps with PRM logit >= 0).
+
+    step_scores [S] (PRM logits; empty when no PRM filters, e.g. the "RFT only" baseline's outcome filter).
+
+    >>> rft_keep(True, True, [0.3, 1.2]), rft_keep(True, True, [0.3, -0.1]), rft_keep(False, True, [2.0])
+    (True, False, False)
+    """
+    return bool(correct and format_valid and all(s >= threshold for s in step_scores))
+
+
 # ---------------------------------------------------------------- advantages
 def group_normalized(rewards: Sequence[float], eps: float = EPS) -> list[float]:
     """GRPO's outcome advantage: (R_i - mean) / (std + eps) within one group.
@@ -186,6 +199,6 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
     return loss, stats
 
 
-__all__ = ["EPS", "OUTCOME_REWARDS", "clipped_policy_loss", "dpo_loss", "dual_granularity_advantages",
+__all__ = ["EPS", "OUTCOME_REWARDS", "rft_keep", "clipped_policy_loss", "dpo_loss", "dual_granularity_advantages",
            "group_normalized", "outcome_reward_paper", "outcome_reward_reference", "process_advantages",
            "step_score_reference", "step_score_stats", "token_advantages"]

@@ -198,8 +198,7 @@ def collate(samples, pad_id: int):
 def run_sft(ctx: JobContext) -> dict:
     import torch
 
-    from prorag.registry import ArtifactRef, registry, weights_sha256
-    from prorag.modeling import load_policy, save_pretrained
+    from prorag.modeling import load_policy
     from prorag.tokens import TokenTrajectory
 
     cfg: SFTConfig = ctx.config
@@ -225,6 +224,19 @@ def run_sft(ctx: JobContext) -> dict:
         with atomic_path(data_path) as tmp:
             torch.save({"samples": [s.to_dict() for s in samples], "stats": stats}, tmp)
     ctx.emit(0, 1, message=f"data: {stats}")
+
+    name = cfg.publish_name or ("sft" if cfg.mode == "agent" else cfg.mode)
+    return fit_and_publish(ctx, cfg, model, tokenizer, samples, stats, base=base, name=name, stage="sft")
+
+
+def fit_and_publish(ctx: JobContext, cfg, model, tokenizer, samples, stats: dict, *, base: Path, name: str,
+                    stage: str) -> dict:
+    """Fine-tune ``model`` on token trajectories (loss on generated tokens, weighted) with the one training loop,
+    then publish it as name@<job id> in cfg.world's model registry. Shared by the SFT and RFT stages; ``cfg``
+    carries the optimisation settings both configs name alike (lr, batch_size, grad_accum, epochs, max_steps,
+    warmup_ratio, weight_decay, grad_clip, seed, checkpoint_every, log_every, world)."""
+    from prorag.modeling import save_pretrained
+    from prorag.registry import ArtifactRef, registry, weights_sha256
 
     # batch_size sequences per optimizer step, as grad_accum length-grouped micro-batches
     micro = cfg.batch_size // cfg.grad_accum
@@ -257,11 +269,10 @@ def run_sft(ctx: JobContext) -> dict:
         for f in (tmp / "m").iterdir():
             f.rename(tmp / f.name)
         (tmp / "m").rmdir()
-    name = cfg.publish_name or ("sft" if cfg.mode == "agent" else cfg.mode)
     models = registry("model", cfg.world)
     ref = ArtifactRef.of(name, ctx.job_id)
     models.publish(ctx.run_dir / "model", ref, base_model=str(base), base_model_sha256=weights_sha256(base),
-                   config={"stage": "sft", "job_id": ctx.job_id, **ctx.config_dict}, metrics={"final_loss": loss_v},
+                   config={"stage": stage, "job_id": ctx.job_id, **ctx.config_dict}, metrics={"final_loss": loss_v},
                    step=total)
     published = models.path(ref)
     ctx.emit(total, total, message=f"published {name}@{ctx.job_id} at {published}")

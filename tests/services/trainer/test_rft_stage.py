@@ -1,0 +1,118 @@
+"""The RFT stage against real retriever, policy and PRM servers on loopback, on the tiny world: trajectories
+sampled through the policy, the correct ones scored step by step by the PRM service in one call per chunk,
+kept only when every step clears the threshold, and the policy fine-tuned on what was kept and published.
+
+The policy server runs the MCTS test's scripted engine (GoldWalkEngine: steps that are right 60% of the time),
+because a policy that answers correctly takes training a unit test cannot spend; everything else is real."""
+
+from __future__ import annotations
+
+import pytest
+
+from prorag.config import from_dict
+from prorag.errors import FailedPrecondition
+from prorag.service import ServeConfig
+from prorag.training.context import local_context
+from tests.helpers import LoopThread, env
+from tests.services.trainer.test_mcts_stage import GoldWalkEngine
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    data = tmp_path_factory.mktemp("rft") / "data"
+    with env("PRORAG_DATA", str(data)):
+        from transformers import AutoTokenizer
+
+        from prorag import paths
+        from prorag.data.loaders import load_split
+        from prorag.modeling import save_pretrained
+        from prorag.prm_model import prm_from_policy
+        from prorag_app.embedded import ensure_indexes, ensure_policy_model
+        from services.policy.server import PolicyConfig, start as start_policy
+        from services.prm.engine import PRMEngine
+        from services.prm.server import PRMServeConfig, start as start_prm
+        from services.retriever.server import RetrieverConfig, start as start_retriever
+
+        ensure_indexes("tiny")
+        base = str(ensure_policy_model("tiny"))
+        prm, tok = prm_from_policy(base, seed=1)
+        save_pretrained(prm, tok, data / "prm")
+        engine = GoldWalkEngine(AutoTokenizer.from_pretrained(base), load_split(paths.world_dir("tiny"), "train"))
+        loop = LoopThread()
+        r = loop.run(start_retriever(ServeConfig(port=0, http_port=-1), RetrieverConfig(world="tiny")))
+        retriever = f"127.0.0.1:{r.grpc_port}"
+        p = loop.run(start_policy(ServeConfig(port=0, http_port=-1),
+                                  PolicyConfig(model=base, world="tiny", retriever=retriever), engine=engine))
+        s = loop.run(start_prm(ServeConfig(port=0), PRMServeConfig(), engine=PRMEngine(data / "prm")))
+        yield {"policy": f"127.0.0.1:{p.grpc_port}", "prm": f"127.0.0.1:{s.grpc_port}", "base": base}
+        for srv in (s, p, r):
+            loop.run(srv.stop())
+        loop.close()
+
+
+def _config(services, **kw):
+    from services.trainer.stage_rft import RFTConfig
+
+    return from_dict(RFTConfig, {
+        "world": "tiny", "max_questions": 6, "base_model": services["base"], "policy": services["policy"],
+        "prm": services["prm"], "samples_per_question": 8, "max_step_tokens": 48, "max_steps": 6,
+        "questions_per_request": 4, "max_train_steps": 2, "batch_size": 4, "seed": 3, "tracking": "local", **kw})
+
+
+def test_rft_keeps_correct_prm_approved_trajectories_and_publishes_a_model(services, tmp_path, one_thread):
+    from prorag.metrics import exact_match
+    from prorag.registry import registry
+    from prorag.rollout import decode
+    from prorag.trajectory import parse_trajectory
+    from prorag.training.checkpoint import load_weights_file
+    from services.trainer.stage_rft import run_rft
+
+    # the fixture's PRORAG_DATA holds the world; the model is published there
+    cfg = _config(services, prm_threshold=-1e9)  # every correct trajectory passes the PRM
+    metrics = run_rft(local_context(tmp_path / "rft-prm", cfg, stage="rft"))
+    assert metrics["data_sampled"] == 6 * 8 and metrics["data_answered"] <= 48
+    assert 0 < metrics["data_correct"] == metrics["data_prm_scored"] == metrics["data_prm_passed"]
+    assert 0 < metrics["data_kept"] <= metrics["data_correct"]
+    assert metrics["prm_version"] and metrics["steps"] == 2
+    assert registry("model", "tiny").resolve(metrics["model"]).is_dir()
+    # what was kept is what the policy wrote, and it answers its question
+    from transformers import AutoTokenizer
+
+    from prorag import paths
+    from prorag.data.loaders import load_split
+
+    tok = AutoTokenizer.from_pretrained(services["base"])
+    golds = {q.question: q.golden_answers for q in load_split(paths.world_dir("tiny"), "train")[:6]}
+    blob = load_weights_file(tmp_path / "rft-prm" / "checkpoints" / "rft_data.pt")
+    assert len(blob["samples"]) == metrics["data_kept"]
+    for d in blob["samples"]:
+        text = decode(tok, d["token_ids"][d["prompt_length"]:])
+        steps = parse_trajectory(text)
+        question = next(q for q in golds if q in decode(tok, d["token_ids"][:d["prompt_length"]]))
+        assert steps[-1].kind == "answer" and exact_match(steps[-1].content, golds[question]) == 1.0
+        # the loss is on generated tokens only, with the format-aware weights (5 on the answer tags)
+        assert all(w == 0 for w, m in zip(d["weights"], d["generated_mask"]) if not m)
+        assert max(d["weights"]) == 5.0
+
+
+def test_a_threshold_no_step_reaches_keeps_nothing_and_says_why(services, tmp_path, one_thread):
+    from services.trainer.stage_rft import run_rft
+
+    with pytest.raises(FailedPrecondition, match="kept no trajectory.*prm_threshold"):
+        run_rft(local_context(tmp_path / "rft-none", _config(services, prm_threshold=1e9), stage="rft"))
+
+
+def test_without_a_prm_the_outcome_alone_filters(services, tmp_path, one_thread):
+    from services.trainer.stage_rft import run_rft
+
+    metrics = run_rft(local_context(tmp_path / "rft-outcome", _config(services, prm="", max_train_steps=1),
+                                    stage="rft"))
+    assert metrics["data_prm_scored"] == 0 and metrics["data_prm_passed"] == metrics["data_correct"] > 0
+    assert metrics["prm_version"] == ""
+
+
+def test_rft_never_trains_on_the_test_split(services):
+    from prorag.config import ConfigError
+
+    with pytest.raises(ConfigError, match="test split"):
+        _config(services, split="test")
