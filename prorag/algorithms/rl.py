@@ -134,6 +134,27 @@ def dual_granularity_advantages(outcome: Sequence[float], process: Sequence[Sequ
     return [[a + beta * p for p in ps] for a, ps in zip(outcome, process)]
 
 
+def group_step_advantages(rewards: Sequence[float], step_scores: Sequence[Sequence[float]] | None,
+                          step_tokens: Sequence[Sequence[int]], beta: float, normalization: str = "token",
+                          eps: float = EPS) -> list[list[float]]:
+    """One group's per-step advantages: group_normalized(rewards) + beta * process_advantages(step_scores).
+
+    rewards [G]; step_scores [G][S_i] (step scores s_k, e.g. step_score_reference of the PRM logits), or None
+    when there are none; step_tokens [G][S_i]: generated tokens of each step. Returns [G][S_i]. With beta = 0
+    or no step scores the process term is dropped entirely (outcome-only GRPO): every step of rollout i gets
+    rollout i's normalised outcome.
+
+    >>> [[round(a, 3) for a in ss] for ss in group_step_advantages([1.0, 0.0], None, [[3, 2], [4]], beta=0.3)]
+    [[0.707, 0.707], [-0.707]]
+    """
+    outcome = group_normalized(rewards, eps)
+    if beta == 0 or step_scores is None:
+        process = [[0.0] * len(ns) for ns in step_tokens]
+    else:
+        process = process_advantages(step_scores, step_tokens, normalization, eps)
+    return dual_granularity_advantages(outcome, process, beta)
+
+
 def token_advantages(step_advantages: Sequence[float], spans: Sequence[StepSpan], length: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Broadcast each step's advantage to the tokens the policy generated in it.
@@ -200,5 +221,5 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
 
 
 __all__ = ["EPS", "OUTCOME_REWARDS", "rft_keep", "clipped_policy_loss", "dpo_loss", "dual_granularity_advantages",
-           "group_normalized", "outcome_reward_paper", "outcome_reward_reference", "process_advantages",
+           "group_normalized", "group_step_advantages", "outcome_reward_paper", "outcome_reward_reference", "process_advantages",
            "step_score_reference", "step_score_stats", "token_advantages"]

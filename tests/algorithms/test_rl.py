@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prorag.algorithms.rl import (OUTCOME_REWARDS, clipped_policy_loss, dpo_loss, dual_granularity_advantages,
-                                  group_normalized, outcome_reward_paper, outcome_reward_reference,
+                                  group_normalized, group_step_advantages, outcome_reward_paper, outcome_reward_reference,
                                   process_advantages, step_score_reference, step_score_stats, token_advantages)
 from prorag.tokens import StepSpan
 
@@ -104,6 +104,22 @@ def test_dpo_loss_by_hand():
     expected = -(math.log(1 / (1 + math.exp(-0.3))) + math.log(1 / (1 + math.exp(0.15)))) / 2
     assert float(loss) == pytest.approx(expected)
     assert stats["reward_accuracy"] == 0.5 and stats["margin"] == pytest.approx((1.0 - 0.5) / 2)
+
+
+def test_group_step_advantages_is_outcome_plus_beta_process_and_beta_zero_is_outcome_only():
+    rewards, scores, tokens = [3.0, 1.0, 0.0], [[1.5, -1.5], [0.5], [1.0, 1.0, 0.2]], [[4, 2], [3], [1, 1, 5]]
+    full = group_step_advantages(rewards, scores, tokens, beta=0.3, normalization="step")
+    outcome = group_normalized(rewards)
+    process = process_advantages(scores, tokens, "step")
+    for a, o, ps in zip(full, outcome, process):
+        assert a == pytest.approx([o + 0.3 * p for p in ps])
+    # beta 0 with step scores and no step scores at all give the same advantages: the outcome, on every step
+    zero = group_step_advantages(rewards, scores, tokens, beta=0.0)
+    assert zero == group_step_advantages(rewards, None, tokens, beta=0.3)
+    assert zero == [[o] * len(ns) for o, ns in zip(outcome, tokens)]
+    # a group that all scored alike carries only the process term
+    same = group_step_advantages([1.0, 1.0], [[2.0], [0.0]], [[1], [1]], beta=0.5, normalization="token")
+    assert same[0][0] == pytest.approx(0.5 * 1.0 / (1.0 + 1e-4)) and same[1][0] == pytest.approx(-same[0][0])
 
 
 def test_the_docstring_examples_hold():

@@ -1,0 +1,530 @@
+"""Stage 4: process-supervised RL (ProRAG's dual-granularity GRPO) on LoRA adapters.
+
+Each iteration is one step of the house training loop (prorag.training.loop.run_loop), so checkpoints, resume
+and progress events are the loop's:
+
+1. the current LoRA adapter (version ``<job id>-<iteration>``) is saved, published into the world's adapter
+   registry (the policy's adapter root) and pushed to every policy replica, which load and activate it;
+2. a batch of train questions is rolled out G times each through the policy service (live retrieval); every
+   trajectory names the adapter version that produced it, and one older than ``max_policy_lag`` iterations
+   (or from another adapter) is dropped;
+3. outcome reward per trajectory (OUTCOME_REWARDS on token F1 and format), step scores from the PRM service in
+   one batched call for the whole iteration, and per step A = group_normalized(R) + beta * process advantage
+   (algorithms.rl.group_step_advantages), broadcast to the step's generated tokens only;
+4. the loss is the clipped surrogate (algorithms.rl.clipped_policy_loss) with the sampling log-probs the policy
+   service returned as the old policy, recomputed log-probs from the local LoRA model, and an optional k3 KL to
+   the base (the same model with the adapter disabled).
+
+beta = 0 or prm = '' is outcome-only GRPO (the Search-R1-style baseline) through the same code. One update per
+rollout batch (GRPO's mu = 1, as ProRAG's TRL setup): the ratio departs from 1 only by the lag between the
+sampling and the training weights, which is what the clip bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prorag import paths
+from prorag.algorithms.rl import OUTCOME_REWARDS
+from prorag.config import cfg_field
+from prorag.errors import AlreadyExists, FailedPrecondition
+from prorag.training.context import JobContext
+from services.trainer.stages import register_stage, resolve_model
+
+ALL_PROJECTIONS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+@dataclass
+class RLConfig:
+    """GRPO with outcome and PRM step rewards on LoRA adapters, sampled through the policy service."""
+
+    world: str = cfg_field("default", help="embedded world whose questions are sampled; adapters are published "
+                                           "into its adapter registry (the policy's default adapter root)")
+    split: str = cfg_field("train", help="split whose questions are sampled (never the test split)")
+    max_questions: int = cfg_field(0, help="questions used, the split's first ones (0 = all)", min=0)
+    base_model: str = cfg_field("", help="required: the model the adapters train on (a directory or name@version "
+                                         "in the world's registry); the policy service must serve this model")
+    policy: str = cfg_field("127.0.0.1:50052", help="policy service (every replica of the target gets each "
+                                                    "adapter version)")
+    retriever_index: str = cfg_field("", help="retriever index the policy's rollouts search ('' = its default)")
+    topk: int = cfg_field(1, help="documents per subquery, as the policy was trained (ProRAG: 3)", min=1, max=20)
+    prm: str = cfg_field("127.0.0.1:50053", help="PRM service that scores the steps ('' = outcome-only GRPO)")
+    iterations: int = cfg_field(0, help="RL iterations (one rollout batch and one update each); 0 = one pass "
+                                        "over the questions (ProRAG: 1 epoch)", min=0)
+    questions_per_iteration: int = cfg_field(16, help="questions rolled out per iteration", min=1, max=4096)
+    group_size: int = cfg_field(8, help="trajectories per question, the GRPO group (ProRAG: 8)", min=2, max=64)
+    temperature: float = cfg_field(1.0, help="sampling temperature; the recomputed log-probs use it too "
+                                             "(ProRAG: 1.0)", min=0.01, max=5.0)
+    max_step_tokens: int = cfg_field(128, help="most tokens of one generated step", min=8, max=4096)
+    max_steps: int = cfg_field(11, help="steps of a trajectory at most (ProRAG: 11 for RL)", min=1, max=64)
+    questions_per_request: int = cfg_field(32, help="questions in one Rollout request", min=1, max=4096)
+    reward: str = cfg_field("reference", help="outcome reward (prorag.algorithms.rl.OUTCOME_REWARDS): reference = "
+                                              "(2 F1 if F1 >= 0.2) +/- 1 format; paper = F1 + 1 valid format",
+                            choices=tuple(OUTCOME_REWARDS))
+    beta: float = cfg_field(0.3, help="weight of the process advantage (ProRAG: 0.3; 0 = outcome only)",
+                            min=0.0, max=10.0)
+    normalization: str = cfg_field("token", help="process-advantage statistics over every generated token of a "
+                                                 "group (token, the reference) or over its steps (step)",
+                                   choices=("token", "step"))
+    clip: float = cfg_field(0.2, help="PPO ratio clip (ProRAG: 0.2)", min=0.0, max=10.0)
+    kl_coef: float = cfg_field(0.0, help="k3 KL penalty to the base model, the adapter disabled (ProRAG: 0)",
+                               min=0.0, max=10.0)
+    recompute_old_logprobs: bool = cfg_field(False, help="take the old policy's log-probs from the local model "
+                                                         "before the update instead of the policy service's "
+                                                         "sampling log-probs (when the engine's numerics differ)")
+    max_policy_lag: int = cfg_field(0, help="oldest adapter a kept trajectory may come from, in iterations behind "
+                                            "the one being trained (0 = strictly on-policy)", min=0, max=100)
+    rollout_adapter: str = cfg_field("active", help="active = each replica samples with its active adapter (a "
+                                                    "replica the push missed serves an older one, which "
+                                                    "max_policy_lag bounds); pinned = requests name the current "
+                                                    "version (a replica without it fails the rollout)",
+                                     choices=("active", "pinned"))
+    adapter_name: str = cfg_field("rl", help="adapters are published as adapter_name@<job id>-<iteration>")
+    lora_r: int = cfg_field(16, help="LoRA rank (ProRAG: 16)", min=1, max=1024)
+    lora_alpha: int = cfg_field(32, help="LoRA alpha (ProRAG: 32)", min=1, max=4096)
+    lora_dropout: float = cfg_field(0.0, help="LoRA dropout (0 keeps the recomputed log-probs of an unchanged "
+                                              "model equal to the sampling ones)", min=0.0, max=0.9)
+    lora_targets: str = cfg_field(ALL_PROJECTIONS, help="comma-separated module names LoRA adapts (default: every "
+                                                        "attention and MLP projection)")
+    lr: float = cfg_field(1e-5, help="learning rate (constant; ProRAG: 1e-5)", min=0.0, max=1.0)
+    weight_decay: float = cfg_field(0.0, help="AdamW weight decay", min=0.0, max=1.0)
+    grad_clip: float = cfg_field(1.0, help="max gradient norm (0 = off)", min=0.0)
+    grad_accum: int = cfg_field(1, help="micro-batches an iteration's trajectories are split into", min=1,
+                                max=4096)
+    max_len: int = cfg_field(4096, help="longest trajectory in tokens; longer ones are dropped", min=16)
+    seed: int = cfg_field(0, help="question order, sampling seeds and LoRA init", min=0, max=2 ** 31 - 1)
+    checkpoint_every: int = cfg_field(10, help="iterations between checkpoints", min=1)
+    log_every: int = cfg_field(1, help="iterations between the loop's progress events", min=1)
+    push_timeout_s: float = cfg_field(120.0, help="deadline of loading an adapter on one replica", min=1.0)
+    threads: int = cfg_field(0, help="torch threads (0 = leave as is)", min=0, max=256)
+    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
+
+    def validate(self) -> None:
+        from prorag.config import ConfigError
+
+        if not self.base_model:
+            raise ConfigError("base_model", "required: the model the adapters train on")
+        if self.split == "test":
+            raise ConfigError("split", "RL never trains on the test split's questions")
+        if not [t for t in self.lora_targets.split(",") if t.strip()]:
+            raise ConfigError("lora_targets", "name at least one module")
+
+
+# ---------------------------------------------------------------- adapter versions
+def adapter_version(job_id: str, iteration: int) -> str:
+    return f"{job_id}-{iteration}"
+
+
+def policy_lag(version_key: str, name: str, job_id: str, iteration: int) -> int | None:
+    """How many iterations behind ``iteration`` the adapter ``version_key`` (name@version, as a trajectory
+    reports it) is; None when it is not one of this job's versions (the base model, another adapter)."""
+    n, _, version = version_key.partition("@")
+    # a resumed attempt that had to republish a version adds ".r<k>" (versions are immutable)
+    m = re.fullmatch(re.escape(job_id) + r"-(\d+)(?:\.r\d+)?", version) if n == name else None
+    return iteration - int(m.group(1)) if m else None
+
+
+def build_lora(model, cfg: RLConfig):
+    from peft import LoraConfig, get_peft_model
+
+    targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    return get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                            target_modules=targets, task_type="CAUSAL_LM"))
+
+
+def publish_adapter(model, world: str, name: str, version: str, *, base: Path, base_sha: str, scratch: Path,
+                    config: dict, step: int) -> str:
+    """Save the LoRA weights and publish them as name@version (or name@version.r<k> when a killed attempt left
+    a different version under that name); returns the version published."""
+    from prorag.registry import ArtifactRef, registry
+
+    adapters = registry("adapter", world)
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
+        model.save_pretrained(tmp)
+        candidate, k = version, 0
+        while True:
+            try:
+                adapters.publish(tmp, ArtifactRef(name, candidate), base_model=str(base), base_model_sha256=base_sha,
+                                 config=config, step=step)
+                return candidate
+            except AlreadyExists:
+                k += 1
+                candidate = f"{version}.r{k}"
+
+
+# ---------------------------------------------------------------- rollouts -> a batch
+@dataclass
+class RLSample:
+    """One kept trajectory, ready for the loss; the per-token lists are aligned, each [T]."""
+
+    token_ids: list[int]
+    generated_mask: list[int]
+    advantages: list[float]
+    loss_mask: list[float]
+    old_logprobs: list[float]
+    question_id: str = ""
+    reward: float = 0.0
+    lag: int = 0
+
+
+@dataclass
+class IterationData:
+    samples: list[RLSample] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+
+def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: str, policy, prm) -> IterationData:
+    """Roll out ``questions`` G times each, drop stale trajectories, score and compute advantages.
+
+    version_key: the adapter version being trained (pinned requests name it). One PRM call for the whole
+    iteration, every step of every kept trajectory in it."""
+    from prorag.algorithms.rl import group_step_advantages, step_score_reference, token_advantages
+    from prorag.metrics import f1_score
+    from prorag.pbconv import step_from_pb, token_trace_from_pb
+
+    reward_fn = OUTCOME_REWARDS[cfg.reward]
+    by_id = {q.id: q for q in questions}
+    stats = {"questions": len(questions), "sampled": 0, "kept": 0, "dropped_stale": 0, "dropped_foreign": 0,
+             "dropped_too_long": 0, "prm_scored": 0}
+    kept, lags = [], []
+    t0 = time.monotonic()
+    for start in range(0, len(questions), cfg.questions_per_request):
+        chunk = questions[start:start + cfg.questions_per_request]
+        sampling = policy.sampling(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_step_tokens,
+                                   seed=(cfg.seed * 7919 + iteration * 100_003 + start + 1) % (2 ** 31 - 1) or 1)
+        for t in policy.rollout([(q.id, q.question) for q in chunk], sampling, max_steps=cfg.max_steps,
+                                topk=cfg.topk, retriever_index=cfg.retriever_index,
+                                adapter=version_key if cfg.rollout_adapter == "pinned" else ""):
+            if not hasattr(t, "question_id"):
+                continue  # the summary
+            stats["sampled"] += 1
+            lag = policy_lag(t.adapter_version, cfg.adapter_name, job_id, iteration)
+            if lag is None or lag < 0:
+                stats["dropped_foreign"] += 1
+                continue
+            if lag > cfg.max_policy_lag:
+                stats["dropped_stale"] += 1
+                continue
+            if len(t.trace.token_ids) > cfg.max_len:
+                stats["dropped_too_long"] += 1
+                continue
+            kept.append(t)
+            lags.append(lag)
+    stats["rollout_s"] = time.monotonic() - t0
+
+    steps = [[step_from_pb(s) for s in t.steps] for t in kept]
+    use_prm = bool(cfg.prm) and cfg.beta > 0 and prm is not None
+    logits: list[list[float]] = [[] for _ in kept]
+    t1 = time.monotonic()
+    if use_prm and kept:
+        stats["prm_version"], logits = prm.score([(t.question, ss, False) for t, ss in zip(kept, steps)])
+        stats["prm_scored"] = len(kept)
+    stats["prm_s"] = time.monotonic() - t1
+
+    f1s, valid, rewards = [], [], []
+    for t in kept:
+        f1 = f1_score(t.answer, by_id[t.question_id].golden_answers) if t.finish_reason == "answer" else 0.0
+        f1s.append(f1)
+        valid.append(bool(t.format_valid))
+        rewards.append(reward_fn(f1, bool(t.format_valid)))
+
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(kept):
+        groups.setdefault(t.question_id, []).append(i)
+    traces = [token_trace_from_pb(t.trace, t.prompt_length) for t in kept]
+    advantages: list[list[float]] = [[] for _ in kept]
+    for members in groups.values():
+        tokens = [[s.generated_end - s.start for s in traces[i].spans] for i in members]
+        scores = None
+        if use_prm:
+            scores = []
+            for i in members:
+                if len(logits[i]) != len(steps[i]) or len(steps[i]) != len(traces[i].spans):
+                    raise FailedPrecondition(f"trajectory {kept[i].question_id}#{kept[i].sample_index}: "
+                                             f"{len(steps[i])} steps, {len(traces[i].spans)} token spans and "
+                                             f"{len(logits[i])} PRM scores do not line up")
+                scores.append([step_score_reference(x, s.kind != "invalid") for x, s in zip(logits[i], steps[i])])
+        for i, a in zip(members, group_step_advantages([rewards[i] for i in members], scores, tokens, cfg.beta,
+                                                       cfg.normalization)):
+            advantages[i] = a
+
+    samples = []
+    for i, (t, tr) in enumerate(zip(kept, traces)):
+        adv, mask = token_advantages(advantages[i], tr.spans, len(tr.token_ids))
+        samples.append(RLSample(tr.token_ids, tr.generated_mask, adv.tolist(), mask.tolist(), list(tr.logprobs),
+                                t.question_id, rewards[i], lags[i]))
+    stats["kept"] = len(samples)
+    stats["groups"] = len(groups)
+    # groups whose rollouts all scored alike teach nothing through the outcome term
+    stats["groups_flat"] = sum(1 for m in groups.values() if len({rewards[i] for i in m}) <= 1)
+    stats["reward_mean"] = _mean(rewards)
+    stats["f1_mean"] = _mean(f1s)
+    stats["format_valid_rate"] = _mean([float(v) for v in valid])
+    stats["answered_rate"] = _mean([float(t.finish_reason == "answer") for t in kept])
+    stats["lag_mean"] = _mean([float(x) for x in lags])
+    stats["lag_max"] = float(max(lags, default=0))
+    token_adv = [a for s in samples for a, m in zip(s.advantages, s.loss_mask) if m]
+    stats["adv_mean"] = _mean(token_adv)
+    stats["adv_std"] = statistics.pstdev(token_adv) if token_adv else 0.0
+    stats["adv_abs_max"] = max((abs(a) for a in token_adv), default=0.0)
+    stats["trained_tokens"] = len(token_adv)
+    return IterationData(samples, stats)
+
+
+def _mean(xs) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+# ---------------------------------------------------------------- the loss
+def collate_rl(samples: list[RLSample], pad_id: int):
+    """[B] samples -> ids [B,T] (long), attention [B,T] (long), advantages, loss mask, old log-probs [B,T]."""
+    import torch
+
+    T = max(len(s.token_ids) for s in samples)
+    B = len(samples)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    adv, mask, old = (torch.zeros((B, T)) for _ in range(3))
+    for i, s in enumerate(samples):
+        n = len(s.token_ids)
+        ids[i, :n] = torch.tensor(s.token_ids)
+        attn[i, :n] = 1
+        adv[i, :n] = torch.tensor(s.advantages)
+        mask[i, :n] = torch.tensor(s.loss_mask)
+        old[i, :n] = torch.tensor(s.old_logprobs)
+    return ids, attn, adv, mask, old
+
+
+def token_logprobs(model, ids, attn, mask, temperature: float = 1.0):
+    """log pi(ids[t] | ids[<t]) at the positions where mask [B,T] is set, 0 elsewhere -> [B,T].
+
+    The LM head runs on the masked positions only (the generated tokens, a fraction of a trajectory), as the SFT
+    loss does; logits are divided by the sampling temperature, so the ratio compares like with like."""
+    import torch
+
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = hf.base_model(input_ids=ids, attention_mask=attn).last_hidden_state  # [B,T,H]
+    sel = mask[:, 1:] > 0  # position t-1 predicts token t; position 0 is the prompt
+    logits = hf.get_output_embeddings()(hidden[:, :-1][sel]).float() / temperature  # [N,V]
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1)
+    out = torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device)
+    out[:, 1:][sel] = lp
+    return out
+
+
+def rl_loss(model, batch, cfg: RLConfig):
+    """The clipped surrogate (plus k3 KL to the base when kl_coef > 0) of one collated batch; (loss, stats)."""
+    import torch
+
+    from prorag.algorithms.rl import clipped_policy_loss
+
+    ids, attn, adv, mask, old = batch
+    lp = token_logprobs(model, ids, attn, mask, cfg.temperature)
+    ref = None
+    if cfg.kl_coef > 0:
+        with torch.no_grad(), model.disable_adapter():
+            ref = token_logprobs(model, ids, attn, mask, cfg.temperature)
+    return clipped_policy_loss(lp, old, adv, mask, clip=cfg.clip, kl_coef=cfg.kl_coef, ref_logprobs=ref)
+
+
+# ---------------------------------------------------------------- the stage
+def run_rl(ctx: JobContext) -> dict:
+    import torch
+
+    from prorag.clients import PolicyClient, PRMClient, push_adapter
+    from prorag.data.loaders import load_split
+    from prorag.modeling import load_policy
+    from prorag.registry import ArtifactRef, registry, weights_sha256
+    from prorag.training.loop import LoopConfig, run_loop
+
+    cfg: RLConfig = ctx.config
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    base = Path(resolve_model(cfg.world, cfg.base_model, "base_model"))
+    base_sha = weights_sha256(base)
+    qs = load_split(paths.world_dir(cfg.world), cfg.split)
+    if cfg.max_questions:
+        qs = qs[:cfg.max_questions]
+    if not qs:
+        raise FailedPrecondition(f"world {cfg.world!r} has no {cfg.split} questions")
+    per_epoch = math.ceil(len(qs) / cfg.questions_per_iteration)
+    total = cfg.iterations or per_epoch
+    ctx.seed_everything(cfg.seed)
+    model, tokenizer = load_policy(base, device="cpu", dtype="float32")
+    model = build_lora(model, cfg)
+    k = cfg.grad_accum
+    journal = ctx.checkpoint_dir / "rl-iterations.jsonl"
+    policy = PolicyClient(cfg.policy, timeout=3600)
+    prm = PRMClient(cfg.prm, timeout=600) if cfg.prm and cfg.beta > 0 else None
+    state: dict = {"iteration": -1, "micro": [], "stats": {}, "update": {}, "published": {}}
+
+    def questions_at(iteration: int):
+        # the order is a function of (seed, epoch) only, so a resumed job rolls out the same questions
+        epoch, j = divmod(iteration, per_epoch)
+        order = torch.randperm(len(qs), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
+        return [qs[int(x)] for x in order[j * cfg.questions_per_iteration:(j + 1) * cfg.questions_per_iteration]]
+
+    def publish_and_push(iteration: int) -> tuple[str, dict]:
+        """Publish the adapter as it is now (``iteration`` updates done) and make every replica serve it."""
+        t0 = time.monotonic()
+        version = publish_adapter(model, cfg.world, cfg.adapter_name, adapter_version(ctx.job_id, iteration),
+                                  base=base, base_sha=base_sha, scratch=ctx.checkpoint_dir / "adapter-scratch",
+                                  config={"stage": "rl", "job_id": ctx.job_id, "iteration": iteration,
+                                          **ctx.config_dict}, step=iteration)
+        acks = push_adapter(cfg.policy, cfg.adapter_name, version, timeout=cfg.push_timeout_s)
+        ok = [a for a in acks if a.ok]
+        if not ok:
+            raise FailedPrecondition(f"no policy replica at {cfg.policy} took adapter {cfg.adapter_name}@{version}: "
+                                     + "; ".join(f"{a.replica}: {a.error}" for a in acks))
+        unloaded = _unload_old(cfg, ctx.job_id, iteration, [a.replica for a in ok])
+        state["published"][iteration] = version
+        ctx.emit(iteration, total, message=f"pushed {cfg.adapter_name}@{version} to {len(ok)}/{len(acks)} "
+                                           f"replica(s)" + "".join(f"; {a.replica} failed: {a.error}"
+                                                                    for a in acks if not a.ok))
+        return version, {"push_s": time.monotonic() - t0, "push_acks": float(len(acks)),
+                         "push_acked": float(len(ok)), "unloaded_versions": float(unloaded),
+                         "acks": [{"replica": a.replica, "ok": a.ok, "error": a.error,
+                                   "latency_s": round(a.latency_s, 4)} for a in acks]}
+
+    def build_iteration(iteration: int) -> None:
+        version, push = publish_and_push(iteration)
+        data = collect(cfg, questions_at(iteration), iteration, ctx.job_id, f"{cfg.adapter_name}@{version}",
+                       policy, prm)
+        samples = data.samples
+        if cfg.recompute_old_logprobs and samples:
+            model.eval()
+            with torch.no_grad():
+                for s in samples:
+                    b = collate_rl([s], tokenizer.pad_token_id)
+                    s.old_logprobs = token_logprobs(model, b[0], b[1], b[3], cfg.temperature)[0].tolist()
+            model.train()
+        # k micro-batches, each scaled so the step's gradient is that of the token mean over the whole iteration
+        n_total = sum(sum(s.loss_mask) for s in samples)
+        micro = []
+        for j in range(k):
+            part = samples[j::k]
+            n = sum(sum(s.loss_mask) for s in part)
+            micro.append((collate_rl(part, tokenizer.pad_token_id), k * n / n_total) if part and n else None)
+        state.update(iteration=iteration, micro=micro, version=version, push=push, stats=data.stats,
+                     update={"clip_fraction": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0},
+                     t_update=time.monotonic())
+
+    def batch_at(i: int):
+        iteration, j = divmod(i, k)
+        if state["iteration"] != iteration:
+            build_iteration(iteration)
+        return state["micro"][j]
+
+    def loss_fn(m, batch):
+        if batch is None:
+            # nothing kept for this micro-batch: a loss with no path to the weights leaves their gradients None,
+            # so AdamW skips them rather than stepping on stale momentum
+            return torch.zeros((), requires_grad=True), 0
+        collated, scale = batch
+        loss, st = rl_loss(m, collated, cfg)
+        u = state["update"]
+        for key in ("clip_fraction", "approx_kl", "kl"):
+            u[key] += st[key] * st["tokens"]
+        u["tokens"] += st["tokens"]
+        return loss * scale, int(collated[1].sum())
+
+    def after_backward(m) -> None:
+        # once per iteration, after every micro-batch's backward pass: record what the iteration did
+        u = state["update"]
+        n = max(u["tokens"], 1.0)
+        it = state["iteration"]
+        stats = {k_: v for k_, v in state["stats"].items() if isinstance(v, (int, float))}
+        push = {k_: v for k_, v in state["push"].items() if k_ != "acks"}
+        row = {**stats, **push, "clip_fraction": u["clip_fraction"] / n, "approx_kl": u["approx_kl"] / n,
+               "kl": u["kl"] / n, "update_s": time.monotonic() - state["t_update"]}
+        ctx.log_metrics(it + 1, row)
+        with open(journal, "a") as f:
+            f.write(json.dumps({"iteration": it, "adapter": f"{cfg.adapter_name}@{state['version']}",
+                                "acks": state["push"]["acks"], "prm_version": state["stats"].get("prm_version", ""),
+                                **row}) + "\n")
+        ctx.emit(it + 1, total, message=f"iteration {it + 1}/{total}: kept {stats['kept']}/{stats['sampled']}, "
+                                        f"reward {stats['reward_mean']:.3f}, F1 {stats['f1_mean']:.3f}, "
+                                        f"stale {stats['dropped_stale']}")
+
+    loop = LoopConfig(steps=total, optimizer="adamw", lr=cfg.lr, beta1=0.9, beta2=0.999,
+                      weight_decay=cfg.weight_decay, schedule="constant", grad_clip=cfg.grad_clip, grad_accum=k,
+                      checkpoint_every=cfg.checkpoint_every, log_every=cfg.log_every)
+    try:
+        # the loop restores the weights of a resumed job before its first batch, so the journal is trimmed to the
+        # iterations those weights have seen here and re-read after the loop
+        result = run_loop(ctx, model, _Trimmed(batch_at, journal, k), loss_fn, loop, grad_hook=after_backward)
+        if not result.completed:
+            return {}
+        version, push = publish_and_push(total)
+    finally:
+        policy.close()
+        if prm is not None:
+            prm.close()
+    rows = [json.loads(line) for line in journal.read_text().splitlines()] if journal.exists() else []
+    with ctx.artifact_file("iterations", "iterations.jsonl") as tmp:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ref = ArtifactRef(cfg.adapter_name, version)
+    out = {"adapter": ref.key, "iterations": total, "final_loss": result.loss,
+           "push_acked": push["push_acked"], "push_acks": push["push_acks"],
+           "adapter_path": str(registry("adapter", cfg.world).path(ref))}
+    for key in ("sampled", "kept", "dropped_stale", "dropped_foreign", "dropped_too_long", "trained_tokens"):
+        out[f"total_{key}"] = float(sum(r.get(key, 0) for r in rows))
+    if rows:
+        for key in ("reward_mean", "f1_mean", "format_valid_rate", "clip_fraction", "approx_kl", "lag_mean"):
+            out[f"last_{key}"] = float(rows[-1].get(key, 0.0))
+        out["lag_max"] = max(float(r.get("lag_max", 0.0)) for r in rows)
+    return out
+
+
+class _Trimmed:
+    """batch_at that, on its first call, drops journal rows of iterations the (resumed) weights have not seen."""
+
+    def __init__(self, batch_at, journal: Path, k: int):
+        self.batch_at, self.journal, self.k, self.first = batch_at, journal, k, True
+
+    def __call__(self, i: int):
+        if self.first:
+            self.first = False
+            if self.journal.exists():
+                keep = [line for line in self.journal.read_text().splitlines()
+                        if json.loads(line)["iteration"] < i // self.k]
+                self.journal.write_text("".join(line + "\n" for line in keep))
+        return self.batch_at(i)
+
+
+def _unload_old(cfg: RLConfig, job_id: str, iteration: int, replicas: list[str]) -> int:
+    """Unload this job's versions past the lag bound from the replicas, so a long run does not keep every
+    version in memory; best effort: a version still serving a request stays until the next push."""
+    import grpc
+
+    from prorag.clients import PolicyClient
+
+    done = 0
+    for r in replicas:
+        with PolicyClient(r, timeout=cfg.push_timeout_s) as c:
+            try:
+                listed = c.list_adapters()
+                for a in listed.adapters:
+                    key = f"{a.ref.name}@{a.ref.version}"
+                    lag = policy_lag(key, cfg.adapter_name, job_id, iteration)
+                    if key != listed.active and lag is not None and lag > cfg.max_policy_lag:
+                        c.unload_adapter(a.ref.name, a.ref.version)
+                        done += 1
+            except grpc.RpcError:
+                continue
+    return done
+
+
+register_stage("rl", RLConfig, run_rl,
+               description="process-supervised GRPO on LoRA adapters: rollouts through the policy, step scores from "
+                           "the PRM, a new adapter version published and pushed to every replica each iteration "
+                           "(beta=0 or prm='' = outcome-only GRPO)",
+               checks={"base_model": "model", "adapter_name": "name"})

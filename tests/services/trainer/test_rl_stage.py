@@ -1,0 +1,262 @@
+"""The RL stage against real retriever, policy and PRM servers on loopback, on the tiny world: each iteration
+publishes the adapter as a new version and pushes it to the policy, which samples with it; stale trajectories
+are dropped; advantages reach only generated tokens; beta = 0 is outcome-only GRPO; and the update itself, on
+the tiny model, raises the log-probability of tokens with a positive advantage.
+
+The policy server runs the MCTS test's scripted engine (GoldWalkEngine: steps right 60% of the time, log-probs
+-0.5), because a policy that writes valid steps takes training a unit test cannot spend; it records which
+adapter each generation ran under (its LoRA weights are not applied: the engine has none). Everything else,
+the adapter registry, the policy's adapter manager and the PRM model, is real."""
+
+from __future__ import annotations
+
+import pytest
+
+from prorag.config import from_dict
+from prorag.service import ServeConfig
+from prorag.training.context import local_context
+from tests.helpers import LoopThread, env
+from tests.services.trainer.test_mcts_stage import GoldWalkEngine
+
+
+class RecordingGoldWalk(GoldWalkEngine):
+    """GoldWalkEngine that answers the adapter manager's one-token warm-up and records the adapter of each call."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.calls: list[str | None] = []
+
+    def generate(self, prompts, params, adapter=None, seeds=None):
+        from prorag.engine import GeneratedSeq
+        from prorag.rollout import decode
+
+        if not any(decode(self.tokenizer, p).startswith(h) for p in prompts for h in self.by_prompt):
+            return [[GeneratedSeq([0], [-0.5], "length", 0)] * params.n for _ in prompts]  # the warm-up
+        self.calls.append(adapter)
+        return super().generate(prompts, params, adapter, seeds)
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    data = tmp_path_factory.mktemp("rl") / "data"
+    with env("PRORAG_DATA", str(data)):
+        from transformers import AutoTokenizer
+
+        from prorag import paths
+        from prorag.data.loaders import load_split
+        from prorag.modeling import save_pretrained
+        from prorag.prm_model import prm_from_policy
+        from prorag_app.embedded import ensure_indexes, ensure_policy_model
+        from services.policy.server import PolicyConfig, start as start_policy
+        from services.prm.engine import PRMEngine
+        from services.prm.server import PRMServeConfig, start as start_prm
+        from services.retriever.server import RetrieverConfig, start as start_retriever
+
+        ensure_indexes("tiny")
+        base = str(ensure_policy_model("tiny"))
+        prm, tok = prm_from_policy(base, seed=1)
+        save_pretrained(prm, tok, data / "prm")
+        engine = RecordingGoldWalk(AutoTokenizer.from_pretrained(base), load_split(paths.world_dir("tiny"), "train"))
+        loop = LoopThread()
+        r = loop.run(start_retriever(ServeConfig(port=0, http_port=-1), RetrieverConfig(world="tiny")))
+        retriever = f"127.0.0.1:{r.grpc_port}"
+        p = loop.run(start_policy(ServeConfig(port=0, http_port=-1),
+                                  PolicyConfig(model=base, world="tiny", retriever=retriever), engine=engine))
+        s = loop.run(start_prm(ServeConfig(port=0), PRMServeConfig(), engine=PRMEngine(data / "prm")))
+        yield {"policy": f"127.0.0.1:{p.grpc_port}", "prm": f"127.0.0.1:{s.grpc_port}", "base": base,
+               "engine": engine}
+        for srv in (s, p, r):
+            loop.run(srv.stop())
+        loop.close()
+
+
+def _config(services, **kw):
+    from services.trainer.stage_rl import RLConfig
+
+    return from_dict(RLConfig, {
+        "world": "tiny", "max_questions": 4, "base_model": services["base"], "policy": services["policy"],
+        "prm": services["prm"], "group_size": 4, "questions_per_iteration": 2, "iterations": 2,
+        "max_step_tokens": 48, "max_steps": 6, "lora_r": 4, "lora_alpha": 8, "lr": 1e-3, "seed": 3,
+        "tracking": "local", **kw})
+
+
+def _journal(work):
+    import json
+
+    return [json.loads(line) for line in (work / "run" / "iterations.jsonl").read_text().splitlines()]
+
+
+def test_each_iteration_publishes_pushes_and_samples_with_a_new_adapter_version(services, tmp_path, one_thread):
+    from prorag.clients import PolicyClient
+    from prorag.registry import ArtifactRef, registry, weights_sha256
+    from services.trainer.stage_rl import run_rl
+
+    engine = services["engine"]
+    engine.calls.clear()
+    work = tmp_path / "rl-push"
+    out = run_rl(local_context(work, _config(services, recompute_old_logprobs=True), stage="rl"))
+    job = work.name
+    adapters = registry("adapter", "tiny")
+    versions = [r.version for r in adapters.list() if r.name == "rl" and r.version.startswith(job + "-")]
+    assert sorted(versions) == [f"{job}-0", f"{job}-1", f"{job}-2"]  # the start, after each of 2 updates
+    assert out["adapter"] == f"rl@{job}-2" and out["iterations"] == 2 and out["push_acked"] == 1.0
+    # every update changed the LoRA weights (B starts at zero, so version 0 is the base itself)
+    shas = [weights_sha256(adapters.path(ArtifactRef("rl", v))) for v in sorted(versions)]
+    assert len(set(shas)) == 3
+    # the policy hot-loaded each version and samples with the newest; older ones past the lag bound are unloaded
+    with PolicyClient(services["policy"]) as c:
+        listed = c.list_adapters()
+    assert listed.active == f"rl@{job}-2"
+    assert [f"{a.ref.name}@{a.ref.version}" for a in listed.adapters if a.ref.version.startswith(job)] == \
+        [f"rl@{job}-2"]
+    # iteration i's rollouts ran under version i, and every trajectory was kept (strictly on-policy)
+    rows = _journal(work)
+    assert [r["adapter"] for r in rows] == [f"rl@{job}-0", f"rl@{job}-1"]
+    assert all(r["acks"] and all(a["ok"] for a in r["acks"]) for r in rows)
+    assert {a for a in engine.calls} == {f"rl@{job}-0", f"rl@{job}-1"}
+    for r in rows:
+        assert r["sampled"] == 2 * 4 == r["kept"] and r["dropped_stale"] == 0 and r["lag_max"] == 0
+        assert r["prm_scored"] == r["kept"] and r["prm_version"]
+        for key in ("reward_mean", "f1_mean", "format_valid_rate", "adv_std", "clip_fraction", "approx_kl",
+                    "rollout_s", "update_s", "push_s"):
+            assert key in r
+        assert 0.0 <= r["f1_mean"] <= 1.0 and r["trained_tokens"] > 0
+    # old log-probs recomputed by the same weights: the first iteration's ratio is exactly 1, nothing clipped
+    assert rows[0]["clip_fraction"] == 0.0 and abs(rows[0]["approx_kl"]) < 1e-5
+    assert out["total_kept"] == 16.0
+
+
+def test_a_trajectory_older_than_max_policy_lag_is_dropped(services, tmp_path, one_thread):
+    from prorag.clients import PolicyClient
+    from services.trainer.stage_rl import run_rl
+
+    def replica_falls_behind(work):
+        # after the push of version 1, the replica goes back to version 0, as one the push missed would serve
+        def emit(ev):
+            if ev.get("message", "").startswith(f"pushed rl@{work.name}-1 "):
+                with PolicyClient(services["policy"]) as c:
+                    c.activate_adapter("rl", f"{work.name}-0")
+        return emit
+
+    strict = tmp_path / "rl-lag0"
+    run_rl(local_context(strict, _config(services, rollout_adapter="active"), emit=replica_falls_behind(strict),
+                         stage="rl"))
+    first, second = _journal(strict)
+    assert first["dropped_stale"] == 0 and first["kept"] == 8
+    assert second["sampled"] == second["dropped_stale"] == 8 and second["kept"] == 0  # one version behind: dropped
+    assert second["trained_tokens"] == 0
+    loose = tmp_path / "rl-lag1"
+    out = run_rl(local_context(loose, _config(services, rollout_adapter="active", max_policy_lag=1),
+                               emit=replica_falls_behind(loose), stage="rl"))
+    _, second = _journal(loose)
+    assert second["kept"] == 8 and second["dropped_stale"] == 0 and second["lag_mean"] == 1.0
+    assert out["lag_max"] == 1.0
+
+
+def _push_zero_adapter(services, tmp_path, job):
+    """Publish and activate a fresh (zero) LoRA as rl@<job>-0, the adapter collect() is told it trains."""
+    from prorag.clients import push_adapter
+    from prorag.modeling import load_policy
+    from prorag.registry import weights_sha256
+    from services.trainer.stage_rl import build_lora, publish_adapter
+
+    cfg = _config(services)
+    model, _ = load_policy(services["base"])
+    version = publish_adapter(build_lora(model, cfg), "tiny", "rl", f"{job}-0", base=services["base"],
+                              base_sha=weights_sha256(services["base"]), scratch=tmp_path, config={}, step=0)
+    assert all(a.ok for a in push_adapter(services["policy"], "rl", version))
+    return f"rl@{version}"
+
+
+def test_advantages_reach_only_generated_tokens_and_beta_zero_is_outcome_only(services, tmp_path, one_thread):
+    from prorag import paths
+    from prorag.clients import PolicyClient, PRMClient
+    from prorag.data.loaders import load_split
+    from services.trainer.stage_rl import collect
+
+    key = _push_zero_adapter(services, tmp_path, "collect")
+    qs = load_split(paths.world_dir("tiny"), "train")[:3]
+    with PolicyClient(services["policy"]) as policy, PRMClient(services["prm"]) as prm:
+        full = collect(_config(services), qs, 0, "collect", key, policy, prm)
+        beta0 = collect(_config(services, beta=0.0), qs, 0, "collect", key, policy, prm)
+        no_prm = collect(_config(services, prm=""), qs, 0, "collect", key, policy, None)
+    assert full.stats["kept"] == 12 and full.stats["prm_scored"] == 12
+    assert beta0.stats["prm_scored"] == no_prm.stats["prm_scored"] == 0  # beta 0 does not even ask the PRM
+    for s in full.samples:
+        for g, m, a, lp in zip(s.generated_mask, s.loss_mask, s.advantages, s.old_logprobs):
+            if not g:  # prompt, retrieved documents, glue: no loss, no advantage
+                assert m == 0.0 and a == 0.0
+            else:  # the sampling log-probs are the policy service's (the scripted engine's -0.5)
+                assert m == 1.0 and lp == -0.5
+    # same seeded rollouts; beta 0 and no PRM give identical advantages: each rollout's outcome on all its tokens
+    assert [s.token_ids for s in beta0.samples] == [s.token_ids for s in no_prm.samples] == \
+        [s.token_ids for s in full.samples]
+    assert [s.advantages for s in beta0.samples] == [s.advantages for s in no_prm.samples]
+    for s in beta0.samples:
+        assert len({a for a, m in zip(s.advantages, s.loss_mask) if m}) == 1
+    # the process term makes steps of one rollout differ where the PRM scored them differently
+    assert any(len({round(a, 6) for a, m in zip(s.advantages, s.loss_mask) if m}) > 1 for s in full.samples)
+    assert [s.reward for s in full.samples] == [s.reward for s in beta0.samples]
+
+
+def test_an_update_raises_the_log_prob_of_positive_advantage_tokens(services, one_thread):
+    """The real gradient path on the tiny model: a fixed batch, half its generated tokens with advantage +1 and
+    half -1; after a few AdamW steps on rl_loss the first rise, the second fall, and the loss goes down."""
+    import torch
+
+    from prorag.modeling import load_policy
+    from services.trainer.stage_rl import RLSample, build_lora, collate_rl, rl_loss, token_logprobs
+
+    torch.manual_seed(0)
+    cfg = _config(services, lora_r=8, lora_alpha=16, lr=5e-3)
+    model, tok = load_policy(services["base"])
+    model = build_lora(model, cfg)
+    ids = tok.encode("Who founded Kest?<step>\nI search.</step>\n<subquery>\nKest founder</subquery>",
+                     add_special_tokens=False)
+    n = len(ids)
+    gen = [0] * 4 + [1] * (n - 4)
+    half = 4 + (n - 4) // 2
+    adv = [0.0] * 4 + [1.0] * (half - 4) + [-1.0] * (n - half)
+    sample = RLSample(ids, gen, adv, [float(g) for g in gen], [0.0] * n)
+    batch = collate_rl([sample], tok.pad_token_id)
+    with torch.no_grad():
+        before = token_logprobs(model, batch[0], batch[1], batch[3])[0]
+    batch[4][:] = before  # on-policy: the old log-probs are the current ones
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    losses = []
+    for _ in range(3):
+        loss, stats = rl_loss(model, batch, cfg)
+        losses.append(float(loss.detach()))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert stats["tokens"] == n - 4
+    with torch.no_grad():
+        after = token_logprobs(model, batch[0], batch[1], batch[3])[0]
+    pos, neg = slice(4, half), slice(half, n)
+    assert float(after[pos].sum()) > float(before[pos].sum())
+    assert float(after[neg].sum()) < float(before[neg].sum())
+    assert losses[-1] < losses[0]
+    # only LoRA weights train; the KL to the base (adapter disabled) is 0 before any step and positive after
+    assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
+    fresh = build_lora(load_policy(services["base"])[0], cfg)
+    _, st0 = rl_loss(fresh, batch, _config(services, kl_coef=0.1))
+    _, st1 = rl_loss(model, batch, _config(services, kl_coef=0.1))
+    assert st0["kl"] == pytest.approx(0.0, abs=1e-7) and st1["kl"] > 0
+
+
+def test_policy_lag_reads_this_jobs_versions_only():
+    from services.trainer.stage_rl import policy_lag
+
+    assert policy_lag("rl@job-3", "rl", "job", 5) == 2
+    assert policy_lag("rl@job-5.r1", "rl", "job", 5) == 0  # republished by a resumed attempt
+    assert policy_lag("", "rl", "job", 5) is None  # the base model
+    assert policy_lag("rl@other-5", "rl", "job", 5) is None and policy_lag("sft@job-5", "rl", "job", 5) is None
+    assert policy_lag("rl@job-x-5", "rl", "job", 5) is None
+
+
+def test_rl_never_trains_on_the_test_split(services):
+    from prorag.config import ConfigError
+
+    with pytest.raises(ConfigError, match="test split"):
+        _config(services, split="test")
