@@ -60,8 +60,9 @@ class RLConfig:
                                         "over the questions (ProRAG: 1 epoch)", min=0)
     questions_per_iteration: int = cfg_field(16, help="questions rolled out per iteration", min=1, max=4096)
     group_size: int = cfg_field(8, help="trajectories per question, the GRPO group (ProRAG: 8)", min=2, max=64)
-    temperature: float = cfg_field(1.0, help="sampling temperature; the recomputed log-probs use it too "
-                                             "(ProRAG: 1.0)", min=0.01, max=5.0)
+    temperature: float = cfg_field(1.0, help="sampling temperature (ProRAG: 1.0); log-probs, the policy's and the "
+                                             "recomputed ones alike, are the raw ones at temperature 1",
+                                   min=0.01, max=5.0)
     max_step_tokens: int = cfg_field(128, help="most tokens of one generated step", min=8, max=4096)
     max_steps: int = cfg_field(11, help="steps of a trajectory at most (ProRAG: 11 for RL)", min=1, max=64)
     questions_per_request: int = cfg_field(32, help="questions in one Rollout request", min=1, max=4096)
@@ -207,7 +208,7 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
                 continue  # the summary
             stats["sampled"] += 1
             lag = policy_lag(t.adapter_version, cfg.adapter_name, job_id, iteration)
-            if lag is None or lag < 0:
+            if lag is None or lag < 0:  # the base, another adapter, or a killed attempt's later version
                 stats["dropped_foreign"] += 1
                 continue
             if lag > cfg.max_policy_lag:
@@ -303,17 +304,18 @@ def collate_rl(samples: list[RLSample], pad_id: int):
     return ids, attn, adv, mask, old
 
 
-def token_logprobs(model, ids, attn, mask, temperature: float = 1.0):
+def token_logprobs(model, ids, attn, mask):
     """log pi(ids[t] | ids[<t]) at the positions where mask [B,T] is set, 0 elsewhere -> [B,T].
 
     The LM head runs on the masked positions only (the generated tokens, a fraction of a trajectory), as the SFT
-    loss does; logits are divided by the sampling temperature, so the ratio compares like with like."""
+    loss does. Raw log-probs (temperature 1), as the policy engines return them (services/policy/engine.py), so
+    the ratio to the sampling log-probs compares like with like."""
     import torch
 
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = hf.base_model(input_ids=ids, attention_mask=attn).last_hidden_state  # [B,T,H]
     sel = mask[:, 1:] > 0  # position t-1 predicts token t; position 0 is the prompt
-    logits = hf.get_output_embeddings()(hidden[:, :-1][sel]).float() / temperature  # [N,V]
+    logits = hf.get_output_embeddings()(hidden[:, :-1][sel]).float()  # [N,V]
     lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1)
     out = torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device)
     out[:, 1:][sel] = lp
@@ -327,11 +329,11 @@ def rl_loss(model, batch, cfg: RLConfig):
     from prorag.algorithms.rl import clipped_policy_loss
 
     ids, attn, adv, mask, old = batch
-    lp = token_logprobs(model, ids, attn, mask, cfg.temperature)
+    lp = token_logprobs(model, ids, attn, mask)
     ref = None
     if cfg.kl_coef > 0:
         with torch.no_grad(), model.disable_adapter():
-            ref = token_logprobs(model, ids, attn, mask, cfg.temperature)
+            ref = token_logprobs(model, ids, attn, mask)
     return clipped_policy_loss(lp, old, adv, mask, clip=cfg.clip, kl_coef=cfg.kl_coef, ref_logprobs=ref)
 
 
@@ -404,7 +406,7 @@ def run_rl(ctx: JobContext) -> dict:
             with torch.no_grad():
                 for s in samples:
                     b = collate_rl([s], tokenizer.pad_token_id)
-                    s.old_logprobs = token_logprobs(model, b[0], b[1], b[3], cfg.temperature)[0].tolist()
+                    s.old_logprobs = token_logprobs(model, b[0], b[1], b[3])[0].tolist()
             model.train()
         # k micro-batches, each scaled so the step's gradient is that of the token mean over the whole iteration
         n_total = sum(sum(s.loss_mask) for s in samples)
@@ -457,6 +459,8 @@ def run_rl(ctx: JobContext) -> dict:
     loop = LoopConfig(steps=total, optimizer="adamw", lr=cfg.lr, beta1=0.9, beta2=0.999,
                       weight_decay=cfg.weight_decay, schedule="constant", grad_clip=cfg.grad_clip, grad_accum=k,
                       checkpoint_every=cfg.checkpoint_every, log_every=cfg.log_every)
+    # batch_at(i) is the loop's "pure function of i" as far as RL allows: the questions and sampling seeds are
+    # functions of i, and the weights that sample them are the ones the loop's checkpoint restores.
     try:
         # the loop restores the weights of a resumed job before its first batch, so the journal is trimmed to the
         # iterations those weights have seen here and re-read after the loop

@@ -64,7 +64,7 @@ def services(tmp_path_factory):
                                   PolicyConfig(model=base, world="tiny", retriever=retriever), engine=engine))
         s = loop.run(start_prm(ServeConfig(port=0), PRMServeConfig(), engine=PRMEngine(data / "prm")))
         yield {"policy": f"127.0.0.1:{p.grpc_port}", "prm": f"127.0.0.1:{s.grpc_port}", "base": base,
-               "engine": engine}
+               "engine": engine, "retriever": retriever, "loop": loop}
         for srv in (s, p, r):
             loop.run(srv.stop())
         loop.close()
@@ -151,6 +151,35 @@ def test_a_trajectory_older_than_max_policy_lag_is_dropped(services, tmp_path, o
     _, second = _journal(loose)
     assert second["kept"] == 8 and second["dropped_stale"] == 0 and second["lag_mean"] == 1.0
     assert out["lag_max"] == 1.0
+
+
+def test_a_stopped_job_resumes_from_its_checkpoint_and_republishes_nothing_new(services, tmp_path, one_thread):
+    import threading
+
+    from prorag.registry import registry
+    from services.trainer.stage_rl import run_rl
+
+    cfg = _config(services, iterations=3, checkpoint_every=1, rollout_adapter="pinned")
+    work = tmp_path / "rl-resume"
+    stop = threading.Event()
+
+    def emit(ev):
+        if ev.get("message", "").startswith("iteration 1/3"):
+            stop.set()  # the trainer stops after the first iteration's update
+
+    assert run_rl(local_context(work, cfg, emit=emit, stop=stop, stage="rl")) == {}
+    job = work.name
+    mine = lambda: sorted(r.version for r in registry("adapter", "tiny").list() if r.version.startswith(job + "-"))
+    assert mine() == [f"{job}-0"]
+    resumed = []
+    out = run_rl(local_context(work, cfg, emit=lambda ev: resumed.append(ev), stage="rl"))
+    assert any(ev.get("resumed_from_step") == 1 for ev in resumed)
+    # version 1 is the checkpoint's weights, published once; no ".r1" republication was needed
+    assert mine() == [f"{job}-{i}" for i in range(4)] and out["adapter"] == f"rl@{job}-3"
+    assert [r["iteration"] for r in _journal(work)] == [0, 1, 2]
+    # pinned requests name the version being trained: each iteration sampled from exactly it
+    assert [r["adapter"] for r in _journal(work)] == [f"rl@{job}-{i}" for i in range(3)]
+    assert all(r["lag_max"] == 0 and r["kept"] == 8 for r in _journal(work))
 
 
 def _push_zero_adapter(services, tmp_path, job):
@@ -243,6 +272,43 @@ def test_an_update_raises_the_log_prob_of_positive_advantage_tokens(services, on
     _, st0 = rl_loss(fresh, batch, _config(services, kl_coef=0.1))
     _, st1 = rl_loss(model, batch, _config(services, kl_coef=0.1))
     assert st0["kl"] == pytest.approx(0.0, abs=1e-7) and st1["kl"] > 0
+
+
+def test_recomputed_log_probs_match_a_real_engines_sampling_log_probs(services, one_thread):
+    """The ratio's premise: on the tiny model served by the real transformers engine, the local LoRA model (zero
+    B, so the base itself) gives each generated token of a rollout the log-prob the engine sampled it with. (The
+    untrained tiny base writes one unfinished step; spans after insertions are covered with the scripted engine.)"""
+    import torch
+
+    from prorag.clients import PolicyClient
+    from prorag.modeling import load_policy
+    from prorag.pbconv import token_trace_from_pb
+    from services.policy.server import PolicyConfig, start as start_policy
+    from services.trainer.stage_rl import build_lora, collate_rl, RLSample, token_logprobs
+
+    loop = services["loop"]
+    real = loop.run(start_policy(ServeConfig(port=0, http_port=-1),
+                                 PolicyConfig(model=services["base"], world="tiny", retriever=services["retriever"])))
+    try:
+        with PolicyClient(f"127.0.0.1:{real.grpc_port}") as c:
+            trajs = [t for t in c.rollout([("q", "Who founded Kest?")], c.sampling(n=2, temperature=1.0, max_tokens=24,
+                                                                                  seed=11), max_steps=3, topk=1)
+                     if hasattr(t, "question_id")]
+    finally:
+        loop.run(real.stop())
+    model, tok = load_policy(services["base"])
+    model = build_lora(model, _config(services))
+    for t in trajs:
+        tr = token_trace_from_pb(t.trace, t.prompt_length)
+        gen = [float(g) for g in tr.generated_mask]
+        assert sum(gen) > 0
+        b = collate_rl([RLSample(tr.token_ids, tr.generated_mask, [0.0] * len(gen), gen, tr.logprobs)],
+                       tok.pad_token_id)
+        with torch.no_grad():
+            lp = token_logprobs(model, b[0], b[1], b[3])[0]
+        mask = torch.tensor(gen) > 0
+        # an off-by-one position would be off by whole nats, not by float rounding
+        assert torch.allclose(lp[mask], torch.tensor(tr.logprobs)[mask], atol=1e-4)
 
 
 def test_policy_lag_reads_this_jobs_versions_only():
