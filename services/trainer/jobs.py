@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from prorag.config import to_dict
-from prorag.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from prorag.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted,
+                           Unavailable)
 from prorag.io import atomic_dir, write_json
 from prorag.runs import code_version
 from prorag.training.context import JobContext, sha256_tree
@@ -50,6 +51,7 @@ from services.trainer.tracking import Tracker
 log = logging.getLogger("prorag.trainer.jobs")
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
+MAX_CONFIG_BYTES = 1 << 20
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 LOCK_NAME = ".trainer.lock"
@@ -187,7 +189,7 @@ class JobManager:
     def __init__(self, root: str | Path, *, keep_checkpoints: int = 2, tracking: str = "wandb",
                  parallel_jobs: int = 1, max_attempts: int = 3,
                  allowed_endpoints: Sequence[str] = DEFAULT_ALLOWED_ENDPOINTS,
-                 service_addresses: dict[str, str] | None = None):
+                 service_addresses: dict[str, str] | None = None, max_queued_jobs: int = 256):
         if parallel_jobs < 1:
             raise ValueError(f"parallel_jobs must be >= 1, got {parallel_jobs}")
         if max_attempts < 1:
@@ -196,6 +198,7 @@ class JobManager:
         self.max_attempts = max_attempts
         self.allowed_endpoints = check_allowed_endpoints(allowed_endpoints)
         self.service_addresses = dict(service_addresses or {})
+        self.max_queued = max_queued_jobs
         self._lock_fd: int | None = None
         self.store = JobStore(root)
         self.keep_checkpoints = keep_checkpoints
@@ -307,6 +310,9 @@ class JobManager:
         self._ready()
         stage = get_stage(stage_name)
         if isinstance(config, str):
+            if len(config) > MAX_CONFIG_BYTES:
+                raise InvalidArgument(f"config_json has {len(config):,} characters; at most {MAX_CONFIG_BYTES:,} "
+                                      "(a config names files, it does not carry data)")
             try:
                 config = json.loads(config) if config.strip() else {}
             except json.JSONDecodeError as exc:
@@ -341,6 +347,10 @@ class JobManager:
                                     "pick another job_id")
             if self.store.exists(job_id):
                 raise AlreadyExists(f"job {job_id!r}: {self.store.job_dir(job_id)} exists but is not a loadable job")
+            queued = sum(1 for r in self._jobs.values() if r["state"] == QUEUED)
+            if queued >= self.max_queued:
+                raise ResourceExhausted(f"{queued} jobs are already queued (max_queued_jobs {self.max_queued}); "
+                                        "wait for some to finish or cancel some, then submit again")
             inputs = resolve_inputs(stage, cfg, self._job_run_dir)
             ts = now_iso()
             rec = {

@@ -50,6 +50,8 @@ class TrainerConfig:
         help="addresses a job config gets for the fields it leaves unset, e.g. {\"retriever\": \"retriever:50051\", "
              "\"policy\": \"dns:///prorag-policy-headless:50052\"} in containers, where the stages' 127.0.0.1 "
              "defaults reach nothing; only fields the stage has are filled", factory=dict)
+    max_queued_jobs: int = cfg_field(256, help="jobs waiting to run at most; StartJob beyond it is refused with "
+                                               "RESOURCE_EXHAUSTED", min=1, max=1_000_000)
     max_attempts: int = cfg_field(3, help="times a job's process may die under it (killed, out of memory, a crash) "
                                          "before the job is FAILED instead of re-queued at the next start; a clean "
                                          "shutdown does not count", min=1, max=1000)
@@ -70,7 +72,7 @@ async def start(serve: ServeConfig, cfg: TrainerConfig | None = None, **_: objec
     manager = JobManager(cfg.resolved_root(), keep_checkpoints=cfg.keep_checkpoints,
                          tracking=cfg.resolved_tracking(), parallel_jobs=cfg.parallel_jobs,
                          max_attempts=cfg.max_attempts, allowed_endpoints=cfg.allowed_endpoints,
-                         service_addresses=cfg.service_addresses)
+                         service_addresses=cfg.service_addresses, max_queued_jobs=cfg.max_queued_jobs)
     servicer = TrainerServicer(manager)
     spec = ServerSpec(name="trainer",
                       services=[(SERVICE, lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s))],

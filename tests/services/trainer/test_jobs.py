@@ -1,6 +1,7 @@
 """JobStore and JobManager in process: persistence, idempotency, validation, inputs, failure, cancel, resume."""
 
 import json
+import time
 import logging
 import os
 import subprocess
@@ -477,3 +478,25 @@ def test_service_addresses_fill_what_a_job_config_leaves_unset(managers):
                 "calls_services", None)
     finally:
         unregister_stage("calls_services")
+
+
+def test_the_queue_and_a_config_have_bounds(managers):
+    from prorag.errors import ResourceExhausted
+
+    m = managers(parallel_jobs=1, max_queued_jobs=2)
+    slow = {**FAST, "steps": 100_000, "step_sleep_s": 0.01}
+    m.submit("selftest", slow, job_id="running")
+    deadline = time.monotonic() + 30
+    while m.get("running")["state"] != "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    m.submit("selftest", slow, job_id="q1")
+    m.submit("selftest", slow, job_id="q2")
+    with pytest.raises(ResourceExhausted, match="max_queued_jobs 2"):
+        m.submit("selftest", slow, job_id="q3")
+    assert m.submit("selftest", slow, job_id="q1")["job_id"] == "q1"  # an idempotent resubmission still answers
+    m.cancel("q2")
+    m.submit("selftest", slow, job_id="q3")  # room again
+    for j in ("running", "q1", "q3"):
+        m.cancel(j)
+    with pytest.raises(InvalidArgument, match="config_json has"):
+        m.submit("selftest", json.dumps({"note": "x" * (1 << 20)}))
