@@ -72,8 +72,195 @@ def _median_dicts(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
+# ---------------------------------------------------------------- retriever load shapes
+#: name -> (concurrent clients, queries per request): Search-R1's rollout callers (one question at a time),
+#: many of them at once, and a whole rollout batch in one request
+SHAPES = {"1x1": (1, 1), "16x1": (16, 1), "1x64": (1, 64)}
+
+
+def _shape_plan(pool: list[str], clients: int, per_req: int, n_requests: int) -> list[list[list[str]]]:
+    """Per client, its list of requests (each a list of queries), drawn round-robin from ``pool``."""
+    plan, i = [], 0
+    for _ in range(clients):
+        reqs = []
+        for _ in range(n_requests):
+            reqs.append([pool[(i + j) % len(pool)] for j in range(per_req)])
+            i += per_req
+        plan.append(reqs)
+    return plan
+
+
+def _pct(lat: list[float], q: float) -> float:
+    s = sorted(lat)
+    return s[min(len(s) - 1, int(len(s) * q))]
+
+
+def _run_shape(make_caller, plan: list[list[list[str]]], warmup: int = 3) -> dict:
+    """Every client (own thread, own connection from ``make_caller()``) sends its requests back to back after a
+    common start; per-request latency and total queries/s over the wall time of the whole run."""
+    n = len(plan)
+    callers = [make_caller() for _ in range(n)]
+    lats: list[list[float]] = [[] for _ in range(n)]
+    errors: list[str] = []
+    start = threading.Barrier(n + 1)
+
+    def worker(c: int) -> None:
+        call = callers[c]
+        try:
+            for qs in plan[c][:warmup]:
+                call(qs)
+        except Exception as e:  # noqa: BLE001 - counted, reported
+            errors.append(repr(e)[:300])
+        start.wait()
+        for qs in plan[c]:
+            t = time.perf_counter()
+            try:
+                call(qs)
+            except Exception as e:  # noqa: BLE001
+                errors.append(repr(e)[:300])
+                continue
+            lats[c].append(time.perf_counter() - t)
+
+    threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in range(n)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for c in callers:
+        getattr(c, "close", lambda: None)()
+    lat = [x for l in lats for x in l]
+    queries = sum(len(qs) for c in range(n) for qs in plan[c])
+    if not lat:
+        return {"qps": 0.0, "p50_ms": float("nan"), "p95_ms": float("nan"), "errors": len(errors),
+                "error_sample": errors[:1]}
+    return {"qps": queries / wall, "p50_ms": 1e3 * _pct(lat, 0.5), "p95_ms": 1e3 * _pct(lat, 0.95),
+            "errors": len(errors)}
+
+
+class _HttpCaller:
+    """One keep-alive HTTP(S) connection posting Search-R1's ``/retrieve`` body; checks the answer's shape."""
+
+    def __init__(self, url: str, topk: int, security=None):
+        import http.client
+        import ssl
+        import urllib.parse
+
+        u = urllib.parse.urlsplit(url)
+        self.path, self.topk = u.path or "/retrieve", topk
+        self.headers = {"Content-Type": "application/json"}
+        auth = security.authorization() if security is not None else None
+        if auth:
+            self.headers["Authorization"] = auth
+        if u.scheme == "https":
+            ctx = security.ssl_context() if security is not None else ssl.create_default_context()
+            name = (security.tls_server_name if security is not None else "") or u.hostname
+
+            class _Conn(http.client.HTTPSConnection):
+                def connect(self):  # verify the certificate for ``name`` while dialling the URL's address
+                    http.client.HTTPConnection.connect(self)
+                    self.sock = ctx.wrap_socket(self.sock, server_hostname=name)
+
+            self.conn = _Conn(u.hostname, u.port, timeout=120, context=ctx)
+        else:
+            self.conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+
+    def __call__(self, qs: list[str]) -> None:
+        body = json.dumps({"queries": qs, "topk": self.topk, "return_scores": True}).encode()
+        self.conn.request("POST", self.path, body=body, headers=self.headers)
+        r = self.conn.getresponse()
+        data = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {data[:200]!r}")
+        result = json.loads(data)["result"]
+        if len(result) != len(qs) or any(len(docs) != self.topk for docs in result):
+            raise RuntimeError("wrong number of results")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class _GrpcCaller:
+    """One channel calling prorag.v1.Retriever/Search, documents converted as RetrieverClient does."""
+
+    def __init__(self, target: str, topk: int, index: str, security=None):
+        from prorag.clients import channel
+        from prorag.pb import retriever_pb2, retriever_pb2_grpc
+        from prorag.pbconv import scored_document_from_pb
+
+        self._pb, self._conv = retriever_pb2, scored_document_from_pb
+        self.channel = channel(target, security=security)
+        self.stub = retriever_pb2_grpc.RetrieverStub(self.channel)
+        self.topk, self.index = topk, index
+
+    def __call__(self, qs: list[str]) -> None:
+        resp = self.stub.Search(self._pb.SearchRequest(queries=qs, topk=self.topk, index=self.index), timeout=120)
+        out = [[self._conv(d) for d in r.documents] for r in resp.results]
+        if len(out) != len(qs) or any(len(docs) != self.topk for docs in out):
+            raise RuntimeError("wrong number of results")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _start_retriever(world: str, index: str, env_extra: dict | None = None, log_path=None) -> tuple:
+    """``prorag serve retriever`` in its own process (its default index = ``index``): (proc, grpc port, http port)."""
+    import os
+
+    grpc_port = _free_port(paths.GRPC_PORTS["retriever"] + 1000)
+    http_port = _free_port(paths.HTTP_PORTS["retriever"] + 1000)
+    while http_port == grpc_port:
+        http_port = _free_port(http_port + 1)
+    env = dict(os.environ, **(env_extra or {}))
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen([sys.executable, "-m", "prorag_app.cli", "serve", "retriever", "--port", str(grpc_port),
+                             "--http-port", str(http_port), "--set", f"world={world}",
+                             "--set", f"default_index={index}"],
+                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    return proc, grpc_port, http_port
+
+
+def _wait_serving(target: str, security, timeout: float = 180.0) -> bool:
+    """grpc.health.v1 of the retriever over ``security`` (TLS servers need the CA even for health)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from prorag.clients import channel
+
+    deadline = time.monotonic() + timeout
+    with channel(target, security=security) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(service="prorag.v1.Retriever"),
+                              timeout=2.0).status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            time.sleep(0.2)
+    return False
+
+
+def _load_average() -> list[float]:
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
 def bench_retriever(args) -> dict:
+    """Batch-64 throughput vs in-process (the original keys), then the load shapes of :data:`SHAPES` against our
+    gRPC and HTTP with security off and on (TLS + bearer token), the in-process engine and, with
+    ``--reference-url``, an external Search-R1-compatible ``/retrieve`` server: qps, p50/p95 per request, medians of
+    ``--repeats`` interleaved runs, and ratios ours / reference and ours / in-process."""
+    import tempfile
+    from pathlib import Path
+
     from prorag.data.loaders import load_split
+    from prorag.security import ClientSecurity, generate_secrets
     from prorag_app.embedded import ensure_indexes
     from services.retriever.server import RetrieverConfig, open_engine
 
@@ -85,41 +272,87 @@ def bench_retriever(args) -> dict:
     batches = [[pool[(i * batch + j) % len(pool)] for j in range(batch)] for i in range(iters)]
     small = [[q] for b in batches[: max(4, iters // 4)] for q in b[:8]]  # batch-8 slices for the concurrency run
     small = [sum(small[i:i + 8], []) for i in range(0, len(small), 8)]
+    secure = not getattr(args, "no_secure", False)
+    reference = getattr(args, "reference_url", "") or ""
+    n_single = max(10, getattr(args, "shape_requests", 0) or 200)
 
     engine = open_engine(RetrieverConfig(world=world))
-    grpc_port, http_port = _free_port(paths.GRPC_PORTS["retriever"] + 1000), _free_port(paths.HTTP_PORTS["retriever"] + 1000)
-    proc = subprocess.Popen([sys.executable, "-m", "prorag_app.cli", "serve", "retriever", "--port", str(grpc_port),
-                             "--http-port", str(http_port), "--set", f"world={world}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-retriever-"))
+    plain_sec = ClientSecurity()
+    servers = {"": _start_retriever(world, index, log_path=tmp / "plain.log")}
+    if not _wait_serving(f"127.0.0.1:{servers[''][1]}", plain_sec):
+        _stop(servers[""][0])
+        raise SystemExit(f"retriever server did not start for the benchmark: {(tmp / 'plain.log').read_text()[-2000:]}")
+    client_sec = {"": plain_sec}
     try:
-        if not wait_for_health(f"127.0.0.1:{grpc_port}", "prorag.v1.Retriever", timeout=180):
-            raise SystemExit("retriever server did not start for the benchmark")
-        client = RetrieverClient(f"127.0.0.1:{grpc_port}", timeout=120)
+        if secure:
+            s = generate_secrets(tmp / "secrets")
+            servers["_secure"] = _start_retriever(
+                world, index, {"PRORAG_TLS_CERT": s["server_cert"], "PRORAG_TLS_KEY": s["server_key"],
+                               "PRORAG_AUTH_TOKENS": s["tokens"]}, log_path=tmp / "secure.log")
+            client_sec["_secure"] = ClientSecurity.from_env({"PRORAG_TLS_CA": s["ca"],
+                                                             "PRORAG_TOKEN_FILE": s["token_client"],
+                                                             "PRORAG_TLS_SERVER_NAME": "localhost"})
+            if not _wait_serving(f"127.0.0.1:{servers['_secure'][1]}", client_sec["_secure"]):
+                raise SystemExit("the TLS + token retriever did not start for the benchmark: "
+                                 f"{(tmp / 'secure.log').read_text()[-2000:]}")
+        _, grpc_port, http_port = servers[""]
         url = f"http://127.0.0.1:{http_port}/retrieve"
+        grpc_call = _GrpcCaller(f"127.0.0.1:{grpc_port}", topk, index)
+        http_call = _HttpCaller(url, topk)
 
-        def http_call(qs):
-            req = urllib.request.Request(url, data=json.dumps({"queries": qs, "topk": topk, "return_scores": True})
-                                         .encode(), headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as r:
-                body = json.loads(r.read())
-            assert len(body["result"]) == len(qs)
-
+        # The original figures: batch-``batch`` throughput of each path, and 8 gRPC clients x batch 8.
         runs = {"inprocess": [], "grpc": [], "http": [], "grpc_concurrent_8x8": [], "inprocess_8": []}
         for _ in range(args.repeats):
             # Interleaved so drift (thermal, other load) hits every path alike.
             runs["inprocess"].append(_time_calls(lambda qs: engine.search(qs, topk, index), batches))
-            runs["grpc"].append(_time_calls(lambda qs: client.search(qs, topk, index), batches))
+            runs["grpc"].append(_time_calls(grpc_call, batches))
             runs["http"].append(_time_calls(http_call, batches))
             runs["inprocess_8"].append(_time_calls(lambda qs: engine.search(qs, topk, index), small))
-            runs["grpc_concurrent_8x8"].append(_concurrent(lambda qs: client.search(qs, topk, index), small, 8))
-        client.close()
+            runs["grpc_concurrent_8x8"].append(_concurrent(grpc_call, small, 8))
+        grpc_call.close()
+        http_call.close()
+
+        # The load shapes, per target; targets interleaved within every repeat.
+        targets = {"inprocess": lambda: (lambda qs: engine.search(qs, topk, index))}
+        for suffix, (_, gp, hp) in servers.items():
+            sec = client_sec[suffix]
+            scheme = "https" if suffix else "http"
+            targets["grpc" + suffix] = (lambda gp=gp, sec=sec: _GrpcCaller(f"127.0.0.1:{gp}", topk, index, sec))
+            targets["http" + suffix] = (lambda hp=hp, sec=sec, scheme=scheme:
+                                        _HttpCaller(f"{scheme}://127.0.0.1:{hp}/retrieve", topk, sec))
+        if reference:
+            targets["reference"] = lambda: _HttpCaller(reference, topk)
+        plans = {name: _shape_plan(pool, c, per, n if per == 1 and c == 1 else
+                                   (max(5, 2 * n // c) if per == 1 else max(5, n // 20)))
+                 for name, (c, per) in SHAPES.items() for n in [n_single]}
+        shape_runs: dict = {t: {s: [] for s in SHAPES} for t in targets}
+        loads = []
+        for _ in range(args.repeats):
+            loads.append(_load_average())
+            for shape, plan in plans.items():
+                for t, make in targets.items():
+                    shape_runs[t][shape].append(_run_shape(make, plan))
+        loads.append(_load_average())
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(*(p for p, _, _ in servers.values()))
     med = {k: _median_dicts(v) for k, v in runs.items()}
+    shapes = {t: {s: {**_median_dicts(v), "runs": v} for s, v in by.items()} for t, by in shape_runs.items()}
+    ratios: dict = {}
+    for t in targets:
+        if t in ("inprocess", "reference"):
+            continue
+        for s in SHAPES:
+            m = shapes[t][s]
+            r = {"qps_vs_inprocess": m["qps"] / shapes["inprocess"][s]["qps"]}
+            if reference and shapes["reference"][s]["qps"] > 0:
+                ref = shapes["reference"][s]
+                r["qps_vs_reference"] = m["qps"] / ref["qps"]
+                r["p50_vs_reference"] = m["p50_ms"] / ref["p50_ms"]
+            ratios[f"{t}/{s}"] = r
+    goal_met = None
+    if reference:
+        goal_met = all(r["qps_vs_reference"] >= 1.0 for r in ratios.values() if "qps_vs_reference" in r)
     return {
         "target": "retriever",
         "index": index,
@@ -133,6 +366,14 @@ def bench_retriever(args) -> dict:
         "http_ratio": med["http"]["qps"] / med["inprocess"]["qps"],
         "concurrent_vs_inprocess_batch8_ratio": med["grpc_concurrent_8x8"]["qps"] / med["inprocess_8"]["qps"],
         "goal": "ratio >= 0.8 at batch 64",
+        "shapes": shapes,
+        "shape_ratios": ratios,
+        "shape_requests": {s: sum(len(r) for r in plans[s]) for s in SHAPES},
+        "reference_url": reference,
+        "secure": "TLS + bearer token" if secure else "off",
+        "load_average": loads,
+        "shapes_goal": "qps_vs_reference >= 1 for every target and shape (with --reference-url)",
+        "shapes_goal_met": goal_met,
     }
 
 

@@ -411,6 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--swaps", type=int, default=100, help="swap: adapter pushes")
     b.add_argument("--clients", type=int, default=4, help="swap: concurrent generating clients")
     b.add_argument("--seq-len", type=int, default=512, help="sft: tokens per training sequence")
+    b.add_argument("--reference-url", default="",
+                   help="retriever: a Search-R1-compatible server (http://127.0.0.1:PORT/retrieve) measured at the "
+                        "same load shapes; ratios ours / reference are reported")
+    b.add_argument("--shape-requests", type=int, default=200,
+                   help="retriever: requests of the one-client one-query shape (the other shapes scale from it)")
+    b.add_argument("--no-secure", action="store_true",
+                   help="retriever: skip the TLS + bearer-token server in the load shapes")
     b.set_defaults(fn=cmd_bench)
 
     e = sub.add_parser("eval", help="evaluate a policy model over a split through the services, or (eval prm) a "

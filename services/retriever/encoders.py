@@ -35,7 +35,8 @@ class EncoderConfig:
     normalize: bool = cfg_field(True, help="L2-normalise vectors so inner product = cosine")
     device: str = cfg_field("auto", help="where the model runs", choices=("auto", "cpu", "cuda"))
     fp16: bool = cfg_field(False, help="half precision on GPU (ignored on CPU, where it is slow)")
-    num_threads: int = cfg_field(0, help="torch CPU threads; 0 keeps torch's setting (one per core)", min=0, max=1024)
+    num_threads: int = cfg_field(0, help="torch CPU threads; 0 = per batch size, whichever of 1 thread or torch's "
+                                         "setting (one per core) has been faster lately", min=0, max=1024)
 
     @classmethod
     def e5(cls, model: str, **kw) -> "EncoderConfig":
@@ -76,6 +77,67 @@ def _resolve_device(device: str) -> str:
     return device
 
 
+class ThreadChooser:
+    """Per size of work, the CPU thread count (1 or ``max_threads``) that has lately been faster per token.
+
+    Why: on a small or shared machine a forward pass split over every core waits, at each of its
+    ~50 parallel regions, for whichever thread the scheduler parked; measured on 2 cores with other
+    work running, one MiniLM query took 11 ms on 1 thread and 13-18 ms on 2 (490 ms with OpenMP's
+    spinning wait policy), while on an idle machine 2 threads win for large batches. Which one wins
+    changes with the machine's load, so both are timed: the faster is used, the other re-tried after
+    8, 16, ... up to 256 calls of that size (sooner again when the re-try wins).
+    """
+
+    def __init__(self, max_threads: int, explore_min: int = 8, explore_max: int = 256, alpha: float = 0.3):
+        self.options = sorted({1, max(1, max_threads)})
+        self.explore_min, self.explore_max, self.alpha = explore_min, explore_max, alpha
+        self._cost: dict[tuple[int, int], float] = {}  # (bucket, threads) -> EWMA seconds per token
+        self._calls: dict[int, int] = {}
+        self._next_try: dict[int, tuple[int, int]] = {}  # bucket -> (call index of the next re-try, interval)
+
+    @staticmethod
+    def bucket(tokens: int) -> int:
+        return max(0, int(tokens).bit_length() - 1)  # powers of two of (padded) tokens
+
+    def choose(self, tokens: int) -> int:
+        if len(self.options) == 1:
+            return self.options[0]
+        b = self.bucket(tokens)
+        for t in self.options:
+            if (b, t) not in self._cost:
+                return t
+        n = self._calls.get(b, 0)
+        self._calls[b] = n + 1
+        best = min(self.options, key=lambda t: self._cost[(b, t)])
+        due, interval = self._next_try.get(b, (self.explore_min, self.explore_min))
+        if n >= due:
+            self._next_try[b] = (n + interval, interval)  # interval updated by record()
+            return next(t for t in self.options if t != best)
+        return best
+
+    def record(self, tokens: int, threads: int, seconds: float) -> None:
+        if len(self.options) == 1:
+            return
+        b = self.bucket(tokens)
+        per = seconds / max(1, tokens)
+        key = (b, threads)
+        was_best = min(self.options, key=lambda t: self._cost.get((b, t), float("inf")))
+        self._cost[key] = per if key not in self._cost else (1 - self.alpha) * self._cost[key] + self.alpha * per
+        if all((b, t) in self._cost for t in self.options) and threads != was_best and b in self._next_try:
+            due, interval = self._next_try[b]
+            now_best = min(self.options, key=lambda t: self._cost[(b, t)])
+            # The re-try lost: wait twice as long before the next one; it won: it is now the choice.
+            interval = self.explore_min if now_best == threads else min(self.explore_max, interval * 2)
+            self._next_try[b] = (self._calls.get(b, 0) + interval, interval)
+
+    def snapshot(self) -> dict:
+        """{bucket: {threads: microseconds per token}} (for logs and tests)."""
+        out: dict[int, dict[int, float]] = {}
+        for (b, t), c in sorted(self._cost.items()):
+            out.setdefault(b, {})[t] = round(c * 1e6, 3)
+        return out
+
+
 class Encoder:
     """Embeds queries and passages into float32 ``[n, dim]`` arrays."""
 
@@ -95,6 +157,8 @@ class Encoder:
         self.model = AutoModel.from_pretrained(str(path), local_files_only=True, dtype=dtype)
         self.model.to(self.device).eval()
         self.dim = int(self.model.config.hidden_size)
+        # Fixed threads when configured (or on GPU); else chosen per batch size by measurement.
+        self.threads = ThreadChooser(1 if (cfg.num_threads or self.device != "cpu") else torch.get_num_threads())
         # HF fast tokenizers raise "Already borrowed" under concurrent use; one lock per encoder.
         self._lock = threading.Lock()
 
@@ -111,6 +175,13 @@ class Encoder:
         if not texts:
             return out
         with self._lock, torch.inference_mode():
+            if len(texts) <= self.cfg.batch_size:
+                # One forward pass: the Rust tokenizer pads straight into tensors (no Python-side pad;
+                # queries are short and similar in length, so sorting would not save padding).
+                batch = self.tokenizer(texts, truncation=True, max_length=self.cfg.max_length, padding=True,
+                                       return_tensors="pt")
+                out[:] = self._forward(batch)
+                return out
             enc = self.tokenizer(texts, truncation=True, max_length=self.cfg.max_length, padding=False)
             ids = enc["input_ids"]
             # Longest first: similar lengths share a batch, so little compute goes to padding.
@@ -120,14 +191,34 @@ class Encoder:
                 rows = order[start:start + bs]
                 batch = self.tokenizer.pad({k: [enc[k][i] for i in rows] for k in enc.keys()},
                                            return_tensors="pt")
-                batch = {k: v.to(self.device) for k, v in batch.items()}
-                hidden = self.model(**batch).last_hidden_state.float()  # pool in fp32 even for fp16 models
-                if self.cfg.pooling == "cls":
-                    vec = hidden[:, 0]
-                else:
-                    mask = batch["attention_mask"].unsqueeze(-1).float()
-                    vec = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-                if self.cfg.normalize:
-                    vec = torch.nn.functional.normalize(vec, p=2, dim=-1)
-                out[rows] = vec.cpu().numpy()
+                out[rows] = self._forward(batch)
         return out
+
+    def _forward(self, batch) -> np.ndarray:
+        """[n, dim] pooled (and normalised) vectors of one tokenized, padded batch; caller holds the lock."""
+        import time
+
+        import torch
+
+        tokens = int(batch["input_ids"].numel())
+        threads = self.threads.choose(tokens)
+        if len(self.threads.options) > 1:
+            torch.set_num_threads(threads)
+        start = time.perf_counter()
+        vec = self._pool(batch)
+        self.threads.record(tokens, threads, time.perf_counter() - start)
+        return vec
+
+    def _pool(self, batch) -> np.ndarray:
+        import torch
+
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        hidden = self.model(**batch).last_hidden_state.float()  # pool in fp32 even for fp16 models
+        if self.cfg.pooling == "cls":
+            vec = hidden[:, 0]
+        else:
+            mask = batch["attention_mask"].unsqueeze(-1).float()
+            vec = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        if self.cfg.normalize:
+            vec = torch.nn.functional.normalize(vec, p=2, dim=-1)
+        return vec.cpu().numpy()

@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 
 Hits = list[list[tuple[int, float]]]  # per query: (row index, score), best first
 
+#: from this many queries on, a CPU flat inner-product index is searched with torch's matmul + topk
+#: (measured on 2 cores, 20k x 384: 64 queries 17 ms against FAISS's 52 ms single-threaded / 33 ms on
+#: two threads; one query: FAISS 0.9 ms against 3 ms)
+MATMUL_MIN_QUERIES = 8
+
 
 class Retriever(abc.ABC):
     """Base: subclasses implement :meth:`search_raw`; :meth:`search` hydrates rows."""
@@ -79,7 +84,8 @@ class DenseRetriever(Retriever):
     kind = "dense"
 
     def __init__(self, index_dir: str | Path, docstore: DocStore, *, encoder: Encoder | None = None,
-                 device: str = "auto", use_gpu: str = "auto", nprobe: int | None = None, ef_search: int | None = None):
+                 device: str = "auto", use_gpu: str = "auto", nprobe: int | None = None, ef_search: int | None = None,
+                 faiss_threads: int = 0):
         import faiss
 
         super().__init__(docstore)
@@ -117,13 +123,43 @@ class DenseRetriever(Retriever):
         self.index = index
         # GPU indexes are not safe for concurrent searches; CPU ones gain nothing (OpenMP uses every core).
         self._lock = threading.Lock()
+        self.faiss_threads = faiss_threads
+        self._faiss_max_threads = faiss.omp_get_max_threads()
+        # A flat inner-product index on CPU is one matrix: batches are scored with torch's matmul + topk on
+        # the encoder's thread pool (a view of the index's own memory, no copy). FAISS brings its own OpenMP
+        # runtime and OpenBLAS: a second thread pool whose spinning threads fight torch's for the same cores.
+        self._matrix = None
+        if (not self.on_gpu and type(index) is faiss.IndexFlatIP and index.ntotal > 0
+                and self.encoder.device == "cpu"):
+            import torch
+
+            xb = faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
+            self._matrix = torch.from_numpy(xb)
+
+    def _faiss_search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        import faiss
+
+        # One FAISS thread for a few queries unless asked otherwise: they do not pay for waking a team (one
+        # query, 20k x 384 flat on 2 cores: 0.9 ms on one thread, 2.7-5.5 ms on two), and on a small or
+        # shared machine a team waits on whichever of its threads the scheduler parked.
+        faiss.omp_set_num_threads(self.faiss_threads or (1 if len(q) < 16 else self._faiss_max_threads))
+        return self.index.search(q, k)
+
+    def search_vectors(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """[Q, dim] float32 query vectors -> (scores [Q, k], rows [Q, k]), best first (-1 rows = no hit)."""
+        k = min(k, self.index.ntotal)
+        with self._lock:
+            if self._matrix is not None and len(q) >= MATMUL_MIN_QUERIES:
+                import torch
+
+                with torch.inference_mode():
+                    scores, rows = torch.topk(torch.from_numpy(q) @ self._matrix.T, k, dim=1)
+                return scores.numpy(), rows.numpy()
+            return self._faiss_search(q, k)
 
     def search_raw(self, queries: list[str], k: int) -> Hits:
-        k = min(k, self.index.ntotal)
-        q = self.encoder.encode_queries(queries)
-        with self._lock:
-            scores, rows = self.index.search(q, k)
-        return [[(int(i), float(s)) for i, s in zip(r, sc) if i >= 0] for r, sc in zip(rows, scores)]
+        scores, rows = self.search_vectors(self.encoder.encode_queries(queries), k)
+        return [[(i, s) for i, s in zip(r, sc) if i >= 0] for r, sc in zip(rows.tolist(), scores.tolist())]
 
     def info(self) -> dict:
         m = self.meta

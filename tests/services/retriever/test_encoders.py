@@ -67,3 +67,36 @@ def test_bad_model_and_strict_config(tmp_path):
         from_dict(EncoderConfig, {"pooling": "max"})
     with pytest.raises(ConfigError, match="unknown key"):
         from_dict(EncoderConfig, {"poolng": "mean"})
+
+
+def test_thread_chooser_prefers_the_faster_and_retries_with_backoff():
+    from services.retriever.encoders import ThreadChooser
+
+    c = ThreadChooser(4, explore_min=4, explore_max=32)
+    assert c.options == [1, 4]
+    picks = []
+    for _ in range(400):
+        t = c.choose(12)
+        picks.append(t)
+        c.record(12, t, 0.010 if t == 1 else 0.020)  # one thread is faster at this size
+    assert picks[:2] == [1, 4]  # each measured once first
+    tries = picks[2:].count(4)
+    assert 3 <= tries <= 400 // 32 + 6  # re-tried, less and less often
+    # another size is timed on its own: here all threads win, and win after a change of load too
+    for _ in range(50):
+        t = c.choose(4096)
+        c.record(4096, t, 0.5 if t == 1 else 0.2)
+    assert c.choose(4096) == 4 or c.snapshot()[12][4] < c.snapshot()[12][1]
+    for _ in range(200):  # the machine got busy: 4 threads now lose at 4096 tokens
+        t = c.choose(4096)
+        c.record(4096, t, 0.2 if t == 1 else 0.8)
+    assert [c.choose(4096) for _ in range(3)].count(1) >= 2
+    assert ThreadChooser(1).choose(12) == 1 and ThreadChooser(1).options == [1]
+
+
+def test_default_encoder_chooses_threads_per_size(encoder):
+    import torch
+
+    assert encoder.threads.options == sorted({1, torch.get_num_threads()})
+    encoder.encode_queries(["who built the lighthouse"])
+    assert encoder.threads.snapshot()  # timed

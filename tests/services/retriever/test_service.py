@@ -183,3 +183,30 @@ def test_concurrent_callers_are_batched(server, test_questions):
     with RetrieverClient(f"127.0.0.1:{server.grpc_port}") as c:
         for i in range(16):  # each caller got its own queries' results, not a neighbour's
             assert [d.id for d in results[i][0]] == [d.id for d in c.search([queries[i * 2]], topk=3)[0]]
+
+
+def test_service_answers_equal_the_in_process_engine(server, test_questions):
+    """gRPC and HTTP, one query or many, alone or merged with concurrent callers: the same documents and
+    scores as the engine called directly."""
+    from prorag_app.bench import _GrpcCaller, _HttpCaller, _run_shape, _shape_plan
+    from services.retriever.server import RetrieverConfig, open_engine
+
+    engine = open_engine(RetrieverConfig(world="tiny"))
+    queries = [q.question for q in test_questions][:24]
+    want = engine.search(queries, 3, "dense")
+    with RetrieverClient(f"127.0.0.1:{server.grpc_port}") as c:
+        one_by_one = [c.search([q], topk=3, index="dense")[0] for q in queries]
+        batch = c.search(queries, topk=3, index="dense")
+    for got in (one_by_one, batch):
+        assert [[d.id for d in r] for r in got] == [[d.id for d in r] for r in want]
+        assert all(abs(a.score - b.score) < 1e-4 for r, w in zip(got, want) for a, b in zip(r, w))
+    status, payload = _post(server.http_port, {"queries": queries, "topk": 3, "index": "dense"})
+    assert status == 200
+    assert [[d["document"]["id"] for d in r] for r in payload["result"]] == [[d.id for d in r] for r in want]
+    # the benchmark's load shapes run against this server without errors (16 concurrent one-query callers)
+    plan = _shape_plan(queries, 16, 1, 3)
+    grpc_res = _run_shape(lambda: _GrpcCaller(f"127.0.0.1:{server.grpc_port}", 3, "dense"), plan, warmup=1)
+    http_res = _run_shape(lambda: _HttpCaller(f"http://127.0.0.1:{server.http_port}/retrieve", 3), plan, warmup=1)
+    for res in (grpc_res, http_res):
+        assert res["errors"] == 0 and res["qps"] > 0 and res["p50_ms"] <= res["p95_ms"]
+    engine.close()
