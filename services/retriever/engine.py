@@ -402,7 +402,7 @@ class RetrievalEngine:
                  ef_search: int | None = None, hybrid_method: str = "rrf", rrf_k: int = 60, candidate_k: int = 100,
                  alpha: float = 0.5, bm25_threads: int = 0, bm25_mmap: bool = False,
                  corpus_path: str | Path | None = None, lucene_index: str | Path | None = None,
-                 encoder: Encoder | None = None) -> "RetrievalEngine":
+                 encoder: Encoder | None = None, faiss_threads: int = 0) -> "RetrievalEngine":
         """Open what ``build_all`` wrote: ``docstore/``, ``dense/`` and ``dense-*/`` variants, ``bm25/``.
 
         "hybrid" is composed from "dense" (else the first variant) and "bm25" when both exist;
@@ -425,7 +425,7 @@ class RetrievalEngine:
                 continue
             ek = repr(sorted(_encoder_cfg(meta, device).identity().items()))
             r = DenseRetriever(d, docstore, encoder=encoders.get(ek), device=device, use_gpu=use_gpu,
-                               nprobe=nprobe, ef_search=ef_search)
+                               nprobe=nprobe, ef_search=ef_search, faiss_threads=faiss_threads)
             encoders[ek] = r.encoder
             indexes[d.name] = r
         if (root / "bm25" / "meta.json").is_file():
