@@ -77,6 +77,17 @@ def _resolve_device(device: str) -> str:
     return device
 
 
+def cpu_thread_budget() -> int:
+    """Threads this process may use: OMP_NUM_THREADS when set, else the CPUs it may run on.
+
+    Why not torch.get_num_threads(): the chooser itself (and other components in one process) set torch's
+    thread count, so a second encoder built after one left it at 1 would never try more."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 class ThreadChooser:
     """Per size of work, the CPU thread count (1 or ``max_threads``) that has lately been faster per token.
 
@@ -158,7 +169,7 @@ class Encoder:
         self.model.to(self.device).eval()
         self.dim = int(self.model.config.hidden_size)
         # Fixed threads when configured (or on GPU); else chosen per batch size by measurement.
-        self.threads = ThreadChooser(1 if (cfg.num_threads or self.device != "cpu") else torch.get_num_threads())
+        self.threads = ThreadChooser(1 if (cfg.num_threads or self.device != "cpu") else cpu_thread_budget())
         # HF fast tokenizers raise "Already borrowed" under concurrent use; one lock per encoder.
         self._lock = threading.Lock()
 
