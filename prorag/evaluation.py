@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-from prorag.metrics import cover_exact_match, summarize
+from prorag.metrics import bootstrap_ci, cover_exact_match, summarize
 
 
 def recall_at_k(ranked: Sequence[Sequence[str]], gold: Sequence[set[str]], k: int) -> list[float]:
@@ -103,6 +103,65 @@ def score_records(records: list[dict]) -> dict:
     return {"overall": answer_stats(records), "by_hops": {h: answer_stats(rs) for h, rs in sorted(by_hops.items())},
             "by_type": {t: answer_stats(rs) for t, rs in sorted(by_type.items())},
             "multi_hop": answer_stats(multi) if multi else None}
+
+
+#: the group the method comparisons of stages 3-4 are about (issue 19): questions of this many hops or more
+COMPARISON_MIN_HOPS = 3
+
+
+def paired_difference(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], n_resamples: int = 2000,
+                      alpha: float = 0.05, seed: int = 0) -> dict:
+    """Method A minus method B over the same questions: the mean per-question difference and its paired 95%
+    bootstrap CI.
+
+    a, b: [n_seeds][n_questions] scores (e.g. F1), question j of every seed and of both methods being the same
+    question. Each question's difference is first averaged over the seeds, then the questions are resampled,
+    so the interval reflects which questions were asked, and the seeds only reduce the per-question noise.
+    Returns {"f1_diff", "ci": [lo, hi], "n" (questions), "seeds", "a_mean", "b_mean", "wins", "losses", "ties"}.
+
+    >>> r = paired_difference([[1.0, 0.5, 0.0]], [[0.5, 0.5, 0.0]])
+    >>> round(r["f1_diff"], 4), r["n"], r["wins"], r["ties"]
+    (0.1667, 3, 1, 2)
+    """
+    import numpy as np
+
+    xa, xb = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if xa.ndim != 2 or xa.shape != xb.shape:
+        raise ValueError(f"a and b must both be [n_seeds][n_questions] of one shape, got {xa.shape} and {xb.shape}")
+    if xa.shape[0] == 0 or xa.shape[1] == 0:
+        raise ValueError("no seeds or no questions to compare")
+    diff = (xa - xb).mean(axis=0)  # [n_questions]
+    lo, hi = bootstrap_ci(diff, n_resamples=n_resamples, alpha=alpha, seed=seed)
+    return {"f1_diff": float(diff.mean()), "ci": [lo, hi], "n": int(diff.size), "seeds": int(xa.shape[0]),
+            "a_mean": float(xa.mean()), "b_mean": float(xb.mean()), "wins": int((diff > 1e-12).sum()),
+            "losses": int((diff < -1e-12).sum()), "ties": int((np.abs(diff) <= 1e-12).sum())}
+
+
+def compare_methods(per_question: dict[str, list[dict[str, float]]], hops: dict[str, int], pairs,
+                    min_hops: int = COMPARISON_MIN_HOPS, seed: int = 0) -> dict[str, dict]:
+    """Paired comparisons of methods on the questions of ``min_hops``+ hops.
+
+    per_question: method -> [n_seeds] of {question id: F1}; hops: question id -> hop count; pairs: [(A, B)]
+    method names. Only questions every seed of both methods answered are compared. Returns
+    {"A_vs_B": {"group", "a", "b", "f1_diff", "ci", "n", "seeds", ...}} for each pair whose methods both exist
+    and share seeds (a pair with a missing method is left out)."""
+    out = {}
+    for a_name, b_name in pairs:
+        if a_name not in per_question or b_name not in per_question:
+            continue
+        runs_a, runs_b = per_question[a_name], per_question[b_name]
+        seeds = min(len(runs_a), len(runs_b))
+        if not seeds:
+            continue
+        runs_a, runs_b = runs_a[:seeds], runs_b[:seeds]
+        ids = sorted(q for q in set.intersection(*(set(r) for r in (*runs_a, *runs_b)))
+                     if hops.get(q, 0) >= min_hops)
+        if not ids:
+            continue
+        r = paired_difference([[run[q] for q in ids] for run in runs_a], [[run[q] for q in ids] for run in runs_b],
+                              seed=seed)
+        out[f"{a_name}_vs_{b_name}"] = {"group": f"{min_hops}+ hops", "a": a_name, "b": b_name, **r}
+    return out
 
 
 def margin_beyond_cis(better: dict, baseline: dict) -> dict:

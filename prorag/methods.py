@@ -46,7 +46,20 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            train={"mode": "standard_rag"}),
     Method("sft", "agent", description="ProRAG stage 1: SFT on gold step-by-step trajectories",
            train={"mode": "agent"}, evaluate={"max_steps": AGENT_MAX_STEPS}),
+    # stages 3-4 and the baselines trained from the same SFT model (prorag_app.stage34)
+    Method("rft", "agent", stage="rft", description="ProRAG stage 3: the SFT model fine-tuned on its own sampled "
+                                                    "trajectories that are correct and PRM-approved at every step",
+           evaluate={"max_steps": AGENT_MAX_STEPS}),
+    Method("prorag", "agent", stage="rl", description="ProRAG: process-supervised GRPO (LoRA) on the RFT model, "
+                                                      "outcome + beta x PRM step advantage",
+           evaluate={"max_steps": AGENT_MAX_STEPS}),
+    Method("outcome_grpo", "agent", stage="rl", description="Search-R1-style outcome-only GRPO (LoRA) on the SFT "
+                                                            "model: the same RL code, beta 0, no RFT",
+           evaluate={"max_steps": AGENT_MAX_STEPS}),
 )}
+
+#: methods trained by the SFT stage (the pipeline's `Profile.methods`)
+SFT_METHODS = tuple(m.name for m in METHODS.values() if m.stage == "sft")
 
 
 def get_method(name: str) -> Method:
@@ -61,4 +74,4 @@ def kind_of(name: str) -> str:
     return METHODS[name].kind if name in METHODS else "agent"
 
 
-__all__ = ["KINDS", "Method", "METHODS", "AGENT_MAX_STEPS", "DOCS_PER_SEARCH", "get_method", "kind_of"]
+__all__ = ["KINDS", "Method", "METHODS", "SFT_METHODS", "AGENT_MAX_STEPS", "DOCS_PER_SEARCH", "get_method", "kind_of"]

@@ -28,6 +28,7 @@ from prorag.data.loaders import load_split
 from prorag_app.embedded import ensure_indexes, ensure_policy_model
 from prorag.progress import progress_bars
 from prorag.evaluation import grouped_mean_ci, recall_at_k, retrieval_queries
+from prorag.errors import InvalidArgument
 from prorag.methods import get_method
 from prorag.registry import registry
 from prorag.runs import code_version, new_run_dir, write_results
@@ -63,7 +64,9 @@ class Profile:
         from services.trainer.stage_sft import SFTConfig
 
         for m in (*self.methods, *self.method_sft):
-            get_method(m)
+            if get_method(m).stage != "sft":
+                raise InvalidArgument(f"profile method {m!r} is trained by stage {get_method(m).stage!r}, not SFT: "
+                                      "stages 3-4 are asked for by the profile's stage34 settings")
         check_fields(SFTConfig, self.sft, prefix="sft.")
         for m, settings in self.method_sft.items():
             check_fields(SFTConfig, settings, prefix=f"method_sft.{m}.")

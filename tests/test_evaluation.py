@@ -52,3 +52,54 @@ def test_grouped_means_use_the_one_mean_with_ci_helper():
     out = grouped_mean_ci([1.0, 0.0, 1.0, 1.0], ["a", "a", "b", "b"], seed=3)
     assert out["overall"] == summarize([1.0, 0.0, 1.0, 1.0], seed=3)
     assert out["a"]["mean"] == 0.5 and out["b"] == {"n": 2, "mean": 1.0, "ci": [1.0, 1.0]}
+
+
+# ---------------------------------------------------------------- paired method comparisons (issue 19)
+def test_paired_difference_is_the_mean_per_question_difference_with_a_ci_around_it():
+    from prorag.evaluation import paired_difference
+
+    a = [[1.0, 1.0, 0.5, 0.0, 1.0, 0.8]]
+    b = [[0.0, 1.0, 0.5, 0.0, 0.5, 0.8]]
+    r = paired_difference(a, b)
+    assert r["f1_diff"] == pytest.approx(1.5 / 6)
+    assert r["n"] == 6 and r["seeds"] == 1 and (r["wins"], r["losses"], r["ties"]) == (2, 0, 4)
+    lo, hi = r["ci"]
+    assert 0.0 <= lo <= r["f1_diff"] <= hi <= 1.0
+
+
+def test_pairing_removes_the_spread_between_questions_that_unpaired_intervals_keep():
+    """A is B plus 0.05 on every question while questions range from 0 to 1: the paired CI is a point above 0,
+    while the two per-method intervals overlap widely."""
+    from prorag.evaluation import paired_difference
+
+    b = [[i / 99 * 0.9 for i in range(100)]]
+    a = [[x + 0.05 for x in b[0]]]
+    r = paired_difference(a, b)
+    assert r["ci"][0] == pytest.approx(0.05) and r["ci"][1] == pytest.approx(0.05)
+    ca, cb = summarize(a[0])["ci"], summarize(b[0])["ci"]
+    assert ca[0] < cb[1]  # unpaired: overlapping
+
+
+def test_seeds_are_averaged_per_question_before_resampling():
+    from prorag.evaluation import paired_difference
+
+    r = paired_difference([[1.0, 0.0], [0.0, 0.0]], [[0.0, 0.0], [0.0, 1.0]])
+    # per question: (1 - 0 + 0 - 0) / 2 = 0.5 and (0 - 0 + 0 - 1) / 2 = -0.5
+    assert r["f1_diff"] == pytest.approx(0.0) and r["seeds"] == 2 and (r["wins"], r["losses"]) == (1, 1)
+    with pytest.raises(ValueError):
+        paired_difference([[1.0]], [[1.0, 0.0]])
+    with pytest.raises(ValueError):
+        paired_difference([[]], [[]])
+
+
+def test_compare_methods_keeps_the_group_and_the_questions_every_run_answered():
+    from prorag.evaluation import compare_methods
+
+    hops = {"q1": 1, "q2": 3, "q3": 4, "q4": 3}
+    per_q = {"prorag": [{"q1": 0.0, "q2": 1.0, "q3": 1.0, "q4": 0.5}],
+             "sft": [{"q1": 1.0, "q2": 0.0, "q3": 1.0}]}  # q4 missing from sft: not compared
+    out = compare_methods(per_q, hops, [("prorag", "sft"), ("prorag", "outcome_grpo")])
+    assert set(out) == {"prorag_vs_sft"}  # outcome_grpo was not run
+    c = out["prorag_vs_sft"]
+    assert c["group"] == "3+ hops" and c["n"] == 2 and c["f1_diff"] == pytest.approx(0.5)
+    assert (c["a"], c["b"]) == ("prorag", "sft")

@@ -52,8 +52,9 @@ class PolicyConfig:
                                                         "max_tokens (GenerateSteps, HTTP) or questions x n x "
                                                         "max_steps x max_tokens (Rollout)", min=1)
     restore_active: bool = cfg_field(True, help="at start, load and activate the adapter version last activated "
-                                                "in adapter_root (ACTIVE.json, written by every ActivateAdapter), "
-                                                "so a restarted replica serves what the others serve; if it "
+                                                "in adapter_root for this base model (ACTIVE-<sha256[:16]>.json, written by "
+                                                "every ActivateAdapter), so a restarted replica serves what the "
+                                                "others of the same model serve; if it "
                                                 "cannot be loaded the start fails with the reason")
     http_timeout_s: float = cfg_field(300.0, help="deadline of one HTTP completion request (enforced between "
                                                   "engine calls and while queued)", min=0.1)
@@ -109,14 +110,14 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
     root.mkdir(parents=True, exist_ok=True)
     manager = AdapterManager(engine, root, str(model_path), model_info["sha256"])
     if cfg.restore_active:
-        from services.policy.servicer import read_active
+        from services.policy.servicer import active_file, read_active
 
-        active = read_active(root)
+        active = read_active(root, sha)
         if active is not None:
             try:
                 await manager.activate(active)
             except ProragError as e:
-                raise FailedPrecondition(f"{root}/ACTIVE.json says {active} is the active adapter, but it cannot be "
+                raise FailedPrecondition(f"{active_file(root, sha)} says {active} is the active adapter, but it cannot be "
                                          f"loaded: {e}; publish it again, or activate another version on the "
                                          "running replicas (or start with restore_active=false)") from e
             log.info("restored the active adapter %s", active)

@@ -32,18 +32,28 @@ def _deadline(context) -> float | None:
 ACTIVE_FILE = "ACTIVE.json"
 
 
-def record_active(adapter_root, ref: ArtifactRef | None) -> None:
-    """Write what is active into the shared adapter root, so that a replica that (re)starts serves the same
-    version as the others (see :func:`read_active`). Every replica of a push writes the same content."""
+def active_file(adapter_root, base_sha256: str) -> Path:
+    """Where the active adapter of replicas serving the base model ``base_sha256`` is recorded.
+
+    One file per base model: one adapter root (a world's) holds adapters of several bases (the SFT model's
+    outcome-only GRPO, the RFT model's ProRAG RL), and a replica started on one base must not restore an
+    adapter trained on another."""
+    return Path(adapter_root) / (f"ACTIVE-{base_sha256[:16]}.json" if base_sha256 else ACTIVE_FILE)
+
+
+def record_active(adapter_root, ref: ArtifactRef | None, base_sha256: str = "") -> None:
+    """Write what is active into the shared adapter root, so that a replica of the same base model that
+    (re)starts serves the same version as the others (see :func:`read_active`). Every replica of a push writes
+    the same content."""
     from prorag.io import write_json
 
-    write_json(Path(adapter_root) / ACTIVE_FILE, {"name": ref.name, "version": ref.version} if ref else {})
+    write_json(active_file(adapter_root, base_sha256), {"name": ref.name, "version": ref.version} if ref else {})
 
 
-def read_active(adapter_root) -> ArtifactRef | None:
+def read_active(adapter_root, base_sha256: str = "") -> ArtifactRef | None:
     import json
 
-    path = Path(adapter_root) / ACTIVE_FILE
+    path = active_file(adapter_root, base_sha256)
     if not path.is_file():
         return None
     data = json.loads(path.read_text())
@@ -259,11 +269,11 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
     async def ActivateAdapter(self, request, context):
         if not request.ref.name:
             await self.manager.activate(None)
-            await asyncio.to_thread(record_active, self.manager.root, None)
+            await asyncio.to_thread(record_active, self.manager.root, None, self.manager.base_model_sha256)
             return policy_pb2.AdapterStatus(active=True)
         ref = ArtifactRef.of(request.ref.name, request.ref.version)
         await self.manager.activate(ref)
-        await asyncio.to_thread(record_active, self.manager.root, ref)
+        await asyncio.to_thread(record_active, self.manager.root, ref, self.manager.base_model_sha256)
         return self._status(ref.key)
 
     async def UnloadAdapter(self, request, context):

@@ -1,0 +1,19 @@
+"""The active-adapter record a restarting replica restores from: one per base model, so replicas of another
+model sharing the adapter root (a world's: SFT-based and RFT-based adapters side by side) never restore an
+adapter trained on a base they do not serve."""
+
+from prorag.registry import ArtifactRef
+from services.policy.servicer import active_file, read_active, record_active
+
+
+def test_each_base_model_restores_only_its_own_active_adapter(tmp_path):
+    sft, rft = "a" * 64, "b" * 64
+    record_active(tmp_path, ArtifactRef("outcome_grpo", "j1-3"), sft)
+    assert read_active(tmp_path, sft) == ArtifactRef("outcome_grpo", "j1-3")
+    assert read_active(tmp_path, rft) is None  # a replica of the RFT model starts on its base model
+    record_active(tmp_path, ArtifactRef("prorag", "j2-3"), rft)
+    assert read_active(tmp_path, rft) == ArtifactRef("prorag", "j2-3")
+    assert read_active(tmp_path, sft) == ArtifactRef("outcome_grpo", "j1-3")
+    record_active(tmp_path, None, sft)  # back to the base model
+    assert read_active(tmp_path, sft) is None and read_active(tmp_path, rft) == ArtifactRef("prorag", "j2-3")
+    assert active_file(tmp_path, sft) != active_file(tmp_path, rft)
