@@ -8,6 +8,10 @@
    versioned model. Jobs are idempotent: a second run reuses finished jobs.
 5. Evaluates each model through a policy service serving it (rollouts call the retriever service),
    prints EM/F1 per hop count and type with 95% bootstrap CIs, and writes runs/latest/results.json.
+6. Stage 2 on the trained agent (prorag_app.stage2): MCTS, judged sibling pairs, the PRM and its validation.
+7. Stages 3-4 and the outcome-only baseline from the same agent (prorag_app.stage34): RFT, ProRAG's RL on the RFT
+   model, outcome-only GRPO on the SFT model; each evaluated like the others, and compared per question
+   (paired bootstrap CIs on 3+ hop questions, results.json's "comparisons").
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Profile:
     base_variant: str = ""           # directory suffix of a base other than the world's default
     method_sft: dict = field(default_factory=dict)  # {method: SFT settings on top of ``sft`` for that method only}
     stage2: dict | None = None  # MCTS, judging, PRM and its validation (prorag_app.stage2.Stage2Settings); None = off
+    stage34: dict | None = None  # RFT, ProRAG's RL and outcome-only GRPO (prorag_app.stage34.Stage34Settings)
 
     def __post_init__(self) -> None:
         from prorag.config import check_fields
@@ -84,6 +89,18 @@ class Profile:
             check_fields(MCTSConfig, mcts.pop("mcts", {}), prefix="stage2.mcts.mcts.")
             check_fields(MCTSStageConfig, mcts, prefix="stage2.mcts.")
             check_fields(PRMConfig, self.stage2.get("prm", {}), prefix="stage2.prm.")
+        if self.stage34 is not None:
+            from prorag_app.stage34 import Stage34Settings
+            from services.trainer.stage_rft import RFTConfig
+            from services.trainer.stage_rl import RLConfig
+
+            check_fields(Stage34Settings, {k: v for k, v in self.stage34.items() if k not in ("rft", "rl")},
+                         prefix="stage34.")
+            for m in self.stage34.get("methods", ()):
+                if get_method(m).stage not in ("rft", "rl"):
+                    raise InvalidArgument(f"stage34.methods: {m!r} is not a stage 3-4 method")
+            check_fields(RFTConfig, self.stage34.get("rft", {}), prefix="stage34.rft.")
+            check_fields(RLConfig, self.stage34.get("rl", {}), prefix="stage34.rl.")
 
     def sft_for(self, method: str) -> dict:
         """The SFT job settings of ``method``: its table entry's, the profile's shared ones, then its own."""
@@ -113,7 +130,14 @@ RECIPE = Profile(world="default", model_preset="cpu-induction", vocab_size=8192,
                  # the PRM (Bradley-Terry) on them, validated on the whole test split
                  stage2={"mcts": {"max_questions": 200, "concurrency": 32, "max_step_tokens": 96, "seed": 1,
                                   "mcts": {"simulations": 12, "expansions": 4, "max_children": 4}},
-                         "prm": {"epochs": 2, "batch_size": 8, "lr": 5e-4, "label_source": "judge"}})
+                         "prm": {"epochs": 2, "batch_size": 8, "lr": 5e-4, "label_source": "judge"}},
+                 # stages 3-4 and outcome-only GRPO from the same agent, with the same RL questions, iterations,
+                 # group size and learning rate for both RL methods (sized for 2 cores; docs/BENCHMARKS.md)
+                 stage34={"rft": {"max_questions": 400, "samples_per_question": 4, "temperature": 0.8,
+                                  "max_step_tokens": 96, "batch_size": 8, "lr": 5e-4, "seed": 1},
+                          "rl": {"iterations": 10, "questions_per_iteration": 16, "group_size": 8, "lr": 5e-4,
+                                 "max_step_tokens": 96, "checkpoint_every": 5, "seed": 1},
+                          "beta": 0.3})
 
 PROFILES = {
     "tiny": Profile(world="tiny", model_preset="tiny", vocab_size=2048,
@@ -122,7 +146,12 @@ PROFILES = {
                                      "mcts": {"simulations": 4, "expansions": 2, "max_children": 2, "max_depth": 6}},
                             "prm": {"epochs": 1, "batch_size": 4, "log_every": 1, "checkpoint_every": 10,
                                     "label_source": "judge"},
-                            "eval_questions": 20}),
+                            "eval_questions": 20},
+                    stage34={"rft": {"max_questions": 8, "samples_per_question": 2, "max_step_tokens": 32,
+                                     "max_train_steps": 2, "batch_size": 2, "checkpoint_every": 1},
+                             "rl": {"iterations": 2, "questions_per_iteration": 4, "group_size": 2,
+                                    "max_step_tokens": 32, "max_steps": 4, "lr": 1e-3, "lora_r": 4, "lora_alpha": 8,
+                                    "checkpoint_every": 1}}),
     "default": RECIPE,
     # the name the recipe had while it was not the default; outside scripts call it
     "full": RECIPE,
@@ -295,24 +324,34 @@ def eval_options(method: str, model_dir: str) -> dict:
 
 
 def evaluate_method(method: str, model_dir: str, world: str, stack: ServiceStack, questions, run_dir,
-                    port_offset: int) -> dict:
-    """Serve ``model_dir`` in its own policy process and evaluate it through the services."""
+                    port_offset: int, adapter: str = "") -> dict:
+    """Serve ``model_dir`` (with the LoRA ``adapter`` name@version loaded and active, when given) in its own policy
+    process and evaluate it through the services. The process never restores another run's active adapter."""
+    from prorag.clients import push_adapter
     from prorag_app.eval import evaluate
-
 
     kw = eval_options(method, model_dir)
     eval_stack = ServiceStack(port_offset=port_offset, world=world, services=("policy",),
                               overrides={"policy": {"model": model_dir, "retriever": stack.grpc_target("retriever"),
-                                                    "max_steps": max(64, kw.get("max_steps", 0))}},
+                                                    "max_steps": max(64, kw.get("max_steps", 0)),
+                                                    "restore_active": False}},
                               log_dir=str(run_dir / "logs" / method))
     with eval_stack, PolicyClient(eval_stack.grpc_target("policy")) as policy, \
             RetrieverClient(stack.grpc_target("retriever"), timeout=600) as retriever, progress_bars() as progress:
+        if adapter:
+            name, _, version = adapter.partition("@")
+            acks = push_adapter([eval_stack.grpc_target("policy")], name, version)
+            if not all(a.ok for a in acks):
+                raise SystemExit(f"evaluating {method}: the policy did not load adapter {adapter}: "
+                                 + "; ".join(a.error for a in acks))
+            kw["adapter"] = adapter  # every rollout names it, so a trajectory says which version answered
         return evaluate(method, policy, retriever, questions, out_dir=run_dir,
                         progress=lambda d, t: progress(f"eval {method}", d, t), **kw)
 
 
 def evaluate_methods(models: dict[str, str], world: str, stack: ServiceStack, questions, run_dir,
-                     port_offset: int, timings: dict | None = None) -> dict[str, dict]:
+                     port_offset: int, timings: dict | None = None,
+                     adapters: dict[str, str] | None = None) -> dict[str, dict]:
     """Evaluate every method at once, each served by its own policy process (ports port_offset + 10 * i).
 
     Why side by side: each evaluation starts a policy process (imports, model load) and waits on retrieval
@@ -322,7 +361,8 @@ def evaluate_methods(models: dict[str, str], world: str, stack: ServiceStack, qu
 
     def one(i: int, method: str) -> dict:
         t = time.monotonic()
-        out = evaluate_method(method, models[method], world, stack, questions, run_dir, port_offset + 10 * i)
+        out = evaluate_method(method, models[method], world, stack, questions, run_dir, port_offset + 10 * i,
+                              adapter=(adapters or {}).get(method, ""))
         if timings is not None:
             timings[f"eval_{method}_s"] = time.monotonic() - t
         return out
@@ -349,6 +389,35 @@ def stage2(prof: Profile, stack: ServiceStack, world: str, sft_model: str, run_d
     timings["stage2_s"] = time.monotonic() - t
     print_prm_table(out)
     return out
+
+
+def stage34(prof: Profile, stack: ServiceStack, world: str, sft_ref: str, prm: dict | None, questions, run_dir,
+            port_offset: int, timings: dict) -> tuple[dict, dict[str, dict]]:
+    """Stages 3-4 and the outcome-only baseline from the trained agent (prorag_app.stage34), then their evaluation
+    side by side on ``questions``. Returns (what stage34 did, method -> evaluation)."""
+    from prorag.config import from_dict
+    from prorag_app.stage34 import Stage34Settings, run_stage34
+
+    settings = from_dict(Stage34Settings, prof.stage34)
+    prm_dir = (str(registry("prm", world).resolve(prm["model"])) if prm is not None and "model" in prm else None)
+    sft_dir = str(registry("model", world).resolve(sft_ref))
+    t = time.monotonic()
+    out = run_stage34(stack, world, sft_ref, sft_dir, prm_dir, prof.sft_for("sft"), settings, run_dir,
+                      port_offset + 200, timings)
+    models = out["models"]
+    evaluated = evaluate_methods({m: v["model"] for m, v in models.items()}, world, stack, questions, run_dir,
+                                 port_offset + 100, timings, adapters={m: v["adapter"] for m, v in models.items()})
+    timings["stage34_s"] = time.monotonic() - t
+    return out, evaluated
+
+
+def compare(run_dir, methods: dict, questions) -> dict:
+    """results.json's "comparisons": paired differences on 3+ hop questions (prorag.evaluation.compare_methods)
+    between the methods this run evaluated (one seed)."""
+    from prorag.evaluation import compare_methods
+    from prorag_app.stage34 import COMPARISONS, per_question_f1
+
+    return compare_methods(per_question_f1(run_dir, methods), {q.id: q.hops for q in questions}, COMPARISONS)
 
 
 def copy_probes(models: dict[str, str], questions) -> dict[str, dict]:
@@ -444,12 +513,26 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         if prof.stage2 is not None and "sft" in jobs:
             prm = stage2(prof, stack, world, str(registry("model", world).resolve(jobs["sft"]["model"])), run_dir,
                          port_offset + 100, timings)
+        stage34_out, comparisons = None, {}
+        if prof.stage34 is not None and "sft" in jobs:
+            stage34_out, later = stage34(prof, stack, world, jobs["sft"]["model"], prm, eval_qs, run_dir,
+                                         port_offset, timings)
+            methods.update(later)
+            comparisons = compare(run_dir, methods, eval_qs)
     t5 = time.monotonic()
     probes = copy_probes({"base": str(base), **{m: str(registry("model", world).resolve(jobs[m]["model"]))
-                                                 for m in methods}}, test)
+                                                 for m in methods if m in jobs}}, test)
     diag = diagnostics(methods, probes)
     timings["diagnostics_s"] = time.monotonic() - t5
     print_diagnostics(diag)
+    if stage34_out is not None:
+        from prorag_app.stage34 import print_comparisons, print_rl
+
+        console.print(format_table(methods))
+        print_rl(stage34_out["rl"])
+        print_comparisons(comparisons)
+        for m, why in stage34_out["skipped"].items():
+            console.print(f"[yellow]{m}: skipped: {why}[/yellow]")
     figure = multi_hop_figure(methods)
     if figure:
         console.print(f"{figure['group']}: sft - standard_rag = {100 * figure['margin']:+.1f} F1; CI widths "
@@ -462,6 +545,7 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
                     for m, r in methods.items()},
         "figure": figure,
         **({"prm": prm} if prm is not None else {}),
+        **({"comparisons": comparisons, "stage34": stage34_out} if stage34_out is not None else {}),
         "diagnostics": diag,
         "retrieval": retrieval,
         "jobs": {m: {"job_id": j["job_id"], "model": j["model"], "metrics": j["metrics"]} for m, j in jobs.items()},

@@ -18,6 +18,7 @@ def _free_offset() -> int:
         off = rng.randrange(3000, 14000)
         ports = [p + off for p in (50051, 50052, 50053, 50054, 50055, 8000, 8001)]
         ports += [p + 100 + 10 * i for p in ports for i in range(3)]  # the evaluations' policy processes
+        ports += [p + 200 + 10 * i for p in ports[:7] for i in range(2)]  # stages 3-4's policy and PRM processes
         if all(port_free("127.0.0.1", p) for p in ports):
             return off
     raise RuntimeError("no free port range on loopback")
@@ -39,7 +40,8 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "data" / "worlds" / "tiny-s7" / "world.json").read_text())["config"]["seed"] == 7
 
     on_disk = json.loads((tmp_path / "runs" / "latest" / "results.json").read_text())
-    assert on_disk["methods"].keys() == {"no_retrieval", "standard_rag", "sft"}
+    # the SFT-stage methods, outcome-only GRPO, and RFT and ProRAG when stage 2 trained a PRM
+    assert on_disk["methods"].keys() >= {"no_retrieval", "standard_rag", "sft", "outcome_grpo"}
     for name, m in on_disk["methods"].items():
         overall = m["overall"]
         assert overall["n"] == 60
@@ -50,11 +52,11 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
         assert sum(v["n"] for v in m["by_hops"].values()) == 60
     # diagnostics: the format, the agent's first subquery and the copy probe of the base and every trained model
     diag = on_disk["diagnostics"]
-    assert set(diag) == {"base", "no_retrieval", "standard_rag", "sft"}
+    assert set(diag) == {"base"} | set(on_disk["methods"])
     assert 0.0 <= diag["sft"]["first_subquery_entity_rate"] <= 1.0
     assert diag["sft"]["first_subquery_entity_rate"] == on_disk["methods"]["sft"]["first_subquery_entity_rate"]
     assert diag["standard_rag"]["first_subquery_entity_rate"] is None  # not an agent
-    for name in diag:
+    for name in ("base", "no_retrieval", "standard_rag", "sft"):  # the probe reads full models, not adapters
         probe = diag[name]["copy_probe"]
         assert probe["names"] > 0 and 0.0 <= probe["name_accuracy"] <= 1.0 and 0.0 <= probe["token_accuracy"] <= 1.0
     # retrieval of gold sub-questions is near perfect on the tiny world
@@ -86,6 +88,27 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
             "swapped_entity", "unsupported_subanswer", "redundant_search", "premature_answer"}
         assert (run_dir / "prm" / "scores.png").read_bytes()[:4] == b"\x89PNG"
         assert prm["model"].startswith("prm@tiny-s7-stage2-prm-")
+
+    # stages 3-4: outcome-only GRPO from the SFT agent (2 iterations x 4 questions x 2 samples), its final adapter
+    # evaluated through a policy process; RFT and ProRAG's RL only with a PRM from stage 2
+    s34 = on_disk["stage34"]
+    rl = s34["rl"]["outcome_grpo"]
+    assert rl["iterations"] == 2 and rl["questions"] == 8 and rl["total_sampled"] == 16
+    adapter = s34["models"]["outcome_grpo"]["adapter"]
+    assert adapter.startswith("outcome_grpo@tiny-s7-stage34-outcome_grpo-") and adapter.endswith("-2")
+    preds = [json.loads(l) for l in (run_dir / "outcome_grpo" / "predictions.jsonl").read_text().splitlines()]
+    assert len(preds) == 60 and {p["adapter_version"] for p in preds} == {adapter}
+    if "skipped" in prm:
+        assert set(s34["skipped"]) == {"rft", "prorag"} and "no PRM" in s34["skipped"]["prorag"]
+    else:
+        assert {"rft", "prorag"} <= set(on_disk["methods"]) or set(s34["skipped"]) == {"rft", "prorag"}
+    # paired comparisons over the same 3+ hop test questions
+    from prorag.data.loaders import load_split
+
+    n3 = sum(q.hops >= 3 for q in load_split(tmp_path / "data" / "worlds" / "tiny-s7", "test"))
+    c = on_disk["comparisons"]["outcome_grpo_vs_sft"]
+    assert c["group"] == "3+ hops" and c["n"] == n3 > 0 and c["seeds"] == 1
+    assert c["ci"][0] <= c["f1_diff"] <= c["ci"][1] and c["wins"] + c["losses"] + c["ties"] == n3
 
     # a second run reuses the finished jobs instead of training again
     again = run_main_job(profile="tiny", world="tiny-s7", port_offset=_free_offset())

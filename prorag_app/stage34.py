@@ -1,0 +1,202 @@
+"""Stages 3 and 4 of the pipeline, and the outcome-only baseline, all from the same SFT model.
+
+Through the services of a ServiceStack (the trainer runs every job; the policy and PRM services serve):
+
+- ``rft`` (stage 3): the SFT model samples trajectories through a policy service serving it; the correct ones
+  whose every step the stage-2 PRM approves are fine-tuned on (trainer stage ``rft``);
+- ``prorag`` (stage 4): GRPO on LoRA from the RFT model with the dual-granularity advantage, step scores from
+  the PRM service (trainer stage ``rl``, beta > 0), rollouts through a policy service serving the RFT model;
+- ``outcome_grpo``: the same RL code from the SFT model with beta 0 and no PRM (Search-R1-style outcome-only
+  GRPO), on the same questions with the same rollout budget.
+
+Each RL job publishes an adapter version per iteration and pushes it to its policy service; the final adapter is
+what gets evaluated. Without a PRM (stage 2 found no labelled pairs) only the outcome-only baseline can run; the
+others are reported as skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from prorag.config import cfg_field
+
+console = Console()
+
+#: the comparisons results.json reports (A minus B on 3+ hop questions); issue 19 names the first three
+COMPARISONS = (("prorag", "outcome_grpo"), ("outcome_grpo", "sft"), ("prorag", "sft"), ("rft", "sft"),
+               ("prorag", "rft"))
+
+
+@dataclass
+class Stage34Settings:
+    """What a profile asks of stages 3-4 (the trainer's rft and rl jobs take the rest from their defaults)."""
+
+    methods: tuple = cfg_field(("rft", "prorag", "outcome_grpo"),
+                               help="which of rft, prorag and outcome_grpo to train and evaluate")
+    rft: dict = cfg_field(help="rft job settings (services.trainer.stage_rft.RFTConfig)", factory=dict)
+    rl: dict = cfg_field(help="rl job settings shared by prorag and outcome_grpo (services.trainer.stage_rl."
+                              "RLConfig): the same questions, iterations, group size and learning rate for both",
+                         factory=dict)
+    beta: float = cfg_field(0.3, help="ProRAG's weight of the process advantage (outcome_grpo: 0)", min=0.0,
+                            max=10.0)
+
+
+def _job_id(prefix: str, stage: str, cfg: dict) -> str:
+    """Same settings and inputs -> same id, so a second run reuses the finished job; addresses are left out (they
+    move with --port-offset and do not change what is trained)."""
+    key = {k: v for k, v in cfg.items() if k not in ("policy", "prm", "retriever", "threads")}
+    key["uses_prm"] = bool(cfg.get("prm"))
+    return f"{prefix}-{stage}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]}"
+
+
+def rl_summary(iterations_path: str | Path) -> dict:
+    """Where an RL job's time went, per iteration (medians), from its iterations.jsonl: rollout, PRM scoring,
+    update and adapter push (sync); plus its last reward and the policy lag it saw."""
+    import statistics
+
+    rows = [json.loads(line) for line in Path(iterations_path).read_text().splitlines() if line.strip()]
+    if not rows:
+        return {"iterations": 0}
+    out = {"iterations": len(rows)}
+    for key, name in (("rollout_s", "rollout_s"), ("prm_s", "prm_scoring_s"), ("update_s", "update_s"),
+                      ("push_s", "adapter_sync_s")):
+        out[f"median_{name}"] = statistics.median(float(r.get(key, 0.0)) for r in rows)
+    for key in ("sampled", "kept", "trained_tokens", "dropped_stale"):
+        out[f"total_{key}"] = sum(float(r.get(key, 0.0)) for r in rows)
+    out["questions"] = sum(int(r.get("questions", 0)) for r in rows)
+    out["lag_max"] = max(float(r.get("lag_max", 0.0)) for r in rows)
+    out["reward_first"], out["reward_last"] = float(rows[0].get("reward_mean", 0.0)), float(rows[-1].get("reward_mean", 0.0))
+    out["f1_first"], out["f1_last"] = float(rows[0].get("f1_mean", 0.0)), float(rows[-1].get("f1_mean", 0.0))
+    out["groups_flat_fraction"] = (sum(float(r.get("groups_flat", 0)) for r in rows)
+                                   / max(1.0, sum(float(r.get("groups", 0)) for r in rows)))
+    return out
+
+
+def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | None, sft_settings: dict,
+                settings: Stage34Settings, run_dir: Path, port_offset: int, timings: dict) -> dict:
+    """Train what ``settings.methods`` asks through the stack's trainer. Returns {"models": {method: {"model":
+    directory, "adapter": name@version or ""}}, "jobs", "rl": {method: rl_summary}, "skipped": {method: why},
+    "settings"}."""
+    from prorag.registry import registry
+    from prorag_app.stack import ServiceStack
+    from prorag_app.stage2 import run_job
+
+    wanted = tuple(settings.methods)
+    out: dict = {"models": {}, "jobs": {}, "rl": {}, "skipped": {}, "settings": asdict(settings)}
+    prefix = f"{world}-stage34"
+    topk = int(sft_settings.get("topk", 1))
+    if prm_dir is None:
+        for m in ("rft", "prorag"):
+            if m in wanted:
+                out["skipped"][m] = "stage 2 trained no PRM (no labelled sibling pairs), so no PRM-guided stage"
+    services = ("policy", "prm") if prm_dir else ("policy",)
+    overrides = {"policy": {"model": sft_dir, "retriever": stack.grpc_target("retriever"), "restore_active": False}}
+    if prm_dir:
+        overrides["prm"] = {"model": prm_dir, "world": world}
+    sft_serving = ServiceStack(port_offset=port_offset, world=world, services=services, overrides=overrides,
+                               log_dir=str(run_dir / "logs" / "stage34-sft-policy"))
+    t0 = time.monotonic()
+    with sft_serving:
+        prm_target = sft_serving.grpc_target("prm") if prm_dir else ""
+        rl_common = {"world": world, "topk": topk, **settings.rl}
+        if "outcome_grpo" in wanted:
+            t = time.monotonic()
+            cfg = {**rl_common, "base_model": sft_ref, "policy": sft_serving.grpc_target("policy"), "prm": "",
+                   "beta": 0.0, "adapter_name": "outcome_grpo"}
+            job = run_job(stack, "rl", cfg, _job_id(prefix, "outcome_grpo", cfg))
+            out["jobs"]["outcome_grpo"] = job["job_id"]
+            out["models"]["outcome_grpo"] = {"model": sft_dir, "adapter": job["outputs"]["adapter"]}
+            out["rl"]["outcome_grpo"] = rl_summary(Path(job["run_dir"]) / "iterations.jsonl")
+            timings["stage34_outcome_grpo_s"] = time.monotonic() - t
+        rft = None
+        if prm_dir and ("rft" in wanted or "prorag" in wanted):
+            t = time.monotonic()
+            cfg = {"world": world, "base_model": sft_ref, "policy": sft_serving.grpc_target("policy"),
+                   "prm": prm_target, "topk": topk, "publish_name": "rft", **settings.rft}
+            try:
+                rft = run_job(stack, "rft", cfg, _job_id(prefix, "rft", cfg))
+            except SystemExit as e:  # RFT kept nothing: report it, go on with what does not need it
+                for m in ("rft", "prorag"):
+                    if m in wanted:
+                        out["skipped"][m] = f"the RFT job failed: {e}"
+            timings["stage34_rft_s"] = time.monotonic() - t
+        if rft is not None:
+            out["jobs"]["rft"] = rft["job_id"]
+            rft_ref = rft["outputs"]["model"]
+            rft_dir = str(registry("model", world).resolve(rft_ref))
+            out["rft"] = {k: rft["metrics"][f"data_{k}"] for k in ("questions", "sampled", "answered", "correct",
+                                                                   "prm_scored", "prm_passed", "kept",
+                                                                   "questions_with_kept")
+                          if f"data_{k}" in rft["metrics"]}
+            if "rft" in wanted:
+                out["models"]["rft"] = {"model": rft_dir, "adapter": ""}
+            if "prorag" in wanted:
+                t = time.monotonic()
+                rft_serving = ServiceStack(port_offset=port_offset + 10, world=world, services=("policy",),
+                                           overrides={"policy": {"model": rft_dir, "restore_active": False,
+                                                                 "retriever": stack.grpc_target("retriever")}},
+                                           log_dir=str(run_dir / "logs" / "stage34-rft-policy"))
+                with rft_serving:
+                    cfg = {**rl_common, "base_model": rft_ref, "policy": rft_serving.grpc_target("policy"),
+                           "prm": prm_target, "beta": settings.beta, "adapter_name": "prorag"}
+                    job = run_job(stack, "rl", cfg, _job_id(prefix, "prorag", cfg))
+                out["jobs"]["prorag"] = job["job_id"]
+                out["models"]["prorag"] = {"model": rft_dir, "adapter": job["outputs"]["adapter"]}
+                out["rl"]["prorag"] = rl_summary(Path(job["run_dir"]) / "iterations.jsonl")
+                timings["stage34_prorag_s"] = time.monotonic() - t
+    timings["stage34_train_s"] = time.monotonic() - t0
+    return out
+
+
+def per_question_f1(run_dir: Path, methods) -> dict[str, list[dict[str, float]]]:
+    """method -> [one seed] of {question id: F1}, from the predictions each evaluation saved."""
+    out = {}
+    for m in methods:
+        path = Path(run_dir) / m / "predictions.jsonl"
+        if path.is_file():
+            out[m] = [{r["id"]: float(r["f1"]) for r in map(json.loads, path.read_text().splitlines()) if r}]
+    return out
+
+
+def print_comparisons(comparisons: dict) -> None:
+    if not comparisons:
+        return
+    table = Table(title="Paired comparisons on the test split: A minus B, per question (F1 x100) [95% paired "
+                        "bootstrap CI]")
+    for col in ("A vs B", "group", "A", "B", "A - B", "CI", "n", "wins/losses/ties"):
+        table.add_column(col, justify="left" if col in ("A vs B", "group") else "right")
+    for name, c in comparisons.items():
+        lo, hi = c["ci"]
+        table.add_row(name, c["group"], f"{100 * c['a_mean']:.1f}", f"{100 * c['b_mean']:.1f}",
+                      f"{100 * c['f1_diff']:+.1f}", f"[{100 * lo:+.1f}, {100 * hi:+.1f}]", str(c["n"]),
+                      f"{c['wins']}/{c['losses']}/{c['ties']}")
+    console.print(table)
+
+
+def print_rl(rl: dict) -> None:
+    if not rl:
+        return
+    table = Table(title="RL jobs: median seconds per iteration, and what the rollouts scored")
+    cols = ("method", "iterations", "questions", "rollout", "PRM", "update", "adapter sync", "reward first/last",
+            "F1 first/last", "flat groups")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for m, s in rl.items():
+        if not s.get("iterations"):
+            continue
+        table.add_row(m, str(s["iterations"]), str(s["questions"]), f"{s['median_rollout_s']:.1f}",
+                      f"{s['median_prm_scoring_s']:.2f}", f"{s['median_update_s']:.1f}",
+                      f"{s['median_adapter_sync_s']:.2f}", f"{s['reward_first']:.2f}/{s['reward_last']:.2f}",
+                      f"{s['f1_first']:.2f}/{s['f1_last']:.2f}", f"{100 * s['groups_flat_fraction']:.0f}%")
+    console.print(table)
+
+
+__all__ = ["COMPARISONS", "Stage34Settings", "per_question_f1", "print_comparisons", "print_rl", "rl_summary",
+           "run_stage34"]
