@@ -26,6 +26,7 @@ import torch
 
 from prorag.algorithms.schedules import SCHEDULES, get_schedule
 from prorag.config import cfg_field
+from prorag.errors import FailedPrecondition
 from prorag.modeling import num_parameters
 from prorag.training.context import JobContext
 from prorag.training.flops import model_flops_utilisation, peak_matmul_flops
@@ -52,6 +53,10 @@ class LoopConfig:
                                 min=1, max=65536)
     checkpoint_every: int = cfg_field(100, help="steps between checkpoints", min=1)
     log_every: int = cfg_field(10, help="steps between progress events", min=1)
+
+
+class NonFiniteLoss(FailedPrecondition):
+    """A step's loss or gradient norm was NaN or infinite; the step was not applied."""
 
 
 @dataclass
@@ -115,6 +120,14 @@ def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], 
                 grad_hook(model)
             if cfg.grad_clip:
                 metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+            bad = [name for name, v in (("loss", loss_v), ("gradient norm", metrics.get("grad_norm", 0.0)))
+                   if not math.isfinite(v)]
+            if bad:
+                # stop before the optimizer writes NaN into the weights: what was saved (and published) stays good
+                raise NonFiniteLoss(
+                    f"step {step + 1}/{cfg.steps}: the {' and the '.join(bad)} is not finite (loss {loss_v}); the "
+                    "step was not applied, the checkpoints and anything published so far are unchanged; lower the "
+                    "learning rate, check this step's data, or clip gradients (grad_clip)")
             opt.step()
             sched.step()
             done = step + 1
@@ -131,4 +144,4 @@ def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], 
     return LoopResult(True, cfg.steps, loss_v)
 
 
-__all__ = ["LoopConfig", "LoopResult", "OPTIMIZERS", "build_optimizer", "run_loop"]
+__all__ = ["LoopConfig", "LoopResult", "NonFiniteLoss", "OPTIMIZERS", "build_optimizer", "run_loop"]

@@ -257,6 +257,13 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
                                                        cfg.normalization)):
             advantages[i] = a
 
+    for i, a in enumerate(advantages):
+        if not all(math.isfinite(x) for x in a):
+            # a PRM that returns NaN (or a reward that overflows) would train on garbage: stop with the culprit
+            raise FailedPrecondition(
+                f"iteration {iteration}: trajectory {kept[i].question_id}#{kept[i].sample_index} has non-finite "
+                f"advantages {a} (reward {rewards[i]}, PRM scores {logits[i]}, PRM {stats.get('prm_version', '-')});"
+                " no update was made and the last published adapter stays active")
     samples = []
     for i, (t, tr) in enumerate(zip(kept, traces)):
         adv, mask = token_advantages(advantages[i], tr.spans, len(tr.token_ids))

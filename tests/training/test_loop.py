@@ -156,3 +156,27 @@ def test_loop_config_is_strict():
         from_dict(LoopConfig, {"optimizer": "lion"})
     with pytest.raises(ConfigError, match="grad_accum"):
         from_dict(LoopConfig, {"grad_accum": 0})
+
+
+def test_a_non_finite_loss_stops_the_loop_before_the_step_is_applied(tmp_path):
+    from prorag.training.loop import NonFiniteLoss
+
+    x, y = _data()
+    seen = []
+
+    def batch_at(i):
+        seen.append(i)
+        return x[:8], (y[:8] * float("nan")) if i == 3 else y[:8]
+
+    model = _model()
+    ctx = local_context(tmp_path, CFG)
+    before = {}
+
+    def hook(m):  # the weights as they were before each step's update
+        before.update({k: v.clone() for k, v in m.state_dict().items()})
+
+    with pytest.raises(NonFiniteLoss, match=r"step 4/20: the loss .*not finite.*not applied"):
+        run_loop(ctx, model, batch_at, mse, CFG, grad_hook=hook)
+    assert seen[-1] == 3
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+    assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)  # step 4 left the weights alone

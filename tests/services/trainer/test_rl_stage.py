@@ -326,3 +326,36 @@ def test_rl_never_trains_on_the_test_split(services):
 
     with pytest.raises(ConfigError, match="test split"):
         _config(services, split="test")
+
+
+def test_non_finite_prm_scores_stop_the_iteration_before_any_update(services, tmp_path, one_thread):
+    """A broken PRM (a real one whose head weights are NaN, served by a real PRM server) must not turn into
+    NaN advantages and weights: collect() stops naming the trajectory and the PRM, before any update."""
+    import torch
+
+    from prorag import paths
+    from prorag.clients import PolicyClient, PRMClient
+    from prorag.data.loaders import load_split
+    from prorag.errors import FailedPrecondition
+    from prorag.modeling import save_pretrained
+    from prorag.prm_model import prm_from_policy
+    from services.prm.engine import PRMEngine
+    from services.prm.server import PRMServeConfig, start as start_prm
+    from services.trainer.stage_rl import collect
+
+    broken, tok = prm_from_policy(services["base"], seed=2)
+    with torch.no_grad():
+        broken.score.weight.fill_(float("nan"))
+    save_pretrained(broken, tok, tmp_path / "nan-prm")
+    loop = services["loop"]
+    srv = loop.run(start_prm(ServeConfig(port=0), PRMServeConfig(), engine=PRMEngine(tmp_path / "nan-prm")))
+    try:
+        key = _push_zero_adapter(services, tmp_path, "nanprm")
+        qs = load_split(paths.world_dir("tiny"), "train")[:2]
+        with PolicyClient(services["policy"]) as policy, PRMClient(f"127.0.0.1:{srv.grpc_port}") as prm:
+            with pytest.raises(FailedPrecondition, match=r"non-finite advantages.*no update was made"):
+                collect(_config(services), qs, 0, "nanprm", key, policy, prm)
+            # outcome-only GRPO does not ask the PRM, so the same broken PRM cannot stop it
+            assert collect(_config(services, beta=0.0), qs, 0, "nanprm", key, policy, prm).stats["kept"] == 8
+    finally:
+        loop.run(srv.stop())
