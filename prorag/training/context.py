@@ -94,6 +94,16 @@ class JobContext:
         self._tracker = tracker
         self._origin: tuple[float, int] | None = None  # (time, step) the rate is measured from
         self._total = total_steps  # known from an earlier attempt; updated by every emit()
+        # set by a multi-process launch (services/trainer/launch.py); run_loop then splits each step over the
+        # processes, and a stage publishes only from the main one (is_main)
+        self.accelerator: Any = None
+        # a non-main process of a launch resumes from the main process's checkpoints (read only)
+        self.shared_checkpoint_dir: Path | None = None
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes the job's outputs: always, unless it is a non-main process of a launch."""
+        return self.accelerator is None or bool(self.accelerator.is_main_process)
 
     @property
     def config_dict(self) -> dict:
@@ -163,8 +173,10 @@ class JobContext:
         """The latest checkpoint's state (RNG states restored), or None on a fresh start."""
         from prorag.training import checkpoint
 
-        checkpoint.cleanup_temp(self.checkpoint_dir)
-        found = checkpoint.load_latest(self.checkpoint_dir)
+        shared = self.shared_checkpoint_dir
+        if shared is None:  # only the writer of a checkpoint directory may clear what a killed writer left
+            checkpoint.cleanup_temp(self.checkpoint_dir)
+        found = checkpoint.load_latest(shared or self.checkpoint_dir)
         if found is None:
             if self._tracker is not None:
                 self._tracker.rewind(0)  # an attempt killed before its first checkpoint starts over

@@ -17,6 +17,7 @@ cancelled or the trainer stops (after a checkpoint unless cancelled).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -72,17 +73,50 @@ def build_optimizer(params, cfg: LoopConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
+class _LossModule(torch.nn.Module):
+    """A stage's model and loss as one module, for accelerate to wrap.
+
+    Why: DDP and FSDP synchronise gradients for what runs through the wrapped module's forward, and a stage's
+    loss calls the model's parts directly (the trunk, then the head on the loss positions only); made the
+    forward itself, all of it runs inside the engine's wrapper."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch):
+        return self.loss_fn(self.model, batch)
+
+
 def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], Any],
              loss_fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, int]], cfg: LoopConfig,
-             grad_hook: Callable[[torch.nn.Module], None] | None = None) -> LoopResult:
+             grad_hook: Callable[[torch.nn.Module], None] | None = None, accelerator=None) -> LoopResult:
     """Train ``model`` in place for ``cfg.steps`` optimizer steps, resuming from the context's last checkpoint.
 
     grad_hook(model): called once per step after the micro-batches' backward passes, before clipping
     (e.g. the selftest's gradient noise). Leaves the model in eval mode.
+
+    accelerator: an ``accelerate.Accelerator`` of a job launched on several processes
+    (prorag.training.distributed): each process computes its share of every step's micro-batches
+    (``my_micro_batches``), gradients are averaged by accelerate's engine (DDP, FSDP2, ZeRO-3 by its config),
+    and only the main process writes checkpoints and progress events. The result equals one process's within
+    floating-point noise; grad_accum must be a multiple of the process count.
     """
+    from prorag.training.distributed import my_micro_batches
+
+    accelerator = accelerator if accelerator is not None else getattr(ctx, "accelerator", None)
+    world = accelerator.num_processes if accelerator is not None else 1
+    rank = accelerator.process_index if accelerator is not None else 0
+    main = rank == 0
+    k = cfg.grad_accum
+    if k % world:
+        raise FailedPrecondition(f"grad_accum ({k}) must be a multiple of the {world} training processes, so each "
+                                 "step's micro-batches split evenly over them")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, cfg)
     schedule = get_schedule(cfg.schedule)
+    # the scheduler is never handed to accelerate: prepared, it would advance once per process per step
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step, cfg.steps, cfg.warmup_steps))
     start = 0
     state = ctx.load_checkpoint()
@@ -91,35 +125,70 @@ def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], 
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         start = int(state["step"])
+    trained = None
+    if accelerator is not None:
+        trained, opt = accelerator.prepare(_LossModule(model, loss_fn), opt)
+
+    def step_loss(batch):
+        return trained(batch) if trained is not None else loss_fn(model, batch)
 
     def snapshot(done: int) -> dict:
-        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "step": done}
+        if trained is None:
+            weights = model.state_dict()
+        else:  # gathered from every process's shard (FSDP), the wrapper's "model." prefix dropped
+            weights = {k.removeprefix("model."): v for k, v in accelerator.get_state_dict(trained).items()}
+        return {"model": weights, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": done}
+
+    def all_ranks_sum(*values: float) -> list[float]:
+        if accelerator is None:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+        return accelerator.reduce(t, reduction="sum").tolist()
+
+    def should_stop() -> bool:
+        # the main process decides for all, so every process leaves the loop at the same step
+        flag = float(ctx.should_stop()) if main else 0.0
+        return all_ranks_sum(flag)[0] > 0
 
     peak = peak_matmul_flops(next(model.parameters()).device)  # measured before the first window starts
     n_params = num_parameters(model)
-    k = cfg.grad_accum
     model.train()
     try:
         t_last, tokens, loss_v = time.monotonic(), 0, math.nan
         for step in range(start, cfg.steps):
-            if ctx.should_stop():
+            if should_stop():
                 if not ctx.cancelled():
-                    ctx.save_checkpoint(snapshot(step))
+                    state = snapshot(step)  # every process takes part in gathering sharded weights
+                    if main:
+                        ctx.save_checkpoint(state)
                 return LoopResult(False, step, loss_v)
             metrics = {"lr": sched.get_last_lr()[0]}  # the rate this step uses
             opt.zero_grad(set_to_none=True)
-            loss_v = 0.0
-            for i in range(step * k, (step + 1) * k):
-                loss, n = loss_fn(model, batch_at(i))
-                # the mean of the micro-batches' losses: a k-times-larger batch when they weigh the same
-                (loss / k).backward()
+            mine = my_micro_batches(step, k, rank, world)
+            loss_v, n_tok = 0.0, 0
+            for j, i in enumerate(mine):
+                # gradients are synchronised once per step, on this process's last micro-batch
+                sync = accelerator.no_sync(trained) if trained is not None and j < len(mine) - 1 \
+                    else contextlib.nullcontext()
+                with sync:
+                    loss, n = step_loss(batch_at(i))
+                    # the mean of the step's k micro-batches' losses; the engine averages the processes' sums,
+                    # so each scales its share by world / k
+                    scaled = loss * world / k
+                    if accelerator is not None:
+                        accelerator.backward(scaled)
+                    else:
+                        scaled.backward()
                 loss_v += float(loss.detach()) / k
-                tokens += int(n)
+                n_tok += int(n)
+            loss_v, n_tok = all_ranks_sum(loss_v, float(n_tok))
+            tokens += int(n_tok)
             if grad_hook is not None:
                 grad_hook(model)
             if cfg.grad_clip:
-                metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+                norm = accelerator.clip_grad_norm_(trained.parameters(), cfg.grad_clip) if trained is not None \
+                    else torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                metrics["grad_norm"] = float(norm)
             bad = [name for name, v in (("loss", loss_v), ("gradient norm", metrics.get("grad_norm", 0.0)))
                    if not math.isfinite(v)]
             if bad:
@@ -131,14 +200,17 @@ def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], 
             opt.step()
             sched.step()
             done = step + 1
-            if done % cfg.log_every == 0 or done == cfg.steps:
+            if main and (done % cfg.log_every == 0 or done == cfg.steps):
                 now = time.monotonic()
                 rate = tokens / max(now - t_last, 1e-9)
                 t_last, tokens = now, 0
-                metrics.update(mfu=model_flops_utilisation(rate, n_params, peak), peak_flops=peak)
+                metrics.update(mfu=model_flops_utilisation(rate / world, n_params, peak), peak_flops=peak,
+                               processes=world)
                 ctx.emit(done, cfg.steps, loss=loss_v, tokens_per_s=rate, metrics=metrics)
             if done % cfg.checkpoint_every == 0 and done < cfg.steps:
-                ctx.save_checkpoint(snapshot(done))
+                state = snapshot(done)
+                if main:
+                    ctx.save_checkpoint(state)
     finally:
         model.eval()
     return LoopResult(True, cfg.steps, loss_v)

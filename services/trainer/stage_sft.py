@@ -261,7 +261,7 @@ def fit_and_publish(ctx: JobContext, cfg, model, tokenizer, samples, stats: dict
                       schedule="warmup_cosine", warmup_steps=int(total * cfg.warmup_ratio), grad_clip=cfg.grad_clip,
                       grad_accum=cfg.grad_accum, checkpoint_every=cfg.checkpoint_every, log_every=cfg.log_every)
     result = run_loop(ctx, model, batch_at, loss_fn, loop)
-    if not result.completed:
+    if not result.completed or not ctx.is_main:  # the other processes of a launch publish nothing
         return {}
     loss_v = result.loss
     with ctx.artifact_dir("model") as tmp:
