@@ -65,10 +65,10 @@ def rl_summary(iterations_path: str | Path) -> dict:
     if not rows:
         return {"iterations": 0}
     out = {"iterations": len(rows)}
-    for key, name in (("rollout_s", "rollout_s"), ("prm_s", "prm_scoring_s"), ("update_s", "update_s"),
-                      ("push_s", "adapter_sync_s")):
+    for key, name in (("rollout_s", "rollout_s"), ("prm_s", "prm_scoring_s"), ("reward_s", "reward_s"),
+                      ("update_s", "update_s"), ("push_s", "adapter_sync_s")):
         out[f"median_{name}"] = statistics.median(float(r.get(key, 0.0)) for r in rows)
-    for key in ("sampled", "kept", "trained_tokens", "dropped_stale"):
+    for key in ("sampled", "kept", "trained_tokens", "dropped_stale", "service_retries"):
         out[f"total_{key}"] = sum(float(r.get(key, 0.0)) for r in rows)
     out["questions"] = sum(int(r.get("questions", 0)) for r in rows)
     out["lag_max"] = max(float(r.get("lag_max", 0.0)) for r in rows)
@@ -105,21 +105,14 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
     t0 = time.monotonic()
     with sft_serving:
         prm_target = sft_serving.grpc_target("prm") if prm_dir else ""
+        sft_policy = sft_serving.grpc_target("policy")
         rl_common = {"world": world, "topk": topk, **settings.rl}
-        if "outcome_grpo" in wanted:
-            t = time.monotonic()
-            cfg = {**rl_common, "base_model": sft_ref, "policy": sft_serving.grpc_target("policy"), "prm": "",
-                   "beta": 0.0, "adapter_name": "outcome_grpo"}
-            job = run_job(stack, "rl", cfg, _job_id(prefix, "outcome_grpo", cfg))
-            out["jobs"]["outcome_grpo"] = job["job_id"]
-            out["models"]["outcome_grpo"] = {"model": sft_dir, "adapter": job["outputs"]["adapter"]}
-            out["rl"]["outcome_grpo"] = rl_summary(Path(job["run_dir"]) / "iterations.jsonl")
-            timings["stage34_outcome_grpo_s"] = time.monotonic() - t
         rft = None
+        # RFT first: it samples from what the policy serves, which must still be the SFT model, not an RL adapter
         if prm_dir and ("rft" in wanted or "prorag" in wanted):
             t = time.monotonic()
-            cfg = {"world": world, "base_model": sft_ref, "policy": sft_serving.grpc_target("policy"),
-                   "prm": prm_target, "topk": topk, "publish_name": "rft", **settings.rft}
+            cfg = {"world": world, "base_model": sft_ref, "policy": sft_policy, "prm": prm_target, "topk": topk,
+                   "publish_name": "rft", **settings.rft}
             try:
                 rft = run_job(stack, "rft", cfg, _job_id(prefix, "rft", cfg))
             except SystemExit as e:  # RFT kept nothing: report it, go on with what does not need it
@@ -127,6 +120,15 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
                     if m in wanted:
                         out["skipped"][m] = f"the RFT job failed: {e}"
             timings["stage34_rft_s"] = time.monotonic() - t
+        if "outcome_grpo" in wanted:
+            t = time.monotonic()
+            cfg = {**rl_common, "base_model": sft_ref, "policy": sft_policy, "prm": "", "beta": 0.0,
+                   "adapter_name": "outcome_grpo"}
+            job = run_job(stack, "rl", cfg, _job_id(prefix, "outcome_grpo", cfg))
+            out["jobs"]["outcome_grpo"] = job["job_id"]
+            out["models"]["outcome_grpo"] = {"model": sft_dir, "adapter": job["outputs"]["adapter"]}
+            out["rl"]["outcome_grpo"] = rl_summary(Path(job["run_dir"]) / "iterations.jsonl")
+            timings["stage34_outcome_grpo_s"] = time.monotonic() - t
         if rft is not None:
             out["jobs"]["rft"] = rft["job_id"]
             rft_ref = rft["outputs"]["model"]

@@ -104,6 +104,10 @@ class RLConfig:
     checkpoint_every: int = cfg_field(10, help="iterations between checkpoints", min=1)
     log_every: int = cfg_field(1, help="iterations between the loop's progress events", min=1)
     push_timeout_s: float = cfg_field(120.0, help="deadline of loading an adapter on one replica", min=1.0)
+    service_wait_s: float = cfg_field(300.0, help="how long a rollout or PRM call waits, in all, for a policy or "
+                                                  "PRM service that went away (UNAVAILABLE) to come back before "
+                                                  "the job fails; the interrupted call is made again whole, so no "
+                                                  "trajectory is lost or counted twice", min=0.0)
     threads: int = cfg_field(0, help="torch threads (0 = leave as is)", min=0, max=256)
     tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
 
@@ -182,6 +186,31 @@ class IterationData:
     stats: dict = field(default_factory=dict)
 
 
+def call_with_service_wait(fn, target: str, what: str, wait_s: float, stats: dict, after_back=None):
+    """fn() again whenever it fails with UNAVAILABLE (the service died or restarts), after the service at
+    ``target`` answers its health check again; at most ``wait_s`` seconds of waiting in all, then the error is
+    raised. after_back(): run once the service is back, before the retry (e.g. push the adapter again)."""
+    import grpc
+
+    from prorag.clients import wait_for_health
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return fn()
+        except grpc.RpcError as e:
+            left = deadline - time.monotonic()
+            if e.code() != grpc.StatusCode.UNAVAILABLE or left <= 0:
+                raise
+            stats["service_retries"] = stats.get("service_retries", 0) + 1
+            if not wait_for_health(target, "", timeout=left):
+                raise FailedPrecondition(f"the {what} service at {target} went away ({e.details()}) and did not "
+                                         f"come back within service_wait_s={wait_s:g}s; the job can be resumed "
+                                         "from its last checkpoint once it is up") from None
+            if after_back is not None:
+                after_back()
+
+
 def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: str, policy, prm) -> IterationData:
     """Roll out ``questions`` G times each, drop stale trajectories, score and compute advantages.
 
@@ -194,16 +223,28 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
     reward_fn = OUTCOME_REWARDS[cfg.reward]
     by_id = {q.id: q for q in questions}
     stats = {"questions": len(questions), "sampled": 0, "kept": 0, "dropped_stale": 0, "dropped_foreign": 0,
-             "dropped_too_long": 0, "prm_scored": 0}
+             "dropped_too_long": 0, "prm_scored": 0, "service_retries": 0}
     kept, lags = [], []
     t0 = time.monotonic()
     for start in range(0, len(questions), cfg.questions_per_request):
         chunk = questions[start:start + cfg.questions_per_request]
         sampling = policy.sampling(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_step_tokens,
                                    seed=(cfg.seed * 7919 + iteration * 100_003 + start + 1) % (2 ** 31 - 1) or 1)
-        for t in policy.rollout([(q.id, q.question) for q in chunk], sampling, max_steps=cfg.max_steps,
-                                topk=cfg.topk, retriever_index=cfg.retriever_index,
-                                adapter=version_key if cfg.rollout_adapter == "pinned" else ""):
+
+        def rollout_chunk(chunk=chunk, sampling=sampling):
+            return list(policy.rollout([(q.id, q.question) for q in chunk], sampling, max_steps=cfg.max_steps,
+                                       topk=cfg.topk, retriever_index=cfg.retriever_index,
+                                       adapter=version_key if cfg.rollout_adapter == "pinned" else ""))
+
+        def push_again():
+            # a replica that restarted without restoring the version (restore_active off) gets it again
+            from prorag.clients import push_adapter
+
+            name, _, version = version_key.partition("@")
+            push_adapter(cfg.policy, name, version, timeout=cfg.push_timeout_s)
+
+        for t in call_with_service_wait(rollout_chunk, cfg.policy, "policy", cfg.service_wait_s, stats,
+                                        after_back=push_again):
             if not hasattr(t, "question_id"):
                 continue  # the summary
             stats["sampled"] += 1
@@ -226,10 +267,13 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
     logits: list[list[float]] = [[] for _ in kept]
     t1 = time.monotonic()
     if use_prm and kept:
-        stats["prm_version"], logits = prm.score([(t.question, ss, False) for t, ss in zip(kept, steps)])
+        stats["prm_version"], logits = call_with_service_wait(
+            lambda: prm.score([(t.question, ss, False) for t, ss in zip(kept, steps)]), cfg.prm, "PRM",
+            cfg.service_wait_s, stats)
         stats["prm_scored"] = len(kept)
     stats["prm_s"] = time.monotonic() - t1
 
+    t2 = time.monotonic()
     f1s, valid, rewards = [], [], []
     for t in kept:
         f1 = f1_score(t.answer, by_id[t.question_id].golden_answers) if t.finish_reason == "answer" else 0.0
@@ -264,6 +308,7 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
                 f"iteration {iteration}: trajectory {kept[i].question_id}#{kept[i].sample_index} has non-finite "
                 f"advantages {a} (reward {rewards[i]}, PRM scores {logits[i]}, PRM {stats.get('prm_version', '-')});"
                 " no update was made and the last published adapter stays active")
+    stats["reward_s"] = time.monotonic() - t2  # outcome rewards, PRM step scores into advantages
     samples = []
     for i, (t, tr) in enumerate(zip(kept, traces)):
         adv, mask = token_advantages(advantages[i], tr.spans, len(tr.token_ids))

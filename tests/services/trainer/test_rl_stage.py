@@ -359,3 +359,52 @@ def test_non_finite_prm_scores_stop_the_iteration_before_any_update(services, tm
             assert collect(_config(services, beta=0.0), qs, 0, "nanprm", key, policy, prm).stats["kept"] == 8
     finally:
         loop.run(srv.stop())
+
+
+def test_a_prm_service_that_restarts_mid_iteration_is_waited_for_and_asked_again(services, tmp_path, one_thread):
+    """The PRM server goes away before the iteration's scoring call and comes back on the same port 1.5 s later:
+    collect() waits for its health, asks again, and the iteration is whole (every trajectory scored once)."""
+    import threading
+    import time
+
+    from prorag import paths
+    from prorag.clients import PolicyClient, PRMClient
+    from prorag.data.loaders import load_split
+    from prorag.modeling import save_pretrained
+    from prorag.prm_model import prm_from_policy
+    from services.prm.engine import PRMEngine
+    from services.prm.server import PRMServeConfig, start as start_prm
+    from services.trainer.stage_rl import collect
+    from tests.services.trainer.test_sft_stage import _free_port
+
+    prm_model, tok = prm_from_policy(services["base"], seed=4)
+    save_pretrained(prm_model, tok, tmp_path / "prm")
+    loop, port = services["loop"], _free_port()
+    srv = loop.run(start_prm(ServeConfig(port=port), PRMServeConfig(), engine=PRMEngine(tmp_path / "prm")))
+    loop.run(srv.stop())  # down before the iteration scores its steps
+    back = {}
+
+    def restart():
+        time.sleep(1.5)
+        back["srv"] = loop.run(start_prm(ServeConfig(port=port), PRMServeConfig(), engine=PRMEngine(tmp_path / "prm")))
+
+    threading.Thread(target=restart, daemon=True).start()
+    key = _push_zero_adapter(services, tmp_path, "prmback")
+    qs = load_split(paths.world_dir("tiny"), "train")[:2]
+    try:
+        with PolicyClient(services["policy"]) as policy, PRMClient(f"127.0.0.1:{port}") as prm:
+            data = collect(_config(services, prm=f"127.0.0.1:{port}", service_wait_s=60), qs, 0, "prmback", key,
+                           policy, prm)
+        assert data.stats["service_retries"] >= 1
+        assert data.stats["kept"] == data.stats["prm_scored"] == 8
+        # a service that stays down fails the iteration with the reason once the wait is spent
+        loop.run(back.pop("srv").stop())
+        from prorag.errors import FailedPrecondition
+
+        with PolicyClient(services["policy"]) as policy, PRMClient(f"127.0.0.1:{port}") as prm:
+            with pytest.raises(FailedPrecondition, match="did not come back within service_wait_s=1s"):
+                collect(_config(services, prm=f"127.0.0.1:{port}", service_wait_s=1), qs, 0, "prmback", key,
+                        policy, prm)
+    finally:
+        if "srv" in back:
+            loop.run(back["srv"].stop())
