@@ -412,6 +412,59 @@ def _bench_model(world: str, model: str) -> str:
         return str(ensure_policy_model(world))  # nothing trained yet: the base model
 
 
+def bare_decode_tokens_per_s(model, prompts: list[list[int]], new_tokens: int, pad_id: int, seed: int = 0) -> float:
+    """The limit an engine's decoding reaches on this machine: the same model's batched forward passes alone
+    (left-padded prefill of every prompt, then ``new_tokens`` one-token steps with a DynamicCache and plain
+    multinomial sampling at temperature 1, no stops, no per-sequence bookkeeping). Generated tokens per second,
+    prefill included, as the engine's figure is."""
+    import torch
+    from transformers import DynamicCache
+
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        attn[i, L - len(p):] = 1
+    g = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                       use_cache=True).logits[:, -1, :].float()
+        next_pos = pos[:, -1] + 1
+        for _ in range(new_tokens):
+            tok = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g)  # [B, 1]
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
+            logits = model(input_ids=tok, attention_mask=attn, position_ids=next_pos[:, None], past_key_values=cache,
+                           use_cache=True).logits[:, -1, :].float()
+            next_pos = next_pos + 1
+    return B * new_tokens / (time.perf_counter() - t0)
+
+
+def bench_decode(engine, questions, batch: int, new_tokens: int, repeats: int) -> dict:
+    """The engine's decode tokens/s against the bare batched forward pass of the same model at the same batch
+    size (bare_decode_tokens_per_s), on ``batch`` first-step prompts of the test questions; medians."""
+    from prorag.engine import SamplingSpec
+    from prorag.trajectory import render_prompt
+
+    # a GRPO batch decodes G samples of each prompt: the same prompts repeated, as the rollout's first step does
+    base = [engine.tokenizer.encode(render_prompt(q.question), add_special_tokens=False) for q in questions]
+    prompts = [base[i % len(base)] for i in range(batch)]
+    spec = SamplingSpec(n=1, temperature=1.0, top_p=1.0, max_tokens=new_tokens, seed=99)
+    eng, bare = [], []
+    for _ in range(repeats):
+        engine.prefix_cache.clear()  # both sides prefill every prompt
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, spec)
+        eng.append(sum(len(s[0].token_ids) for s in out) / (time.perf_counter() - t0))
+        bare.append(bare_decode_tokens_per_s(engine.base, prompts, new_tokens, engine.pad_id))
+    e, b = statistics.median(eng), statistics.median(bare)
+    return {"batch": len(prompts), "new_tokens": new_tokens, "engine_tokens_per_s": e,
+            "bare_forward_tokens_per_s": b, "ratio": e / b}
+
+
 def bench_policy(args) -> dict:
     """GRPO-sized rollouts (questions x samples) through the policy service vs the same engine in-process."""
     from prorag.clients import PolicyClient
@@ -464,8 +517,10 @@ def bench_policy(args) -> dict:
     finally:
         _stop(pol, retr)
     med = {k: _median_dicts(v) for k, v in runs.items()}
+    decode = bench_decode(engine, questions, batch=len(qs) * n, new_tokens=max_tokens, repeats=args.repeats)
     return {"target": "policy", "model": model, "questions": len(qs), "samples": n, "repeats": args.repeats,
-            **med, "ratio": med["service"]["trajectories_per_s"] / med["inprocess"]["trajectories_per_s"],
+            **med, "decode_vs_bare_forward": decode,
+            "ratio": med["service"]["trajectories_per_s"] / med["inprocess"]["trajectories_per_s"],
             "tokens_ratio": med["service"]["generated_tokens_per_s"] / med["inprocess"]["generated_tokens_per_s"],
             "goal": "ratio >= 0.7"}
 
