@@ -15,7 +15,7 @@ import pytest
 from prorag.config import from_dict
 from prorag.service import ServeConfig
 from prorag.training.context import local_context
-from tests.helpers import LoopThread, env
+from tests.services.trainer.scripted_stack import scripted_stack
 from tests.services.trainer.test_mcts_stage import GoldWalkEngine
 
 
@@ -38,36 +38,8 @@ class RecordingGoldWalk(GoldWalkEngine):
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
-    data = tmp_path_factory.mktemp("rl") / "data"
-    with env("PRORAG_DATA", str(data)):
-        from transformers import AutoTokenizer
-
-        from prorag import paths
-        from prorag.data.loaders import load_split
-        from prorag.modeling import save_pretrained
-        from prorag.prm_model import prm_from_policy
-        from prorag_app.embedded import ensure_indexes, ensure_policy_model
-        from services.policy.server import PolicyConfig, start as start_policy
-        from services.prm.engine import PRMEngine
-        from services.prm.server import PRMServeConfig, start as start_prm
-        from services.retriever.server import RetrieverConfig, start as start_retriever
-
-        ensure_indexes("tiny")
-        base = str(ensure_policy_model("tiny"))
-        prm, tok = prm_from_policy(base, seed=1)
-        save_pretrained(prm, tok, data / "prm")
-        engine = RecordingGoldWalk(AutoTokenizer.from_pretrained(base), load_split(paths.world_dir("tiny"), "train"))
-        loop = LoopThread()
-        r = loop.run(start_retriever(ServeConfig(port=0, http_port=-1), RetrieverConfig(world="tiny")))
-        retriever = f"127.0.0.1:{r.grpc_port}"
-        p = loop.run(start_policy(ServeConfig(port=0, http_port=-1),
-                                  PolicyConfig(model=base, world="tiny", retriever=retriever), engine=engine))
-        s = loop.run(start_prm(ServeConfig(port=0), PRMServeConfig(), engine=PRMEngine(data / "prm")))
-        yield {"policy": f"127.0.0.1:{p.grpc_port}", "prm": f"127.0.0.1:{s.grpc_port}", "base": base,
-               "engine": engine, "retriever": retriever, "loop": loop}
-        for srv in (s, p, r):
-            loop.run(srv.stop())
-        loop.close()
+    with scripted_stack(tmp_path_factory.mktemp("rl") / "data", RecordingGoldWalk) as stack:
+        yield stack
 
 
 def _config(services, **kw):
