@@ -70,6 +70,29 @@ def rft_keep(correct: bool, format_valid: bool, step_scores: Sequence[float], th
     return bool(correct and format_valid and all(s >= threshold for s in step_scores))
 
 
+def rft_threshold(weakest_steps: Sequence[float], keep_fraction: float) -> float:
+    """The PRM threshold that lets the best ``keep_fraction`` of correct trajectories through, judged by their
+    weakest step: the ceil(keep_fraction * N)-th highest of ``weakest_steps`` [N] (each trajectory's lowest step
+    score; ties at the threshold all pass).
+
+    Why: a Bradley-Terry PRM is trained on score differences between siblings, so its logits carry an arbitrary
+    offset (per kind of step it never compared), and a fixed threshold such as ProRAG's 0 can keep everything or
+    nothing; a fraction means the same thing for any PRM.
+
+    >>> rft_threshold([-2.0, -1.0, 0.5, 3.0], 0.5), rft_threshold([-2.0, -1.0, 0.5, 3.0], 1.0)
+    (0.5, -2.0)
+    >>> rft_threshold([0.1, 0.2, 0.3], 0.34)  # 0.34 of 3 is 1.02 trajectories: two pass
+    0.2
+    """
+    if not 0.0 < keep_fraction <= 1.0:
+        raise ValueError(f"keep_fraction must be in (0, 1], got {keep_fraction}")
+    if not weakest_steps:
+        return float("inf")
+    xs = sorted(weakest_steps)
+    k = min(len(xs) - 1, max(0, len(xs) - int(math.ceil(keep_fraction * len(xs)))))
+    return float(xs[k])
+
+
 # ---------------------------------------------------------------- advantages
 def group_normalized(rewards: Sequence[float], eps: float = EPS) -> list[float]:
     """GRPO's outcome advantage: (R_i - mean) / (std + eps) within one group.

@@ -47,6 +47,10 @@ class RFTConfig:
                                                  "outcome alone, the RFT-only baseline)")
     prm_threshold: float = cfg_field(0.0, help="lowest PRM score (logit) a kept trajectory's steps may have "
                                                "(ProRAG: 0)")
+    prm_keep_fraction: float = cfg_field(0.0, help="when > 0, replaces prm_threshold: keep the correct trajectories "
+                                                   "whose weakest step is among the best this fraction "
+                                                   "(algorithms.rl.rft_threshold); for a PRM whose logits carry an "
+                                                   "offset, as a Bradley-Terry PRM's may", min=0.0, max=1.0)
     correct: str = cfg_field("em", help="what counts as a correct answer: em = exact match after the shared "
                                         "normaliser (ProRAG), f1 = token F1 >= min_f1", choices=("em", "f1"))
     min_f1: float = cfg_field(0.8, help="with correct=f1: the lowest F1 that counts as correct", min=0.0, max=1.0)
@@ -92,7 +96,7 @@ def is_correct(cfg: RFTConfig, answer: str, golds) -> bool:
 def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, dict]:
     """Kept trajectories (TokenTrajectory, format-aware weights on generated tokens) and counts of what was
     sampled, correct, PRM-approved and kept."""
-    from prorag.algorithms.rl import rft_keep
+    from prorag.algorithms.rl import rft_keep, rft_threshold
     from prorag.clients import PolicyClient, PRMClient
     from prorag.data.loaders import load_split
     from prorag.pbconv import step_from_pb, token_trace_from_pb
@@ -106,6 +110,7 @@ def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, d
     stats = {"questions": len(qs), "sampled": 0, "answered": 0, "correct": 0, "prm_scored": 0, "prm_passed": 0,
              "kept": 0, "dropped_duplicate": 0, "dropped_too_long": 0, "questions_with_kept": 0}
     kept: list = []
+    candidates: list = []  # (correct trajectory, its step scores): filtered once all are scored
     per_question: dict[str, set[str]] = {}
     policy = PolicyClient(cfg.policy, timeout=3600)
     prm = PRMClient(cfg.prm, timeout=600) if cfg.prm else None
@@ -134,33 +139,39 @@ def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, d
                 prm_version, scores = prm.score([(t.question, [step_from_pb(s) for s in t.steps], False)
                                                  for t in correct])
                 stats["prm_scored"] += len(correct)
-            for t, step_scores in zip(correct, scores):
-                if not rft_keep(True, t.format_valid, step_scores, cfg.prm_threshold):
-                    continue
-                stats["prm_passed"] += 1
-                seen = per_question.setdefault(t.question_id, set())
-                if t.text in seen or (cfg.max_per_question and len(seen) >= cfg.max_per_question):
-                    stats["dropped_duplicate"] += 1
-                    continue
-                traj = token_trace_from_pb(t.trace, t.prompt_length)
-                if len(traj.token_ids) > cfg.max_len:
-                    stats["dropped_too_long"] += 1
-                    continue
-                seen.add(t.text)
-                w = format_loss_weights(traj.token_ids, tag_ids, weights)
-                traj.weights = [float(x) if m else 0.0 for x, m in zip(w, traj.generated_mask)]
-                kept.append(traj)
+            candidates += zip(correct, scores)
             if progress:
                 progress(min(start + len(chunk), len(qs)), len(qs))
     finally:
         policy.close()
         if prm is not None:
             prm.close()
+    threshold = cfg.prm_threshold
+    if prm is not None and cfg.prm_keep_fraction > 0:
+        threshold = rft_threshold([min(sc) for _, sc in candidates if sc], cfg.prm_keep_fraction)
+    stats["prm_threshold"] = threshold
+    for t, step_scores in candidates:
+        if not rft_keep(True, t.format_valid, step_scores, threshold):
+            continue
+        stats["prm_passed"] += 1
+        seen = per_question.setdefault(t.question_id, set())
+        if t.text in seen or (cfg.max_per_question and len(seen) >= cfg.max_per_question):
+            stats["dropped_duplicate"] += 1
+            continue
+        traj = token_trace_from_pb(t.trace, t.prompt_length)
+        if len(traj.token_ids) > cfg.max_len:
+            stats["dropped_too_long"] += 1
+            continue
+        seen.add(t.text)
+        w = format_loss_weights(traj.token_ids, tag_ids, weights)
+        traj.weights = [float(x) if m else 0.0 for x, m in zip(w, traj.generated_mask)]
+        kept.append(traj)
     stats["kept"] = len(kept)
     stats["questions_with_kept"] = sum(1 for s in per_question.values() if s)
     if not kept:
         raise FailedPrecondition(f"RFT kept no trajectory ({stats}): the policy answered none correctly or the PRM "
-                                 "scored every correct one below prm_threshold; sample more, or lower the threshold")
+                                 "scored every correct one below the threshold; sample more, lower prm_threshold, "
+                                 "or set prm_keep_fraction (a Bradley-Terry PRM's logits carry an offset)")
     return kept, {**stats, "prm_version": prm_version}
 
 

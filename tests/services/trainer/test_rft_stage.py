@@ -70,8 +70,20 @@ def test_rft_keeps_correct_prm_approved_trajectories_and_publishes_a_model(servi
 def test_a_threshold_no_step_reaches_keeps_nothing_and_says_why(services, tmp_path, one_thread):
     from services.trainer.stage_rft import run_rft
 
-    with pytest.raises(FailedPrecondition, match="kept no trajectory.*prm_threshold"):
+    with pytest.raises(FailedPrecondition, match="kept no trajectory.*prm_keep_fraction"):
         run_rft(local_context(tmp_path / "rft-none", _config(services, prm_threshold=1e9), stage="rft"))
+
+
+def test_a_keep_fraction_lets_the_best_half_of_the_correct_trajectories_through(services, tmp_path, one_thread):
+    """With prm_keep_fraction the threshold follows the PRM's own scale: however its logits are offset (this
+    PRM's untrained head scores everything near one value), about that fraction of correct trajectories passes."""
+    from services.trainer.stage_rft import run_rft
+
+    metrics = run_rft(local_context(tmp_path / "rft-half", _config(services, prm_keep_fraction=0.5,
+                                                                   max_train_steps=1), stage="rft"))
+    correct, passed = metrics["data_correct"], metrics["data_prm_passed"]
+    assert correct > 1 and correct / 2 <= passed < correct  # ties at the threshold all pass
+    assert metrics["data_prm_threshold"] > -1e9
 
 
 def test_without_a_prm_the_outcome_alone_filters(services, tmp_path, one_thread):
