@@ -53,6 +53,10 @@ def _job_id(prefix: str, stage: str, cfg: dict) -> str:
     move with --port-offset and do not change what is trained)."""
     key = {k: v for k, v in cfg.items() if k not in ("policy", "prm", "retriever", "threads")}
     key["uses_prm"] = bool(cfg.get("prm"))
+    if stage != "rft" and key["uses_prm"]:
+        from services.trainer.stage_rl import PRM_SCORING_VERSION
+
+        key["prm_scoring"] = PRM_SCORING_VERSION
     return f"{prefix}-{stage}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]}"
 
 

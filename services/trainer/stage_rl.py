@@ -39,6 +39,9 @@ from prorag.training.context import JobContext
 from services.trainer.stages import register_stage, resolve_model
 
 ALL_PROJECTIONS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+#: bumped when what the PRM is asked to score changes (2: empty steps left out), so a caller that names jobs by
+#: their settings (the pipeline) does not reuse a job that ran, or failed, under the old behaviour
+PRM_SCORING_VERSION = 2
 
 
 @dataclass
@@ -267,10 +270,22 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
     logits: list[list[float]] = [[] for _ in kept]
     t1 = time.monotonic()
     if use_prm and kept:
-        stats["prm_version"], logits = call_with_service_wait(
-            lambda: prm.score([(t.question, ss, False) for t, ss in zip(kept, steps)]), cfg.prm, "PRM",
-            cfg.service_wait_s, stats)
-        stats["prm_scored"] = len(kept)
+        # a sampled step can be empty (the policy wrote nothing before a stop token): nothing for the PRM to read,
+        # so it is left out of the scored trajectory and gets a neutral logit; the step score's invalid-step term
+        # (step_score_reference) is what marks it
+        scored = [[j for j, st in enumerate(ss) if st.text or st.content] for ss in steps]
+        asked = [i for i, idx in enumerate(scored) if idx]  # a trajectory of empty steps only asks nothing
+        partial = []
+        if asked:
+            stats["prm_version"], partial = call_with_service_wait(
+                lambda: prm.score([(kept[i].question, [steps[i][j] for j in scored[i]], False) for i in asked]),
+                cfg.prm, "PRM", cfg.service_wait_s, stats)
+        logits = [[0.0] * len(ss) for ss in steps]
+        for i, got in zip(asked, partial):
+            for j, x in zip(scored[i], got):
+                logits[i][j] = x
+        stats["empty_steps"] = sum(len(ss) - len(idx) for ss, idx in zip(steps, scored))
+        stats["prm_scored"] = len(asked)
     stats["prm_s"] = time.monotonic() - t1
 
     t2 = time.monotonic()

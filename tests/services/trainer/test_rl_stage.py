@@ -380,3 +380,41 @@ def test_a_prm_service_that_restarts_mid_iteration_is_waited_for_and_asked_again
     finally:
         if "srv" in back:
             loop.run(back["srv"].stop())
+
+
+class SometimesSilent(RecordingGoldWalk):
+    """RecordingGoldWalk whose first step is, for some samples, no token at all: an empty step, as an engine
+    returns when a trajectory has reached the context limit (no room for a new token)."""
+
+    def generate(self, prompts, params, adapter=None, seeds=None):
+        from prorag.engine import GeneratedSeq
+        from prorag.rollout import decode
+
+        out = super().generate(prompts, params, adapter, seeds)
+        for i, p in enumerate(prompts):
+            text = decode(self.tokenizer, p)
+            head = next((h for h in self.by_prompt if text.startswith(h)), None)
+            if head is not None and "</step>" not in text[len(head):]:  # the first step of a trajectory
+                # every other sample (samples come as repeated prompts with their own seeds)
+                out[i] = [GeneratedSeq([], [], "length", None) if (i + j) % 2 else s
+                          for j, s in enumerate(out[i])]
+        return out
+
+
+def test_empty_sampled_steps_are_not_sent_to_the_prm_and_score_as_invalid(tmp_path_factory, one_thread):
+    import math
+
+    from prorag import paths
+    from prorag.clients import PolicyClient, PRMClient
+    from prorag.data.loaders import load_split
+    from services.trainer.stage_rl import collect
+    from tests.services.trainer.scripted_stack import scripted_stack
+
+    with scripted_stack(tmp_path_factory.mktemp("rl-empty") / "data", SometimesSilent) as stack:
+        key = _push_zero_adapter(stack, tmp_path_factory.mktemp("rl-empty-scratch"), "empty")
+        qs = load_split(paths.world_dir("tiny"), "train")[:2]
+        with PolicyClient(stack["policy"]) as policy, PRMClient(stack["prm"]) as prm:
+            data = collect(_config(stack), qs, 0, "empty", key, policy, prm)
+    assert data.stats["empty_steps"] > 0 and data.stats["kept"] == 8
+    assert 0 < data.stats["prm_scored"] < 8  # trajectories whose only step is empty ask the PRM nothing
+    assert all(math.isfinite(a) for s in data.samples for a in s.advantages)
