@@ -111,6 +111,12 @@ class Step:
     def valid(self) -> bool:
         return self.kind in KINDS
 
+    @property
+    def empty(self) -> bool:
+        """Nothing to read: no text and no content beyond whitespace (an engine at the context limit returns no
+        token; a sampled step can be blanks). A PRM has nothing to score in it."""
+        return not (self.text.strip() or self.content.strip())
+
 
 # --- rendering -------------------------------------------------------------------------------
 

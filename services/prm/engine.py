@@ -115,5 +115,5 @@ def validate_items(items: Sequence[ScoringItem], max_items: int, max_steps: int)
         if len(it.steps) > max_steps:
             raise InvalidArgument(f"input {k}: {len(it.steps)} steps; at most {max_steps}")
         for j, s in enumerate(it.steps):
-            if not (s.text.strip() or s.content.strip()):
+            if s.empty:
                 raise InvalidArgument(f"input {k}, step {j}: empty step (no text and no content)")

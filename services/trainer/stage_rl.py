@@ -39,9 +39,9 @@ from prorag.training.context import JobContext
 from services.trainer.stages import register_stage, resolve_model
 
 ALL_PROJECTIONS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-#: bumped when what the PRM is asked to score changes (2: empty steps left out), so a caller that names jobs by
+#: bumped when what the PRM is asked to score changes (2, 3: empty and blank steps left out), so a caller that names jobs by
 #: their settings (the pipeline) does not reuse a job that ran, or failed, under the old behaviour
-PRM_SCORING_VERSION = 2
+PRM_SCORING_VERSION = 3
 
 
 @dataclass
@@ -270,10 +270,10 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
     logits: list[list[float]] = [[] for _ in kept]
     t1 = time.monotonic()
     if use_prm and kept:
-        # a sampled step can be empty (the policy wrote nothing before a stop token): nothing for the PRM to read,
+        # a sampled step can be empty or blank (Step.empty): nothing for the PRM to read,
         # so it is left out of the scored trajectory and gets a neutral logit; the step score's invalid-step term
         # (step_score_reference) is what marks it
-        scored = [[j for j, st in enumerate(ss) if st.text or st.content] for ss in steps]
+        scored = [[j for j, st in enumerate(ss) if not st.empty] for ss in steps]
         asked = [i for i, idx in enumerate(scored) if idx]  # a trajectory of empty steps only asks nothing
         partial = []
         if asked:

@@ -383,8 +383,8 @@ def test_a_prm_service_that_restarts_mid_iteration_is_waited_for_and_asked_again
 
 
 class SometimesSilent(RecordingGoldWalk):
-    """RecordingGoldWalk whose first step is, for some samples, no token at all: an empty step, as an engine
-    returns when a trajectory has reached the context limit (no room for a new token)."""
+    """RecordingGoldWalk whose first step is, for some samples, no token at all (as an engine returns when a
+    trajectory has reached the context limit) or only blanks: steps with nothing to read."""
 
     def generate(self, prompts, params, adapter=None, seeds=None):
         from prorag.engine import GeneratedSeq
@@ -396,7 +396,9 @@ class SometimesSilent(RecordingGoldWalk):
             head = next((h for h in self.by_prompt if text.startswith(h)), None)
             if head is not None and "</step>" not in text[len(head):]:  # the first step of a trajectory
                 # every other sample (samples come as repeated prompts with their own seeds)
-                out[i] = [GeneratedSeq([], [], "length", None) if (i + j) % 2 else s
+                blank = self.tokenizer.encode("  \n ", add_special_tokens=False)
+                out[i] = [(GeneratedSeq([], [], "length", None) if (i // 2) % 2 else
+                           GeneratedSeq(blank, [-0.5] * len(blank), "length", None)) if (i + j) % 2 else s
                           for j, s in enumerate(out[i])]
         return out
 
