@@ -414,16 +414,22 @@ def _bench_model(world: str, model: str) -> str:
 
 def bare_decode_tokens_per_s(model, prompts: list[list[int]], new_tokens: int, pad_id: int, seed: int = 0) -> float:
     """The limit an engine's decoding reaches on this machine: the same model's batched forward passes alone
-    (left-padded prefill of every prompt, then ``new_tokens`` one-token steps with a DynamicCache and plain
-    multinomial sampling at temperature 1, no stops, no per-sequence bookkeeping). Generated tokens per second,
-    prefill included, as the engine's figure is."""
+    (left-padded prefill of each distinct prompt once, its cache copied to the rows that share it, then
+    ``new_tokens`` one-token steps for every row with a DynamicCache and plain multinomial sampling at temperature
+    1: no stops, no per-sequence bookkeeping). Generated tokens per second, prefill included, as the engine's figure
+    is. Every row decodes all ``new_tokens``, while an engine drops rows that stopped, so an engine whose samples
+    stop early can beat this figure per token generated."""
     import torch
     from transformers import DynamicCache
 
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    for i, p in enumerate(prompts):
+    B = len(prompts)
+    uniq = list(dict.fromkeys(tuple(p) for p in prompts))  # each distinct prompt prefilled once, as an engine does
+    where = {p: i for i, p in enumerate(uniq)}
+    expand = torch.tensor([where[tuple(p)] for p in prompts], dtype=torch.long)
+    L = max(len(p) for p in uniq)
+    ids = torch.full((len(uniq), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(uniq), L), dtype=torch.long)
+    for i, p in enumerate(uniq):
         ids[i, L - len(p):] = torch.tensor(p)
         attn[i, L - len(p):] = 1
     g = torch.Generator().manual_seed(seed)
@@ -433,7 +439,8 @@ def bare_decode_tokens_per_s(model, prompts: list[list[int]], new_tokens: int, p
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
                        use_cache=True).logits[:, -1, :].float()
-        next_pos = pos[:, -1] + 1
+        cache.reorder_cache(expand)
+        logits, attn, next_pos = logits[expand], attn[expand], pos[expand, -1] + 1
         for _ in range(new_tokens):
             tok = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g)  # [B, 1]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
