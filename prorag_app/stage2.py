@@ -57,6 +57,20 @@ def run_job(stack, stage: str, config: dict, job_id: str) -> dict:
         return {"job_id": job_id, "metrics": dict(job.metrics), "outputs": dict(job.outputs), "run_dir": job.run_dir}
 
 
+#: settings that say where a job's services are, or how fast it runs, not what it trains
+ADDRESS_KEYS = ("policy", "prm", "retriever", "judge", "threads")
+
+
+def settings_job_id(prefix: str, stage: str, cfg: dict, extra: dict | None = None) -> str:
+    """Same settings (and ``extra``: inputs or behaviour versions the settings do not show) -> same id, so a second
+    run reuses the finished job; the ADDRESS_KEYS are left out (they move with --port-offset)."""
+    import hashlib
+    import json
+
+    key = {**{k: v for k, v in cfg.items() if k not in ADDRESS_KEYS}, **(extra or {})}
+    return f"{prefix}-{stage}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]}"
+
+
 def gold_trajectories(questions, docs_by_id: dict, sft_settings: dict) -> list[list]:
     """Each question's gold step-by-step trajectory, written as the SFT agent was trained to write it (its
     restated questions, plans and subquery phrasing), one gold document per search."""
@@ -143,22 +157,15 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
                run_dir: Path, job_prefix: str, timings: dict) -> dict:
     """MCTS -> judged pairs -> PRM -> validation, through the stack's trainer, retriever and judge and the policy
     service at ``policy_target`` (serving ``sft_model``). Returns results.json's "prm"."""
-    import hashlib
-    import json
-
     from prorag.clients import RetrieverClient
     from prorag.data.loaders import load_split
     from prorag.registry import registry
-
-    def jid(stage: str, cfg: dict) -> str:
-        key = {k: v for k, v in cfg.items() if k not in ("policy", "retriever", "judge")}
-        return f"{job_prefix}-{stage}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]}"
 
     t = time.monotonic()
     mcts_cfg = {"world": world, "policy": policy_target, "policy_model": sft_model,
                 "retriever": stack.grpc_target("retriever"), "judge": stack.grpc_target("judge"),
                 "topk": int(sft_settings.get("topk", 1)), **settings.mcts}
-    mcts = run_job(stack, "mcts", mcts_cfg, jid("mcts", mcts_cfg))
+    mcts = run_job(stack, "mcts", mcts_cfg, settings_job_id(job_prefix, "mcts", mcts_cfg))
     timings["stage2_mcts_s"] = time.monotonic() - t
     m = mcts["metrics"]
     summary = {k: m.get(k) for k in ("questions", "simulations", "pairs", "pairs_per_question", "value_labelled",
@@ -175,7 +182,7 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
         return {"skipped": reason, "mcts": summary, "jobs": {"mcts": mcts["job_id"]}, "settings": asdict(settings)}
     t = time.monotonic()
     prm_cfg = {"world": world, "pairs": mcts["outputs"]["pairs_path"], "policy_model": sft_model, **settings.prm}
-    prm = run_job(stack, "prm", prm_cfg, jid("prm", {**prm_cfg, "pairs": mcts["job_id"]}))
+    prm = run_job(stack, "prm", prm_cfg, settings_job_id(job_prefix, "prm", prm_cfg, {"pairs": mcts["job_id"]}))
     timings["stage2_prm_s"] = time.monotonic() - t
     t = time.monotonic()
     test = load_split(paths.world_dir(world), "test")
@@ -198,4 +205,4 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
     }
 
 
-__all__ = ["Stage2Settings", "gold_trajectories", "plot_scores", "print_prm_table", "run_stage2", "validate_prm"]
+__all__ = ["ADDRESS_KEYS", "Stage2Settings", "settings_job_id", "gold_trajectories", "plot_scores", "print_prm_table", "run_stage2", "validate_prm"]

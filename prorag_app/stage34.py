@@ -16,7 +16,6 @@ others are reported as skipped with the reason.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -49,15 +48,16 @@ class Stage34Settings:
 
 
 def _job_id(prefix: str, stage: str, cfg: dict) -> str:
-    """Same settings and inputs -> same id, so a second run reuses the finished job; addresses are left out (they
-    move with --port-offset and do not change what is trained)."""
-    key = {k: v for k, v in cfg.items() if k not in ("policy", "prm", "retriever", "threads")}
-    key["uses_prm"] = bool(cfg.get("prm"))
-    if stage != "rft" and key["uses_prm"]:
+    """The job id of one stage 3-4 job (prorag_app.stage2.settings_job_id): whether it uses a PRM counts, and for
+    RL with a PRM the version of what the PRM is asked to score."""
+    from prorag_app.stage2 import settings_job_id
+
+    extra = {"uses_prm": bool(cfg.get("prm"))}
+    if stage != "rft" and extra["uses_prm"]:
         from services.trainer.stage_rl import PRM_SCORING_VERSION
 
-        key["prm_scoring"] = PRM_SCORING_VERSION
-    return f"{prefix}-{stage}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]}"
+        extra["prm_scoring"] = PRM_SCORING_VERSION
+    return settings_job_id(prefix, stage, cfg, extra)
 
 
 def rl_summary(iterations_path: str | Path) -> dict:
