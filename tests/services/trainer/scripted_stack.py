@@ -10,9 +10,10 @@ from tests.helpers import LoopThread, env
 
 
 @contextmanager
-def scripted_stack(data, engine_cls):
-    """Yields {"policy", "prm", "retriever" (targets), "base" (the tiny base's directory), "engine", "loop"}; the
-    PRM is a fresh head on the tiny base, saved under ``data``/prm. PRORAG_DATA points at ``data`` meanwhile."""
+def scripted_stack(data, engine_cls, judge: bool = False):
+    """Yields {"policy", "prm", "retriever" (targets), "base" (the tiny base's directory), "engine", "loop"}, and
+    "judge" (the reference judge on the tiny world) when asked; the PRM is a fresh head on the tiny base, saved
+    under ``data``/prm. PRORAG_DATA points at ``data`` meanwhile."""
     with env("PRORAG_DATA", str(data)):
         from transformers import AutoTokenizer
 
@@ -37,10 +38,18 @@ def scripted_stack(data, engine_cls):
         p = loop.run(start_policy(ServeConfig(port=0, http_port=-1),
                                   PolicyConfig(model=base, world="tiny", retriever=retriever), engine=engine))
         s = loop.run(start_prm(ServeConfig(port=0), PRMServeConfig(), engine=PRMEngine(data / "prm")))
+        servers = [s, p, r]
+        stack = {"policy": f"127.0.0.1:{p.grpc_port}", "prm": f"127.0.0.1:{s.grpc_port}", "base": base,
+                 "engine": engine, "retriever": retriever, "loop": loop}
+        if judge:
+            from services.judge.server import JudgeConfig, start as start_judge
+
+            j = loop.run(start_judge(ServeConfig(port=0), JudgeConfig(world="tiny")))
+            servers.insert(0, j)
+            stack["judge"] = f"127.0.0.1:{j.grpc_port}"
         try:
-            yield {"policy": f"127.0.0.1:{p.grpc_port}", "prm": f"127.0.0.1:{s.grpc_port}", "base": base,
-                   "engine": engine, "retriever": retriever, "loop": loop}
+            yield stack
         finally:
-            for srv in (s, p, r):
+            for srv in servers:
                 loop.run(srv.stop())
             loop.close()

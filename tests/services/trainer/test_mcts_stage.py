@@ -17,10 +17,8 @@ import pytest
 from prorag.config import from_dict
 from prorag.io import read_jsonl
 from prorag.pairs import StepPair
-from prorag.service import ServeConfig
 from prorag.training.context import local_context
 from prorag.engine import GeneratedSeq, GenerationEngine
-from tests.helpers import LoopThread, env
 
 
 class GoldWalkEngine(GenerationEngine):
@@ -75,32 +73,10 @@ class GoldWalkEngine(GenerationEngine):
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
-    data = tmp_path_factory.mktemp("mcts") / "data"
-    with env("PRORAG_DATA", str(data)):
-        from prorag_app.embedded import ensure_indexes, ensure_policy_model
-        from services.judge.server import JudgeConfig, start as start_judge
-        from services.policy.server import PolicyConfig, start as start_policy
-        from services.retriever.server import RetrieverConfig, start as start_retriever
+    from tests.services.trainer.scripted_stack import scripted_stack
 
-        from transformers import AutoTokenizer
-
-        from prorag import paths
-        from prorag.data.loaders import load_split
-
-        ensure_indexes("tiny")
-        base = str(ensure_policy_model("tiny"))
-        engine = GoldWalkEngine(AutoTokenizer.from_pretrained(base), load_split(paths.world_dir("tiny"), "train"))
-        loop = LoopThread()
-        r = loop.run(start_retriever(ServeConfig(port=0, http_port=-1), RetrieverConfig(world="tiny")))
-        retriever = f"127.0.0.1:{r.grpc_port}"
-        p = loop.run(start_policy(ServeConfig(port=0, http_port=-1),
-                                  PolicyConfig(model=base, world="tiny", retriever=retriever), engine=engine))
-        j = loop.run(start_judge(ServeConfig(port=0), JudgeConfig(world="tiny")))
-        yield {"retriever": retriever, "policy": f"127.0.0.1:{p.grpc_port}", "judge": f"127.0.0.1:{j.grpc_port}",
-               "base": base}
-        for s in (j, p, r):
-            loop.run(s.stop())
-        loop.close()
+    with scripted_stack(tmp_path_factory.mktemp("mcts") / "data", GoldWalkEngine, judge=True) as stack:
+        yield stack
 
 
 def _config(services, **kw):
