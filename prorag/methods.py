@@ -5,7 +5,10 @@ so a method is added in one place. A method's ``kind`` says how it answers:
 
 - ``agent``: ProRAG's step format, server-side rollouts that search as they go (SFT, and later RFT and RL);
 - ``no_retrieval``: question -> answer;
-- ``standard_rag``: the question's top-k documents, then the answer.
+- ``standard_rag``: the question's top-k documents, then the answer (a model fine-tuned for it);
+- ``single_search``: an agent's model held to one search, made with the question itself: standard RAG read by
+  the agent's own reader (``Method.reader``), so it reads exactly as well as the agent and differs only in
+  how it searches.
 """
 
 from __future__ import annotations
@@ -14,24 +17,31 @@ from dataclasses import dataclass, field
 
 from prorag.errors import InvalidArgument
 
-#: how a method answers; also the SFT stage's ``mode`` (the data it trains on)
-KINDS = ("agent", "no_retrieval", "standard_rag")
+#: the SFT stage's ``mode`` (the data it trains on); a method of one of these kinds is trained in that mode
+SFT_MODES = ("agent", "no_retrieval", "standard_rag")
+#: how a method answers
+KINDS = (*SFT_MODES, "single_search")
 
 
 @dataclass(frozen=True)
 class Method:
     name: str
     kind: str
-    stage: str = "sft"  # the trainer stage that produces its model
+    stage: str = "sft"  # the trainer stage that produces its model ("" = none: it reads with ``reader``'s model)
     description: str = ""
     #: settings of its training job on top of a run profile's shared ones (e.g. its SFT mode)
     train: dict = field(default_factory=dict)
     #: settings of its evaluation (the agent's step limit; documents per search come from the model's manifest)
     evaluate: dict = field(default_factory=dict)
+    #: the method whose trained model this one evaluates with, training nothing of its own
+    reader: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidArgument(f"method {self.name}: kind must be one of {list(KINDS)}, got {self.kind!r}")
+        if bool(self.reader) != (self.stage == ""):
+            raise InvalidArgument(f"method {self.name}: a method trains (a stage) or reads with another's model "
+                                  f"(a reader), exactly one of them")
 
 
 #: ProRAG inference's step limit (ANCHORS: 13 steps at inference and in RFT)
@@ -42,7 +52,14 @@ DOCS_PER_SEARCH = 3
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("no_retrieval", "no_retrieval", description="fine-tuned to answer from the question alone",
            train={"mode": "no_retrieval"}),
-    Method("standard_rag", "standard_rag", description="fine-tuned to answer from the question's top-k documents",
+    # The fair standard-RAG baseline (issue 16): one search with the question, its top-k documents read by the SFT
+    # agent's own model, which then answers. A separately fine-tuned reader (standard_rag_ft) read far worse than
+    # the agent on 1-hop questions on most worlds (docs/BENCHMARKS.md), which measured training luck, not
+    # searching; with the same reader the comparison isolates what step-by-step search adds.
+    Method("standard_rag", "single_search", stage="", reader="sft",
+           description="standard RAG with the agent's reader: one search with the question, its top-k documents, "
+                       "read and answered by the SFT model in its own step format"),
+    Method("standard_rag_ft", "standard_rag", description="fine-tuned to answer from the question's top-k documents",
            train={"mode": "standard_rag"}),
     Method("sft", "agent", description="ProRAG stage 1: SFT on gold step-by-step trajectories",
            train={"mode": "agent"}, evaluate={"max_steps": AGENT_MAX_STEPS}),
@@ -74,4 +91,5 @@ def kind_of(name: str) -> str:
     return METHODS[name].kind if name in METHODS else "agent"
 
 
-__all__ = ["KINDS", "Method", "METHODS", "SFT_METHODS", "AGENT_MAX_STEPS", "DOCS_PER_SEARCH", "get_method", "kind_of"]
+__all__ = ["SFT_MODES", "KINDS", "Method", "METHODS", "SFT_METHODS", "AGENT_MAX_STEPS", "DOCS_PER_SEARCH", "get_method",
+           "kind_of"]

@@ -81,6 +81,20 @@ def plan_note(remaining: int, compare: bool) -> str:
     return f"{count} to go{', then compare' if compare else ''}."
 
 
+def single_search_thoughts(question_id: str, question: str, thought: ThoughtFn = template_thought,
+                           restate: bool = False, plan: bool = False) -> tuple[str, str, str]:
+    """(search, read, final) thoughts of the agent's trajectory for a 1-hop question whose one sub-question is
+    ``question`` itself, exactly as :func:`agent_steps` writes them: what an evaluation that holds the agent
+    to one search made with the question (standard RAG read by the agent) writes around the model's reading."""
+    ctx = {"q": question, "hop": 0}
+    search = thought("search", question_id, ctx)
+    read = thought("read", question_id, ctx)
+    final = thought("final", question_id, {"hop": 1})
+    if plan:
+        search, final = f"{plan_note(1, False)} {search}", f"{plan_note(0, False)} {final}"
+    return search, restated(read, question) if restate else read, final
+
+
 def ensure_gold(docs: Sequence[Document], gold: Document, topk: int) -> list[Document]:
     """The retrieved top-k with the gold document present (replacing the last one if it was missed)."""
     docs = list(docs[:topk])
@@ -169,6 +183,23 @@ def encode_segments(tokenizer, prompt: str, steps: Sequence[Step], tag_ids: Mapp
         if glue:
             out.add_inserted(tokenizer.encode(glue, add_special_tokens=False))
     return out
+
+
+def content_prefix_ids(tokenizer, prompt: str, steps: Sequence[Step]) -> list[int]:
+    """Token ids of ``prompt`` + ``steps`` up to where the last step's content begins, tokenised as
+    :func:`encode_segments` tokenises a training sample: what a caller sends a policy so that it writes that
+    content (its reading) after exactly the ids it was trained on. (A text prefix would be tokenised whole, and
+    a step cut before its content tokenises differently from the same step whole: the space a word carries.)
+
+    The cut is where two encodings that differ only in the last step's content part."""
+    last = steps[-1]
+    ids = [encode_segments(tokenizer, prompt, [*steps[:-1], Step(last.kind, thought=last.thought, content=c,
+                                                                docs=last.docs)], {}, {}).token_ids
+           for c in ("a", "b")]
+    n = 0
+    while n < min(map(len, ids)) and ids[0][n] == ids[1][n]:
+        n += 1
+    return ids[0][:n]
 
 
 def agent_prompt(question: str) -> str:

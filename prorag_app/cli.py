@@ -273,7 +273,7 @@ def cmd_eval(args) -> int:
         return cmd_eval_prm(args)
 
     from prorag.data.loaders import load_split
-    from prorag_app.eval import evaluate, format_table
+    from prorag_app.eval import evaluate, format_table, reader_settings
     from prorag.io import write_json
     from prorag.methods import DOCS_PER_SEARCH, METHODS
     from prorag.registry import published_config, registry
@@ -283,7 +283,9 @@ def cmd_eval(args) -> int:
 
     if args.topk < 0:
         raise SystemExit(f"--topk must be 1 or more (0 = as the model was trained), got {args.topk}")
-    model = str(registry("model", args.world).resolve(args.model or args.method))
+    # a method that reads with another's model (standard_rag: the agent's) evaluates that model by default
+    reader = METHODS[args.method].reader if args.method in METHODS else ""
+    model = str(registry("model", args.world).resolve(args.model or reader or args.method))
     # as many documents per search as the model was trained with, unless asked otherwise
     topk = args.topk or published_config(model).get("topk") or DOCS_PER_SEARCH
     qs = load_split(paths.world_dir(args.world), args.split)
@@ -296,7 +298,8 @@ def cmd_eval(args) -> int:
     with stack:
         retr_target = args.retriever or stack.grpc_target("retriever")
         with PolicyClient(stack.grpc_target("policy")) as policy, RetrieverClient(retr_target, timeout=600) as retr:
-            settings = {**(METHODS[args.method].evaluate if args.method in METHODS else {}), "topk": topk}
+            settings = {**(METHODS[args.method].evaluate if args.method in METHODS else {}), "topk": topk,
+                        **reader_settings(args.method, model, published_config(model))}
             result = evaluate(args.method, policy, retr, qs, out_dir=out, **settings)
     write_json(out / "results.json", {"methods": {args.method: result}, "model": model, "split": args.split,
                                       "topk": topk})

@@ -1,21 +1,24 @@
 """`prorag eval`: a policy (any model or adapter version) over a split, through the services.
 
 Methods: ``agent`` (ProRAG step format, server-side rollouts with live retrieval; used for sft,
-rft, rl...), ``no_retrieval`` (question -> answer) and ``standard_rag`` (the question's top-k
-documents, then the answer). Every prediction and trajectory is saved; scores are EM/F1 with
+rft, rl...), ``no_retrieval`` (question -> answer), ``standard_rag`` (the question's top-k
+documents, then the answer) and ``single_search`` (an agent's model held to one search made with the
+question). Every prediction and trajectory is saved; scores are EM/F1 with
 95% bootstrap CIs overall, per hop count and per question type.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterable
 
 from prorag.evaluation import MULTI_HOP_MIN, names_entity, question_entity, score_records
 from prorag.methods import AGENT_MAX_STEPS, DOCS_PER_SEARCH, kind_of
 from prorag.metrics import qa_scores
-from prorag.trajectory import ANSWER_END, IM_END, extract_answer, parse_step
+from prorag.trajectory import (ANSWER_END, IM_END, STOP_TAGS, SUBANSWER_END, TAGS, Step, extract_answer,
+                               parse_step)
 
 
 
@@ -80,6 +83,73 @@ def run_baseline(policy, retriever, questions, mode: str, *, topk: int = DOCS_PE
     return records
 
 
+_ANY_TAG_OR_END = re.compile("|".join(re.escape(t) for t in (*TAGS, IM_END)))
+
+
+def run_single_search(policy, retriever, questions, *, tokenizer_dir: str, topk: int = DOCS_PER_SEARCH,
+                      restate_question: bool = False, plan_thoughts: bool = False, chunk: int = 256,
+                      max_tokens: int = 64, adapter: str = "", progress=None) -> list[dict]:
+    """Standard RAG read by an agent's model: one search, made with the question itself, and the model's
+    reading of its top-k documents, in the agent's own step format. Greedy, two batched rounds through
+    ``generate_steps``.
+
+    Each question is written as the agent's trajectory of a 1-hop question whose sub-question is the question
+    (:func:`prorag.sft_data.single_search_thoughts`, with the thought settings the model was trained with), and
+    the model writes only what standard RAG's reader writes: (1) the subanswer it reads out of the documents,
+    (2) the final answer. Why the format is written for it: the comparison is about searching, not about
+    whether a model trained to search step by step plans a one-search trajectory on its own. Prefixes are
+    token ids cut as training tokenised the steps (:func:`prorag.sft_data.content_prefix_ids`; the tokenizer of
+    ``tokenizer_dir``, the served model's). ``format_valid``: the model closed both with their own tags.
+    """
+    from transformers import AutoTokenizer
+
+    from prorag.sft_data import agent_prompt, content_prefix_ids, single_search_thoughts
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    sampling = policy.sampling(n=1, temperature=0.0, max_tokens=max_tokens, stop=list(STOP_TAGS))
+    records = []
+    for i in range(0, len(questions), chunk):
+        part = questions[i:i + chunk]
+        docs = retriever.search([q.question for q in part], topk=topk, timeout=600)
+        steps = []
+        for q, d in zip(part, docs):
+            search, read, final = single_search_thoughts(q.id, q.question, restate=restate_question,
+                                                         plan=plan_thoughts)
+            steps.append([Step("subquery", thought=search, content=q.question, docs=list(d)[:topk]),
+                          Step("subanswer", thought=read), Step("answer", thought=final)])
+        closed = [True] * len(part)
+        for n_steps, closing in ((2, SUBANSWER_END), (3, ANSWER_END)):
+            prefixes = [content_prefix_ids(tokenizer, agent_prompt(q.question), s[:n_steps])
+                        for q, s in zip(part, steps)]
+            resp = policy.generate_steps(prefixes, sampling, adapter=adapter)
+            for k, res in enumerate(resp.results):
+                text = res.completions[0].text
+                first_tag = _ANY_TAG_OR_END.search(text)
+                closed[k] = closed[k] and first_tag is not None and first_tag.group() == closing
+                s = steps[k][n_steps - 1]
+                steps[k][n_steps - 1] = Step(s.kind, thought=s.thought,
+                                             content=_ANY_TAG_OR_END.split(text, maxsplit=1)[0].strip())
+        for k, q in enumerate(part):
+            answer = steps[k][2].content
+            records.append(_record(q, answer or None, {
+                "format_valid": closed[k] and all(s.content for s in steps[k]),
+                "retrieved_ids": [x.id for x in steps[k][0].docs],
+                "steps": [{"kind": s.kind, "thought": s.thought, "content": s.content} for s in steps[k]],
+                "adapter_version": resp.adapter_version}))
+        if progress:
+            progress(len(records), len(questions))
+    return records
+
+
+def reader_settings(method: str, model_dir: str, trained: dict) -> dict:
+    """Evaluation settings that follow from the evaluated model (``model_dir``, its manifest's config
+    ``trained``): a single-search method writes the thoughts the model was trained to write, in its tokens."""
+    if kind_of(method) == "single_search":
+        return {"plan_thoughts": bool(trained.get("plan_thoughts", False)),
+                "restate_question": bool(trained.get("restate_question", False)), "tokenizer_dir": str(model_dir)}
+    return {}
+
+
 def save_records(path: Path, records: Iterable[dict]) -> None:
     from prorag.io import write_jsonl
 
@@ -90,6 +160,9 @@ def evaluate(method: str, policy, retriever, questions, out_dir: Path | None = N
     kind = kind_of(method)
     if kind == "agent":
         records = run_agent(policy, questions, **kw)
+    elif kind == "single_search":
+        kw.pop("max_steps", None)  # one search by definition
+        records = run_single_search(policy, retriever, questions, **kw)
     else:
         records = run_baseline(policy, retriever, questions, kind, **kw)
     result = score_records(records)

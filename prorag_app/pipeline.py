@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -68,10 +69,17 @@ class Profile:
         from prorag.modeling import WarmupConfig
         from services.trainer.stage_sft import SFTConfig
 
-        for m in (*self.methods, *self.method_sft):
+        for m in self.methods:
+            method = get_method(m)
+            if method.reader and method.reader not in self.methods:
+                raise InvalidArgument(f"profile method {m!r} reads with {method.reader!r}'s model: list "
+                                      f"{method.reader!r} in the profile's methods too")
+        for m in (*(m for m in self.methods if not get_method(m).reader), *self.method_sft):
             if get_method(m).stage != "sft":
-                raise InvalidArgument(f"profile method {m!r} is trained by stage {get_method(m).stage!r}, not SFT: "
-                                      "stages 3-4 are asked for by the profile's stage34 settings")
+                what = (f"reads with {get_method(m).reader!r}'s model and is not trained" if get_method(m).reader
+                        else f"is trained by stage {get_method(m).stage!r}")
+                raise InvalidArgument(f"profile method {m!r} {what}, not SFT: stages 3-4 are asked for by the "
+                                      "profile's stage34 settings")
         check_fields(SFTConfig, self.sft, prefix="sft.")
         for m, settings in self.method_sft.items():
             check_fields(SFTConfig, settings, prefix=f"method_sft.{m}.")
@@ -102,6 +110,15 @@ class Profile:
             check_fields(RFTConfig, self.stage34.get("rft", {}), prefix="stage34.rft.")
             check_fields(RLConfig, self.stage34.get("rl", {}), prefix="stage34.rl.")
 
+    @property
+    def trained_methods(self) -> tuple[str, ...]:
+        """The methods the SFT stage trains (the others read with one of these models)."""
+        return tuple(m for m in self.methods if get_method(m).stage == "sft")
+
+    def model_of(self, method: str) -> str:
+        """The trained method whose model ``method`` is evaluated with (itself, or its reader)."""
+        return get_method(method).reader or method
+
     def sft_for(self, method: str) -> dict:
         """The SFT job settings of ``method``: its table entry's, the profile's shared ones, then its own."""
         return {**get_method(method).train, **self.sft, **self.method_sft.get(method, {})}
@@ -110,10 +127,11 @@ class Profile:
 #: The recipe that reaches the SFT figure (docs/BENCHMARKS.md, "One document per subquery, 1,200 SFT steps,
 #: canonical subqueries" and "The SFT figure on worlds built with other seeds"): the default world's base
 #: (prorag_app.embedded: the induction-wired `cpu-induction` preset with the gap and paraphrase warm-up phases),
-#: restated questions, plan-carrying thoughts, 1,200 SFT steps over the whole train split for all three methods,
-#: the agent reading one document per subquery written in its relation's one phrasing, and standard RAG also
-#: trained on each gold hop's reading sample. ~33 minutes on 2 cores from a fresh clone (world, index and base
-#: ~10.5 of them).
+#: restated questions, plan-carrying thoughts, 1,200 SFT steps over the whole train split for the agent and the
+#: no-retrieval baseline, the agent reading one document per subquery written in its relation's one phrasing, and
+#: standard RAG reading with the agent's model (one search with the question). standard_rag_ft, the separately
+#: fine-tuned standard RAG (also trained on each gold hop's reading sample), is not in the default methods: its
+#: reading depended on the world (docs/BENCHMARKS.md).
 RECIPE = Profile(world="default", model_preset="cpu-induction", vocab_size=8192,
                  sft={"max_questions": 0, "max_steps": 1200, "batch_size": 8, "lr": 3e-3, "log_every": 10,
                       "checkpoint_every": 200, "restate_question": True, "plan_thoughts": True},
@@ -121,10 +139,9 @@ RECIPE = Profile(world="default", model_preset="cpu-induction", vocab_size=8192,
                  # gold sub-question's document 98.6% of the time, and the small policy reads one document far
                  # better than three; and it writes each relation's subquery one way (dev 2+ hops 32.1 -> 51.1)
                  method_sft={"sft": {"topk": 1, "canonical_subqueries": True},
-                             # the fair baseline: also trained to read each gold hop's answer out of its documents,
-                             # as the agent's subanswers are, from the one top document the agent reads, so that on
-                             # 1-hop questions both read the same document (issue 16)
-                             "standard_rag": {"hop_samples": True, "topk": 1}},
+                             # when trained (not by default): also on each gold hop's answer read out of its
+                             # documents, as the agent's subanswers are, from the one top document the agent reads
+                             "standard_rag_ft": {"hop_samples": True, "topk": 1}},
                  # stage 2 on the trained agent: MCTS on 200 train questions (ProRAG: 200 simulations x 5
                  # expansions on 728; cut to what 2 cores finish in minutes), pairs labelled by the reference judge,
                  # the PRM (Bradley-Terry) on them, validated on the whole test split
@@ -156,6 +173,9 @@ PROFILES = {
                                     "max_step_tokens": 32, "max_steps": 4, "lr": 1e-3, "lora_r": 4, "lora_alpha": 8,
                                     "checkpoint_every": 1}}),
     "default": RECIPE,
+    # stage 1 of the recipe alone: the agent and standard RAG read by it, no stages 2-4 (~25 minutes on 2 cores);
+    # what the SFT figure on worlds built with other seeds is measured with
+    "stage1": dataclasses.replace(RECIPE, methods=("standard_rag", "sft"), stage2=None, stage34=None),
     # the name the recipe had while it was not the default; outside scripts call it
     "full": RECIPE,
     # The earlier default, sized for a 20-minute budget (~12 minutes): the plain `cpu` base warmed up by the copy
@@ -323,7 +343,9 @@ def eval_options(method: str, model_dir: str) -> dict:
     trained = published_config(model_dir)
     if "topk" not in trained:
         raise SystemExit(f"{model_dir}: its manifest does not say how many documents per search it was trained with")
-    return {**get_method(method).evaluate, "topk": int(trained["topk"])}
+    from prorag_app.eval import reader_settings
+
+    return {**get_method(method).evaluate, "topk": int(trained["topk"]), **reader_settings(method, model_dir, trained)}
 
 
 def evaluate_method(method: str, model_dir: str, world: str, stack: ServiceStack, questions, run_dir,
@@ -491,7 +513,8 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
     test = load_split(paths.world_dir(world), "test")
     eval_qs = test[:prof.eval_questions] if prof.eval_questions else test
     methods, jobs = {}, {}
-    parallel, threads = training_parallelism(len(prof.methods))
+    trained = prof.trained_methods
+    parallel, threads = training_parallelism(len(trained))
     with ServiceStack(port_offset=port_offset, world=world, log_dir=str(run_dir / "logs" / "stack"),
                       overrides={"policy": {"model": str(base)}, "trainer": {"parallel_jobs": parallel}}) as stack:
         timings["start_services_s"] = time.monotonic() - t1
@@ -502,14 +525,14 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         print_retrieval_table(retrieval)
         t3 = time.monotonic()
         # the agent's job is the longest: started first, the baselines share the other worker(s) meanwhile
-        order = sorted(prof.methods, key=lambda m: prof.sft_for(m).get("mode") != "agent")
+        order = sorted(trained, key=lambda m: prof.sft_for(m).get("mode") != "agent")
         jobs = train_methods(stack, order, prof, str(base), world, threads=threads)
         timings["train_all_s"] = time.monotonic() - t3
-        for method in prof.methods:
+        for method in trained:
             timings[f"train_{method}_s"] = jobs[method]["train_s"]
         t4 = time.monotonic()
-        methods = evaluate_methods({m: str(registry("model", world).resolve(jobs[m]["model"])) for m in prof.methods},
-                                   world, stack, eval_qs, run_dir, port_offset + 100, timings)
+        methods = evaluate_methods({m: str(registry("model", world).resolve(jobs[prof.model_of(m)]["model"]))
+                                    for m in prof.methods}, world, stack, eval_qs, run_dir, port_offset + 100, timings)
         timings["eval_all_s"] = time.monotonic() - t4
         console.print(format_table(methods))
         prm = None
@@ -542,9 +565,10 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
                       f"{100 * figure['better_ci_width']:.1f} / {100 * figure['baseline_ci_width']:.1f}; "
                       f"figure {'reached' if figure['reached'] else 'NOT reached'}")
     results = {
-        "methods": {m: {k: v for k, v in r.items()
-                        if k in ("overall", "by_hops", "by_type", "multi_hop", "format_valid_rate",
-                                 "first_subquery_entity_rate")}
+        "methods": {m: {**{k: v for k, v in r.items()
+                           if k in ("overall", "by_hops", "by_type", "multi_hop", "format_valid_rate",
+                                    "first_subquery_entity_rate")},
+                        **({"reader": prof.model_of(m)} if prof.model_of(m) != m else {})}
                     for m, r in methods.items()},
         "figure": figure,
         **({"prm": prm} if prm is not None else {}),

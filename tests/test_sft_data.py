@@ -211,3 +211,17 @@ def test_hop_questions_are_single_hop_reading_samples_of_each_retrieval_hop():
     # the baselines' answer step answers the hop with its sub-answer
     step, = baseline_steps(hops[0], grounded=True)
     assert step.kind == "answer" and step.content == gold_hops[0].answer
+
+
+def test_single_search_thoughts_are_the_agents_own_for_a_one_hop_question_asking_the_question():
+    from prorag.sft_data import single_search_thoughts
+
+    q = Question(id="q7", question="Where was Marlo Vesk born?", golden_answers=["Vuzarburg"],
+                 metadata={"type": "compositional", "hops": 1, "decomposition": [
+                     {"question": "Where was Marlo Vesk born?", "answer": "Vuzarburg", "answer_aliases": [],
+                      "doc_id": "P1", "title": "Marlo Vesk"}]})
+    for restate in (False, True):
+        for plan in (False, True):
+            steps = agent_steps(q, {q.question: [GOLD["P1"]]}, GOLD, topk=1, restate=restate, plan=plan)
+            assert single_search_thoughts(q.id, q.question, restate=restate, plan=plan) == \
+                tuple(s.thought for s in steps)

@@ -19,7 +19,7 @@ from pathlib import Path
 from prorag import paths
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
-from prorag.methods import DOCS_PER_SEARCH, KINDS
+from prorag.methods import DOCS_PER_SEARCH, SFT_MODES
 from prorag.sft_data import length_grouped_batches
 from prorag.training.context import JobContext
 from prorag.training.lm import weighted_lm_loss
@@ -32,7 +32,7 @@ class SFTConfig:
     """Supervised warm-up of the policy (mode agent) or of a baseline (no_retrieval, standard_rag)."""
 
     mode: str = cfg_field("agent", help="agent = ProRAG step format; no_retrieval / standard_rag = baselines",
-                          choices=KINDS)
+                          choices=SFT_MODES)
     world: str = cfg_field("default", help="embedded world whose train split is used")
     questions: str = cfg_field("", help="FlashRAG-style train jsonl with decompositions ('' = the world's train split)")
     max_questions: int = cfg_field(0, help="use at most this many training questions (0 = all)", min=0)

@@ -56,7 +56,10 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     assert 0.0 <= diag["sft"]["first_subquery_entity_rate"] <= 1.0
     assert diag["sft"]["first_subquery_entity_rate"] == on_disk["methods"]["sft"]["first_subquery_entity_rate"]
     assert diag["standard_rag"]["first_subquery_entity_rate"] is None  # not an agent
-    for name in ("base", "no_retrieval", "standard_rag", "sft"):  # the probe reads full models, not adapters
+    # standard RAG reads with the agent's model: no model (or job, or probe) of its own
+    assert on_disk["methods"]["standard_rag"]["reader"] == "sft" and "standard_rag" not in on_disk["jobs"]
+    assert diag["standard_rag"]["copy_probe"] is None
+    for name in ("base", "no_retrieval", "sft"):  # the probe reads full models, not adapters
         probe = diag[name]["copy_probe"]
         assert probe["names"] > 0 and 0.0 <= probe["name_accuracy"] <= 1.0 and 0.0 <= probe["token_accuracy"] <= 1.0
     # retrieval of gold sub-questions is near perfect on the tiny world

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from prorag_app.pipeline import job_id_for, training_parallelism
 
 
@@ -41,7 +43,7 @@ def test_every_profile_is_a_valid_sft_and_warmup_config_and_variants_keep_their_
 
     for name, prof in PROFILES.items():
         assert prof.model_preset in PRESETS, name
-        for method in prof.methods:
+        for method in (*prof.trained_methods, *prof.method_sft):
             settings = prof.sft_for(method)
             assert settings["mode"] == METHODS[method].kind  # each method trains on its own kind of data
             cfg = from_dict(SFTConfig, {"world": prof.world, "base_model": str(Path.cwd()), **settings})
@@ -88,17 +90,38 @@ def test_a_method_trains_with_its_own_settings_and_is_evaluated_as_its_published
     prof = Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={"max_steps": 24, "topk": 3},
                    method_sft={"sft": {"topk": 1}})
     assert prof.sft_for("sft") == {"mode": "agent", "max_steps": 24, "topk": 1}
-    assert prof.sft_for("standard_rag") == {"mode": "standard_rag", "max_steps": 24, "topk": 3}
+    assert prof.sft_for("standard_rag_ft") == {"mode": "standard_rag", "max_steps": 24, "topk": 3}
     models = Registry(tmp_path / "models", "model")
-    for name, topk in (("sft", 1), ("standard_rag", 3)):
+    for name, topk in (("sft", 1), ("standard_rag_ft", 3)):
         src = tmp_path / "src" / name
         src.mkdir(parents=True)
         (src / "model.safetensors").write_bytes(name.encode())
         (src / "config.json").write_text("{}")
         models.publish(src, ArtifactRef(name, "job"), config={"topk": topk})
     assert eval_options("sft", str(models.resolve("sft@job"))) == {"topk": 1, "max_steps": 13}
-    assert eval_options("standard_rag", str(models.resolve("standard_rag@job"))) == {"topk": 3}
+    assert eval_options("standard_rag_ft", str(models.resolve("standard_rag_ft@job"))) == {"topk": 3}
+    # standard RAG reads with the agent's model: evaluated with as many documents as the agent searches with
+    assert prof.model_of("standard_rag") == "sft" and prof.model_of("sft") == "sft"
+    sft_dir = str(models.resolve("sft@job"))
+    assert eval_options("standard_rag", sft_dir) == {"topk": 1, "plan_thoughts": False, "restate_question": False,
+                                                     "tokenizer_dir": sft_dir}
     import pytest
 
     with pytest.raises(SystemExit, match="documents per search"):
         eval_options("sft", str(tmp_path / "src" / "sft"))  # never published: nothing says how it was trained
+
+
+def test_a_method_that_reads_with_another_models_trains_nothing_and_needs_that_model():
+    from prorag.errors import InvalidArgument
+    from prorag_app.pipeline import PROFILES, Profile
+
+    prof = Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={},
+                   methods=("no_retrieval", "standard_rag", "sft"))
+    assert prof.trained_methods == ("no_retrieval", "sft")
+    with pytest.raises(InvalidArgument, match="reads with 'sft'"):
+        Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={}, methods=("no_retrieval", "standard_rag"))
+    with pytest.raises(InvalidArgument, match="not SFT"):  # a reader has no SFT settings of its own
+        Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={}, method_sft={"standard_rag": {"topk": 1}})
+    # the default trains the agent and the no-retrieval baseline; the fine-tuned standard RAG only when listed
+    assert PROFILES["default"].trained_methods == ("no_retrieval", "sft")
+    assert "standard_rag_ft" in PROFILES["default"].method_sft
