@@ -73,6 +73,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("outcome_grpo", "agent", stage="rl", description="Search-R1-style outcome-only GRPO (LoRA) on the SFT "
                                                             "model: the same RL code, beta 0, no RFT",
            evaluate={"max_steps": AGENT_MAX_STEPS}),
+    Method("reasonrag", "agent", stage="dpo", description="ReasonRAG: DPO (LoRA) on the SFT model with sibling-step "
+                                                          "pairs from the same MCTS trees, ordered by shortest-path "
+                                                          "reward estimation",
+           evaluate={"max_steps": AGENT_MAX_STEPS}),
 )}
 
 #: methods trained by the SFT stage (the pipeline's `Profile.methods`)

@@ -102,13 +102,16 @@ class Profile:
             from services.trainer.stage_rft import RFTConfig
             from services.trainer.stage_rl import RLConfig
 
-            check_fields(Stage34Settings, {k: v for k, v in self.stage34.items() if k not in ("rft", "rl")},
+            check_fields(Stage34Settings, {k: v for k, v in self.stage34.items() if k not in ("rft", "rl", "dpo")},
                          prefix="stage34.")
             for m in self.stage34.get("methods", ()):
-                if get_method(m).stage not in ("rft", "rl"):
+                if get_method(m).stage not in ("rft", "rl", "dpo"):
                     raise InvalidArgument(f"stage34.methods: {m!r} is not a stage 3-4 method")
             check_fields(RFTConfig, self.stage34.get("rft", {}), prefix="stage34.rft.")
             check_fields(RLConfig, self.stage34.get("rl", {}), prefix="stage34.rl.")
+            from services.trainer.stage_dpo import DPOConfig
+
+            check_fields(DPOConfig, self.stage34.get("dpo", {}), prefix="stage34.dpo.")
 
     @property
     def trained_methods(self) -> tuple[str, ...]:
@@ -157,6 +160,9 @@ RECIPE = Profile(world="default", model_preset="cpu-induction", vocab_size=8192,
                                   "prm_keep_fraction": 0.5},
                           "rl": {"iterations": 10, "questions_per_iteration": 16, "group_size": 8, "lr": 5e-4,
                                  "max_step_tokens": 96, "checkpoint_every": 5, "seed": 1},
+                          # ReasonRAG: DPO on the value-labelled pairs of the same MCTS trees, at the RL methods'
+                          # learning rate (its 1 epoch at 1e-6 is for full fine-tuning of a 7B model)
+                          "dpo": {"epochs": 3, "batch_size": 8, "lr": 5e-4, "seed": 1},
                           "beta": 0.3})
 
 PROFILES = {
@@ -171,7 +177,8 @@ PROFILES = {
                                      "max_train_steps": 2, "batch_size": 2, "checkpoint_every": 1},
                              "rl": {"iterations": 2, "questions_per_iteration": 4, "group_size": 2,
                                     "max_step_tokens": 32, "max_steps": 4, "lr": 1e-3, "lora_r": 4, "lora_alpha": 8,
-                                    "checkpoint_every": 1}}),
+                                    "checkpoint_every": 1},
+                             "dpo": {"epochs": 1, "batch_size": 4, "lora_r": 4, "lora_alpha": 8}}),
     "default": RECIPE,
     # stage 1 of the recipe alone: the agent and standard RAG read by it, no stages 2-4 (~25 minutes on 2 cores);
     # what the SFT figure on worlds built with other seeds is measured with
@@ -428,7 +435,7 @@ def stage34(prof: Profile, stack: ServiceStack, world: str, sft_ref: str, prm: d
     sft_dir = str(registry("model", world).resolve(sft_ref))
     t = time.monotonic()
     out = run_stage34(stack, world, sft_ref, sft_dir, prm_dir, prof.sft_for("sft"), settings, run_dir,
-                      port_offset + 200, timings)
+                      port_offset + 200, timings, pairs_path=(prm or {}).get("pairs_path"))
     models = out["models"]
     evaluated = evaluate_methods({m: v["model"] for m, v in models.items()}, world, stack, questions, run_dir,
                                  port_offset + 100, timings, adapters={m: v["adapter"] for m, v in models.items()})

@@ -179,7 +179,8 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
         reason = (f"the search found no {source}-labelled sibling pairs ({int(m.get('pairs', 0))} pairs from "
                   f"{int(m.get('questions', 0))} questions): no PRM to train")
         console.print(f"[yellow]stage 2: {reason}[/yellow]")
-        return {"skipped": reason, "mcts": summary, "jobs": {"mcts": mcts["job_id"]}, "settings": asdict(settings)}
+        return {"skipped": reason, "mcts": summary, "jobs": {"mcts": mcts["job_id"]}, "settings": asdict(settings),
+                "pairs_path": mcts["outputs"]["pairs_path"]}
     t = time.monotonic()
     prm_cfg = {"world": world, "pairs": mcts["outputs"]["pairs_path"], "policy_model": sft_model, **settings.prm}
     prm = run_job(stack, "prm", prm_cfg, settings_job_id(job_prefix, "prm", prm_cfg, {"pairs": mcts["job_id"]}))
@@ -202,6 +203,8 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
         "mcts": summary,
         "jobs": {"mcts": mcts["job_id"], "prm": prm["job_id"]},
         "settings": asdict(settings),
+        # the sibling pairs, also ReasonRAG's DPO data (its value labels) in stage 3-4
+        "pairs_path": mcts["outputs"]["pairs_path"],
     }
 
 

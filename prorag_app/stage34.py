@@ -7,7 +7,9 @@ Through the services of a ServiceStack (the trainer runs every job; the policy a
 - ``prorag`` (stage 4): GRPO on LoRA from the RFT model with the dual-granularity advantage, step scores from
   the PRM service (trainer stage ``rl``, beta > 0), rollouts through a policy service serving the RFT model;
 - ``outcome_grpo``: the same RL code from the SFT model with beta 0 and no PRM (Search-R1-style outcome-only
-  GRPO), on the same questions with the same rollout budget.
+  GRPO), on the same questions with the same rollout budget;
+- ``reasonrag``: ReasonRAG's path from the same MCTS trees as the PRM: the sibling pairs ordered by shortest-path
+  reward estimation (value margins), DPO with LoRA on the SFT model (trainer stage ``dpo``).
 
 Each RL job publishes an adapter version per iteration and pushes it to its policy service; the final adapter is
 what gets evaluated. Without a PRM (stage 2 found no labelled pairs) only the outcome-only baseline can run; the
@@ -30,19 +32,20 @@ console = Console()
 
 #: the comparisons results.json reports (A minus B on 3+ hop questions); issue 19 names the first three
 COMPARISONS = (("prorag", "outcome_grpo"), ("outcome_grpo", "sft"), ("prorag", "sft"), ("rft", "sft"),
-               ("prorag", "rft"))
+               ("prorag", "rft"), ("prorag", "reasonrag"), ("reasonrag", "sft"))
 
 
 @dataclass
 class Stage34Settings:
     """What a profile asks of stages 3-4 (the trainer's rft and rl jobs take the rest from their defaults)."""
 
-    methods: tuple = cfg_field(("rft", "prorag", "outcome_grpo"),
-                               help="which of rft, prorag and outcome_grpo to train and evaluate")
+    methods: tuple = cfg_field(("rft", "prorag", "outcome_grpo", "reasonrag"),
+                               help="which of rft, prorag, outcome_grpo and reasonrag to train and evaluate")
     rft: dict = cfg_field(help="rft job settings (services.trainer.stage_rft.RFTConfig)", factory=dict)
     rl: dict = cfg_field(help="rl job settings shared by prorag and outcome_grpo (services.trainer.stage_rl."
                               "RLConfig): the same questions, iterations, group size and learning rate for both",
                          factory=dict)
+    dpo: dict = cfg_field(help="reasonrag's dpo job settings (services.trainer.stage_dpo.DPOConfig)", factory=dict)
     beta: float = cfg_field(0.3, help="ProRAG's weight of the process advantage (outcome_grpo: 0)", min=0.0,
                             max=10.0)
 
@@ -84,8 +87,10 @@ def rl_summary(iterations_path: str | Path) -> dict:
 
 
 def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | None, sft_settings: dict,
-                settings: Stage34Settings, run_dir: Path, port_offset: int, timings: dict) -> dict:
-    """Train what ``settings.methods`` asks through the stack's trainer. Returns {"models": {method: {"model":
+                settings: Stage34Settings, run_dir: Path, port_offset: int, timings: dict,
+                pairs_path: str | None = None) -> dict:
+    """Train what ``settings.methods`` asks through the stack's trainer (``pairs_path``: stage 2's sibling pairs,
+    reasonrag's data). Returns {"models": {method: {"model":
     directory, "adapter": name@version or ""}}, "jobs", "rl": {method: rl_summary}, "skipped": {method: why},
     "settings"}."""
     from prorag.registry import registry
@@ -157,6 +162,22 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
                 out["models"]["prorag"] = {"model": rft_dir, "adapter": job["outputs"]["adapter"]}
                 out["rl"]["prorag"] = rl_summary(Path(job["run_dir"]) / "iterations.jsonl")
                 timings["stage34_prorag_s"] = time.monotonic() - t
+        if "reasonrag" in wanted:
+            if not pairs_path:
+                out["skipped"]["reasonrag"] = "stage 2 wrote no sibling pairs, ReasonRAG's DPO data"
+            else:
+                t = time.monotonic()
+                cfg = {"world": world, "base_model": sft_ref, "pairs": pairs_path, "label_source": "value",
+                       "adapter_name": "reasonrag", **settings.dpo}
+                try:
+                    job = run_job(stack, "dpo", cfg, _job_id(prefix, "reasonrag", cfg))
+                    out["jobs"]["reasonrag"] = job["job_id"]
+                    out["models"]["reasonrag"] = {"model": sft_dir, "adapter": job["outputs"]["adapter"]}
+                    out["dpo"] = {k: job["metrics"][k] for k in ("train_pairs", "pairs_read", "final_loss",
+                                                                 "reward_accuracy", "steps") if k in job["metrics"]}
+                except SystemExit as e:  # e.g. no value-labelled pair: report it, go on
+                    out["skipped"]["reasonrag"] = f"the DPO job failed: {e}"
+                timings["stage34_reasonrag_s"] = time.monotonic() - t
     timings["stage34_train_s"] = time.monotonic() - t0
     return out
 

@@ -42,6 +42,8 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     on_disk = json.loads((tmp_path / "runs" / "latest" / "results.json").read_text())
     # the SFT-stage methods, outcome-only GRPO, and RFT and ProRAG when stage 2 trained a PRM
     assert on_disk["methods"].keys() >= {"no_retrieval", "standard_rag", "sft", "outcome_grpo"}
+    # ReasonRAG's DPO on the same MCTS trees: evaluated, or skipped with the reason (no value-labelled pair)
+    assert "reasonrag" in on_disk["methods"] or "reasonrag" in on_disk["stage34"]["skipped"]
     for name, m in on_disk["methods"].items():
         overall = m["overall"]
         assert overall["n"] == 60

@@ -1,0 +1,100 @@
+"""The `dpo` stage (ReasonRAG's baseline): DPO with LoRA on value-labelled sibling steps raises the chosen step's
+log-probability over the rejected one's relative to the reference, trains only the step's own tokens, publishes
+an adapter, and refuses what it cannot train on."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from prorag.config import from_dict
+from prorag.data.loaders import Document
+from prorag.errors import FailedPrecondition, InvalidArgument
+from prorag.pairs import StepPair
+from prorag.registry import registry
+from prorag.training.context import local_context
+from prorag.trajectory import Step
+from services.trainer.stage_dpo import DPOConfig, encode_preference, run_dpo, step_logps
+
+NAMES = ["Tova Lunn", "Kora Vell", "Arn Pell", "Mira Dost", "Sel Varn", "Oda Kree", "Bram Tull", "Ina Rook"]
+
+
+def _pairs(n, seed=0):
+    """The document names the founder; the chosen subanswer reads it, the rejected one guesses someone else.
+    Sibling order is shuffled, value_choice points at the reading (judge label absent, as ReasonRAG has none)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        good, bad = rng.sample(NAMES, 2)
+        doc = Document(id=f"d{i}", title="Mai Brewery", text=f"Mai Brewery was founded by {good}.",
+                       contents=f'"Mai Brewery"\nMai Brewery was founded by {good}.')
+        ctx = [Step("subquery", thought="First the founder.", content="Who founded Mai Brewery?", docs=[doc])]
+        steps = (Step("subanswer", thought="The document names the founder.", content=good),
+                 Step("subanswer", thought="I will guess.", content=bad))
+        flip = rng.random() < 0.5
+        out.append(StepPair(f"q{i}", "Who founded Mai Brewery?", ctx, steps[::-1] if flip else steps,
+                            values=(0.0, 0.9) if flip else (0.9, 0.0), value_choice=1 if flip else 0))
+    return out
+
+
+def test_a_preference_masks_only_the_sibling_steps_generated_tokens(tiny_policy):
+    _, tok = tiny_policy
+    pair = _pairs(1)[0]
+    c_ids, c_mask, r_ids, r_mask = encode_preference(tok, pair, pair.value_choice)
+    for ids, mask, step in ((c_ids, c_mask, pair.steps[pair.value_choice]),
+                            (r_ids, r_mask, pair.steps[1 - pair.value_choice])):
+        assert len(ids) == len(mask)
+        first = mask.index(1)
+        assert all(mask[first:first + sum(mask)])  # one contiguous span...
+        assert tok.decode(ids[first:first + sum(mask)], skip_special_tokens=False).strip() == step.text  # ...the step
+        # everything after the step is inserted glue, never trained
+        assert first + sum(mask) < len(ids) and not any(mask[first + sum(mask):])
+
+
+def test_dpo_stage_prefers_the_chosen_step_and_publishes_an_adapter(tiny_policy, tmp_path, monkeypatch):
+    from peft import PeftModel
+
+    from prorag.modeling import load_policy
+
+    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
+    model_dir, tok = tiny_policy
+    pairs_file = tmp_path / "pairs.jsonl"
+    train = _pairs(48)
+    pairs_file.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in train))
+    cfg = from_dict(DPOConfig, {"world": "tiny", "pairs": str(pairs_file), "base_model": str(model_dir),
+                                "epochs": 4, "batch_size": 8, "lr": 1e-2, "lora_r": 4, "lora_alpha": 8,
+                                "threads": 1, "checkpoint_every": 1000, "max_len": 512, "warmup_ratio": 0.0})
+    out = run_dpo(local_context(tmp_path / "work", cfg))
+    assert out["train_pairs"] == 48 and out["steps"] == 24 and out["too_long"] == 0
+    assert out["final_loss"] < 0.5  # from ln 2 = 0.69 where the adapter starts as the reference
+    adapter_dir = registry("adapter", "tiny").resolve(out["adapter"])
+    base, _ = load_policy(model_dir, device="cpu", dtype="float32")
+    tuned = PeftModel.from_pretrained(load_policy(model_dir, device="cpu", dtype="float32")[0], str(adapter_dir))
+    base.eval()
+    tuned.eval()
+    fresh = _pairs(16, seed=99)  # names in new pairings: the preference generalises, not memorised pairs
+    seqs = [encode_preference(tok, p, p.value_choice) for p in fresh]
+    with torch.no_grad():
+        margins = []
+        for m in (base, tuned):
+            c = step_logps(m, [(s[0], s[1]) for s in seqs], tok.pad_token_id)
+            r = step_logps(m, [(s[2], s[3]) for s in seqs], tok.pad_token_id)
+            margins.append(c - r)
+    implicit_reward = margins[1] - margins[0]  # DPO's reward of chosen over rejected, per pair
+    assert float((implicit_reward > 0).float().mean()) >= 0.75
+
+
+def test_dpo_stage_refuses_what_it_cannot_train(tiny_policy, tmp_path, monkeypatch):
+    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
+    model_dir, _ = tiny_policy
+    with pytest.raises(InvalidArgument, match="pairs file"):
+        run_dpo(local_context(tmp_path / "a", from_dict(DPOConfig, {"base_model": str(model_dir)})))
+    unlabelled = tmp_path / "pairs.jsonl"
+    unlabelled.write_text("".join(json.dumps({**p.to_dict(), "value_choice": None}) + "\n" for p in _pairs(4)))
+    with pytest.raises(FailedPrecondition, match="no value-labelled pairs"):
+        run_dpo(local_context(tmp_path / "b", from_dict(DPOConfig, {"pairs": str(unlabelled),
+                                                                    "base_model": str(model_dir)})))
+    with pytest.raises(InvalidArgument, match="base_model"):
+        run_dpo(local_context(tmp_path / "c", from_dict(DPOConfig, {"pairs": str(unlabelled),
+                                                                    "base_model": "nowhere"})))
