@@ -11,6 +11,7 @@ the adapter registry, the policy's adapter manager and the PRM model, is real.""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from prorag.config import from_dict
 from prorag.service import ServeConfig
@@ -152,6 +153,17 @@ def test_a_stopped_job_resumes_from_its_checkpoint_and_republishes_nothing_new(s
     # pinned requests name the version being trained: each iteration sampled from exactly it
     assert [r["adapter"] for r in _journal(work)] == [f"rl@{job}-{i}" for i in range(3)]
     assert all(r["lag_max"] == 0 and r["kept"] == 8 for r in _journal(work))
+    # the resumed job ends on the adapter an uninterrupted run of the same config ends on
+    straight = run_rl(local_context(tmp_path / "rl-straight", cfg, stage="rl"))
+    from safetensors.torch import load_file
+
+    adapters = registry("adapter", "tiny")
+    a, b = (load_file(str(adapters.resolve(ref) / "adapter_model.safetensors"))
+            for ref in (out["adapter"], straight["adapter"]))
+    assert a.keys() == b.keys() and a
+    assert any(float(v.abs().sum()) > 0 for k, v in a.items() if "lora_B" in k)  # trained: B starts at zero
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
 
 
 def _push_zero_adapter(services, tmp_path, job):
