@@ -313,7 +313,23 @@ def cmd_eval(args) -> int:
 def cmd_run(args) -> int:
     from prorag_app.pipeline import run_main_job
 
-    run_main_job(profile=args.profile, world=args.world, port_offset=args.port_offset)
+    run_main_job(profile=args.profile, world=args.world, port_offset=args.port_offset,
+                 stage34_seed=args.stage34_seed, beta=args.beta)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from prorag.runs import new_run_dir
+    from prorag_app.report import build_report
+
+    runs = args.runs or [str(paths.runs_dir() / "latest")]
+    out = Path(args.out) if args.out else new_run_dir("report")
+    report = build_report(runs, out)
+    if args.json:
+        print(json.dumps({k: report[k] for k in ("runs", "world", "seeds", "comparisons", "beta", "plots")}))
+    else:
+        print((out / "report.md").read_text())
+        print(f"report: {out / 'report.md'}")
     return 0
 
 
@@ -448,7 +464,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--profile", default="default", choices=list(PROFILES))
     r.add_argument("--world", default=None)
     r.add_argument("--port-offset", type=int, default=0)
+    r.add_argument("--stage34-seed", type=int, default=None,
+                   help="seed of the RFT, RL and DPO jobs (default: the profile's); another seed trains them anew")
+    r.add_argument("--beta", type=float, default=None, help="ProRAG's process-advantage weight (default: the "
+                                                            "profile's, 0.3)")
     r.set_defaults(fn=cmd_run)
+
+    rep = sub.add_parser("report", help="one report (Markdown, JSON, PNG) over `prorag run` directories of the same "
+                                        "world: their seeds pooled, paired comparisons, RL curves, beta")
+    rep.add_argument("runs", nargs="*", help="run directories (default: runs/latest)")
+    rep.add_argument("--out", default=None, help="output directory (default: a new runs/<time>-report)")
+    rep.add_argument("--json", action="store_true", help="print the comparisons as JSON")
+    rep.set_defaults(fn=cmd_report)
     return p
 
 

@@ -503,10 +503,25 @@ def multi_hop_figure(methods: dict) -> dict | None:
             "standard_rag_f1": rag["f1"], "standard_rag_f1_ci": rag["f1_ci"], **margin_beyond_cis(sft, rag)}
 
 
-def run_main_job(profile: str = "default", world: str | None = None, port_offset: int = 0) -> dict:
+def with_stage34(prof: Profile, seed: int | None = None, beta: float | None = None) -> Profile:
+    """``prof`` with its stage 3-4 jobs' seed (RFT, RL, DPO) and ProRAG's beta replaced where given: the knobs
+    of the headline comparison's seeds and of the beta sweep (``prorag report`` pools such runs)."""
+    if prof.stage34 is None or (seed is None and beta is None):
+        return prof
+    s34 = {k: (dict(v) if isinstance(v, dict) else v) for k, v in prof.stage34.items()}
+    if seed is not None:
+        for job in ("rft", "rl", "dpo"):
+            s34[job] = {**s34.get(job, {}), "seed": int(seed)}
+    if beta is not None:
+        s34["beta"] = float(beta)
+    return dataclasses.replace(prof, stage34=s34)
+
+
+def run_main_job(profile: str = "default", world: str | None = None, port_offset: int = 0,
+                 stage34_seed: int | None = None, beta: float | None = None) -> dict:
     from prorag_app.eval import format_table
 
-    prof = PROFILES[profile]
+    prof = with_stage34(PROFILES[profile], stage34_seed, beta)
     world = world or prof.world
     timings: dict[str, float] = {}
     t0 = time.monotonic()

@@ -1,0 +1,208 @@
+"""`prorag report`: one report over several `prorag run` results on the same test questions (seeds, betas).
+
+Each run directory holds results.json and every evaluated method's predictions.jsonl. A method's runs are its
+seeds: per question, EM and F1 are averaged over the runs that evaluated it, then the questions are resampled
+for the CIs (prorag.evaluation), so the intervals reflect which questions were asked and the seeds only reduce
+per-question noise. Comparisons are paired per question over the pooled seeds (compare_methods). Runs whose
+stages 3-4 used different betas also give ProRAG's F1 against beta; the RL jobs' iteration journals give the
+training rollouts' F1 against the number of RL questions seen (data efficiency, on train questions).
+
+Written to the output directory: report.md, report.json and PNG plots (per hop count, RL curves, beta).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from prorag.errors import InvalidArgument
+
+HOP_GROUPS = ("1", "2", "3", "4")
+
+
+def load_run(run_dir: str | Path) -> dict:
+    """{"dir", "results", "records": {method: {question id: record}}} of one `prorag run` directory."""
+    run_dir = Path(run_dir)
+    path = run_dir / "results.json"
+    if not path.is_file():
+        raise InvalidArgument(f"{run_dir} has no results.json: not the directory of a finished `prorag run`")
+    results = json.loads(path.read_text())
+    records = {}
+    for method in results.get("methods", {}):
+        preds = run_dir / method / "predictions.jsonl"
+        if preds.is_file():
+            records[method] = {r["id"]: r for r in map(json.loads, preds.read_text().splitlines()) if r}
+    return {"dir": str(run_dir), "results": results, "records": records}
+
+
+def seed_averaged(runs: list[dict], method: str) -> list[dict]:
+    """One record per question every run of ``method`` answered: EM/F1/acc averaged over those runs."""
+    per_run = [r["records"][method] for r in runs if method in r["records"]]
+    if not per_run:
+        return []
+    ids = sorted(set.intersection(*(set(p) for p in per_run)))
+    out = []
+    for q in ids:
+        rows = [p[q] for p in per_run]
+        avg = {k: sum(float(r.get(k, 0.0)) for r in rows) / len(rows) for k in ("em", "f1", "acc")}
+        out.append({"id": q, "hops": rows[0]["hops"], "type": rows[0]["type"], **avg})
+    return out
+
+
+def rl_curve(job_id: str) -> list[dict]:
+    """[{"questions" (cumulative RL questions), "f1" (the iteration's rollout F1), "reward"}] of one RL job."""
+    from prorag import paths
+
+    path = paths.runs_dir() / "jobs" / job_id / "run" / "iterations.jsonl"
+    if not path.is_file():
+        return []
+    rows, seen = [], 0
+    for row in map(json.loads, path.read_text().splitlines()):
+        seen += int(row.get("questions", 0))
+        rows.append({"questions": seen, "f1": float(row.get("f1_mean", 0.0)),
+                     "reward": float(row.get("reward_mean", 0.0))})
+    return rows
+
+
+def build_report(run_dirs, out_dir: str | Path) -> dict:
+    """Pool ``run_dirs`` (seeds) into one report under ``out_dir``; returns what report.json holds."""
+    from prorag.evaluation import COMPARISON_MIN_HOPS, compare_methods, score_records
+    from prorag_app.stage34 import COMPARISONS
+
+    runs = [load_run(d) for d in run_dirs]
+    if not runs:
+        raise InvalidArgument("no runs to report on")
+    worlds = {r["results"].get("world") for r in runs}
+    if len(worlds) != 1:
+        raise InvalidArgument(f"the runs evaluate different worlds ({sorted(map(str, worlds))}): a report pools "
+                              "seeds of the same test questions")
+    methods = list(dict.fromkeys(m for r in runs for m in r["records"]))
+    scores, seeds = {}, {}
+    for m in methods:
+        averaged = seed_averaged(runs, m)
+        if averaged:
+            scores[m] = score_records(averaged)
+            seeds[m] = sum(m in r["records"] for r in runs)
+    hops = {q: int(rec["hops"]) for r in runs for recs in r["records"].values() for q, rec in recs.items()}
+    per_question = {m: [{q: float(rec["f1"]) for q, rec in r["records"][m].items()} for r in runs
+                        if m in r["records"]] for m in methods}
+    comparisons = compare_methods(per_question, hops, COMPARISONS)
+    curves = defaultdict(list)
+    betas = defaultdict(list)
+    for r in runs:
+        s34 = r["results"].get("stage34") or {}
+        for m, job_id in (s34.get("jobs") or {}).items():
+            if m in ("prorag", "outcome_grpo"):
+                curve = rl_curve(job_id)
+                if curve:
+                    curves[m].append(curve)
+        beta = (s34.get("settings") or {}).get("beta")
+        if beta is not None and "prorag" in r["records"]:
+            group = [rec["f1"] for rec in r["records"]["prorag"].values() if int(rec["hops"]) >= COMPARISON_MIN_HOPS]
+            if group:
+                betas[float(beta)].append(sum(group) / len(group))
+    report = {"runs": [r["dir"] for r in runs], "world": worlds.pop(), "seeds": seeds,
+              "methods": scores, "comparisons": comparisons,
+              "rl_curves": dict(curves),
+              "beta": {str(b): {"f1_3plus_mean": sum(v) / len(v), "runs": len(v)} for b, v in sorted(betas.items())}}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pngs = write_plots(report, out_dir)
+    report["plots"] = pngs
+    from prorag.io import write_json
+
+    write_json(out_dir / "report.json", report)
+    tmp = out_dir / "report.md.tmp"
+    tmp.write_text(markdown(report))
+    tmp.replace(out_dir / "report.md")
+    return report
+
+
+def _pct(v: float) -> str:
+    return f"{100 * v:.1f}"
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Report: {len(report['runs'])} run(s) on world `{report['world']}`", "",
+             "F1 x100 [95% CI over questions of the seed-averaged F1]; seeds = runs that evaluated the method.", "",
+             "| method | seeds | overall | " + " | ".join(f"{h}-hop" for h in HOP_GROUPS) + " | 2+ hops | EM |",
+             "|---|---|---|" + "---|" * len(HOP_GROUPS) + "---|---|"]
+    for m, s in report["methods"].items():
+        def cell(stat):
+            return f"{_pct(stat['f1'])} [{_pct(stat['f1_ci'][0])}, {_pct(stat['f1_ci'][1])}]" if stat else "-"
+        row = [m, str(report["seeds"][m]), cell(s["overall"]),
+               *(cell(s["by_hops"].get(h)) for h in HOP_GROUPS), cell(s.get("multi_hop")), _pct(s["overall"]["em"])]
+        lines.append("| " + " | ".join(row) + " |")
+    if report["comparisons"]:
+        lines += ["", "## Paired comparisons (A minus B per question, pooled seeds)", "",
+                  "| A vs B | group | A | B | A - B | 95% CI | n | seeds |", "|---|---|---|---|---|---|---|---|"]
+        for name, c in report["comparisons"].items():
+            lines.append(f"| {name} | {c['group']} | {_pct(c['a_mean'])} | {_pct(c['b_mean'])} | "
+                         f"{100 * c['f1_diff']:+.1f} | [{100 * c['ci'][0]:+.1f}, {100 * c['ci'][1]:+.1f}] | "
+                         f"{c['n']} | {c['seeds']} |")
+    if report["beta"]:
+        lines += ["", "## ProRAG's F1 on 3+ hop questions against beta", "", "| beta | F1 | runs |", "|---|---|---|"]
+        lines += [f"| {b} | {_pct(v['f1_3plus_mean'])} | {v['runs']} |" for b, v in report["beta"].items()]
+    if report["rl_curves"]:
+        lines += ["", "## RL: rollout F1 against RL questions seen (train questions; data efficiency)", ""]
+        for m, curves in report["rl_curves"].items():
+            for i, c in enumerate(curves):
+                lines.append(f"- {m} (run {i + 1}): " + ", ".join(f"{p['questions']}: {_pct(p['f1'])}" for p in c))
+    for name, path in report.get("plots", {}).items():
+        lines += ["", f"![{name}]({Path(path).name})"]
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(report: dict, out_dir: Path) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = {}
+
+    def save(fig, name: str) -> None:
+        tmp = out_dir / f"{name}.tmp.png"
+        fig.tight_layout()
+        fig.savefig(tmp, dpi=100)
+        plt.close(fig)
+        tmp.replace(out_dir / f"{name}.png")
+        out[name] = str(out_dir / f"{name}.png")
+
+    methods = list(report["methods"])
+    if methods:
+        fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(HOP_GROUPS), 3.6))
+        width = 0.8 / len(methods)
+        for i, m in enumerate(methods):
+            stats = [report["methods"][m]["by_hops"].get(h) for h in HOP_GROUPS]
+            xs = [j + i * width for j in range(len(HOP_GROUPS))]
+            ys = [100 * s["f1"] if s else 0.0 for s in stats]
+            err = [[100 * (s["f1"] - s["f1_ci"][0]) if s else 0 for s in stats],
+                   [100 * (s["f1_ci"][1] - s["f1"]) if s else 0 for s in stats]]
+            ax.bar(xs, ys, width, yerr=err, label=m, capsize=2)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(HOP_GROUPS))], [f"{h}-hop" for h in HOP_GROUPS])
+        ax.set_ylabel("F1 x100")
+        ax.legend(fontsize=7)
+        save(fig, "f1_by_hops")
+    if report["rl_curves"]:
+        fig, ax = plt.subplots(figsize=(5, 3.4))
+        for m, curves in report["rl_curves"].items():
+            for i, c in enumerate(curves):
+                ax.plot([p["questions"] for p in c], [100 * p["f1"] for p in c], marker="o", markersize=3,
+                        label=m if i == 0 else None, color="C0" if m == "prorag" else "C1", alpha=0.8)
+        ax.set_xlabel("RL questions seen")
+        ax.set_ylabel("rollout F1 x100 (train)")
+        ax.legend(fontsize=8)
+        save(fig, "rl_curves")
+    if len(report["beta"]) > 1:
+        fig, ax = plt.subplots(figsize=(4.5, 3.2))
+        bs = sorted(report["beta"], key=float)
+        ax.plot([float(b) for b in bs], [100 * report["beta"][b]["f1_3plus_mean"] for b in bs], marker="o")
+        ax.set_xlabel("beta")
+        ax.set_ylabel("ProRAG F1 x100, 3+ hops")
+        save(fig, "beta")
+    return out
+
+
+__all__ = ["build_report", "load_run", "markdown", "rl_curve", "seed_averaged", "write_plots"]

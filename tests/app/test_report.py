@@ -1,0 +1,77 @@
+"""`prorag report`: runs of the same world pooled as seeds (per-question averages), paired comparisons over the
+pooled seeds, ProRAG's F1 against beta, RL curves from the jobs' journals, Markdown + JSON + PNG."""
+
+import json
+
+import pytest
+
+from prorag.errors import InvalidArgument
+from prorag_app.report import build_report
+
+
+def _run(root, name, f1s: dict, beta=0.3, world="default", job_ids=None):
+    """A run directory as `prorag run` leaves it: results.json and each method's predictions.jsonl.
+    f1s: method -> [F1 per question]; question i has 1 + i % 4 hops."""
+    d = root / name
+    for method, values in f1s.items():
+        (d / method).mkdir(parents=True)
+        rows = [{"id": f"q{i}", "hops": 1 + i % 4, "type": "compositional", "f1": f, "em": float(f == 1.0),
+                 "acc": float(f == 1.0)} for i, f in enumerate(values)]
+        (d / method / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    results = {"world": world, "methods": {m: {} for m in f1s},
+               "stage34": {"settings": {"beta": beta}, "jobs": job_ids or {}}}
+    (d / "results.json").write_text(json.dumps(results))
+    return d
+
+
+def test_seeds_are_pooled_per_question_and_compared_in_pairs(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRORAG_RUNS", str(tmp_path / "runs"))
+    journal = tmp_path / "runs" / "jobs" / "rl-job" / "run" / "iterations.jsonl"
+    journal.parent.mkdir(parents=True)
+    journal.write_text("".join(json.dumps({"iteration": i, "questions": 16, "f1_mean": 0.1 * i, "reward_mean": i})
+                               + "\n" for i in range(3)))
+    n = 40
+    a = _run(tmp_path, "seed1", {"sft": [0.0] * n, "prorag": [1.0] * n}, beta=0.3, job_ids={"prorag": "rl-job"})
+    b = _run(tmp_path, "seed2", {"sft": [0.0] * n, "prorag": [1.0 if i % 2 else 0.0 for i in range(n)]}, beta=0.5)
+    report = build_report([a, b], tmp_path / "out")
+
+    assert report["seeds"] == {"sft": 2, "prorag": 2}
+    # per question: seed 1 always right, seed 2 right on odd questions -> mean 0.75
+    assert report["methods"]["prorag"]["overall"]["f1"] == pytest.approx(0.75)
+    assert report["methods"]["sft"]["overall"]["f1"] == 0.0
+    c = report["comparisons"]["prorag_vs_sft"]
+    three_plus = sum(1 + i % 4 >= 3 for i in range(n))
+    assert c["seeds"] == 2 and c["n"] == three_plus and c["f1_diff"] == pytest.approx(0.75)
+    assert c["ci"][0] > 0  # every question ahead or tied, half of them by a full point
+    # one run per beta: ProRAG's 3+ hop F1 under each
+    assert report["beta"] == {"0.3": {"f1_3plus_mean": 1.0, "runs": 1}, "0.5": {"f1_3plus_mean": 0.5, "runs": 1}}
+    assert report["rl_curves"]["prorag"] == [[{"questions": 16, "f1": 0.0, "reward": 0.0},
+                                              {"questions": 32, "f1": 0.1, "reward": 1.0},
+                                              {"questions": 48, "f1": 0.2, "reward": 2.0}]]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| prorag | 2 | 75.0 [" in md and "prorag_vs_sft" in md and "| 0.5 | 50.0 | 1 |" in md
+    for name in ("f1_by_hops", "rl_curves", "beta"):
+        assert (tmp_path / "out" / f"{name}.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["seeds"] == {"sft": 2, "prorag": 2}
+
+
+def test_runs_of_other_worlds_or_unfinished_runs_are_refused(tmp_path):
+    a = _run(tmp_path, "a", {"sft": [1.0]})
+    b = _run(tmp_path, "b", {"sft": [1.0]}, world="s1")
+    with pytest.raises(InvalidArgument, match="different worlds"):
+        build_report([a, b], tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InvalidArgument, match="no results.json"):
+        build_report([tmp_path / "empty"], tmp_path / "out")
+
+
+def test_stage34_seed_and_beta_replace_the_profiles_and_change_the_jobs():
+    from prorag_app.pipeline import PROFILES, with_stage34
+
+    base = PROFILES["default"]
+    assert with_stage34(base) is base
+    other = with_stage34(base, seed=7, beta=0.5)
+    assert other.stage34["beta"] == 0.5 and base.stage34["beta"] == 0.3
+    for job in ("rft", "rl", "dpo"):
+        assert other.stage34[job]["seed"] == 7 and base.stage34[job]["seed"] == 1
+    assert other.stage34["rl"]["iterations"] == base.stage34["rl"]["iterations"]  # the rest as the profile says
