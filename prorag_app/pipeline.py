@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -63,6 +64,9 @@ class Profile:
     method_sft: dict = field(default_factory=dict)  # {method: SFT settings on top of ``sft`` for that method only}
     stage2: dict | None = None  # MCTS, judging, PRM and its validation (prorag_app.stage2.Stage2Settings); None = off
     stage34: dict | None = None  # RFT, ProRAG's RL and outcome-only GRPO (prorag_app.stage34.Stage34Settings)
+    #: questions of the world's extra 3+ hop split (prorag.data.world.ensure_deep_split) on which the SFT agent
+    #: and the stage 3-4 methods are also evaluated, so their paired comparisons see enough deep questions
+    deep_questions: int = 0
 
     def __post_init__(self) -> None:
         from prorag.config import check_fields
@@ -163,7 +167,9 @@ RECIPE = Profile(world="default", model_preset="cpu-induction", vocab_size=8192,
                           # ReasonRAG: DPO on the value-labelled pairs of the same MCTS trees, at the RL methods'
                           # learning rate (its 1 epoch at 1e-6 is for full fine-tuning of a 7B model)
                           "dpo": {"epochs": 3, "batch_size": 8, "lr": 5e-4, "seed": 1},
-                          "beta": 0.3})
+                          "beta": 0.3},
+                 # with the test split's 175 questions of 3+ hops, 625 for the stage 3-4 comparisons (issue 19: 600)
+                 deep_questions=450)
 
 PROFILES = {
     "tiny": Profile(world="tiny", model_preset="tiny", vocab_size=2048,
@@ -178,7 +184,8 @@ PROFILES = {
                              "rl": {"iterations": 2, "questions_per_iteration": 4, "group_size": 2,
                                     "max_step_tokens": 32, "max_steps": 4, "lr": 1e-3, "lora_r": 4, "lora_alpha": 8,
                                     "checkpoint_every": 1},
-                             "dpo": {"epochs": 1, "batch_size": 4, "lora_r": 4, "lora_alpha": 8}}),
+                             "dpo": {"epochs": 1, "batch_size": 4, "lora_r": 4, "lora_alpha": 8}},
+                    deep_questions=8),
     "default": RECIPE,
     # stage 1 of the recipe alone: the agent and standard RAG read by it, no stages 2-4 (~25 minutes on 2 cores);
     # what the SFT figure on worlds built with other seeds is measured with
@@ -424,9 +431,10 @@ def stage2(prof: Profile, stack: ServiceStack, world: str, sft_model: str, run_d
 
 
 def stage34(prof: Profile, stack: ServiceStack, world: str, sft_ref: str, prm: dict | None, questions, run_dir,
-            port_offset: int, timings: dict) -> tuple[dict, dict[str, dict]]:
+            port_offset: int, timings: dict, deep=()) -> tuple[dict, dict[str, dict], dict[str, dict]]:
     """Stages 3-4 and the outcome-only baseline from the trained agent (prorag_app.stage34), then their evaluation
-    side by side on ``questions``. Returns (what stage34 did, method -> evaluation)."""
+    side by side on ``questions``, and with the SFT agent on the ``deep`` questions (under run_dir/deep).
+    Returns (what stage34 did, method -> evaluation, method -> evaluation on the deep questions)."""
     from prorag.config import from_dict
     from prorag_app.stage34 import Stage34Settings, run_stage34
 
@@ -439,17 +447,29 @@ def stage34(prof: Profile, stack: ServiceStack, world: str, sft_ref: str, prm: d
     models = out["models"]
     evaluated = evaluate_methods({m: v["model"] for m, v in models.items()}, world, stack, questions, run_dir,
                                  port_offset + 100, timings, adapters={m: v["adapter"] for m, v in models.items()})
+    deep_scores = {}
+    if deep:
+        t_deep = time.monotonic()
+        deep_models = {"sft": sft_dir, **{m: v["model"] for m, v in models.items()}}
+        deep_scores = evaluate_methods(deep_models, world, stack, list(deep), Path(run_dir) / "deep",
+                                       port_offset + 100, adapters={m: v["adapter"] for m, v in models.items()})
+        timings["eval_deep_s"] = time.monotonic() - t_deep
     timings["stage34_s"] = time.monotonic() - t
-    return out, evaluated
+    return out, evaluated, deep_scores
 
 
-def compare(run_dir, methods: dict, questions) -> dict:
+def compare(run_dir, methods, questions) -> dict:
     """results.json's "comparisons": paired differences on 3+ hop questions (prorag.evaluation.compare_methods)
-    between the methods this run evaluated (one seed)."""
+    between the methods this run evaluated (one seed), over the test split and the deep split together
+    (run_dir/deep, where evaluated; question ids differ between the two)."""
     from prorag.evaluation import compare_methods
     from prorag_app.stage34 import COMPARISONS, per_question_f1
 
-    return compare_methods(per_question_f1(run_dir, methods), {q.id: q.hops for q in questions}, COMPARISONS)
+    per_question = per_question_f1(run_dir, methods)
+    for m, runs in per_question_f1(Path(run_dir) / "deep", methods).items():
+        if m in per_question:
+            per_question[m] = [{**a, **b} for a, b in zip(per_question[m], runs)]
+    return compare_methods(per_question, {q.id: q.hops for q in questions}, COMPARISONS)
 
 
 def copy_probes(models: dict[str, str], questions) -> dict[str, dict]:
@@ -561,12 +581,18 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         if prof.stage2 is not None and "sft" in jobs:
             prm = stage2(prof, stack, world, str(registry("model", world).resolve(jobs["sft"]["model"])), run_dir,
                          port_offset + 100, timings)
-        stage34_out, comparisons = None, {}
+        stage34_out, comparisons, deep, deep_scores = None, {}, [], {}
         if prof.stage34 is not None and "sft" in jobs:
-            stage34_out, later = stage34(prof, stack, world, jobs["sft"]["model"], prm, eval_qs, run_dir,
-                                         port_offset, timings)
+            deep = []
+            if prof.deep_questions:
+                from prorag.data.world import DEEP_SPLIT, ensure_deep_split
+
+                ensure_deep_split(paths.world_dir(world), prof.deep_questions)
+                deep = load_split(paths.world_dir(world), DEEP_SPLIT)
+            stage34_out, later, deep_scores = stage34(prof, stack, world, jobs["sft"]["model"], prm, eval_qs,
+                                                      run_dir, port_offset, timings, deep=deep)
             methods.update(later)
-            comparisons = compare(run_dir, methods, eval_qs)
+            comparisons = compare(run_dir, methods, [*eval_qs, *deep])
     t5 = time.monotonic()
     probes = copy_probes({"base": str(base), **{m: str(registry("model", world).resolve(jobs[m]["model"]))
                                                  for m in methods if m in jobs}}, test)
@@ -595,6 +621,10 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         "figure": figure,
         **({"prm": prm} if prm is not None else {}),
         **({"comparisons": comparisons, "stage34": stage34_out} if stage34_out is not None else {}),
+        # the stage 3-4 methods and the SFT agent on the world's extra split of 3+ hop questions
+        **({"deep": {"questions": len(deep), "methods": {m: {k: r[k] for k in ("overall", "by_hops")}
+                                                         for m, r in deep_scores.items()}}}
+           if stage34_out is not None and deep else {}),
         "diagnostics": diag,
         "retrieval": retrieval,
         "jobs": {m: {"job_id": j["job_id"], "model": j["model"], "metrics": j["metrics"]} for m, j in jobs.items()},

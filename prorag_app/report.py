@@ -3,7 +3,8 @@
 Each run directory holds results.json and every evaluated method's predictions.jsonl. A method's runs are its
 seeds: per question, EM and F1 are averaged over the runs that evaluated it, then the questions are resampled
 for the CIs (prorag.evaluation), so the intervals reflect which questions were asked and the seeds only reduce
-per-question noise. Comparisons are paired per question over the pooled seeds (compare_methods). Runs whose
+per-question noise. Comparisons are paired per question over the pooled seeds (compare_methods), on the test split
+and the world's deep split (3+ hop questions) where the runs evaluated it. Runs whose
 stages 3-4 used different betas also give ProRAG's F1 against beta; the RL jobs' iteration journals give the
 training rollouts' F1 against the number of RL questions seen (data efficiency, on train questions).
 
@@ -21,19 +22,25 @@ from prorag.errors import InvalidArgument
 HOP_GROUPS = ("1", "2", "3", "4")
 
 
+def _predictions(root: Path, methods) -> dict[str, dict[str, dict]]:
+    out = {}
+    for method in methods:
+        preds = root / method / "predictions.jsonl"
+        if preds.is_file():
+            out[method] = {r["id"]: r for r in map(json.loads, preds.read_text().splitlines()) if r}
+    return out
+
+
 def load_run(run_dir: str | Path) -> dict:
-    """{"dir", "results", "records": {method: {question id: record}}} of one `prorag run` directory."""
+    """{"dir", "results", "records": {method: {question id: record}}, "deep": the same on the world's deep split}
+    of one `prorag run` directory."""
     run_dir = Path(run_dir)
     path = run_dir / "results.json"
     if not path.is_file():
         raise InvalidArgument(f"{run_dir} has no results.json: not the directory of a finished `prorag run`")
     results = json.loads(path.read_text())
-    records = {}
-    for method in results.get("methods", {}):
-        preds = run_dir / method / "predictions.jsonl"
-        if preds.is_file():
-            records[method] = {r["id"]: r for r in map(json.loads, preds.read_text().splitlines()) if r}
-    return {"dir": str(run_dir), "results": results, "records": records}
+    return {"dir": str(run_dir), "results": results, "records": _predictions(run_dir, results.get("methods", {})),
+            "deep": _predictions(run_dir / "deep", results.get("methods", {}))}
 
 
 def seed_averaged(runs: list[dict], method: str) -> list[dict]:
@@ -84,9 +91,11 @@ def build_report(run_dirs, out_dir: str | Path) -> dict:
         if averaged:
             scores[m] = score_records(averaged)
             seeds[m] = sum(m in r["records"] for r in runs)
-    hops = {q: int(rec["hops"]) for r in runs for recs in r["records"].values() for q, rec in recs.items()}
-    per_question = {m: [{q: float(rec["f1"]) for q, rec in r["records"][m].items()} for r in runs
-                        if m in r["records"]] for m in methods}
+    # the comparisons pool the test split with the deep split where a run evaluated it (question ids differ)
+    hops = {q: int(rec["hops"]) for r in runs for part in ("records", "deep") for recs in r[part].values()
+            for q, rec in recs.items()}
+    per_question = {m: [{q: float(rec["f1"]) for q, rec in {**r["records"][m], **r["deep"].get(m, {})}.items()}
+                        for r in runs if m in r["records"]] for m in methods}
     comparisons = compare_methods(per_question, hops, COMPARISONS)
     curves = defaultdict(list)
     betas = defaultdict(list)

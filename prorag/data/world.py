@@ -45,7 +45,8 @@ from prorag.data.loaders import format_contents
 from prorag.io import read_jsonl, write_json, write_jsonl, write_text
 from prorag.metrics import normalize_answer
 
-__all__ = ["WORLD_VERSION", "SIZES", "WorldConfig", "WorldSummary", "build_world", "generate_world", "load_summary"]
+__all__ = ["WORLD_VERSION", "SIZES", "DEEP_SPLIT", "WorldConfig", "WorldSummary", "build_world", "ensure_deep_split",
+           "generate_deep_split", "generate_world", "load_summary"]
 
 #: bump when the generator changes so old folders are rebuilt rather than reused
 WORLD_VERSION = 1
@@ -59,6 +60,8 @@ SIZES: dict[str, dict[str, int]] = {
 
 CATEGORIES = ("1hop", "2hop", "3hop", "4hop", "comparison", "bridge_comparison")
 SPLITS = ("train", "dev", "test")
+#: an extra evaluation split of 3+ hop questions only, drawn after train (generate_deep_split)
+DEEP_SPLIT = "test_deep"
 
 
 @dataclass
@@ -987,6 +990,38 @@ _BRIDGE: dict[str, Any] = {
 
 def generate_world(cfg: WorldConfig, progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Generate everything in memory: ``{"docs", "splits", "entities", "relations", "counts"}``."""
+    return _generate(cfg, progress)[0]
+
+
+def generate_deep_split(cfg: WorldConfig, n: int, min_hops: int = 3) -> tuple[dict, list[dict]]:
+    """(the world as :func:`generate_world` makes it, ``n`` more compositional questions of ``min_hops``+ hops).
+
+    The extra questions are drawn after train, from the generator's state there, never repeating a chain or a
+    question of any split, so the world's own splits are unchanged by asking for them: an evaluation split
+    with enough deep questions to tell methods apart (issue 19: 600 of 3+ hops) added to a world already built
+    and trained on. Hop counts follow the config's mix of the deep ones (3-hop : 4-hop = frac_3hop : frac_4hop).
+    """
+    w, world, seen_chains, seen_text = _generate(cfg, None)
+    hops = [h for h in (3, 4) if h >= min_hops]
+    weights = [{3: cfg.frac_3hop, 4: cfg.frac_4hop}[h] for h in hops]
+    rows: list[dict] = []
+    for h, target in zip(hops, _split_counts(n, weights)):
+        made, tries = 0, 0
+        while made < target and tries < 60 * target + 500:
+            tries += 1
+            q = world.compositional(h)
+            if q is None or q["chain"] in seen_chains or q["question"] in seen_text:
+                continue
+            seen_chains.add(q["chain"])
+            seen_text.add(q["question"])
+            rows.append(q)
+            made += 1
+    world.rng.shuffle(rows)
+    return w, [_row(DEEP_SPLIT, i, q) for i, q in enumerate(rows)]
+
+
+def _generate(cfg: WorldConfig, progress: Callable[[str, int, int], None] | None):
+    """generate_world's output, and the generator and what it has used, for :func:`generate_deep_split`."""
     counts = cfg.resolved()
     world = _World(cfg, counts["entities"])
     report = progress or (lambda stage, done, total: None)
@@ -1028,7 +1063,8 @@ def generate_world(cfg: WorldConfig, progress: Callable[[str, int, int], None] |
     entities = [{"id": e.id, "type": e.type, "kind": e.kind, "name": e.name, "title": e.title,
                  "shared_name": e.shared, "attrs": e.attrs, "rels": e.rels} for e in ents]
     relations = [[e.id, r, t] for e in ents for r, t in sorted(e.rels.items())]
-    return {"docs": docs, "splits": {s: splits[s] for s in SPLITS}, "entities": entities, "relations": relations}
+    return ({"docs": docs, "splits": {s: splits[s] for s in SPLITS}, "entities": entities, "relations": relations},
+            world, seen_chains, seen_text)
 
 
 def _row(split: str, i: int, q: dict) -> dict:
@@ -1097,6 +1133,32 @@ def build_world(cfg: WorldConfig, out_dir: str | Path, progress: Callable[[str, 
     write_text(done, json.dumps({"version": WORLD_VERSION, "seed": cfg.seed}) + "\n")
     report("written", 1, 1)
     return _summary(cfg, out_dir, w["splits"], len(w["entities"]), time.perf_counter() - t0, False)
+
+
+def ensure_deep_split(out_dir: str | Path, n: int) -> Path:
+    """``{out_dir}/test_deep.jsonl`` with ``n`` questions of 3+ hops (:func:`generate_deep_split`) for a finished
+    world, written once (atomically) and reused. The world is regenerated in memory from its recorded config;
+    if that does not reproduce its splits on disk (built by another generator version), nothing is written
+    and FailedPrecondition says to rebuild it."""
+    from prorag.errors import FailedPrecondition
+
+    out_dir = Path(out_dir)
+    path = out_dir / f"{DEEP_SPLIT}.jsonl"
+    if not (out_dir / "DONE").exists():
+        raise FileNotFoundError(f"{out_dir}: no finished world (DONE missing); run `prorag world`")
+    if path.exists() and sum(1 for _ in read_jsonl(path)) == n:
+        return path
+    meta = json.loads((out_dir / "world.json").read_text())
+    cfg = from_dict(WorldConfig, meta["config"])
+    w, rows = generate_deep_split(cfg, n)
+    for s in SPLITS:
+        on_disk = [(r["id"], r["question"]) for r in read_jsonl(out_dir / f"{s}.jsonl")]
+        if on_disk != [(r["id"], r["question"]) for r in w["splits"][s]]:
+            raise FailedPrecondition(f"{out_dir}: its {s} split is not what this generator makes from the world's "
+                                     f"config (built by another version): rebuild it (`prorag world --name "
+                                     f"{cfg.name} --force`) to add the {DEEP_SPLIT} split")
+    write_jsonl(path, rows)
+    return path
 
 
 def load_summary(out_dir: str | Path) -> dict:

@@ -42,6 +42,14 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     on_disk = json.loads((tmp_path / "runs" / "latest" / "results.json").read_text())
     # the SFT-stage methods, outcome-only GRPO, and RFT and ProRAG when stage 2 trained a PRM
     assert on_disk["methods"].keys() >= {"no_retrieval", "standard_rag", "sft", "outcome_grpo"}
+    # the SFT agent and every stage 3-4 method also answered the world's extra 3+ hop split, and the paired
+    # comparisons count those questions too
+    deep = on_disk["deep"]
+    assert deep["questions"] == 8 and "sft" in deep["methods"] and "outcome_grpo" in deep["methods"]
+    assert all(m["overall"]["n"] == 8 for m in deep["methods"].values())
+    test_3plus = sum(int(h) >= 3 for h in on_disk["methods"]["sft"]["by_hops"]
+                     for _ in range(on_disk["methods"]["sft"]["by_hops"][h]["n"]))
+    assert on_disk["comparisons"]["outcome_grpo_vs_sft"]["n"] == test_3plus + 8
     # ReasonRAG's DPO on the same MCTS trees: evaluated, or skipped with the reason (no value-labelled pair)
     assert "reasonrag" in on_disk["methods"] or "reasonrag" in on_disk["stage34"]["skipped"]
     for name, m in on_disk["methods"].items():

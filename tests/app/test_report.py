@@ -75,3 +75,20 @@ def test_stage34_seed_and_beta_replace_the_profiles_and_change_the_jobs():
     for job in ("rft", "rl", "dpo"):
         assert other.stage34[job]["seed"] == 7 and base.stage34[job]["seed"] == 1
     assert other.stage34["rl"]["iterations"] == base.stage34["rl"]["iterations"]  # the rest as the profile says
+
+
+def test_comparisons_also_pool_the_deep_split_where_a_run_evaluated_it(tmp_path):
+    n = 8
+    run = _run(tmp_path, "seed1", {"sft": [0.0] * n, "prorag": [1.0] * n})
+    for method, f1 in (("sft", 0.0), ("prorag", 0.5)):
+        (run / "deep" / method).mkdir(parents=True)
+        rows = [{"id": f"test_deep_{i}", "hops": 3, "type": "compositional", "f1": f1, "em": 0.0, "acc": 0.0}
+                for i in range(10)]
+        (run / "deep" / method / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = build_report([run], tmp_path / "out")
+    c = report["comparisons"]["prorag_vs_sft"]
+    three_plus = sum(1 + i % 4 >= 3 for i in range(n))
+    assert c["n"] == three_plus + 10
+    assert c["f1_diff"] == pytest.approx((three_plus * 1.0 + 10 * 0.5) / (three_plus + 10))
+    # the per-method table stays the test split's
+    assert report["methods"]["prorag"]["overall"]["n"] == n

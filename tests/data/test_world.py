@@ -280,3 +280,37 @@ def test_canonical_question_writes_every_sub_question_of_a_relation_one_way(worl
         written.setdefault((s.doc_id, s.answer), set()).add(c)
     assert sum(canonical_question(s.question) != s.question for s in subs) > len(subs) / 2
     assert len({c for cs in written.values() for c in cs}) < len({s.question for s in subs})
+
+
+def test_a_deep_split_adds_three_plus_hop_questions_without_changing_the_world(world, tmp_path):
+    import shutil
+
+    from prorag.data.world import DEEP_SPLIT, ensure_deep_split, generate_deep_split, generate_world
+    from prorag.errors import FailedPrecondition
+
+    w, rows = generate_deep_split(tiny(0), 12)
+    assert w["splits"] == generate_world(tiny(0))["splits"]  # the world's own splits are untouched
+    assert len(rows) == 12 and Counter(r["metadata"]["hops"] for r in rows) == {3: 8, 4: 4}  # frac 0.20 : 0.10
+    assert all(r["metadata"]["type"] == "compositional" and r["id"].startswith(DEEP_SPLIT) for r in rows)
+    used_chains = {r["metadata"]["chain"] for s in w["splits"].values() for r in s}
+    used_text = {r["question"] for s in w["splits"].values() for r in s}
+    assert not any(r["metadata"]["chain"] in used_chains or r["question"] in used_text for r in rows)
+    assert generate_deep_split(tiny(0), 12)[1] == rows  # a function of the world's config
+
+    out = tmp_path / "w"
+    shutil.copytree(world["dir"], out)
+    path = ensure_deep_split(out, 12)
+    qs = load_split(out, DEEP_SPLIT)
+    assert [q.question for q in qs] == [r["question"] for r in rows]
+    assert all(world["docs"][s.doc_id] for q in qs for s in q.decomposition if s.doc_id)  # answerable from the corpus
+    before = path.stat().st_mtime_ns
+    assert ensure_deep_split(out, 12) == path and path.stat().st_mtime_ns == before  # reused
+    # a world whose splits this generator would not make (another version) gets no deep split
+    lines = (out / "dev.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["question"] = "Something else?"
+    (out / "dev.jsonl").write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    path.unlink()
+    with pytest.raises(FailedPrecondition, match="rebuild it"):
+        ensure_deep_split(out, 12)
+    assert not path.exists()
