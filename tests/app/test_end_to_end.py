@@ -47,11 +47,6 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     deep = on_disk["deep"]
     assert deep["questions"] == 8 and "sft" in deep["methods"] and "outcome_grpo" in deep["methods"]
     assert all(m["overall"]["n"] == 8 for m in deep["methods"].values())
-    test_3plus = sum(int(h) >= 3 for h in on_disk["methods"]["sft"]["by_hops"]
-                     for _ in range(on_disk["methods"]["sft"]["by_hops"][h]["n"]))
-    assert on_disk["comparisons"]["outcome_grpo_vs_sft"]["n"] == test_3plus + 8
-    # ReasonRAG's DPO on the same MCTS trees: evaluated, or skipped with the reason (no value-labelled pair)
-    assert "reasonrag" in on_disk["methods"] or "reasonrag" in on_disk["stage34"]["skipped"]
     for name, m in on_disk["methods"].items():
         overall = m["overall"]
         assert overall["n"] == 60
@@ -111,17 +106,23 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     assert adapter.startswith("outcome_grpo@tiny-s7-stage34-outcome_grpo-") and adapter.endswith("-2")
     preds = [json.loads(l) for l in (run_dir / "outcome_grpo" / "predictions.jsonl").read_text().splitlines()]
     assert len(preds) == 60 and {p["adapter_version"] for p in preds} == {adapter}
-    if "skipped" in prm:
-        assert set(s34["skipped"]) == {"rft", "prorag"} and "no PRM" in s34["skipped"]["prorag"]
+    skipped = dict(s34["skipped"])
+    # ReasonRAG: DPO on the value-labelled pairs; a tiny tree may hold none, and then the DPO job says so
+    if "reasonrag" in skipped:
+        assert "no value-labelled pairs" in skipped.pop("reasonrag")
     else:
-        assert {"rft", "prorag"} <= set(on_disk["methods"]) or set(s34["skipped"]) == {"rft", "prorag"}
+        assert s34["models"]["reasonrag"]["adapter"].startswith("reasonrag@tiny-s7-stage34-reasonrag-")
+    if "skipped" in prm:
+        assert set(skipped) == {"rft", "prorag"} and "no PRM" in skipped["prorag"]
+    else:
+        assert {"rft", "prorag"} <= set(on_disk["methods"]) or set(skipped) == {"rft", "prorag"}
     # paired comparisons over the same 3+ hop test questions
     from prorag.data.loaders import load_split
 
     n3 = sum(q.hops >= 3 for q in load_split(tmp_path / "data" / "worlds" / "tiny-s7", "test"))
     c = on_disk["comparisons"]["outcome_grpo_vs_sft"]
-    assert c["group"] == "3+ hops" and c["n"] == n3 > 0 and c["seeds"] == 1
-    assert c["ci"][0] <= c["f1_diff"] <= c["ci"][1] and c["wins"] + c["losses"] + c["ties"] == n3
+    assert c["group"] == "3+ hops" and c["n"] == n3 + 8 and n3 > 0 and c["seeds"] == 1  # + the deep split's
+    assert c["ci"][0] <= c["f1_diff"] <= c["ci"][1] and c["wins"] + c["losses"] + c["ties"] == n3 + 8
 
     # a second run reuses the finished jobs instead of training again
     again = run_main_job(profile="tiny", world="tiny-s7", port_offset=_free_offset())
