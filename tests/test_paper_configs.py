@@ -8,7 +8,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ROOT / "configs" / "paper"
-STAGE_OF = {"sft": "sft", "mcts": "mcts", "prm": "prm", "rft": "rft", "rl": "rl", "rl_outcome_only": "rl"}
+STAGE_OF = {"sft": "sft", "mcts": "mcts", "prm": "prm", "rft": "rft", "rl": "rl", "rl_outcome_only": "rl",
+            "dpo": "dpo"}
 
 
 @pytest.mark.parametrize("name", sorted(STAGE_OF))
