@@ -73,6 +73,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("outcome_grpo", "agent", stage="rl", description="Search-R1-style outcome-only GRPO (LoRA) on the SFT "
                                                             "model: the same RL code, beta 0, no RFT",
            evaluate={"max_steps": AGENT_MAX_STEPS}),
+    Method("prorag_no_rft", "agent", stage="rl", description="ablation: ProRAG's RL (PRM step advantage) from the SFT "
+                                                             "model, without RFT",
+           evaluate={"max_steps": AGENT_MAX_STEPS}),
     Method("reasonrag", "agent", stage="dpo", description="ReasonRAG: DPO (LoRA) on the SFT model with sibling-step "
                                                           "pairs from the same MCTS trees, ordered by shortest-path "
                                                           "reward estimation",
@@ -90,10 +93,17 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
+def base_method(name: str) -> str:
+    """The table's method behind an evaluated name: ``prorag@it5`` (an RL method's adapter after 5 iterations)
+    -> ``prorag``; other names as they are."""
+    return name.split("@", 1)[0]
+
+
 def kind_of(name: str) -> str:
     """How ``name`` answers; a model outside the table (a user's own name) is evaluated as an agent."""
+    name = base_method(name)
     return METHODS[name].kind if name in METHODS else "agent"
 
 
-__all__ = ["SFT_MODES", "KINDS", "Method", "METHODS", "SFT_METHODS", "AGENT_MAX_STEPS", "DOCS_PER_SEARCH", "get_method",
-           "kind_of"]
+__all__ = ["SFT_MODES", "KINDS", "Method", "METHODS", "SFT_METHODS", "AGENT_MAX_STEPS", "DOCS_PER_SEARCH", "base_method",
+           "get_method", "kind_of"]

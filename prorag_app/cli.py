@@ -311,8 +311,13 @@ def cmd_eval(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from prorag_app.pipeline import run_main_job
+    from prorag_app.pipeline import run_ablation, run_main_job
 
+    if args.profile == "ablation":
+        if args.stage34_seed is not None or args.beta is not None:
+            raise SystemExit("--profile ablation runs its own seeds and betas (prorag_app.pipeline.ABLATION)")
+        run_ablation(world=args.world, port_offset=args.port_offset)
+        return 0
     run_main_job(profile=args.profile, world=args.world, port_offset=args.port_offset,
                  stage34_seed=args.stage34_seed, beta=args.beta)
     return 0
@@ -461,7 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_eval)
 
     r = sub.add_parser("run", help="the main job on the embedded default; writes runs/latest/results.json")
-    r.add_argument("--profile", default="default", choices=list(PROFILES))
+    r.add_argument("--profile", default="default", choices=[*PROFILES, "ablation"],
+                   help="ablation: the default profile over 3 stage 3-4 seeds, without RFT, at 4 more betas, then "
+                        "`prorag report` over them (hours on 2 cores; every finished job reused)")
     r.add_argument("--world", default=None)
     r.add_argument("--port-offset", type=int, default=0)
     r.add_argument("--stage34-seed", type=int, default=None,

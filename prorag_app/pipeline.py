@@ -35,7 +35,7 @@ from prorag_app.embedded import ensure_indexes, ensure_policy_model
 from prorag.progress import progress_bars
 from prorag.evaluation import grouped_mean_ci, recall_at_k, retrieval_queries
 from prorag.errors import InvalidArgument
-from prorag.methods import get_method
+from prorag.methods import base_method, get_method
 from prorag.registry import registry
 from prorag.runs import code_version, new_run_dir, write_results
 from prorag_app.stack import ServiceStack
@@ -124,7 +124,7 @@ class Profile:
 
     def model_of(self, method: str) -> str:
         """The trained method whose model ``method`` is evaluated with (itself, or its reader)."""
-        return get_method(method).reader or method
+        return get_method(base_method(method)).reader or method
 
     def sft_for(self, method: str) -> dict:
         """The SFT job settings of ``method``: its table entry's, the profile's shared ones, then its own."""
@@ -359,7 +359,8 @@ def eval_options(method: str, model_dir: str) -> dict:
         raise SystemExit(f"{model_dir}: its manifest does not say how many documents per search it was trained with")
     from prorag_app.eval import reader_settings
 
-    return {**get_method(method).evaluate, "topk": int(trained["topk"]), **reader_settings(method, model_dir, trained)}
+    return {**get_method(base_method(method)).evaluate, "topk": int(trained["topk"]),
+            **reader_settings(method, model_dir, trained)}
 
 
 def evaluate_method(method: str, model_dir: str, world: str, stack: ServiceStack, questions, run_dir,
@@ -450,9 +451,10 @@ def stage34(prof: Profile, stack: ServiceStack, world: str, sft_ref: str, prm: d
     deep_scores = {}
     if deep:
         t_deep = time.monotonic()
-        deep_models = {"sft": sft_dir, **{m: v["model"] for m, v in models.items()}}
+        finals = {m: v for m, v in models.items() if "@" not in m}  # not the RL adapters of earlier iterations
+        deep_models = {"sft": sft_dir, **{m: v["model"] for m, v in finals.items()}}
         deep_scores = evaluate_methods(deep_models, world, stack, list(deep), Path(run_dir) / "deep",
-                                       port_offset + 100, adapters={m: v["adapter"] for m, v in models.items()})
+                                       port_offset + 100, adapters={m: v["adapter"] for m, v in finals.items()})
         timings["eval_deep_s"] = time.monotonic() - t_deep
     timings["stage34_s"] = time.monotonic() - t
     return out, evaluated, deep_scores
@@ -538,10 +540,12 @@ def with_stage34(prof: Profile, seed: int | None = None, beta: float | None = No
 
 
 def run_main_job(profile: str = "default", world: str | None = None, port_offset: int = 0,
-                 stage34_seed: int | None = None, beta: float | None = None) -> dict:
+                 stage34_seed: int | None = None, beta: float | None = None, prof: Profile | None = None) -> dict:
+    """`prorag run`: the profile named ``profile`` (or ``prof``, reported under that name) on its world or
+    ``world``; returns what results.json holds."""
     from prorag_app.eval import format_table
 
-    prof = with_stage34(PROFILES[profile], stage34_seed, beta)
+    prof = with_stage34(prof or PROFILES[profile], stage34_seed, beta)
     world = world or prof.world
     timings: dict[str, float] = {}
     t0 = time.monotonic()
@@ -550,7 +554,7 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         base = ensure_policy_model(world, preset=prof.model_preset, vocab_size=prof.vocab_size, progress=progress,
                                    warmup=prof.base_warmup, variant=prof.base_variant)
     timings["build_world_indexes_model_s"] = time.monotonic() - t0
-    run_dir = new_run_dir(f"run-{profile}")
+    run_dir = new_run_dir(f"run-{profile.replace('/', '-')}")
     t1 = time.monotonic()
     test = load_split(paths.world_dir(world), "test")
     eval_qs = test[:prof.eval_questions] if prof.eval_questions else test
@@ -629,6 +633,7 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         "retrieval": retrieval,
         "jobs": {m: {"job_id": j["job_id"], "model": j["model"], "metrics": j["metrics"]} for m, j in jobs.items()},
         "profile": profile,
+        "run_dir": str(run_dir),
         "world": world,
         "base_model": str(base),
         "code_version": code_version(),
@@ -639,3 +644,49 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
     console.print(f"results: {path} (runs/latest/results.json)")
     console.print(json.dumps({k: round(v, 1) for k, v in timings.items()}))
     return results
+
+
+# ---------------------------------------------------------------- the ablation report
+@dataclass(frozen=True)
+class AblationPlan:
+    """What `prorag run --profile ablation` runs on top of a profile (issue 19's report): the headline comparison
+    over several stage 3-4 seeds (the first with ProRAG without RFT and the RL adapters of earlier iterations
+    evaluated too), and ProRAG at other betas; then `prorag report` over all of them."""
+
+    profile: str = "default"
+    seeds: tuple[int, ...] = (1, 2, 3)  # stage 3-4 seeds; 1 is the profile's own, so `make run`'s jobs are reused
+    betas: tuple[float, ...] = (0.0, 0.1, 0.5, 0.9)  # besides the profile's 0.3, at the first seed
+    eval_iterations: tuple[int, ...] = (2, 5)  # RL adapters evaluated after these iterations (data efficiency)
+
+
+ABLATION = AblationPlan()
+
+
+def run_ablation(plan: AblationPlan = ABLATION, world: str | None = None, port_offset: int = 0) -> dict:
+    """Every run of ``plan`` (each reusing what earlier runs trained: the SFT agent, stage 2, RFT), then one report
+    over them in a new run directory; returns the report (prorag_app.report.build_report)."""
+    from prorag.runs import new_run_dir, point_latest
+    from prorag_app.report import build_report
+
+    base = PROFILES[plan.profile]
+    if base.stage34 is None:
+        raise InvalidArgument(f"profile {plan.profile!r} has no stages 3-4 to ablate")
+    run_dirs = []
+    for k, seed in enumerate(plan.seeds):
+        prof = with_stage34(base, seed)
+        if k == 0:
+            methods = tuple(dict.fromkeys((*prof.stage34.get("methods", ("rft", "prorag", "outcome_grpo",
+                                                                        "reasonrag")), "prorag_no_rft")))
+            prof = dataclasses.replace(prof, stage34={**prof.stage34, "methods": methods,
+                                                      "eval_iterations": tuple(plan.eval_iterations)})
+        run_dirs.append(run_main_job(f"ablation/seed{seed}", world, port_offset, prof=prof)["run_dir"])
+    for beta in plan.betas:
+        prof = with_stage34(base, plan.seeds[0] if plan.seeds else None, beta)
+        prof = dataclasses.replace(prof, stage34={**prof.stage34, "methods": ("prorag",)})
+        run_dirs.append(run_main_job(f"ablation/beta{beta}", world, port_offset, prof=prof)["run_dir"])
+    out = new_run_dir("ablation-report")
+    report = build_report(run_dirs, out)
+    point_latest(out)
+    console.print((out / "report.md").read_text())
+    console.print(f"report: {out / 'report.md'}")
+    return report

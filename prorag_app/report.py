@@ -72,6 +72,27 @@ def rl_curve(job_id: str) -> list[dict]:
     return rows
 
 
+#: methods whose model depends on ProRAG's beta (an evaluated name may carry "@it<i>")
+BETA_METHODS = ("prorag", "prorag_no_rft")
+
+
+def name_by_beta(runs: list[dict]) -> None:
+    """Rename, in place, the beta-dependent methods of runs whose beta is not the first run's (the headline's)
+    to ``<method>[beta=<b>]``, so a beta sweep's runs are not pooled as seeds of the headline method."""
+    from prorag.methods import base_method
+
+    def beta_of(r):
+        return ((r["results"].get("stage34") or {}).get("settings") or {}).get("beta")
+
+    headline = beta_of(runs[0])
+    for r in runs:
+        b = beta_of(r)
+        if b is None or b == headline:
+            continue
+        for part in ("records", "deep"):
+            r[part] = {(f"{m}[beta={b}]" if base_method(m) in BETA_METHODS else m): v for m, v in r[part].items()}
+
+
 def build_report(run_dirs, out_dir: str | Path) -> dict:
     """Pool ``run_dirs`` (seeds) into one report under ``out_dir``; returns what report.json holds."""
     from prorag.evaluation import COMPARISON_MIN_HOPS, compare_methods, score_records
@@ -80,6 +101,14 @@ def build_report(run_dirs, out_dir: str | Path) -> dict:
     runs = [load_run(d) for d in run_dirs]
     if not runs:
         raise InvalidArgument("no runs to report on")
+    betas = defaultdict(list)
+    for r in runs:  # ProRAG's 3+ hop F1 per beta, before the runs' methods are named by their beta
+        beta = ((r["results"].get("stage34") or {}).get("settings") or {}).get("beta")
+        if beta is not None and "prorag" in r["records"]:
+            group = [rec["f1"] for rec in r["records"]["prorag"].values() if int(rec["hops"]) >= COMPARISON_MIN_HOPS]
+            if group:
+                betas[float(beta)].append(sum(group) / len(group))
+    name_by_beta(runs)
     worlds = {r["results"].get("world") for r in runs}
     if len(worlds) != 1:
         raise InvalidArgument(f"the runs evaluate different worlds ({sorted(map(str, worlds))}): a report pools "
@@ -98,19 +127,13 @@ def build_report(run_dirs, out_dir: str | Path) -> dict:
                         for r in runs if m in r["records"]] for m in methods}
     comparisons = compare_methods(per_question, hops, COMPARISONS)
     curves = defaultdict(list)
-    betas = defaultdict(list)
     for r in runs:
         s34 = r["results"].get("stage34") or {}
         for m, job_id in (s34.get("jobs") or {}).items():
-            if m in ("prorag", "outcome_grpo"):
+            if m in ("prorag", "outcome_grpo", "prorag_no_rft"):
                 curve = rl_curve(job_id)
                 if curve:
                     curves[m].append(curve)
-        beta = (s34.get("settings") or {}).get("beta")
-        if beta is not None and "prorag" in r["records"]:
-            group = [rec["f1"] for rec in r["records"]["prorag"].values() if int(rec["hops"]) >= COMPARISON_MIN_HOPS]
-            if group:
-                betas[float(beta)].append(sum(group) / len(group))
     report = {"runs": [r["dir"] for r in runs], "world": worlds.pop(), "seeds": seeds,
               "methods": scores, "comparisons": comparisons,
               "rl_curves": dict(curves),

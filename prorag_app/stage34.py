@@ -8,6 +8,7 @@ Through the services of a ServiceStack (the trainer runs every job; the policy a
   the PRM service (trainer stage ``rl``, beta > 0), rollouts through a policy service serving the RFT model;
 - ``outcome_grpo``: the same RL code from the SFT model with beta 0 and no PRM (Search-R1-style outcome-only
   GRPO), on the same questions with the same rollout budget;
+- ``prorag_no_rft`` (ablation): ProRAG's RL with the PRM from the SFT model, without RFT;
 - ``reasonrag``: ReasonRAG's path from the same MCTS trees as the PRM: the sibling pairs ordered by shortest-path
   reward estimation (value margins), DPO with LoRA on the SFT model (trainer stage ``dpo``).
 
@@ -32,7 +33,7 @@ console = Console()
 
 #: the comparisons results.json reports (A minus B on 3+ hop questions); issue 19 names the first three
 COMPARISONS = (("prorag", "outcome_grpo"), ("outcome_grpo", "sft"), ("prorag", "sft"), ("rft", "sft"),
-               ("prorag", "rft"), ("prorag", "reasonrag"), ("reasonrag", "sft"))
+               ("prorag", "rft"), ("prorag", "reasonrag"), ("reasonrag", "sft"), ("prorag", "prorag_no_rft"))
 
 
 @dataclass
@@ -40,7 +41,10 @@ class Stage34Settings:
     """What a profile asks of stages 3-4 (the trainer's rft and rl jobs take the rest from their defaults)."""
 
     methods: tuple = cfg_field(("rft", "prorag", "outcome_grpo", "reasonrag"),
-                               help="which of rft, prorag, outcome_grpo and reasonrag to train and evaluate")
+                               help="which of rft, prorag, outcome_grpo, reasonrag and prorag_no_rft to train and "
+                                    "evaluate")
+    eval_iterations: tuple = cfg_field((), help="RL iterations whose adapters are also evaluated, as "
+                                                "<method>@it<i> (F1 against RL questions: data efficiency)")
     rft: dict = cfg_field(help="rft job settings (services.trainer.stage_rft.RFTConfig)", factory=dict)
     rl: dict = cfg_field(help="rl job settings shared by prorag and outcome_grpo (services.trainer.stage_rl."
                               "RLConfig): the same questions, iterations, group size and learning rate for both",
@@ -102,7 +106,7 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
     prefix = f"{world}-stage34"
     topk = int(sft_settings.get("topk", 1))
     if prm_dir is None:
-        for m in ("rft", "prorag"):
+        for m in ("rft", "prorag", "prorag_no_rft"):
             if m in wanted:
                 out["skipped"][m] = "stage 2 trained no PRM (no labelled sibling pairs), so no PRM-guided stage"
     services = ("policy", "prm") if prm_dir else ("policy",)
@@ -138,6 +142,15 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
             out["models"]["outcome_grpo"] = {"model": sft_dir, "adapter": job["outputs"]["adapter"]}
             out["rl"]["outcome_grpo"] = rl_summary(Path(job["run_dir"]) / "iterations.jsonl")
             timings["stage34_outcome_grpo_s"] = time.monotonic() - t
+        if "prorag_no_rft" in wanted and prm_dir:
+            t = time.monotonic()
+            cfg = {**rl_common, "base_model": sft_ref, "policy": sft_policy, "prm": prm_target,
+                   "beta": settings.beta, "adapter_name": "prorag_no_rft"}
+            job = run_job(stack, "rl", cfg, _job_id(prefix, "prorag_no_rft", cfg))
+            out["jobs"]["prorag_no_rft"] = job["job_id"]
+            out["models"]["prorag_no_rft"] = {"model": sft_dir, "adapter": job["outputs"]["adapter"]}
+            out["rl"]["prorag_no_rft"] = rl_summary(Path(job["run_dir"]) / "iterations.jsonl")
+            timings["stage34_prorag_no_rft_s"] = time.monotonic() - t
         if rft is not None:
             out["jobs"]["rft"] = rft["job_id"]
             rft_ref = rft["outputs"]["model"]
@@ -179,6 +192,15 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
                     out["skipped"]["reasonrag"] = f"the DPO job failed: {e}"
                 timings["stage34_reasonrag_s"] = time.monotonic() - t
     timings["stage34_train_s"] = time.monotonic() - t0
+    # the RL adapters after fewer iterations, evaluated like the final ones (every iteration published one)
+    from services.trainer.stage_rl import adapter_version
+
+    for m in [m for m in ("prorag", "outcome_grpo", "prorag_no_rft") if m in out["jobs"]]:
+        final = out["rl"][m].get("iterations", 0)
+        for i in settings.eval_iterations:
+            if 0 < int(i) < final:
+                out["models"][f"{m}@it{int(i)}"] = {"model": out["models"][m]["model"],
+                                                    "adapter": f"{m}@{adapter_version(out['jobs'][m], int(i))}"}
     return out
 
 

@@ -1,11 +1,13 @@
 """The whole pipeline on the tiny profile, as `make run` does it on the default one: world,
-indexes, base policy, five services as processes, retrieval evaluation, SFT and both baselines
-trained through the trainer service, evaluation through policy services, results.json."""
+indexes, base policy, five services as processes, retrieval evaluation, SFT and the no-retrieval baseline
+trained through the trainer service, standard RAG read by the agent, evaluation through policy services, stages
+2-4 and the baselines trained from the agent, results.json, and the ablation report in small."""
 
 from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +137,19 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
 
     assert on_disk["jobs"]["sft"]["model"] == f"sft@{on_disk['jobs']['sft']['job_id']}"
     assert artifact_name(served_policy("tiny-s7", None)) == on_disk["jobs"]["sft"]["model"]
+
+    # the ablation report in small: two stage 3-4 seeds (the SFT agent and stage 2 reused), the RL adapter after its
+    # first iteration evaluated too, and one report pooling the seeds
+    from prorag_app.pipeline import AblationPlan, run_ablation
+
+    report = run_ablation(AblationPlan(profile="tiny", seeds=(1, 2), betas=(), eval_iterations=(1,)),
+                          world="tiny-s7", port_offset=_free_offset())
+    assert report["seeds"]["sft"] == 2 and report["seeds"]["outcome_grpo"] == 2
+    assert report["seeds"]["outcome_grpo@it1"] == 1  # the first seed's adapter after 1 of its 2 iterations
+    assert report["comparisons"]["outcome_grpo_vs_sft"]["seeds"] == 2
+    assert len(report["rl_curves"]["outcome_grpo"]) == 2
+    seed_runs = [json.loads((Path(d) / "results.json").read_text()) for d in report["runs"]]
+    assert [r["profile"] for r in seed_runs] == ["ablation/seed1", "ablation/seed2"]
+    jobs = [r["stage34"]["jobs"]["outcome_grpo"] for r in seed_runs]
+    assert len(set(jobs)) == 2 and all(r["jobs"]["sft"]["job_id"] == on_disk["jobs"]["sft"]["job_id"] for r in seed_runs)
+    assert (tmp_path / "runs" / "latest" / "report.md").is_file()

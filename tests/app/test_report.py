@@ -32,10 +32,13 @@ def test_seeds_are_pooled_per_question_and_compared_in_pairs(tmp_path, monkeypat
                                + "\n" for i in range(3)))
     n = 40
     a = _run(tmp_path, "seed1", {"sft": [0.0] * n, "prorag": [1.0] * n}, beta=0.3, job_ids={"prorag": "rl-job"})
-    b = _run(tmp_path, "seed2", {"sft": [0.0] * n, "prorag": [1.0 if i % 2 else 0.0 for i in range(n)]}, beta=0.5)
-    report = build_report([a, b], tmp_path / "out")
+    b = _run(tmp_path, "seed2", {"sft": [0.0] * n, "prorag": [1.0 if i % 2 else 0.0 for i in range(n)]}, beta=0.3)
+    # a beta sweep's run: its ProRAG is another method, not a third seed of the headline one
+    c = _run(tmp_path, "beta0.5", {"prorag": [0.5] * n}, beta=0.5)
+    report = build_report([a, b, c], tmp_path / "out")
 
-    assert report["seeds"] == {"sft": 2, "prorag": 2}
+    assert report["seeds"] == {"sft": 2, "prorag": 2, "prorag[beta=0.5]": 1}
+    assert report["methods"]["prorag[beta=0.5]"]["overall"]["f1"] == pytest.approx(0.5)
     # per question: seed 1 always right, seed 2 right on odd questions -> mean 0.75
     assert report["methods"]["prorag"]["overall"]["f1"] == pytest.approx(0.75)
     assert report["methods"]["sft"]["overall"]["f1"] == 0.0
@@ -43,16 +46,17 @@ def test_seeds_are_pooled_per_question_and_compared_in_pairs(tmp_path, monkeypat
     three_plus = sum(1 + i % 4 >= 3 for i in range(n))
     assert c["seeds"] == 2 and c["n"] == three_plus and c["f1_diff"] == pytest.approx(0.75)
     assert c["ci"][0] > 0  # every question ahead or tied, half of them by a full point
-    # one run per beta: ProRAG's 3+ hop F1 under each
-    assert report["beta"] == {"0.3": {"f1_3plus_mean": 1.0, "runs": 1}, "0.5": {"f1_3plus_mean": 0.5, "runs": 1}}
+    # ProRAG's 3+ hop F1 per beta (at 0.3 the two seeds' mean: 1.0 and 0.5)
+    assert report["beta"] == {"0.3": {"f1_3plus_mean": 0.75, "runs": 2}, "0.5": {"f1_3plus_mean": 0.5, "runs": 1}}
     assert report["rl_curves"]["prorag"] == [[{"questions": 16, "f1": 0.0, "reward": 0.0},
                                               {"questions": 32, "f1": 0.1, "reward": 1.0},
                                               {"questions": 48, "f1": 0.2, "reward": 2.0}]]
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| prorag | 2 | 75.0 [" in md and "prorag_vs_sft" in md and "| 0.5 | 50.0 | 1 |" in md
+    assert "| prorag[beta=0.5] | 1 | 50.0 [" in md
     for name in ("f1_by_hops", "rl_curves", "beta"):
         assert (tmp_path / "out" / f"{name}.png").stat().st_size > 1000
-    assert json.loads((tmp_path / "out" / "report.json").read_text())["seeds"] == {"sft": 2, "prorag": 2}
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["seeds"]["prorag"] == 2
 
 
 def test_runs_of_other_worlds_or_unfinished_runs_are_refused(tmp_path):
