@@ -86,6 +86,17 @@ class StepPair:
                    judge_reason=str(row.get("judge_reason", "")), meta=dict(row.get("meta") or {}))
 
 
+def load_pairs(path: str) -> list[StepPair]:
+    """The pairs of a JSONL file (the MCTS stage's output); InvalidArgument when there is no such file."""
+    from pathlib import Path
+
+    from prorag.io import read_jsonl
+
+    if not path or not Path(path).is_file():
+        raise InvalidArgument(f"pairs file {path!r} does not exist (the MCTS stage writes one)")
+    return [StepPair.from_dict(row) for row in read_jsonl(path)]
+
+
 def label_agreement(pairs: Sequence[StepPair]) -> dict:
     """How often the judge and the value margin agree, over pairs both labelled: {"both_labelled",
     "agree", "agreement" (share), "value_only", "judge_only", "neither"}."""
@@ -117,4 +128,4 @@ def prompt_length(tokenizer, question: str) -> int:
     return len(tokenizer.encode(agent_prompt(question), add_special_tokens=False))
 
 
-__all__ = ["StepPair", "label_agreement", "prm_inputs", "prompt_length", "step_from_dict", "step_to_dict"]
+__all__ = ["StepPair", "label_agreement", "load_pairs", "prm_inputs", "prompt_length", "step_from_dict", "step_to_dict"]

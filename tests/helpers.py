@@ -36,3 +36,19 @@ def env(name: str, value: str):
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
+
+
+def scripted_engine_base():
+    """A GenerationEngine base for scripted test engines (a model's steps written by the test): adapters are
+    accepted and ignored, info names the engine. Returned by a function so importing the helpers stays light."""
+    from prorag.engine import GenerationEngine
+
+    class ScriptedEngine(GenerationEngine):
+        name = "scripted"
+
+        def load_adapter(self, key, path): ...
+        def unload_adapter(self, key): ...
+        def adapters(self): return []
+        def info(self): return {"engine": self.name}
+
+    return ScriptedEngine

@@ -216,4 +216,22 @@ def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], 
     return LoopResult(True, cfg.steps, loss_v)
 
 
-__all__ = ["LoopConfig", "LoopResult", "NonFiniteLoss", "OPTIMIZERS", "build_optimizer", "run_loop"]
+def shuffled_epochs(items, batch_size: int, epochs: float, seed: int) -> tuple[int, Callable[[int], list]]:
+    """(total steps, batch_at) for ``epochs`` passes over ``items`` [N] in batches of ``batch_size``, each epoch
+    in its own shuffled order: batch_at(i) is a function of (seed, i) only, as :func:`run_loop` needs for exact
+    resume. A fractional last epoch stops part-way."""
+    import random
+
+    per_epoch = math.ceil(len(items) / batch_size)
+    total = max(1, int(round(per_epoch * epochs)))
+
+    def batch_at(i: int) -> list:
+        epoch, j = divmod(i, per_epoch)
+        order = list(range(len(items)))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        return [items[k] for k in order[j * batch_size:(j + 1) * batch_size]]
+
+    return total, batch_at
+
+
+__all__ = ["LoopConfig", "LoopResult", "NonFiniteLoss", "OPTIMIZERS", "build_optimizer", "run_loop", "shuffled_epochs"]

@@ -15,13 +15,11 @@ The objective is TRL's (and ReasonRAG's) sigmoid loss with beta 0.3 (prorag.algo
 
 from __future__ import annotations
 
-import math
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
 from prorag.config import cfg_field
-from prorag.errors import FailedPrecondition, InvalidArgument
+from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
 from services.trainer.stage_rl import ALL_PROJECTIONS
 from services.trainer.stages import register_stage, resolve_model
@@ -96,23 +94,20 @@ def run_dpo(ctx: JobContext) -> dict:
     import torch
 
     from prorag.algorithms.rl import dpo_loss
-    from prorag.io import read_jsonl
     from prorag.modeling import load_policy
-    from prorag.pairs import StepPair
+    from prorag.pairs import load_pairs
     from prorag.registry import ArtifactRef, registry, weights_sha256
-    from prorag.training.loop import LoopConfig, run_loop
+    from prorag.training.loop import LoopConfig, run_loop, shuffled_epochs
     from services.trainer.stage_rl import build_lora, publish_adapter
 
     cfg: DPOConfig = ctx.config
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if not cfg.pairs or not Path(cfg.pairs).is_file():
-        raise InvalidArgument(f"pairs file {cfg.pairs!r} does not exist (the MCTS stage writes one)")
+    pairs = load_pairs(cfg.pairs)
     base = Path(resolve_model(cfg.world, cfg.base_model, "base_model"))
     ctx.seed_everything(cfg.seed)
     model, tokenizer = load_policy(base, device="cpu", dtype="float32")
     model = build_lora(model, cfg)
-    pairs = [StepPair.from_dict(row) for row in read_jsonl(cfg.pairs)]
     data, too_long = [], 0
     for p in pairs:
         choice = p.label(cfg.label_source)
@@ -137,15 +132,8 @@ def run_dpo(ctx: JobContext) -> dict:
             for d, rc, rr in zip(part, ref[:len(part)].tolist(), ref[len(part):].tolist()):
                 d["ref"] = (rc, rr)
     model.train()
-    per_epoch = math.ceil(len(data) / cfg.batch_size)
-    total = max(1, int(round(per_epoch * cfg.epochs)))
+    total, batch_at = shuffled_epochs(data, cfg.batch_size, cfg.epochs, cfg.seed)
     stats_sum = {"reward_accuracy": 0.0, "margin": 0.0, "n": 0}
-
-    def batch_at(i: int):
-        epoch, j = divmod(i, per_epoch)
-        order = list(range(len(data)))
-        random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)  # a function of (seed, epoch): exact resume
-        return [data[k] for k in order[j * cfg.batch_size:(j + 1) * cfg.batch_size]]
 
     def loss_fn(m, batch):
         logps = step_logps(m, [d["chosen"] for d in batch] + [d["rejected"] for d in batch], pad)

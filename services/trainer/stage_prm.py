@@ -10,14 +10,12 @@ same: -log sigmoid(r_chosen - r_rejected).
 from __future__ import annotations
 
 import hashlib
-import random
 from dataclasses import dataclass
-from pathlib import Path
 
 from prorag.config import cfg_field
-from prorag.errors import FailedPrecondition, InvalidArgument
+from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
-from prorag.training.loop import LoopConfig, run_loop
+from prorag.training.loop import LoopConfig, run_loop, shuffled_epochs
 from services.trainer.stages import register_stage, resolve_model
 
 
@@ -84,40 +82,28 @@ def pair_scores(model, batch, max_len: int, pad_id: int, keep_prefix: int = 0):
 
 
 def run_prm(ctx: JobContext) -> dict:
-    import math
-
     import torch
 
     from prorag.algorithms.prm import bradley_terry_loss, pairwise_accuracy
-    from prorag.io import read_jsonl
     from prorag.modeling import save_pretrained
-    from prorag.pairs import StepPair
+    from prorag.pairs import load_pairs
     from prorag.prm_model import prm_from_policy
     from prorag.registry import ArtifactRef, registry, weights_sha256
 
     cfg: PRMConfig = ctx.config
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if not cfg.pairs or not Path(cfg.pairs).is_file():
-        raise InvalidArgument(f"pairs file {cfg.pairs!r} does not exist (the MCTS stage writes one)")
+    pairs = load_pairs(cfg.pairs)
     policy = resolve_model(cfg.world, cfg.policy_model, "policy_model")
     ctx.seed_everything(cfg.seed)
     model, tokenizer = prm_from_policy(policy, seed=cfg.seed)
-    pairs = [StepPair.from_dict(row) for row in read_jsonl(cfg.pairs)]
     train = encode_pairs(tokenizer, [p for p in pairs if not _held_out(p.question_id, cfg.holdout)], cfg.label_source)
     held = encode_pairs(tokenizer, [p for p in pairs if _held_out(p.question_id, cfg.holdout)], cfg.label_source)
     if not train:
         raise FailedPrecondition(f"no {cfg.label_source}-labelled pairs to train on in {cfg.pairs} "
                                  f"({len(pairs)} pairs read)")
     pad = tokenizer.pad_token_id
-    per_epoch = math.ceil(len(train) / cfg.batch_size)
-    total = max(1, int(round(per_epoch * cfg.epochs)))
-
-    def batch_at(i: int):
-        epoch, j = divmod(i, per_epoch)
-        order = list(range(len(train)))
-        random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)  # a function of (seed, epoch): exact resume
-        return [train[k] for k in order[j * cfg.batch_size:(j + 1) * cfg.batch_size]]
+    total, batch_at = shuffled_epochs(train, cfg.batch_size, cfg.epochs, cfg.seed)
 
     def loss_fn(m, batch):
         chosen, rejected = pair_scores(m, batch, cfg.max_len, pad)

@@ -15,12 +15,15 @@ import pytest
 
 from transformers import AutoTokenizer
 
-from prorag.engine import GeneratedSeq, GenerationEngine
+from prorag.engine import GeneratedSeq
+from tests.helpers import scripted_engine_base
+
+ScriptedEngine = scripted_engine_base()
 from prorag.sft_data import agent_prompt, content_prefix_ids, encode_segments, single_search_thoughts
 from prorag.trajectory import Step, glue_after, render_prompt
 
 
-class ReaderScript(GenerationEngine):
+class ReaderScript(ScriptedEngine):
     """Reads the gold answer as the subanswer and repeats it as the answer; for odd-numbered questions the answer
     runs on into a new subquery instead of closing (not format-valid, answer kept up to the first tag)."""
 
@@ -55,11 +58,6 @@ class ReaderScript(GenerationEngine):
             ids = self.tokenizer.encode(reply[:stop], add_special_tokens=False)
             out.append([GeneratedSeq(ids, [-0.5] * len(ids), "stop", ids[-1])])
         return out
-
-    def load_adapter(self, key, path): ...
-    def unload_adapter(self, key): ...
-    def adapters(self): return []
-    def info(self): return {"engine": self.name}
 
 
 @pytest.fixture(scope="module")

@@ -180,3 +180,17 @@ def test_a_non_finite_loss_stops_the_loop_before_the_step_is_applied(tmp_path):
     assert seen[-1] == 3
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
     assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)  # step 4 left the weights alone
+
+
+def test_shuffled_epochs_cover_every_item_once_per_epoch_as_a_function_of_seed_and_step():
+    from prorag.training.loop import shuffled_epochs
+
+    items = list(range(10))
+    total, batch_at = shuffled_epochs(items, 4, 2.5, seed=3)
+    assert total == 8  # 3 batches per epoch x 2.5, rounded
+    first = [x for i in range(3) for x in batch_at(i)]
+    second = [x for i in range(3, 6) for x in batch_at(i)]
+    assert sorted(first) == sorted(second) == items and first != second  # each epoch its own order
+    again = shuffled_epochs(items, 4, 2.5, seed=3)[1]
+    assert [again(i) for i in range(total)] == [batch_at(i) for i in range(total)]  # a resumed job's batches
+    assert shuffled_epochs(items, 4, 1, seed=4)[1](0) != batch_at(0)

@@ -18,10 +18,13 @@ from prorag.config import from_dict
 from prorag.io import read_jsonl
 from prorag.pairs import StepPair
 from prorag.training.context import local_context
-from prorag.engine import GeneratedSeq, GenerationEngine
+from prorag.engine import GeneratedSeq
+from tests.helpers import scripted_engine_base
+
+ScriptedEngine = scripted_engine_base()
 
 
-class GoldWalkEngine(GenerationEngine):
+class GoldWalkEngine(ScriptedEngine):
     """Next step of a tiny-world question, drawn per seed: the gold hop's sub-question or another question's
     (a wrong entity), the gold sub-answer or a wrong one after a search, then the last sub-answer as the answer."""
 
@@ -64,11 +67,6 @@ class GoldWalkEngine(GenerationEngine):
                 seqs.append(GeneratedSeq(ids, [-0.5] * len(ids), "stop", ids[-1]))
             out.append(seqs)
         return out
-
-    def load_adapter(self, key, path): ...
-    def unload_adapter(self, key): ...
-    def adapters(self): return []
-    def info(self): return {"engine": self.name}
 
 
 @pytest.fixture(scope="module")
