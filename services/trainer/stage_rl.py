@@ -100,6 +100,9 @@ class RLConfig:
     lr: float = cfg_field(1e-5, help="learning rate (constant; ProRAG: 1e-5)", min=0.0, max=1.0)
     weight_decay: float = cfg_field(0.0, help="AdamW weight decay", min=0.0, max=1.0)
     grad_clip: float = cfg_field(1.0, help="max gradient norm (0 = off)", min=0.0)
+    chunk_tokens: int = cfg_field(16384, help="most padded tokens in one forward pass of the update: a micro-batch's "
+                                              "trajectories, sorted by length, go through in chunks of at most this "
+                                              "many (the gradient is the same; less padding; 0 = one pass)", min=0)
     grad_accum: int = cfg_field(1, help="micro-batches an iteration's trajectories are split into", min=1,
                                 max=4096)
     max_len: int = cfg_field(4096, help="longest trajectory in tokens; longer ones are dropped", min=16)
@@ -371,6 +374,24 @@ def collate_rl(samples: list[RLSample], pad_id: int):
     return ids, attn, adv, mask, old
 
 
+def length_chunks(lengths: list[int], max_padded: int) -> list[list[int]]:
+    """Indices [N] grouped into chunks, shortest first, each padding to at most ``max_padded`` tokens
+    (len(chunk) x its longest); a sequence longer than that is a chunk of its own; 0 = one chunk.
+
+    Why: one forward pass over a whole iteration pads every trajectory to the longest (~200 to ~1,000 tokens);
+    a token-weighted sum over length-sorted chunks is the same loss with a fraction of the padding."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    if not max_padded:
+        return [order] if order else []
+    chunks: list[list[int]] = []
+    for i in order:
+        if chunks and (len(chunks[-1]) + 1) * lengths[i] <= max_padded:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
+
+
 def token_logprobs(model, ids, attn, mask):
     """log pi(ids[t] | ids[<t]) at the positions where mask [B,T] is set, 0 elsewhere -> [B,T].
 
@@ -481,7 +502,9 @@ def run_rl(ctx: JobContext) -> dict:
         for j in range(k):
             part = samples[j::k]
             n = sum(sum(s.loss_mask) for s in part)
-            micro.append((collate_rl(part, tokenizer.pad_token_id), k * n / n_total) if part and n else None)
+            chunks = [collate_rl([part[i] for i in c], tokenizer.pad_token_id)
+                      for c in length_chunks([len(x.token_ids) for x in part], cfg.chunk_tokens)]
+            micro.append((chunks, k * n / n_total) if part and n else None)
         state.update(iteration=iteration, micro=micro, version=version, push=push, stats=data.stats,
                      update={"clip_fraction": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0},
                      t_update=time.monotonic())
@@ -497,13 +520,17 @@ def run_rl(ctx: JobContext) -> dict:
             # nothing kept for this micro-batch: a loss with no path to the weights leaves their gradients None,
             # so AdamW skips them rather than stepping on stale momentum
             return torch.zeros((), requires_grad=True), 0
-        collated, scale = batch
-        loss, st = rl_loss(m, collated, cfg)
+        chunks, scale = batch
+        # the micro-batch's token mean as the token-weighted sum of its chunks' token means
+        results = [rl_loss(m, c, cfg) for c in chunks]
+        n = sum(st["tokens"] for _, st in results)
+        loss = sum(l * (st["tokens"] / n) for l, st in results)
         u = state["update"]
-        for key in ("clip_fraction", "approx_kl", "kl"):
-            u[key] += st[key] * st["tokens"]
-        u["tokens"] += st["tokens"]
-        return loss * scale, int(collated[1].sum())
+        for _, st in results:
+            for key in ("clip_fraction", "approx_kl", "kl"):
+                u[key] += st[key] * st["tokens"]
+            u["tokens"] += st["tokens"]
+        return loss * scale, int(sum(c[1].sum() for c in chunks))
 
     def after_backward(m) -> None:
         # once per iteration, after every micro-batch's backward pass: record what the iteration did
