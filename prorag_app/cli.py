@@ -422,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.set_defaults(fn=cmd_up)
 
     b = sub.add_parser("bench", help="benchmarks; --json prints one JSON object as the last line")
-    b.add_argument("target", help="retriever | policy | swap | sft | prm")
+    b.add_argument("target", help="retriever | policy | swap | sft | prm | rl")
     b.add_argument("--json", action="store_true")
     b.add_argument("--world", default="default")
     b.add_argument("--batch", type=int, default=64)
@@ -430,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="repeated runs; medians are reported")
     b.add_argument("--index", default="dense")
     b.add_argument("--model", default="sft", help="policy/swap: published model name[@version], a path, or 'base'")
-    b.add_argument("--questions", type=int, default=64, help="policy: questions per rollout batch")
+    b.add_argument("--questions", type=int, default=64, help="policy: questions per rollout batch; rl: per iteration")
     b.add_argument("--samples", type=int, default=8, help="policy: samples per question (GRPO group size)")
     b.add_argument("--swaps", type=int, default=100, help="swap: adapter pushes")
     b.add_argument("--clients", type=int, default=4, help="swap: concurrent generating clients")

@@ -28,3 +28,17 @@ def test_bench_decode_compares_the_engine_with_the_bare_forward_pass_at_one_batc
     assert out["batch"] == 6 and out["new_tokens"] == 8
     assert out["engine_tokens_per_s"] > 0 and out["bare_forward_tokens_per_s"] > 0
     assert out["ratio"] == pytest.approx(out["engine_tokens_per_s"] / out["bare_forward_tokens_per_s"])
+
+
+def test_bench_rl_times_one_padded_pass_against_length_chunks(tiny_policy, monkeypatch, tmp_path):
+    import argparse
+
+    from prorag_app.bench import bench_rl
+
+    monkeypatch.setenv("PRORAG_RUNS", str(tmp_path / "runs"))  # no saved trajectories: uniform lengths
+    model_dir, _ = tiny_policy
+    out = bench_rl(argparse.Namespace(world="tiny", model=str(model_dir), questions=2, samples=4, repeats=1))
+    assert out["trajectories"] == 8 and out["lengths_from"] == "uniform 200-1000"
+    assert out["one_pass"]["chunks"] == 1 and out["chunked"]["chunks"] >= 1
+    assert out["chunked"]["padded_tokens"] <= out["one_pass"]["padded_tokens"]
+    assert out["one_pass"]["padded_tokens"] >= out["tokens"] and out["ratio"] > 0
