@@ -47,7 +47,7 @@ def test_chunked_update_has_the_loss_and_gradient_of_one_pass(tiny_policy):
         n = sum(st["tokens"] for _, st in results)
         loss = sum(l * (st["tokens"] / n) for l, st in results)
         loss.backward()
-        return float(loss), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+        return float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
 
     whole_loss, whole = grads_of([list(range(len(samples)))])
     chunks = length_chunks([len(s.token_ids) for s in samples], 240)
