@@ -305,21 +305,26 @@ def cmd_eval(args) -> int:
                                       "topk": topk})
     if not args.out:
         point_latest(out)
-    Console().print(format_table({args.method: result}))
+    Console().print(format_table({args.method: result}, args.split))
     print(json.dumps({"method": args.method, "model": model, "overall": result["overall"]}))
     return 0
 
 
 def cmd_run(args) -> int:
-    from prorag_app.pipeline import run_ablation, run_main_job
+    import dataclasses
+
+    from prorag_app.pipeline import PROFILES, run_ablation, run_main_job, with_overrides
 
     if args.profile == "ablation":
-        if args.stage34_seed is not None or args.beta is not None:
-            raise SystemExit("--profile ablation runs its own seeds and betas (prorag_app.pipeline.ABLATION)")
+        if args.stage34_seed is not None or args.beta is not None or args.set or args.split != "test":
+            raise SystemExit("--profile ablation runs its own seeds and betas on the test split "
+                             "(prorag_app.pipeline.ABLATION); --stage34-seed, --beta, --set and --split are for "
+                             "single runs")
         run_ablation(world=args.world, port_offset=args.port_offset)
         return 0
+    prof = with_overrides(dataclasses.replace(PROFILES[args.profile], eval_split=args.split), args.set or [])
     run_main_job(profile=args.profile, world=args.world, port_offset=args.port_offset,
-                 stage34_seed=args.stage34_seed, beta=args.beta)
+                 stage34_seed=args.stage34_seed, beta=args.beta, prof=prof)
     return 0
 
 
@@ -475,6 +480,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed of the RFT, RL and DPO jobs (default: the profile's); another seed trains them anew")
     r.add_argument("--beta", type=float, default=None, help="ProRAG's process-advantage weight (default: the "
                                                             "profile's, 0.3)")
+    r.add_argument("--split", default="test", choices=("test", "dev"),
+                   help="where methods are evaluated and compared: test for the figures, dev for choosing settings "
+                        "(no deep split)")
+    r.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override one profile setting, a dotted path with a JSON value, e.g. "
+                        "--set stage34.rft.lr=1e-4 --set 'stage34.methods=[\"rft\"]' (repeatable)")
     r.set_defaults(fn=cmd_run)
 
     rep = sub.add_parser("report", help="one report (Markdown, JSON, PNG) over `prorag run` directories of the same "

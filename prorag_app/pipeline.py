@@ -67,6 +67,9 @@ class Profile:
     #: questions of the world's extra 3+ hop split (prorag.data.world.ensure_deep_split) on which the SFT agent
     #: and the stage 3-4 methods are also evaluated, so their paired comparisons see enough deep questions
     deep_questions: int = 0
+    #: the split methods are evaluated and compared on: test for reported figures, dev for choosing settings
+    #: (`prorag run --split dev`); the deep split is drawn from test's questions, so dev runs go without it
+    eval_split: str = "test"
 
     def __post_init__(self) -> None:
         from prorag.config import check_fields
@@ -84,6 +87,8 @@ class Profile:
                         else f"is trained by stage {get_method(m).stage!r}")
                 raise InvalidArgument(f"profile method {m!r} {what}, not SFT: stages 3-4 are asked for by the "
                                       "profile's stage34 settings")
+        if self.eval_split not in ("test", "dev"):
+            raise InvalidArgument(f"eval_split: {self.eval_split!r} is not test or dev")
         check_fields(SFTConfig, self.sft, prefix="sft.")
         for m, settings in self.method_sft.items():
             check_fields(SFTConfig, settings, prefix=f"method_sft.{m}.")
@@ -224,7 +229,7 @@ def evaluate_retrieval(client: RetrieverClient, questions, indexes=INDEXES, ks=K
 def print_retrieval_table(results: dict, ks=KS) -> None:
     for name, title in (("subquery", "gold sub-question per hop (what a step-by-step agent searches)"),
                         ("question", "whole question (what standard RAG searches)")):
-        table = Table(title=f"Retrieval recall@k on the test split: {title}")
+        table = Table(title=f"Retrieval recall@k: {title}")
         table.add_column("index")
         table.add_column("group")
         for k in ks:
@@ -539,6 +544,41 @@ def with_stage34(prof: Profile, seed: int | None = None, beta: float | None = No
     return dataclasses.replace(prof, stage34=s34)
 
 
+def with_overrides(prof: Profile, assignments: list[str] | tuple[str, ...]) -> Profile:
+    """``prof`` with ``KEY=VALUE`` assignments applied (`prorag run --set`): KEY is a dotted path into the profile
+    (``stage34.rft.lr``, ``stage34.methods``), VALUE is JSON (a bare word is taken as a string). The result is
+    checked like any profile, so an unknown field or a bad value fails before anything runs."""
+    fields_ = {f.name for f in dataclasses.fields(Profile)}
+    changes: dict = {}
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        path = [k for k in key.strip().split(".") if k]
+        if not sep or not path:
+            raise InvalidArgument(f"--set {assignment!r}: write KEY=VALUE, e.g. stage34.rft.lr=1e-4")
+        if path[0] not in fields_:
+            raise InvalidArgument(f"--set {key}: the profile has no field {path[0]!r} (it has {sorted(fields_)})")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        if isinstance(value, list):
+            value = tuple(value)
+        if len(path) == 1:
+            changes[path[0]] = value
+            continue
+        root = changes.get(path[0], getattr(prof, path[0]))
+        if not isinstance(root, dict):
+            raise InvalidArgument(f"--set {key}: profile field {path[0]!r} is not a settings dict")
+        root = node = json.loads(json.dumps(root))  # a deep copy: the profile's own dicts stay as they are
+        for k in path[1:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise InvalidArgument(f"--set {key}: {k!r} is not a settings dict")
+        node[path[-1]] = value
+        changes[path[0]] = root
+    return dataclasses.replace(prof, **changes) if changes else prof
+
+
 def run_main_job(profile: str = "default", world: str | None = None, port_offset: int = 0,
                  stage34_seed: int | None = None, beta: float | None = None, prof: Profile | None = None) -> dict:
     """`prorag run`: the profile named ``profile`` (or ``prof``, reported under that name) on its world or
@@ -554,9 +594,9 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         base = ensure_policy_model(world, preset=prof.model_preset, vocab_size=prof.vocab_size, progress=progress,
                                    warmup=prof.base_warmup, variant=prof.base_variant)
     timings["build_world_indexes_model_s"] = time.monotonic() - t0
-    run_dir = new_run_dir(f"run-{profile.replace('/', '-')}")
+    run_dir = new_run_dir(f"run-{profile.replace('/', '-')}" + ("-dev" if prof.eval_split == "dev" else ""))
     t1 = time.monotonic()
-    test = load_split(paths.world_dir(world), "test")
+    test = load_split(paths.world_dir(world), prof.eval_split)
     eval_qs = test[:prof.eval_questions] if prof.eval_questions else test
     methods, jobs = {}, {}
     trained = prof.trained_methods
@@ -580,7 +620,7 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         methods = evaluate_methods({m: str(registry("model", world).resolve(jobs[prof.model_of(m)]["model"]))
                                     for m in prof.methods}, world, stack, eval_qs, run_dir, port_offset + 100, timings)
         timings["eval_all_s"] = time.monotonic() - t4
-        console.print(format_table(methods))
+        console.print(format_table(methods, prof.eval_split))
         prm = None
         if prof.stage2 is not None and "sft" in jobs:
             prm = stage2(prof, stack, world, str(registry("model", world).resolve(jobs["sft"]["model"])), run_dir,
@@ -588,7 +628,7 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         stage34_out, comparisons, deep, deep_scores = None, {}, [], {}
         if prof.stage34 is not None and "sft" in jobs:
             deep = []
-            if prof.deep_questions:
+            if prof.deep_questions and prof.eval_split == "test":
                 from prorag.data.world import DEEP_SPLIT, ensure_deep_split
 
                 ensure_deep_split(paths.world_dir(world), prof.deep_questions)
@@ -606,9 +646,9 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
     if stage34_out is not None:
         from prorag_app.stage34 import print_comparisons, print_rl
 
-        console.print(format_table(methods))
+        console.print(format_table(methods, prof.eval_split))
         print_rl(stage34_out["rl"])
-        print_comparisons(comparisons)
+        print_comparisons(comparisons, prof.eval_split)
         for m, why in stage34_out["skipped"].items():
             console.print(f"[yellow]{m}: skipped: {why}[/yellow]")
     figure = multi_hop_figure(methods)
@@ -633,6 +673,7 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         "retrieval": retrieval,
         "jobs": {m: {"job_id": j["job_id"], "model": j["model"], "metrics": j["metrics"]} for m, j in jobs.items()},
         "profile": profile,
+        "split": prof.eval_split,
         "run_dir": str(run_dir),
         "world": world,
         "base_model": str(base),

@@ -214,10 +214,10 @@ def per_question_f1(run_dir: Path, methods) -> dict[str, list[dict[str, float]]]
     return out
 
 
-def print_comparisons(comparisons: dict) -> None:
+def print_comparisons(comparisons: dict, split: str = "test") -> None:
     if not comparisons:
         return
-    table = Table(title="Paired comparisons on the test split: A minus B, per question (F1 x100) [95% paired "
+    table = Table(title=f"Paired comparisons on the {split} split: A minus B, per question (F1 x100) [95% paired "
                         "bootstrap CI]")
     for col in ("A vs B", "group", "A", "B", "A - B", "CI", "n", "wins/losses/ties"):
         table.add_column(col, justify="left" if col in ("A vs B", "group") else "right")

@@ -28,7 +28,7 @@ import re
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prorag import paths
@@ -103,8 +103,11 @@ class RLConfig:
     chunk_tokens: int = cfg_field(16384, help="most padded tokens in one forward pass of the update: a micro-batch's "
                                               "trajectories, sorted by length, go through in chunks of at most this "
                                               "many (the gradient is the same; less padding; 0 = one pass)", min=0)
-    grad_accum: int = cfg_field(1, help="micro-batches an iteration's trajectories are split into", min=1,
+    grad_accum: int = cfg_field(1, help="micro-batches each optimizer step's trajectories are split into", min=1,
                                 max=4096)
+    mini_batches: int = cfg_field(1, help="optimizer steps per iteration, each on a 1/m share of its trajectories "
+                                          "(verl's PPO mini-batches): the same rollouts buy m steps; the later "
+                                          "steps are off-policy, which the clipped ratio bounds", min=1, max=64)
     max_len: int = cfg_field(4096, help="longest trajectory in tokens; longer ones are dropped", min=16)
     seed: int = cfg_field(0, help="question order, sampling seeds and LoRA init", min=0, max=2 ** 31 - 1)
     checkpoint_every: int = cfg_field(10, help="iterations between checkpoints", min=1)
@@ -450,7 +453,7 @@ def run_rl(ctx: JobContext) -> dict:
     ctx.seed_everything(cfg.seed)
     model, tokenizer = load_policy(base, device="cpu", dtype="float32")
     model = build_lora(model, cfg)
-    k = cfg.grad_accum
+    k, m_steps = cfg.grad_accum, cfg.mini_batches
     journal = ctx.checkpoint_dir / "rl-iterations.jsonl"
     policy = PolicyClient(cfg.policy, timeout=3600)
     prm = PRMClient(cfg.prm, timeout=600) if cfg.prm and cfg.beta > 0 else None
@@ -484,36 +487,65 @@ def run_rl(ctx: JobContext) -> dict:
                          "acks": [{"replica": a.replica, "ok": a.ok, "error": a.error,
                                    "latency_s": round(a.latency_s, 4)} for a in acks]}
 
-    def build_iteration(iteration: int) -> None:
+    def iteration_data(iteration: int) -> tuple[str, dict, IterationData]:
+        """Publish, push and roll out iteration ``iteration``. With several mini-batches a stop can land inside an
+        iteration, after the weights that sampled it have changed: its data is kept with the checkpoints, so the
+        resumed job trains on the same trajectories rather than new ones."""
+        saved = ctx.checkpoint_dir / f"rl-iteration-{iteration}.pt"
+        if m_steps > 1 and saved.exists():
+            from prorag.training.checkpoint import load_weights_file
+
+            blob = load_weights_file(saved)
+            return blob["version"], blob["push"], IterationData([RLSample(**d) for d in blob["samples"]],
+                                                                blob["stats"])
         version, push = publish_and_push(iteration)
         data = collect(cfg, questions_at(iteration), iteration, ctx.job_id, f"{cfg.adapter_name}@{version}",
                        policy, prm)
-        samples = data.samples
-        if cfg.recompute_old_logprobs and samples:
+        if cfg.recompute_old_logprobs and data.samples:
             model.eval()
             with torch.no_grad():
-                for s in samples:
-                    b = collate_rl([s], tokenizer.pad_token_id)
-                    s.old_logprobs = token_logprobs(model, b[0], b[1], b[3])[0].tolist()
+                for s_ in data.samples:
+                    b = collate_rl([s_], tokenizer.pad_token_id)
+                    s_.old_logprobs = token_logprobs(model, b[0], b[1], b[3])[0].tolist()
             model.train()
-        # k micro-batches, each scaled so the step's gradient is that of the token mean over the whole iteration
-        n_total = sum(sum(s.loss_mask) for s in samples)
-        micro = []
-        for j in range(k):
-            part = samples[j::k]
-            n = sum(sum(s.loss_mask) for s in part)
-            chunks = [collate_rl([part[i] for i in c], tokenizer.pad_token_id)
-                      for c in length_chunks([len(x.token_ids) for x in part], cfg.chunk_tokens)]
-            micro.append((chunks, k * n / n_total) if part and n else None)
-        state.update(iteration=iteration, micro=micro, version=version, push=push, stats=data.stats,
+        if m_steps > 1:
+            from prorag.io import atomic_path
+
+            for old in ctx.checkpoint_dir.glob("rl-iteration-*.pt"):
+                old.unlink()
+            with atomic_path(saved) as tmp:
+                torch.save({"version": version, "push": push, "stats": data.stats,
+                            "samples": [asdict(x) for x in data.samples]}, tmp)
+        return version, push, data
+
+    def build_iteration(iteration: int) -> None:
+        version, push, data = iteration_data(iteration)
+        samples = data.samples
+        # m mini-batches (optimizer steps) of k micro-batches each; each micro-batch is scaled so that a step's
+        # gradient is that of the token mean over its mini-batch
+        steps = []
+        for mb in range(m_steps):
+            share = samples[mb::m_steps]
+            n_share = sum(sum(s_.loss_mask) for s_ in share)
+            micro = []
+            for j in range(k):
+                part = share[j::k]
+                n = sum(sum(s_.loss_mask) for s_ in part)
+                chunks = [collate_rl([part[i] for i in c], tokenizer.pad_token_id)
+                          for c in length_chunks([len(x.token_ids) for x in part], cfg.chunk_tokens)]
+                micro.append((chunks, k * n / n_share) if part and n else None)
+            steps.append(micro)
+        state.update(iteration=iteration, micro=steps, version=version, push=push, stats=data.stats,
                      update={"clip_fraction": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0},
-                     t_update=time.monotonic())
+                     t_update=time.monotonic(), steps_done=0)
 
     def batch_at(i: int):
-        iteration, j = divmod(i, k)
+        step, j = divmod(i, k)
+        iteration, mb = divmod(step, m_steps)
         if state["iteration"] != iteration:
             build_iteration(iteration)
-        return state["micro"][j]
+            state["steps_done"] = mb  # a job resumed inside an iteration has done its first mb steps
+        return state["micro"][mb][j]
 
     def loss_fn(m, batch):
         if batch is None:
@@ -533,7 +565,10 @@ def run_rl(ctx: JobContext) -> dict:
         return loss * scale, int(sum(c[1].sum() for c in chunks))
 
     def after_backward(m) -> None:
-        # once per iteration, after every micro-batch's backward pass: record what the iteration did
+        # once per iteration, after its last mini-batch's backward passes: record what the iteration did
+        state["steps_done"] += 1
+        if state["steps_done"] < m_steps:
+            return
         u = state["update"]
         n = max(u["tokens"], 1.0)
         it = state["iteration"]
@@ -550,15 +585,16 @@ def run_rl(ctx: JobContext) -> dict:
                                         f"reward {stats['reward_mean']:.3f}, F1 {stats['f1_mean']:.3f}, "
                                         f"stale {stats['dropped_stale']}")
 
-    loop = LoopConfig(steps=total, optimizer="adamw", lr=cfg.lr, beta1=0.9, beta2=0.999,
+    loop = LoopConfig(steps=total * m_steps, optimizer="adamw", lr=cfg.lr, beta1=0.9, beta2=0.999,
                       weight_decay=cfg.weight_decay, schedule="constant", grad_clip=cfg.grad_clip, grad_accum=k,
-                      checkpoint_every=cfg.checkpoint_every, log_every=cfg.log_every)
+                      checkpoint_every=cfg.checkpoint_every * m_steps, log_every=cfg.log_every * m_steps)
     # batch_at(i) is the loop's "pure function of i" as far as RL allows: the questions and sampling seeds are
     # functions of i, and the weights that sample them are the ones the loop's checkpoint restores.
     try:
         # the loop restores the weights of a resumed job before its first batch, so the journal is trimmed to the
         # iterations those weights have seen here and re-read after the loop
-        result = run_loop(ctx, model, _Trimmed(batch_at, journal, k), loss_fn, loop, grad_hook=after_backward)
+        result = run_loop(ctx, model, _Trimmed(batch_at, journal, k * m_steps), loss_fn, loop,
+                          grad_hook=after_backward)
         if not result.completed:
             return {}
         version, push = publish_and_push(total)

@@ -125,3 +125,29 @@ def test_a_method_that_reads_with_another_models_trains_nothing_and_needs_that_m
     # the default trains the agent and the no-retrieval baseline; the fine-tuned standard RAG only when listed
     assert PROFILES["default"].trained_methods == ("no_retrieval", "sft")
     assert "standard_rag_ft" in PROFILES["default"].method_sft
+
+
+def test_set_overrides_reach_nested_settings_and_are_checked_like_the_profile():
+    from prorag.config import ConfigError
+    from prorag.errors import InvalidArgument
+    from prorag_app.pipeline import PROFILES, with_overrides
+
+    base = PROFILES["default"]
+    assert with_overrides(base, []) is base
+    tuned = with_overrides(base, ["stage34.rft.lr=1e-4", 'stage34.methods=["rft"]', "eval_split=dev",
+                                  'methods=["sft"]'])
+    assert tuned.stage34["rft"]["lr"] == 1e-4 and tuned.stage34["methods"] == ("rft",)
+    assert tuned.eval_split == "dev" and tuned.methods == ("sft",)
+    # the rest as the profile says, and the profile itself untouched
+    assert tuned.stage34["rft"]["samples_per_question"] == base.stage34["rft"]["samples_per_question"]
+    assert base.stage34["rft"]["lr"] == 5e-4 and base.eval_split == "test"
+    with pytest.raises(ConfigError, match="stage34.rft.lerning_rate"):
+        with_overrides(base, ["stage34.rft.lerning_rate=1e-4"])
+    with pytest.raises(ConfigError, match="stage34.rl.lr"):
+        with_overrides(base, ["stage34.rl.lr=-1"])
+    with pytest.raises(InvalidArgument, match="no field 'stagge34'"):
+        with_overrides(base, ["stagge34.rft.lr=1e-4"])
+    with pytest.raises(InvalidArgument, match="KEY=VALUE"):
+        with_overrides(base, ["stage34.rft.lr"])
+    with pytest.raises(InvalidArgument, match="not test or dev"):
+        with_overrides(base, ["eval_split=train"])

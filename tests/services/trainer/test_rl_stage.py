@@ -166,6 +166,50 @@ def test_a_stopped_job_resumes_from_its_checkpoint_and_republishes_nothing_new(s
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
 
 
+def test_mini_batches_take_several_steps_per_rollout_and_resume_inside_an_iteration(services, tmp_path, one_thread):
+    import threading
+
+    from prorag.registry import registry
+    from services.trainer.stage_rl import run_rl
+
+    cfg = _config(services, iterations=3, checkpoint_every=1, rollout_adapter="pinned", mini_batches=2)
+    work = tmp_path / "rl-mini"
+    stop = threading.Event()
+    job = work.name
+
+    def emit(ev):
+        # iteration 1's adapter is pushed inside its first mini-batch's step: the loop stops before its second
+        if ev.get("message", "").startswith(f"pushed rl@{job}-1 "):
+            stop.set()
+
+    assert run_rl(local_context(work, cfg, emit=emit, stop=stop, stage="rl")) == {}
+    saved = work / "checkpoints" / "rl-iteration-1.pt"
+    assert saved.exists(), "the interrupted iteration's rollouts were not kept for the resume"
+    resumed = []
+    out = run_rl(local_context(work, cfg, emit=resumed.append, stage="rl"))
+    assert any(ev.get("resumed_from_step") == 3 for ev in resumed)  # 2 steps of iteration 0, 1 of iteration 1
+    # iteration 1 was not rolled out again: no second push of its version, each iteration journaled once
+    mine = sorted(r.version for r in registry("adapter", "tiny").list() if r.version.startswith(job + "-"))
+    assert mine == [f"{job}-{i}" for i in range(4)]
+    assert [r["iteration"] for r in _journal(work)] == [0, 1, 2]
+    steps = [ev["step"] for ev in resumed if "loss" in ev]
+    assert steps and max(steps) == 6  # 3 iterations x 2 optimizer steps
+    straight = run_rl(local_context(tmp_path / "rl-mini-straight", cfg, stage="rl"))
+    from safetensors.torch import load_file
+
+    adapters = registry("adapter", "tiny")
+    a, b = (load_file(str(adapters.resolve(ref) / "adapter_model.safetensors"))
+            for ref in (out["adapter"], straight["adapter"]))
+    assert a.keys() == b.keys() and a
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
+    # and two steps per iteration are not one: the same rollouts with one mini-batch end elsewhere
+    single = run_rl(local_context(tmp_path / "rl-single", _config(services, iterations=3, rollout_adapter="pinned"),
+                                  stage="rl"))
+    c = load_file(str(adapters.resolve(single["adapter"]) / "adapter_model.safetensors"))
+    assert any(not torch.allclose(a[key], c[key], atol=1e-6) for key in a)
+
+
 def _push_zero_adapter(services, tmp_path, job):
     """Publish and activate a fresh (zero) LoRA as rl@<job>-0, the adapter collect() is told it trains."""
     from prorag.clients import push_adapter
