@@ -126,6 +126,8 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
             t = time.monotonic()
             cfg = {"world": world, "base_model": sft_ref, "policy": sft_policy, "prm": prm_target, "topk": topk,
                    "publish_name": "rft", **settings.rft}
+            if cfg.get("replay"):
+                cfg["retriever"] = stack.grpc_target("retriever")
             try:
                 rft = run_job(stack, "rft", cfg, _job_id(prefix, "rft", cfg))
             except SystemExit as e:  # RFT kept nothing: report it, go on with what does not need it

@@ -56,6 +56,13 @@ class RFTConfig:
     min_f1: float = cfg_field(0.8, help="with correct=f1: the lowest F1 that counts as correct", min=0.0, max=1.0)
     max_per_question: int = cfg_field(4, help="kept trajectories per question at most (distinct texts; 0 = all), "
                                               "so easy questions do not crowd out the others", min=0)
+    replay: float = cfg_field(0.0, help="gold SFT trajectories mixed in per kept one, built as the base model's SFT "
+                                        "job built its data (from its published config) for the train split's "
+                                        "first questions: keeps the hops the policy rarely answers correctly, "
+                                        "and so rarely keeps, in the data (0 = kept trajectories only)",
+                                min=0.0, max=100.0)
+    retriever: str = cfg_field("127.0.0.1:50051", help="retriever service the replayed SFT trajectories' documents "
+                                                       "come from (used only with replay > 0)")
     loss_weights: str = cfg_field("prorag", help="prorag = format-aware tag weights; uniform = plain CE",
                                   choices=("prorag", "uniform"))
     epochs: float = cfg_field(1.0, help="passes over the kept trajectories (ProRAG: 1)", min=0.01, max=100)
@@ -175,6 +182,29 @@ def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, d
     return kept, {**stats, "prm_version": prm_version}
 
 
+def replay_samples(cfg: RFTConfig, base: Path, tokenizer, n: int) -> list:
+    """``n`` gold SFT trajectories, encoded as the SFT job that trained ``base`` encoded its own (its published
+    config's format settings), for the train split's first ``n`` questions."""
+    import dataclasses
+
+    from prorag.config import from_dict
+    from prorag.registry import published_config
+    from services.trainer.stage_sft import SFTConfig, build_samples
+
+    if n <= 0:
+        return []
+    trained = published_config(base)
+    if trained.get("stage", "sft") != "sft" or not trained:
+        raise FailedPrecondition(f"RFT replay needs the SFT job's config to rebuild its data, and {base} was not "
+                                 "published by an SFT job; set replay 0")
+    names = {f.name for f in dataclasses.fields(SFTConfig)}
+    sft = from_dict(SFTConfig, {**{k: v for k, v in trained.items() if k in names}, "world": cfg.world,
+                                "retriever": cfg.retriever, "retriever_index": cfg.retriever_index,
+                                "questions": "", "max_questions": n, "base_model": str(base)})
+    samples, _ = build_samples(sft, tokenizer)
+    return samples[:n]
+
+
 def run_rft(ctx: JobContext) -> dict:
     import torch
 
@@ -200,6 +230,9 @@ def run_rft(ctx: JobContext) -> dict:
                                f"at {cfg.policy}" + (f", steps scored by the PRM at {cfg.prm}" if cfg.prm else ""))
         samples, stats = sample_and_filter(cfg, tokenizer,
                                            progress=lambda d, n: ctx.emit(0, 1, message=f"sampled {d}/{n} questions"))
+        if cfg.replay > 0:
+            replayed = replay_samples(cfg, base, tokenizer, round(cfg.replay * len(samples)))
+            samples, stats = samples + replayed, {**stats, "replayed": len(replayed)}
         with atomic_path(data_path) as tmp:
             torch.save({"samples": [s.to_dict() for s in samples], "stats": stats}, tmp)
     ctx.emit(0, 1, message=f"data: {stats}")

@@ -100,3 +100,37 @@ def test_rft_never_trains_on_the_test_split(services):
 
     with pytest.raises(ConfigError, match="test split"):
         _config(services, split="test")
+
+
+def test_replay_mixes_in_gold_sft_trajectories_built_as_the_sft_job_built_them(services, tmp_path, one_thread):
+    from prorag.config import from_dict as from_dict_
+    from prorag.errors import FailedPrecondition
+    from prorag.registry import registry
+    from prorag.training.checkpoint import load_weights_file
+    from services.trainer.stage_rft import run_rft
+    from services.trainer.stage_sft import SFTConfig, run_sft
+
+    # a base the SFT stage did not publish: there is no SFT data recipe to replay
+    with pytest.raises(FailedPrecondition, match="replay"):
+        run_rft(local_context(tmp_path / "rft-no-sft", _config(services, prm_threshold=-1e9, replay=1.0,
+                                                                retriever=services["retriever"]), stage="rft"))
+    sft_cfg = from_dict_(SFTConfig, {"mode": "agent", "world": "tiny", "retriever": services["retriever"],
+                                     "base_model": services["base"], "max_questions": 8, "max_steps": 1,
+                                     "batch_size": 2, "restate_question": True, "tracking": "local",
+                                     "publish_name": "sft-for-replay"})
+    sft = run_sft(local_context(tmp_path / "sft", sft_cfg, stage="sft"))
+    sft_dir = str(registry("model", "tiny").resolve(sft["model"]))
+    cfg = _config(services, base_model=sft_dir, prm_threshold=-1e9, replay=2.0, retriever=services["retriever"])
+    metrics = run_rft(local_context(tmp_path / "rft-replay", cfg, stage="rft"))
+    kept, replayed = int(metrics["data_kept"]), int(metrics["data_replayed"])
+    assert kept > 0 and replayed == 2 * kept
+    blob = load_weights_file(tmp_path / "rft-replay" / "checkpoints" / "rft_data.pt")
+    assert len(blob["samples"]) == kept + replayed
+    # the replayed trajectories are the SFT job's own data for the train split's first questions
+    from transformers import AutoTokenizer
+
+    from services.trainer.stage_sft import build_samples
+
+    tok = AutoTokenizer.from_pretrained(sft_dir)
+    gold, _ = build_samples(from_dict_(SFTConfig, {**sft_cfg.__dict__, "max_questions": replayed}), tok)
+    assert [d["token_ids"] for d in blob["samples"][kept:]] == [g.token_ids for g in gold[:replayed]]
