@@ -80,7 +80,8 @@ TAG_LETTERS = {STEP: "S", SUBQUERY: "Q", RETRIEVAL: "R", SUBANSWER: "A", ANSWER:
 _KIND_LETTER = {"subquery": "Q", "subanswer": "A", "answer": "F", INVALID: "X"}
 
 
-_ANY_TAG = re.compile("|".join(re.escape(t) for t in TAGS + CHAT_TOKENS))
+#: any format tag or chat token: where a step's content ends, and what content may not hold
+ANY_TAG = re.compile("|".join(re.escape(t) for t in TAGS + CHAT_TOKENS))
 
 
 # --- data ------------------------------------------------------------------------------------
@@ -130,7 +131,7 @@ def render_prompt(question: str, system_prompt: str = SYSTEM_PROMPT) -> str:
 def _one_line(s: str) -> str:
     # one document per line (a newline would read as a new document), and no format tags:
     # a passage quoting "</retrieval>" or "<answer>" must not become a special token
-    return " ".join(_ANY_TAG.sub(" ", str(s)).split())
+    return " ".join(ANY_TAG.sub(" ", str(s)).split())
 
 
 def as_doc(d: Document | Sequence[str] | Mapping) -> Document:
@@ -206,7 +207,7 @@ def parse_step(generated: str) -> Step:
     if m is None:
         return Step(INVALID, text=generated)
     thought, content = m.group("thought"), m.group("content")
-    if _ANY_TAG.search(thought) or _ANY_TAG.search(content) or not content.strip():
+    if ANY_TAG.search(thought) or ANY_TAG.search(content) or not content.strip():
         return Step(INVALID, text=generated)
     return Step(m.group("kind"), thought=thought.strip(), content=content.strip(), text=generated)
 
@@ -349,7 +350,7 @@ def format_loss_weights(token_ids: Sequence[int], tag_token_ids: Mapping[str, in
 
 
 __all__ = [
-    "TAGS", "STOP_TAGS", "CHAT_TOKENS", "KINDS", "INVALID", "SYSTEM_PROMPT", "EMPTY_THINK", "STEP_OPEN",
+    "TAGS", "ANY_TAG", "STOP_TAGS", "CHAT_TOKENS", "KINDS", "INVALID", "SYSTEM_PROMPT", "EMPTY_THINK", "STEP_OPEN",
     "NEXT_STEP", "RETRIEVAL_OPEN", "RETRIEVAL_CLOSE", "FINAL", "FORMAT_LOSS_WEIGHTS", "FORMAT_REGEX",
     "Step", "as_doc", "clean_doc", "render_prompt", "render_docs", "retrieval_block", "glue_after", "render_step",
     "render_trajectory", "parse_step", "parse_docs", "parse_trajectory", "tag_sequence", "is_valid_format",

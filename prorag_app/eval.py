@@ -17,7 +17,7 @@ from typing import Iterable
 from prorag.evaluation import MULTI_HOP_MIN, names_entity, question_entity, score_records
 from prorag.methods import AGENT_MAX_STEPS, DOCS_PER_SEARCH, kind_of
 from prorag.metrics import qa_scores
-from prorag.trajectory import (ANSWER_END, IM_END, STOP_TAGS, SUBANSWER_END, TAGS, Step, extract_answer,
+from prorag.trajectory import (ANSWER_END, ANY_TAG, IM_END, STOP_TAGS, SUBANSWER_END, Step, extract_answer,
                                parse_step)
 
 
@@ -83,9 +83,6 @@ def run_baseline(policy, retriever, questions, mode: str, *, topk: int = DOCS_PE
     return records
 
 
-_ANY_TAG_OR_END = re.compile("|".join(re.escape(t) for t in (*TAGS, IM_END)))
-
-
 def run_single_search(policy, retriever, questions, *, tokenizer_dir: str, topk: int = DOCS_PER_SEARCH,
                       restate_question: bool = False, plan_thoughts: bool = False, chunk: int = 256,
                       max_tokens: int = 64, adapter: str = "", progress=None) -> list[dict]:
@@ -124,11 +121,11 @@ def run_single_search(policy, retriever, questions, *, tokenizer_dir: str, topk:
             resp = policy.generate_steps(prefixes, sampling, adapter=adapter)
             for k, res in enumerate(resp.results):
                 text = res.completions[0].text
-                first_tag = _ANY_TAG_OR_END.search(text)
+                first_tag = ANY_TAG.search(text)
                 closed[k] = closed[k] and first_tag is not None and first_tag.group() == closing
                 s = steps[k][n_steps - 1]
                 steps[k][n_steps - 1] = Step(s.kind, thought=s.thought,
-                                             content=_ANY_TAG_OR_END.split(text, maxsplit=1)[0].strip())
+                                             content=ANY_TAG.split(text, maxsplit=1)[0].strip())
         for k, q in enumerate(part):
             answer = steps[k][2].content
             records.append(_record(q, answer or None, {
