@@ -341,6 +341,8 @@ class JobManager:
             existing = self._jobs.get(job_id)
             if existing is not None:
                 if existing["stage"] == stage.name and existing["config_json"] == cfg_json:
+                    if existing["state"] in (FAILED, CANCELLED):
+                        return self._requeue(existing)
                     return self._copy(existing)  # idempotent retry of the same submission
                 raise AlreadyExists(f"job {job_id!r} already exists with a different "
                                     f"{'stage' if existing['stage'] != stage.name else 'config'}; "
@@ -370,6 +372,24 @@ class JobManager:
             self._wake.notify_all()
             log.info("job %s (%s) queued", job_id, stage.name)
             return self._copy(rec)
+
+    def _requeue(self, rec: dict) -> dict:
+        """A FAILED or CANCELLED job submitted again with the same config runs again, resuming from its last
+        checkpoint (its record, events and run directory go on): a person retrying after fixing what failed
+        (a service that was down, a full disk) must not have to pick a new job id and start from step 0."""
+        job_id, was, why = rec["job_id"], rec["state"], rec.get("error", "")
+        if job_id not in self._events:  # terminal jobs' events are not loaded at start-up
+            self._events[job_id] = self.store.read_events(job_id, repair=True)
+            rec["last_seq"] = max([rec.get("last_seq", 0)] + [e["seq"] for e in self._events[job_id]])
+        rec.update(state=QUEUED, error="", traceback="", finished_at="", cancel_requested=False,
+                   process_deaths=0)
+        self._cancel[job_id] = threading.Event()
+        self._event(rec, message=f"re-queued by a new submission of the same config (was {was}"
+                                 + (f": {why}" if why else "") + "); resumes from its last checkpoint")
+        self._queue.append(job_id)
+        self._wake.notify_all()
+        log.info("job %s re-queued (was %s)", job_id, was)
+        return self._copy(rec)
 
     def _check_config(self, stage: Stage, config: dict) -> None:
         """Names, paths and endpoints the config names (prorag.validation); InvalidArgument naming the field.

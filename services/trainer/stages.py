@@ -234,6 +234,8 @@ class SelftestConfig:
                                     min=0.0, max=10.0)
     fail_at_step: int = cfg_field(-1, help="raise an error at this step (tests the FAILED path); -1 = never",
                                   min=-1)
+    fail_while_missing: str = cfg_field("", help="with fail_at_step: fail only while this file does not exist (tests "
+                                                 "a retry once the cause is fixed)")
     init_from: str = cfg_field("", help="optional input: an earlier selftest run whose weights start this one")
     tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default",
                               choices=("", "wandb", "local"))
@@ -267,7 +269,8 @@ def _selftest(ctx: JobContext) -> dict:
     perms: dict[int, torch.Tensor] = {}
 
     def batch_at(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if i == cfg.fail_at_step * cfg.grad_accum:
+        if i == cfg.fail_at_step * cfg.grad_accum and not (cfg.fail_while_missing
+                                                           and Path(cfg.fail_while_missing).exists()):
             raise RuntimeError(f"selftest: failing at step {cfg.fail_at_step} as configured (fail_at_step)")
         # The batch depends on (seed, epoch) only, so a resumed run sees the same batches.
         epoch, j = divmod(i, per_epoch)

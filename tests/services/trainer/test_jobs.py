@@ -113,6 +113,42 @@ def test_start_is_idempotent_and_conflicting_id_is_refused(managers):
     assert m.submit("selftest", FAST, job_id="same")["state"] == "SUCCEEDED"  # still idempotent when done
 
 
+def test_a_failed_or_cancelled_job_submitted_again_resumes_from_its_checkpoint(tmp_path, managers):
+    m = managers()
+    fixed = tmp_path / "cause-fixed"
+    cfg = {**FAST, "fail_at_step": 25, "fail_while_missing": str(fixed)}
+    failed = m.wait(m.submit("selftest", cfg, job_id="flaky")["job_id"], 60)
+    assert failed["state"] == "FAILED" and "failing at step 25" in failed["error"]
+    fixed.touch()
+    again = m.submit("selftest", cfg, job_id="flaky")
+    assert again["state"] in ("QUEUED", "RUNNING") and again["created_at"] == failed["created_at"]
+    job = m.wait("flaky", 60)
+    assert job["state"] == "SUCCEEDED" and job["error"] == "" and job["resumed_from_step"] == 20
+    messages = [e["message"] for e in m.events_after("flaky")]
+    assert any(msg.startswith("re-queued by a new submission of the same config (was FAILED: RuntimeError: selftest: failing")
+               for msg in messages), messages
+    seqs = [e["seq"] for e in m.events_after("flaky")]
+    assert seqs == list(range(1, len(seqs) + 1))
+    # it ends where an uninterrupted run of the same training ends
+    straight = m.wait(m.submit("selftest", FAST, job_id="straight")["job_id"], 60)
+    assert job["metrics"]["final_loss"] == pytest.approx(straight["metrics"]["final_loss"], abs=1e-9)
+    # a cancelled one too, also after a trainer restart (its events were not loaded at start-up)
+    slow = {**FAST, "steps": 10_000, "step_sleep_s": 0.01}
+    m.submit("selftest", slow, job_id="stopped")
+    while m.get("stopped")["step"] < 5:
+        time.sleep(0.02)
+    m.cancel("stopped")
+    assert m.wait("stopped", 30)["state"] == "CANCELLED"
+    m.stop(10)
+    m2 = managers(tmp_path / "jobs")
+    assert m2.submit("selftest", slow, job_id="stopped")["state"] in ("QUEUED", "RUNNING")
+    assert any(e["message"].startswith("re-queued by a new submission of the same config (was CANCELLED")
+               for e in m2.events_after("stopped"))
+    m2.cancel("stopped")
+    # and a finished one is still returned as it is
+    assert m2.submit("selftest", FAST, job_id="straight")["state"] == "SUCCEEDED"
+
+
 @pytest.mark.parametrize("config, fragment", [
     ({"lr": 2.0}, "config.lr: must be <= 1.0"),
     ({"steps": 0}, "config.steps: must be >= 1"),
