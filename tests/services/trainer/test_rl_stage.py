@@ -210,6 +210,49 @@ def test_mini_batches_take_several_steps_per_rollout_and_resume_inside_an_iterat
     assert any(not torch.allclose(a[key], c[key], atol=1e-6) for key in a)
 
 
+class _Killed(BaseException):
+    """What the job sees of kill -9: it stops where it is, with no stop request, so nothing is saved on the way out."""
+
+
+def test_a_job_killed_between_checkpoints_resumes_to_the_uninterrupted_adapter(services, tmp_path, one_thread):
+    from safetensors.torch import load_file
+
+    from prorag.registry import registry
+    from services.trainer.stage_rl import run_rl
+
+    cfg = _config(services, iterations=4, checkpoint_every=2, rollout_adapter="pinned")
+    work = tmp_path / "rl-killed"
+    job = work.name
+
+    def emit(ev):
+        # iteration 3's adapter is published and pushed, the last checkpoint is iteration 2's: the kill lands
+        # after a version and a journal row the checkpoint has not seen
+        if ev.get("message", "").startswith(f"pushed rl@{job}-3 "):
+            raise _Killed()
+
+    with pytest.raises(_Killed):
+        run_rl(local_context(work, cfg, emit=emit, stage="rl"))
+    assert [r["iteration"] for r in _journal_rows(work)] == [0, 1, 2]
+    resumed = []
+    out = run_rl(local_context(work, cfg, emit=resumed.append, stage="rl"))
+    assert any(ev.get("resumed_from_step") == 2 for ev in resumed)
+    assert [r["iteration"] for r in _journal(work)] == [0, 1, 2, 3]  # the unseen row 2 was rolled out again
+    assert all(r["lag_max"] == 0 for r in _journal(work))
+    straight = run_rl(local_context(tmp_path / "rl-unkilled", cfg, stage="rl"))
+    adapters = registry("adapter", "tiny")
+    a, b = (load_file(str(adapters.resolve(ref) / "adapter_model.safetensors"))
+            for ref in (out["adapter"], straight["adapter"]))
+    assert a.keys() == b.keys() and a
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
+
+
+def _journal_rows(work):
+    import json
+
+    return [json.loads(line) for line in (work / "checkpoints" / "rl-iterations.jsonl").read_text().splitlines()]
+
+
 def _push_zero_adapter(services, tmp_path, job):
     """Publish and activate a fresh (zero) LoRA as rl@<job>-0, the adapter collect() is told it trains."""
     from prorag.clients import push_adapter
