@@ -497,8 +497,10 @@ def bench_policy(args) -> dict:
     spec = SamplingSpec(n=n, temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=seed)
     rport, pport = _free_port(paths.GRPC_PORTS["retriever"] + 1100), _free_port(paths.GRPC_PORTS["policy"] + 1100)
     retr = _serve("retriever", rport, {"world": world})
+    # restore_active off: a replica otherwise comes up serving the adapter last activated for this model (an RL
+    # run's), and the comparison would be a LoRA-wrapped policy against the bare one in process
     pol = _serve("policy", pport, {"world": world, "model": model, "retriever": f"127.0.0.1:{rport}",
-                                   "max_n": max(64, n), "max_batch_size": 512})
+                                   "max_n": max(64, n), "max_batch_size": 512, "restore_active": "false"})
     runs = {"inprocess": [], "service": []}
     try:
         for target, svc in ((f"127.0.0.1:{rport}", "prorag.v1.Retriever"), (f"127.0.0.1:{pport}", "prorag.v1.Policy")):
