@@ -181,7 +181,7 @@ class TransformersEngine(GenerationEngine):
     def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
                  max_batch_size: int = 256, max_model_len: int | None = None, cache: str = "static",
                  compact_below: float = 0.75, prefix_cache_bytes: int = 1 << 30, num_threads: int | None = None,
-                 model=None, tokenizer=None):
+                 model=None, tokenizer=None, merge_adapters: bool = True):
         """model_path: any HF causal LM directory; ``model``/``tokenizer`` may be passed pre-loaded.
 
         cache: "static" (preallocated per chunk, no per-token copies) or "dynamic".
@@ -190,6 +190,10 @@ class TransformersEngine(GenerationEngine):
         num_threads: torch CPU threads for this process (None leaves torch's default). On shared
           cores also start the process with OMP_WAIT_POLICY=PASSIVE: spinning OpenMP threads
           slow small-model decoding 5-10x when another process competes for the cores.
+        merge_adapters: run each loaded adapter as its own copy of the base with the LoRA weights merged in
+          (one model copy of memory per adapter) instead of PEFT's LoRA layers around the shared base: every
+          projection is then one matmul, not three plus PEFT's per-layer Python, which on a CPU is much of a
+          small model's decoding time.
         """
         from prorag.modeling import load_policy
 
@@ -205,8 +209,10 @@ class TransformersEngine(GenerationEngine):
             model, tokenizer = load_policy(model_path, device=device, dtype=dtype)
         self.base = model.to(self.device).eval()
         self.tokenizer = tokenizer
-        self._peft = None  # PeftModel wrapping self.base once an adapter is loaded
+        self._peft = None  # PeftModel wrapping self.base once an adapter is loaded (merge_adapters off)
         self._adapters: dict[str, tuple[str, str]] = {}  # key -> (peft adapter name, path)
+        self.merge_adapters = bool(merge_adapters)
+        self._merged: dict[str, torch.nn.Module] = {}  # key -> base copy with that adapter merged in
         self._counter = 0
         self._lock = threading.Lock()
         self.max_batch_size = int(max_batch_size)
@@ -234,7 +240,9 @@ class TransformersEngine(GenerationEngine):
             self._counter += 1
             name = f"a{self._counter}"
             try:
-                if self._peft is None:
+                if self.merge_adapters:
+                    self._merged[key] = self._merged_copy(p, name)
+                elif self._peft is None:
                     from peft import PeftModel
 
                     self._peft = PeftModel.from_pretrained(self.base, p, adapter_name=name, is_trainable=False)
@@ -242,8 +250,18 @@ class TransformersEngine(GenerationEngine):
                     self._peft.load_adapter(p, adapter_name=name, is_trainable=False)
             except (ValueError, RuntimeError, KeyError) as e:
                 raise FailedPrecondition(f"adapter {key!r} at {path} does not fit the base model: {e}") from e
-            self._peft.eval()
+            if self._peft is not None:
+                self._peft.eval()
+            self.prefix_cache.drop_adapter(key)  # a reload under this key may hold other weights
             self._adapters[key] = (name, p)
+
+    def _merged_copy(self, path: str, name: str) -> torch.nn.Module:
+        import copy
+
+        from peft import PeftModel
+
+        peft = PeftModel.from_pretrained(copy.deepcopy(self.base), path, adapter_name=name, is_trainable=False)
+        return peft.merge_and_unload().eval()
 
     def unload_adapter(self, key: str) -> None:
         with self._lock:
@@ -251,6 +269,8 @@ class TransformersEngine(GenerationEngine):
                 raise NotFound(f"adapter {key!r} is not loaded")
             name, _ = self._adapters.pop(key)
             self.prefix_cache.drop_adapter(key)  # a later load under this key may hold other weights
+            if self._merged.pop(key, None) is not None:
+                return
             if not self._adapters:
                 # removing the last adapter strips the LoRA layers: the base runs as before any load
                 self.base = self._peft.unload()
@@ -319,6 +339,9 @@ class TransformersEngine(GenerationEngine):
         seqs = [GeneratedSeq(r.out, r.logprobs, r.finish, r.stop) for r in rows]
         return [seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
+    def _model_for(self, adapter: str | None) -> torch.nn.Module:
+        return self._merged.get(adapter, self.base) if adapter is not None else self.base
+
     def _adapter_context(self, adapter: str | None):
         if self._peft is None:
             return contextlib.nullcontext()
@@ -327,7 +350,7 @@ class TransformersEngine(GenerationEngine):
         self._peft.set_adapter(self._adapters[adapter][0], inference_mode=True)
         return contextlib.nullcontext()
 
-    def _prefill(self, uniq: list[_Row], T: int):
+    def _prefill(self, uniq: list[_Row], T: int, adapter: str | None):
         """Prefill each distinct prompt once, reusing cached prefix KV.
 
         Layout: [U, C + Q] with every sequence right-aligned: C cached columns (a row's reused
@@ -336,7 +359,7 @@ class TransformersEngine(GenerationEngine):
         """
         from transformers import DynamicCache, StaticCache
 
-        dev, model = self.device, self.base
+        dev, model = self.device, self._model_for(adapter)
         U = len(uniq)
         Q = max(len(r.prompt) - (len(r.reuse.ids) if r.reuse else 0) for r in uniq)
         reuse = [max(0, len(r.prompt) - Q) for r in uniq]  # <= the cached length by the choice of Q
@@ -385,7 +408,7 @@ class TransformersEngine(GenerationEngine):
 
     def _decode(self, rows: list[_Row], params: SamplingSpec, stops: set[int], adapter: str | None) -> None:
         """Prefill, then one token per step for the live rows only."""
-        dev, model = self.device, self.base
+        dev, model = self.device, self._model_for(adapter)
         T = max(r.max_new for r in rows)
         index: dict[tuple, int] = {}
         uniq: list[_Row] = []
@@ -396,7 +419,7 @@ class TransformersEngine(GenerationEngine):
                 index[key] = len(uniq)
                 uniq.append(r)
             expand.append(index[key])
-        cache, logits, attn, next_pos = self._prefill(uniq, T)
+        cache, logits, attn, next_pos = self._prefill(uniq, T, adapter)
         if len(uniq) < len(rows):
             idx = torch.tensor(expand, dtype=torch.long, device=dev)
             cache.reorder_cache(idx)  # n samples of one prompt share its prefill

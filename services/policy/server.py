@@ -28,6 +28,9 @@ class PolicyConfig:
     device: str = cfg_field("cpu", help="transformers engine device (cpu, cuda, cuda:1)")
     dtype: str = cfg_field("float32", help="weights dtype", choices=("float32", "bfloat16", "float16", "auto"))
     max_batch_size: int = cfg_field(256, help="sequences decoded together by the transformers engine", min=1)
+    merge_adapters: bool = cfg_field(True, help="transformers engine: run each loaded adapter as a base copy with "
+                                                "the LoRA merged in (faster decoding, one model copy of memory per "
+                                                "loaded adapter); false = PEFT's LoRA layers on the shared base")
     gpu_memory_utilization: float = cfg_field(0.85, help="vLLM: fraction of GPU memory", min=0.05, max=1.0)
     max_loras: int = cfg_field(2, help="vLLM: adapters resident on the GPU at once (>=2 for swaps)", min=1)
     adapter_root: str = cfg_field("", help="the only directory adapters load from ('' = data/adapters/<world>)")
@@ -88,7 +91,8 @@ def build_engine(cfg: PolicyConfig, model_path: Path):
         return VLLMEngine(str(model_path), max_loras=cfg.max_loras, gpu_memory_utilization=cfg.gpu_memory_utilization)
     from services.policy.engine import TransformersEngine
 
-    return TransformersEngine(model_path, device=cfg.device, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size)
+    return TransformersEngine(model_path, device=cfg.device, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size,
+                              merge_adapters=cfg.merge_adapters)
 
 
 async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None) -> Started:

@@ -190,9 +190,10 @@ def adapters(tiny_policy, tmp_path_factory):
     return {"a1": (root / "a1", m1), "a2": (root / "a2", m2)}
 
 
-@pytest.fixture
-def lora_engine(tiny_policy):
-    return TransformersEngine(tiny_policy[0], max_batch_size=8)
+@pytest.fixture(params=[False, True], ids=["peft-layers", "merged"])
+def lora_engine(tiny_policy, request):
+    """Both ways of running an adapter: PEFT's LoRA layers on the shared base, and a merged copy per adapter."""
+    return TransformersEngine(tiny_policy[0], max_batch_size=8, merge_adapters=request.param)
 
 
 def test_lora_changes_outputs_and_base_stays(lora_engine, adapters, prompts):
@@ -254,7 +255,7 @@ def test_unload_waits_for_in_flight_generation(lora_engine, adapters, prompts):
     lora_engine.load_adapter("v1", str(adapters["a1"][0]))
     expected = lora_engine.generate(prompts, SamplingSpec(temperature=0, max_tokens=60), adapter="v1")
     started = threading.Event()
-    hook = lora_engine.base.register_forward_pre_hook(lambda *a: started.set())
+    hook = lora_engine._model_for("v1").register_forward_pre_hook(lambda *a: started.set())
     result = {}
 
     def run():
