@@ -80,7 +80,8 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
                  on_finished: Callable[[TrajectoryResult], None] | None = None,
                  max_model_len: int | None = None,
                  loss_weights: Mapping[str, float] = FORMAT_LOSS_WEIGHTS,
-                 search_batch: int | None = None) -> list[TrajectoryResult]:
+                 search_batch: int | None = None, search_cache: bool = True,
+                 stats: dict | None = None) -> list[TrajectoryResult]:
     """Run ``params.n`` trajectories per (id, question); returns them question-major, sample-minor.
 
     params: n = samples per question; max_tokens caps one step; stop ids are the format's own.
@@ -92,6 +93,10 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
     search_batch: most subqueries per ``search_fn`` call; default: ``search_fn.max_batch`` when the
     search function carries one (e.g. learnt from the retriever's ListIndexes), else
     ``DEFAULT_SEARCH_BATCH``. A round with more subqueries makes several calls, in order.
+    search_cache: each distinct subquery is searched once per call: a group's samples mostly ask their
+    question's same subqueries, in the same round or later ones (retrieval is deterministic per query, so the
+    trajectories are the same either way). ``stats``, when given, gains ``searches_asked`` and
+    ``searches_made`` (their ratio is the cache's miss rate).
     Every round either ends a trajectory or adds a step, so at most ``max_steps`` rounds run.
     """
     params.validate()
@@ -147,6 +152,10 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
         else:
             active.append(k)
 
+    searched: dict[str, list] = {}  # subquery -> its documents, for this call (search_cache)
+    counts = stats if stats is not None else {}
+    counts.setdefault("searches_asked", 0)
+    counts.setdefault("searches_made", 0)
     rnd = 0
     while active:
         seeds = [derive_seed(params.seed, k // params.n, results[k].sample_index, rnd) for k in active]
@@ -187,13 +196,21 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
                     still.append(k)
         if searches:
             queries = [results[k].steps[-1].content for k in searches]
-            found = []
-            for i in range(0, len(queries), search_batch):
-                chunk = queries[i:i + search_batch]
+            missing = list(dict.fromkeys(q for q in queries if q not in searched)) if search_cache else queries
+            got_all: list = []
+            for i in range(0, len(missing), search_batch):
+                chunk = missing[i:i + search_batch]
                 got = list(search_fn(chunk, topk))
                 if len(got) != len(chunk):
                     raise InvalidArgument(f"search_fn returned {len(got)} results for {len(chunk)} queries")
-                found += got
+                got_all += got
+            if search_cache:
+                searched.update(zip(missing, got_all))
+                found = [searched[q] for q in queries]
+            else:
+                found = got_all
+            counts["searches_asked"] += len(queries)
+            counts["searches_made"] += len(missing)
             for k, docs in zip(searches, found):
                 step = results[k].steps[-1]
                 docs = [clean_doc(d) for d in list(docs)[:topk]]

@@ -249,8 +249,9 @@ def test_a_round_over_the_retrievers_max_batch_is_searched_in_chunks(tiny_policy
         return client.search(queries, topk=topk)
 
     q = "Where was the director of Inception born?"
+    # the cache off: the samples' identical subqueries are each searched, as a policy whose samples differ would
     res = run_rollouts(ScriptedEngine(tok, SCRIPTS), tok, [("a", q)], SamplingSpec(n=600, max_tokens=200),
-                       search, topk=2)
+                       search, topk=2, search_cache=False)
     assert all(r.finish_reason == "answer" and len(r.steps[0].docs) == 2 for r in res)
     assert max(calls) <= 256 and sum(calls) == 1200  # two search rounds of 600
 
@@ -264,12 +265,35 @@ def test_the_search_batch_comes_from_the_search_function_when_it_knows_the_retri
     search.max_batch = client.list_indexes().max_batch  # what the retriever says it takes
     q = "Where was the director of Inception born?"
     res = run_rollouts(ScriptedEngine(tok, SCRIPTS), tok, [("a", q)], SamplingSpec(n=40, max_tokens=200),
-                       search, topk=2)
+                       search, topk=2, search_cache=False)
     assert all(r.finish_reason == "answer" and len(r.steps[2].docs) == 2 for r in res)
     # an explicit search_batch wins
     res = run_rollouts(ScriptedEngine(tok, SCRIPTS), tok, [("a", q)], SamplingSpec(n=20, max_tokens=200),
-                       search, topk=2, search_batch=7)
+                       search, topk=2, search_batch=7, search_cache=False)
     assert all(r.finish_reason == "answer" for r in res)
+
+
+def test_each_distinct_subquery_is_searched_once_per_call_and_the_trajectories_do_not_change(tiny_policy, retrievers):
+    tok, client = tiny_policy[1], retrievers[512]
+    asked = []
+
+    def search(queries, topk):
+        asked.append(list(queries))
+        return client.search(queries, topk=topk)
+
+    qs = [("a", "Where was the director of Inception born?"), ("b", "Broken question?")]
+    stats: dict = {}
+    cached = run_rollouts(ScriptedEngine(tok, SCRIPTS), tok, qs, SamplingSpec(n=8, max_tokens=200), search, topk=2,
+                          stats=stats)
+    made = [q for call in asked for q in call]
+    assert len(made) == len(set(made))  # never the same subquery twice in one call
+    assert stats["searches_made"] == len(made) < stats["searches_asked"]
+    assert stats["searches_asked"] == sum(1 for r in cached for s in r.steps if s.kind == "subquery")
+    asked.clear()
+    plain = run_rollouts(ScriptedEngine(tok, SCRIPTS), tok, qs, SamplingSpec(n=8, max_tokens=200), search, topk=2,
+                         search_cache=False)
+    assert sum(len(call) for call in asked) == stats["searches_asked"]
+    assert [r.tokens.token_ids for r in plain] == [r.tokens.token_ids for r in cached]
 
 
 def test_the_retriever_client_splits_a_search_over_the_servers_max_batch(retrievers):

@@ -233,11 +233,14 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
                                  self.search_fn_factory(request.retriever_index, deadline), deadline)
             version = adapter or ""
 
+            searches: dict = {}
+
             def work():
                 return run_rollouts(guard, self.tokenizer, [(q.id or str(i), q.question)
                                                             for i, q in enumerate(request.questions)],
                                     spec, guard.search, max_steps=max_steps, topk=topk, adapter=adapter,
-                                    on_finished=lambda t: loop.call_soon_threadsafe(queue.put_nowait, t))
+                                    on_finished=lambda t: loop.call_soon_threadsafe(queue.put_nowait, t),
+                                    stats=searches)
 
             fut = loop.run_in_executor(self._rollout_pool, work)
             fut.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
@@ -259,7 +262,8 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
                     guard.cancelled.set()
         yield policy_pb2.RolloutEvent(summary=policy_pb2.RolloutSummary(
             num_trajectories=sent, generated_tokens=tokens, wall_s=time.monotonic() - started,
-            adapter_version=version))
+            adapter_version=version, searches_asked=searches.get("searches_asked", 0),
+            searches_made=searches.get("searches_made", 0)))
 
     async def LoadAdapter(self, request, context):
         ref = ArtifactRef.of(request.ref.name, request.ref.version)

@@ -115,6 +115,12 @@ def test_rollout_with_untrained_model_ends_cleanly_and_streams(stack):
                                 c.sampling(n=2, temperature=1.0, max_tokens=16, seed=3), max_steps=4, topk=2))
     trajs, summary = events[:-1], events[-1]
     assert len(trajs) == 4 and summary.num_trajectories == 4
+    # the summary counts the subqueries and the searches they took (each distinct one once per request)
+    from prorag.v1 import common_pb2
+
+    assert summary.searches_asked == sum(1 for t in trajs for s in t.steps
+                                         if s.kind == common_pb2.STEP_KIND_SUBQUERY)
+    assert summary.searches_made <= summary.searches_asked
     for t in trajs:
         assert t.finish_reason in ("answer", "max_steps", "length", "invalid_format")
         n = len(t.trace.token_ids)
