@@ -472,6 +472,49 @@ def bench_decode(engine, questions, batch: int, new_tokens: int, repeats: int) -
             "bare_forward_tokens_per_s": b, "ratio": e / b}
 
 
+def bench_adapter_decode(model: str, questions, batch: int, new_tokens: int, repeats: int) -> dict:
+    """Decoding with an RL-shaped adapter (LoRA r16, alpha 32, every linear projection, random B) as PEFT's LoRA
+    layers on the base against a merged copy (the policy's default, merge_adapters) and the bare base, on the same
+    first-step prompts; medians of interleaved runs."""
+    import tempfile
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from prorag.engine import SamplingSpec
+    from prorag.modeling import load_policy
+    from prorag.trajectory import render_prompt
+    from services.policy.engine import TransformersEngine
+
+    m, tok = load_policy(model)
+    peft_model = get_peft_model(m, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)
+    adapter_dir = tempfile.mkdtemp(prefix="bench-adapter-")
+    peft_model.save_pretrained(adapter_dir)
+    engines = {"peft_layers": TransformersEngine(model, max_batch_size=512, merge_adapters=False),
+               "merged": TransformersEngine(model, max_batch_size=512, merge_adapters=True),
+               "base": TransformersEngine(model, max_batch_size=512)}
+    for name in ("peft_layers", "merged"):
+        engines[name].load_adapter("bench", adapter_dir)
+    firsts = [tok.encode(render_prompt(q.question), add_special_tokens=False) for q in questions]
+    prompts = [firsts[i % len(firsts)] for i in range(batch)]
+    spec = SamplingSpec(n=1, temperature=1.0, top_p=1.0, max_tokens=new_tokens, seed=99)
+    rates: dict[str, list[float]] = {k: [] for k in engines}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            engine.prefix_cache.clear()
+            t0 = time.perf_counter()
+            out = engine.generate(prompts, spec, adapter=None if name == "base" else "bench")
+            rates[name].append(sum(len(s[0].token_ids) for s in out) / (time.perf_counter() - t0))
+    med = {f"{k}_tokens_per_s": statistics.median(v) for k, v in rates.items()}
+    return {"batch": batch, "new_tokens": new_tokens, **med,
+            "merged_vs_peft_layers": med["merged_tokens_per_s"] / med["peft_layers_tokens_per_s"],
+            "merged_vs_base": med["merged_tokens_per_s"] / med["base_tokens_per_s"]}
+
+
 def bench_policy(args) -> dict:
     """GRPO-sized rollouts (questions x samples) through the policy service vs the same engine in-process."""
     from prorag.clients import PolicyClient
@@ -532,8 +575,10 @@ def bench_policy(args) -> dict:
         _stop(pol, retr)
     med = {k: _median_dicts(v) for k, v in runs.items()}
     decode = bench_decode(engine, questions, batch=len(qs) * n, new_tokens=max_tokens, repeats=args.repeats)
+    adapter_decode = bench_adapter_decode(model, questions, batch=len(qs) * n, new_tokens=max_tokens,
+                                          repeats=args.repeats)
     return {"target": "policy", "model": model, "questions": len(qs), "samples": n, "repeats": args.repeats,
-            **med, "decode_vs_bare_forward": decode,
+            **med, "decode_vs_bare_forward": decode, "adapter_decode": adapter_decode,
             "ratio": med["service"]["trajectories_per_s"] / med["inprocess"]["trajectories_per_s"],
             "tokens_ratio": med["service"]["generated_tokens_per_s"] / med["inprocess"]["generated_tokens_per_s"],
             "search_cache_hit_rate": med["inprocess"]["search_cache_hit_rate"],
