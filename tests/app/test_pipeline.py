@@ -133,14 +133,15 @@ def test_set_overrides_reach_nested_settings_and_are_checked_like_the_profile():
     from prorag_app.pipeline import PROFILES, with_overrides
 
     base = PROFILES["default"]
+    recipe_lr = base.stage34["rft"]["lr"]
     assert with_overrides(base, []) is base
-    tuned = with_overrides(base, ["stage34.rft.lr=1e-4", 'stage34.methods=["rft"]', "eval_split=dev",
+    tuned = with_overrides(base, ["stage34.rft.lr=3e-5", 'stage34.methods=["rft"]', "eval_split=dev",
                                   'methods=["sft"]'])
-    assert tuned.stage34["rft"]["lr"] == 1e-4 and tuned.stage34["methods"] == ("rft",)
+    assert tuned.stage34["rft"]["lr"] == 3e-5 != recipe_lr and tuned.stage34["methods"] == ("rft",)
     assert tuned.eval_split == "dev" and tuned.methods == ("sft",)
     # the rest as the profile says, and the profile itself untouched
     assert tuned.stage34["rft"]["samples_per_question"] == base.stage34["rft"]["samples_per_question"]
-    assert base.stage34["rft"]["lr"] == 5e-4 and base.eval_split == "test"
+    assert base.stage34["rft"]["lr"] == recipe_lr and base.eval_split == "test"
     with pytest.raises(ConfigError, match="stage34.rft.lerning_rate"):
         with_overrides(base, ["stage34.rft.lerning_rate=1e-4"])
     with pytest.raises(ConfigError, match="stage34.rl.lr"):
