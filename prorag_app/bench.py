@@ -472,19 +472,13 @@ def bench_decode(engine, questions, batch: int, new_tokens: int, repeats: int) -
             "bare_forward_tokens_per_s": b, "ratio": e / b}
 
 
-def bench_adapter_decode(model: str, questions, batch: int, new_tokens: int, repeats: int) -> dict:
-    """Decoding with an RL-shaped adapter (LoRA r16, alpha 32, every linear projection, random B) as PEFT's LoRA
-    layers on the base against a merged copy (the policy's default, merge_adapters) and the bare base, on the same
-    first-step prompts; medians of interleaved runs."""
-    import tempfile
-
+def _random_lora(model: str):
+    """(``model`` with an RL-shaped LoRA: r16, alpha 32, every linear projection, B drawn so it changes the
+    outputs, its tokenizer)."""
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from prorag.engine import SamplingSpec
     from prorag.modeling import load_policy
-    from prorag.trajectory import render_prompt
-    from services.policy.engine import TransformersEngine
 
     m, tok = load_policy(model)
     peft_model = get_peft_model(m, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
@@ -492,6 +486,20 @@ def bench_adapter_decode(model: str, questions, batch: int, new_tokens: int, rep
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.01)
+    return peft_model, tok
+
+
+def bench_adapter_decode(model: str, questions, batch: int, new_tokens: int, repeats: int) -> dict:
+    """Decoding with an RL-shaped adapter (LoRA r16, alpha 32, every linear projection, random B) as PEFT's LoRA
+    layers on the base against a merged copy (the policy's default, merge_adapters) and the bare base, on the same
+    first-step prompts; medians of interleaved runs."""
+    import tempfile
+
+    from prorag.engine import SamplingSpec
+    from prorag.trajectory import render_prompt
+    from services.policy.engine import TransformersEngine
+
+    peft_model, tok = _random_lora(model)
     adapter_dir = tempfile.mkdtemp(prefix="bench-adapter-")
     peft_model.save_pretrained(adapter_dir)
     engines = {"peft_layers": TransformersEngine(model, max_batch_size=512, merge_adapters=False),
@@ -592,22 +600,13 @@ def bench_swap(args) -> dict:
     import tempfile
     from pathlib import Path
 
-    import torch
-    from peft import LoraConfig, get_peft_model
-
     from prorag.clients import PolicyClient
-    from prorag.modeling import load_policy
     from prorag.registry import ArtifactRef, Registry, weights_sha256
 
     world = args.world
     model = _bench_model(world, args.model)
     root = Path(tempfile.mkdtemp(prefix="swap-adapters-"))
-    m, _ = load_policy(model)
-    peft_model = get_peft_model(m, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.01)
+    peft_model, _ = _random_lora(model)
     src = root / "src"
     peft_model.save_pretrained(src)
     sha = weights_sha256(model)

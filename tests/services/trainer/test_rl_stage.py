@@ -195,18 +195,11 @@ def test_mini_batches_take_several_steps_per_rollout_and_resume_inside_an_iterat
     steps = [ev["step"] for ev in resumed if "loss" in ev]
     assert steps and max(steps) == 6  # 3 iterations x 2 optimizer steps
     straight = run_rl(local_context(tmp_path / "rl-mini-straight", cfg, stage="rl"))
-    from safetensors.torch import load_file
-
-    adapters = registry("adapter", "tiny")
-    a, b = (load_file(str(adapters.resolve(ref) / "adapter_model.safetensors"))
-            for ref in (out["adapter"], straight["adapter"]))
-    assert a.keys() == b.keys() and a
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
+    a = _assert_same_adapter(out["adapter"], straight["adapter"])
     # and two steps per iteration are not one: the same rollouts with one mini-batch end elsewhere
     single = run_rl(local_context(tmp_path / "rl-single", _config(services, iterations=3, rollout_adapter="pinned"),
                                   stage="rl"))
-    c = load_file(str(adapters.resolve(single["adapter"]) / "adapter_model.safetensors"))
+    c = _adapter_weights(single["adapter"])
     assert any(not torch.allclose(a[key], c[key], atol=1e-6) for key in a)
 
 
@@ -215,9 +208,6 @@ class _Killed(BaseException):
 
 
 def test_a_job_killed_between_checkpoints_resumes_to_the_uninterrupted_adapter(services, tmp_path, one_thread):
-    from safetensors.torch import load_file
-
-    from prorag.registry import registry
     from services.trainer.stage_rl import run_rl
 
     cfg = _config(services, iterations=4, checkpoint_every=2, rollout_adapter="pinned")
@@ -239,12 +229,24 @@ def test_a_job_killed_between_checkpoints_resumes_to_the_uninterrupted_adapter(s
     assert [r["iteration"] for r in _journal(work)] == [0, 1, 2, 3]  # the unseen row 2 was rolled out again
     assert all(r["lag_max"] == 0 for r in _journal(work))
     straight = run_rl(local_context(tmp_path / "rl-unkilled", cfg, stage="rl"))
-    adapters = registry("adapter", "tiny")
-    a, b = (load_file(str(adapters.resolve(ref) / "adapter_model.safetensors"))
-            for ref in (out["adapter"], straight["adapter"]))
+    _assert_same_adapter(out["adapter"], straight["adapter"])
+
+
+def _adapter_weights(ref: str) -> dict:
+    from safetensors.torch import load_file
+
+    from prorag.registry import registry
+
+    return load_file(str(registry("adapter", "tiny").resolve(ref) / "adapter_model.safetensors"))
+
+
+def _assert_same_adapter(ref_a: str, ref_b: str) -> dict:
+    """The two published adapters hold the same weights (to 1e-6); returns the first's."""
+    a, b = _adapter_weights(ref_a), _adapter_weights(ref_b)
     assert a.keys() == b.keys() and a
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
+    return a
 
 
 def _journal_rows(work):
