@@ -376,9 +376,21 @@ def evaluate_method(method: str, model_dir: str, world: str, stack: ServiceStack
     """Serve ``model_dir`` (with the LoRA ``adapter`` name@version loaded and active, when given) in its own policy
     process and evaluate it through the services. The process never restores another run's active adapter."""
     from prorag.clients import push_adapter
+    from prorag.registry import weights_sha256
+    from prorag_app import memo
     from prorag_app.eval import evaluate
 
     kw = eval_options(method, model_dir)
+    # an evaluation of the same weights on the same questions by the same code is read back (prorag_app.memo)
+    adapter_sha = weights_sha256(registry("adapter", world).resolve(adapter)) if adapter else ""
+    key = memo.memo_key("eval", {"method": method, "model": weights_sha256(model_dir), "adapter": adapter_sha,
+                                 "options": kw, "corpus": memo.corpus_fingerprint(world),
+                                 "questions": memo.questions_fingerprint(questions)})
+    out_dir = Path(run_dir) / method
+    cached = memo.load("eval", key, into=out_dir)
+    if cached is not None:
+        console.print(f"eval {method}: reusing the evaluation of the same weights and questions ({key})")
+        return cached
     eval_stack = ServiceStack(port_offset=port_offset, world=world, services=("policy",),
                               overrides={"policy": {"model": model_dir, "retriever": stack.grpc_target("retriever"),
                                                     "max_steps": max(64, kw.get("max_steps", 0)),
@@ -393,8 +405,10 @@ def evaluate_method(method: str, model_dir: str, world: str, stack: ServiceStack
                 raise SystemExit(f"evaluating {method}: the policy did not load adapter {adapter}: "
                                  + "; ".join(a.error for a in acks))
             kw["adapter"] = adapter  # every rollout names it, so a trajectory says which version answered
-        return evaluate(method, policy, retriever, questions, out_dir=run_dir,
-                        progress=lambda d, t: progress(f"eval {method}", d, t), **kw)
+        result = evaluate(method, policy, retriever, questions, out_dir=run_dir,
+                          progress=lambda d, t: progress(f"eval {method}", d, t), **kw)
+    memo.store("eval", key, result, [out_dir / "predictions.jsonl", out_dir / "scores.json"])
+    return result
 
 
 def evaluate_methods(models: dict[str, str], world: str, stack: ServiceStack, questions, run_dir,
@@ -433,7 +447,7 @@ def stage2(prof: Profile, stack: ServiceStack, world: str, sft_model: str, run_d
                            log_dir=str(run_dir / "logs" / "stage2-policy"))
     with serving:
         out = run_stage2(stack, serving.grpc_target("policy"), world, sft_model, prof.sft_for("sft"), settings,
-                         run_dir, f"{world}-stage2", timings)
+                         run_dir, f"{world}-stage2", timings, split=prof.eval_split)
     timings["stage2_s"] = time.monotonic() - t
     print_prm_table(out)
     return out

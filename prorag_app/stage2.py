@@ -141,7 +141,8 @@ def plot_scores(cases, gold, bad, aucs: dict, png: Path) -> None:
 def print_prm_table(prm: dict) -> None:
     if "skipped" in prm:
         return
-    table = Table(title="PRM validation: gold steps against corrupted ones (test split)")
+    table = Table(title="PRM validation: gold steps against corrupted ones "
+                        f"({prm.get('validation_split', 'test')} split)")
     for col in ("corruption", "AUC", "cases"):
         table.add_column(col, justify="left" if col == "corruption" else "right")
     for kind, v in prm["auc_gold_vs_corrupted"]["by_kind"].items():
@@ -154,12 +155,13 @@ def print_prm_table(prm: dict) -> None:
 
 
 def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settings: dict, settings: Stage2Settings,
-               run_dir: Path, job_prefix: str, timings: dict) -> dict:
+               run_dir: Path, job_prefix: str, timings: dict, split: str = "test") -> dict:
     """MCTS -> judged pairs -> PRM -> validation, through the stack's trainer, retriever and judge and the policy
     service at ``policy_target`` (serving ``sft_model``). Returns results.json's "prm"."""
     from prorag.clients import RetrieverClient
     from prorag.data.loaders import load_split
-    from prorag.registry import registry
+    from prorag.registry import registry, weights_sha256
+    from prorag_app import memo
 
     t = time.monotonic()
     mcts_cfg = {"world": world, "policy": policy_target, "policy_model": sft_model,
@@ -186,20 +188,30 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
     prm = run_job(stack, "prm", prm_cfg, settings_job_id(job_prefix, "prm", prm_cfg, {"pairs": mcts["job_id"]}))
     timings["stage2_prm_s"] = time.monotonic() - t
     t = time.monotonic()
-    test = load_split(paths.world_dir(world), "test")
+    # validated on the run's evaluation split: a dev run (settings being chosen) never looks at test
+    test = load_split(paths.world_dir(world), split)
     test = test[:settings.eval_questions] if settings.eval_questions else test
     with RetrieverClient(stack.grpc_target("retriever"), timeout=300) as client:
         ids = sorted({s.doc_id for q in test for s in q.decomposition if s.doc_id})
         docs = {d.id: d for d in client.get_documents(ids)}
     prm_dir = str(registry("prm", world).resolve(prm["outputs"]["prm"]))
-    validation = validate_prm(prm_dir, test, docs, sft_settings, seed=settings.seed,
-                              png=run_dir / "prm" / "scores.png")
+    # the same PRM validated on the same questions by the same code is read back (prorag_app.memo)
+    key = memo.memo_key("prm-validation", {"prm": weights_sha256(prm_dir), "sft": sft_settings, "seed": settings.seed,
+                                           "corpus": memo.corpus_fingerprint(world),
+                                           "questions": memo.questions_fingerprint(test)})
+    png = run_dir / "prm" / "scores.png"
+    validation = memo.load("prm-validation", key, into=png.parent)
+    if validation is None:
+        validation = validate_prm(prm_dir, test, docs, sft_settings, seed=settings.seed, png=png)
+        memo.store("prm-validation", key, validation, [png])
+    validation["png"] = str(png)
     timings["stage2_validate_s"] = time.monotonic() - t
     return {
         "model": prm["outputs"]["prm"],
         "auc_gold_vs_corrupted": {k: validation[k] for k in ("overall", "by_kind", "n")},
         "pairwise_accuracy": prm["metrics"].get("heldout_pairwise_accuracy"),
         "png": validation["png"],
+        "validation_split": split,
         "mcts": summary,
         "jobs": {"mcts": mcts["job_id"], "prm": prm["job_id"]},
         "settings": asdict(settings),

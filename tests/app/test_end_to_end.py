@@ -32,6 +32,9 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     monkeypatch.delenv("PRORAG_DATA", raising=False)
     monkeypatch.delenv("PRORAG_RUNS", raising=False)
     monkeypatch.setenv("PRORAG_TRACKING", "local")
+    # evaluations are reused only for committed code (prorag_app.memo); a worktree under edit reads as dirty, so
+    # the test names one commit for both runs to see the reuse wherever it runs
+    monkeypatch.setattr("prorag.runs.code_version", lambda: "e2e0001")
     from prorag_app.embedded import ensure_world
     from prorag_app.pipeline import run_main_job
 
@@ -130,6 +133,16 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     again = run_main_job(profile="tiny", world="tiny-s7", port_offset=_free_offset())
     assert {m: j["job_id"] for m, j in again["jobs"].items()} == {m: j["job_id"] for m, j in on_disk["jobs"].items()}
     assert again["timings"]["train_sft_s"] < results["timings"]["train_sft_s"]
+    # ... and reads back the evaluations of the same weights on the same questions: same scores, same predictions
+    assert json.loads(json.dumps(again["methods"])) == on_disk["methods"]
+    for method in ("sft", "outcome_grpo"):
+        assert ((Path(again["run_dir"]) / method / "predictions.jsonl").read_text()
+                == (Path(results["run_dir"]) / method / "predictions.jsonl").read_text())
+    assert again["timings"]["eval_sft_s"] < results["timings"]["eval_sft_s"]
+    if "auc_gold_vs_corrupted" in on_disk["prm"]:  # when stage 2 had pairs to train a PRM on
+        assert on_disk["prm"]["validation_split"] == "test"
+        assert again["prm"]["auc_gold_vs_corrupted"] == on_disk["prm"]["auc_gold_vs_corrupted"]
+        assert again["timings"]["stage2_validate_s"] < results["timings"]["stage2_validate_s"]
 
     # `prorag up` now serves the agent this run trained, named by its registry reference
     from prorag.registry import artifact_name

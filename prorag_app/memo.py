@@ -1,0 +1,91 @@
+"""Results reused between runs: an evaluation or a PRM validation already computed by the same committed code on
+the same weights, questions and settings is read back instead of recomputed.
+
+Why: `prorag run --profile ablation` is seven runs over one SFT agent and PRM, and every run evaluated the same
+SFT agent, baselines and PRM again (about 10 of each run's 15 minutes on 2 cores). Greedy evaluation and the PRM
+validation are deterministic functions of their inputs, so a result is keyed by everything it depends on: the code
+version (a commit; a dirty worktree or no git never reuses, as uncommitted code may differ), the weights' hashes,
+the world's corpus, the questions and the settings. Entries live under ``<runs>/cache/<kind>/<key>/`` (one JSON
+result and the files it wrote), each written by one atomic rename, so a killed run never leaves half an entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from prorag import paths
+
+RESULT = "result.json"
+
+
+def fingerprint(obj: Any) -> str:
+    """sha256 of ``obj`` as canonical JSON (sorted keys)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def questions_fingerprint(questions: Sequence) -> str:
+    """Identity of a question list: ids, texts and gold answers, in order."""
+    return fingerprint([(q.id, q.question, list(q.golden_answers)) for q in questions])
+
+
+def corpus_fingerprint(world: str) -> str:
+    """sha256 of the world's corpus file ('' when the world has none, e.g. an external corpus)."""
+    from prorag.io import sha256_file
+
+    corpus = paths.world_dir(world) / "corpus.jsonl"
+    return sha256_file(corpus) if corpus.is_file() else ""
+
+
+def memo_key(kind: str, parts: Mapping[str, Any], code: str | None = None) -> str | None:
+    """The key of a ``kind`` result computed from ``parts``; None (never reuse) when the code version is not a
+    clean commit."""
+    from prorag.runs import code_version
+
+    code = code_version() if code is None else code
+    if not code or code == "unknown" or code.endswith("-dirty"):
+        return None
+    return f"{kind}-{fingerprint({'code': code, **parts})[:20]}"
+
+
+def _entry(kind: str, key: str) -> Path:
+    return paths.runs_dir() / "cache" / kind / key
+
+
+def load(kind: str, key: str | None, into: Path | None = None) -> dict | None:
+    """The stored result of ``key`` (its files copied into ``into`` when given), or None."""
+    if key is None:
+        return None
+    entry = _entry(kind, key)
+    result = entry / RESULT
+    if not result.is_file():
+        return None
+    try:
+        value = json.loads(result.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None  # unreadable: computed again, and the store below replaces it
+    if into is not None:
+        into.mkdir(parents=True, exist_ok=True)
+        for f in entry.iterdir():
+            if f.name != RESULT and f.is_file():
+                shutil.copy2(f, into / f.name)
+    return value
+
+
+def store(kind: str, key: str | None, result: dict, files: Sequence[Path] = ()) -> None:
+    """Keep ``result`` (and copies of ``files``) under ``key``; a None key keeps nothing."""
+    from prorag.io import atomic_dir, write_json
+
+    if key is None:
+        return
+    with atomic_dir(_entry(kind, key)) as tmp:
+        for f in map(Path, files):
+            if f.is_file():  # e.g. no PNG where plotting is unavailable
+                shutil.copy2(f, tmp / f.name)
+        write_json(tmp / RESULT, result)
+
+
+__all__ = ["corpus_fingerprint", "fingerprint", "load", "memo_key", "questions_fingerprint", "store"]

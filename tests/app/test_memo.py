@@ -1,0 +1,70 @@
+"""prorag_app.memo: results reused only for the same committed code and inputs, whole or not at all."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from prorag_app import memo
+
+
+@pytest.fixture()
+def runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRORAG_RUNS", str(tmp_path / "runs"))
+    return tmp_path / "runs"
+
+
+def test_key_depends_on_every_part_and_the_code_version():
+    parts = {"model": "abc", "options": {"topk": 1}}
+    key = memo.memo_key("eval", parts, code="1a2b3c4")
+    assert key == memo.memo_key("eval", dict(reversed(list(parts.items()))), code="1a2b3c4")  # order-free
+    assert key != memo.memo_key("eval", {**parts, "options": {"topk": 3}}, code="1a2b3c4")
+    assert key != memo.memo_key("eval", parts, code="5d6e7f8")
+    assert key.startswith("eval-")
+
+
+@pytest.mark.parametrize("code", ["1a2b3c4-dirty", "unknown", ""])
+def test_uncommitted_or_unknown_code_never_reuses(runs, code):
+    key = memo.memo_key("eval", {"model": "abc"}, code=code)
+    assert key is None
+    memo.store("eval", key, {"f1": 0.5})
+    assert memo.load("eval", key) is None
+    assert not (runs / "cache").exists()
+
+
+def test_round_trip_copies_the_files_back(runs, tmp_path):
+    key = memo.memo_key("eval", {"model": "abc"}, code="1a2b3c4")
+    made = tmp_path / "first" / "sft"
+    made.mkdir(parents=True)
+    (made / "predictions.jsonl").write_text('{"id": "q1", "prediction": "Paris"}\n')
+    missing = made / "scores.png"  # a file the computation did not write is skipped, not an error
+    assert memo.load("eval", key) is None
+    memo.store("eval", key, {"overall": {"f1": 0.25, "f1_ci": [0.1, 0.4]}}, [made / "predictions.jsonl", missing])
+
+    into = tmp_path / "second" / "sft"
+    again = memo.load("eval", key, into=into)
+    assert again == {"overall": {"f1": 0.25, "f1_ci": [0.1, 0.4]}}
+    assert (into / "predictions.jsonl").read_text() == '{"id": "q1", "prediction": "Paris"}\n'
+    assert sorted(p.name for p in into.iterdir()) == ["predictions.jsonl"]
+
+
+def test_an_unreadable_entry_is_computed_again_and_replaced(runs):
+    key = memo.memo_key("prm-validation", {"prm": "abc"}, code="1a2b3c4")
+    memo.store("prm-validation", key, {"overall": 0.9})
+    result = runs / "cache" / "prm-validation" / key / "result.json"
+    result.write_text('{"overall": 0.')  # torn by hand: atomic stores never leave this, but a disk can
+    assert memo.load("prm-validation", key) is None
+    memo.store("prm-validation", key, {"overall": 0.8})
+    assert json.loads(result.read_text()) == {"overall": 0.8}
+
+
+def test_questions_fingerprint_sees_text_answers_and_order():
+    q1 = SimpleNamespace(id="q1", question="Who?", golden_answers=["A"])
+    q2 = SimpleNamespace(id="q2", question="Where?", golden_answers=["B"])
+    base = memo.questions_fingerprint([q1, q2])
+    assert base == memo.questions_fingerprint([SimpleNamespace(**vars(q1)), q2])
+    assert base != memo.questions_fingerprint([q2, q1])
+    assert base != memo.questions_fingerprint([SimpleNamespace(id="q1", question="Who?", golden_answers=["C"]), q2])
+    assert base != memo.questions_fingerprint([q1])
