@@ -482,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "profile's, 0.3)")
     r.add_argument("--split", default="test", choices=("test", "dev"),
                    help="where methods are evaluated and compared: test for the figures, dev for choosing settings "
-                        "(no deep split)")
+                        "(with the dev deep split, disjoint from the test one)")
     r.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override one profile setting, a dotted path with a JSON value, e.g. "
                         "--set stage34.rft.lr=1e-4 --set 'stage34.methods=[\"rft\"]' (repeatable)")

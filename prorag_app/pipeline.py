@@ -68,7 +68,7 @@ class Profile:
     #: and the stage 3-4 methods are also evaluated, so their paired comparisons see enough deep questions
     deep_questions: int = 0
     #: the split methods are evaluated and compared on: test for reported figures, dev for choosing settings
-    #: (`prorag run --split dev`); the deep split is drawn from test's questions, so dev runs go without it
+    #: (`prorag run --split dev`, with the dev deep split: drawn after the test one, sharing no question with it)
     eval_split: str = "test"
 
     def __post_init__(self) -> None:
@@ -645,11 +645,12 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         stage34_out, comparisons, deep, deep_scores = None, {}, [], {}
         if prof.stage34 is not None and "sft" in jobs:
             deep = []
-            if prof.deep_questions and prof.eval_split == "test":
-                from prorag.data.world import DEEP_SPLIT, ensure_deep_split
+            if prof.deep_questions:
+                from prorag.data.world import DEEP_SPLITS, ensure_deep_split
 
-                ensure_deep_split(paths.world_dir(world), prof.deep_questions)
-                deep = load_split(paths.world_dir(world), DEEP_SPLIT)
+                # a dev run gets its own deep split, drawn after the test one and disjoint from it
+                ensure_deep_split(paths.world_dir(world), prof.deep_questions, prof.eval_split)
+                deep = load_split(paths.world_dir(world), DEEP_SPLITS[prof.eval_split])
             stage34_out, later, deep_scores = stage34(prof, stack, world, jobs["sft"]["model"], prm, eval_qs,
                                                       run_dir, port_offset, timings, deep=deep)
             methods.update(later)

@@ -45,7 +45,7 @@ from prorag.data.loaders import format_contents
 from prorag.io import read_jsonl, write_json, write_jsonl, write_text
 from prorag.metrics import normalize_answer
 
-__all__ = ["WORLD_VERSION", "SIZES", "DEEP_SPLIT", "WorldConfig", "WorldSummary", "build_world", "ensure_deep_split",
+__all__ = ["WORLD_VERSION", "SIZES", "DEEP_SPLIT", "DEEP_SPLITS", "DEV_DEEP_SPLIT", "WorldConfig", "WorldSummary", "build_world", "ensure_deep_split",
            "generate_deep_split", "generate_world", "load_summary"]
 
 #: bump when the generator changes so old folders are rebuilt rather than reused
@@ -62,6 +62,10 @@ CATEGORIES = ("1hop", "2hop", "3hop", "4hop", "comparison", "bridge_comparison")
 SPLITS = ("train", "dev", "test")
 #: an extra evaluation split of 3+ hop questions only, drawn after train (generate_deep_split)
 DEEP_SPLIT = "test_deep"
+#: its counterpart for choosing settings on dev, drawn after the test one and disjoint from it
+DEV_DEEP_SPLIT = "dev_deep"
+#: the deep split of each evaluation split
+DEEP_SPLITS = {"test": DEEP_SPLIT, "dev": DEV_DEEP_SPLIT}
 
 
 @dataclass
@@ -993,31 +997,42 @@ def generate_world(cfg: WorldConfig, progress: Callable[[str, int, int], None] |
     return _generate(cfg, progress)[0]
 
 
-def generate_deep_split(cfg: WorldConfig, n: int, min_hops: int = 3) -> tuple[dict, list[dict]]:
-    """(the world as :func:`generate_world` makes it, ``n`` more compositional questions of ``min_hops``+ hops).
+def generate_deep_split(cfg: WorldConfig, n: int, min_hops: int = 3, dev: int = 0
+                        ) -> tuple[dict, list[dict]] | tuple[dict, list[dict], list[dict]]:
+    """(the world as :func:`generate_world` makes it, ``n`` more compositional questions of ``min_hops``+ hops),
+    and with ``dev`` > 0 also ``dev`` questions for the dev side (:data:`DEV_DEEP_SPLIT`).
 
     The extra questions are drawn after train, from the generator's state there, never repeating a chain or a
     question of any split, so the world's own splits are unchanged by asking for them: an evaluation split
     with enough deep questions to tell methods apart (issue 19: 600 of 3+ hops) added to a world already built
     and trained on. Hop counts follow the config's mix of the deep ones (3-hop : 4-hop = frac_3hop : frac_4hop).
+    The dev questions are drawn after the ``n`` test ones, so those are the same with or without them, and no
+    chain or question is shared between the two.
     """
     w, world, seen_chains, seen_text = _generate(cfg, None)
     hops = [h for h in (3, 4) if h >= min_hops]
     weights = [{3: cfg.frac_3hop, 4: cfg.frac_4hop}[h] for h in hops]
-    rows: list[dict] = []
-    for h, target in zip(hops, _split_counts(n, weights)):
-        made, tries = 0, 0
-        while made < target and tries < 60 * target + 500:
-            tries += 1
-            q = world.compositional(h)
-            if q is None or q["chain"] in seen_chains or q["question"] in seen_text:
-                continue
-            seen_chains.add(q["chain"])
-            seen_text.add(q["question"])
-            rows.append(q)
-            made += 1
-    world.rng.shuffle(rows)
-    return w, [_row(DEEP_SPLIT, i, q) for i, q in enumerate(rows)]
+
+    def draw(count: int, name: str) -> list[dict]:
+        rows: list[dict] = []
+        for h, target in zip(hops, _split_counts(count, weights)):
+            made, tries = 0, 0
+            while made < target and tries < 60 * target + 500:
+                tries += 1
+                q = world.compositional(h)
+                if q is None or q["chain"] in seen_chains or q["question"] in seen_text:
+                    continue
+                seen_chains.add(q["chain"])
+                seen_text.add(q["question"])
+                rows.append(q)
+                made += 1
+        world.rng.shuffle(rows)
+        return [_row(name, i, q) for i, q in enumerate(rows)]
+
+    test_rows = draw(n, DEEP_SPLIT)
+    if not dev:
+        return w, test_rows
+    return w, test_rows, draw(dev, DEV_DEEP_SPLIT)
 
 
 def _generate(cfg: WorldConfig, progress: Callable[[str, int, int], None] | None):
@@ -1135,29 +1150,50 @@ def build_world(cfg: WorldConfig, out_dir: str | Path, progress: Callable[[str, 
     return _summary(cfg, out_dir, w["splits"], len(w["entities"]), time.perf_counter() - t0, False)
 
 
-def ensure_deep_split(out_dir: str | Path, n: int) -> Path:
+def ensure_deep_split(out_dir: str | Path, n: int, split: str = "test") -> Path:
     """``{out_dir}/test_deep.jsonl`` with ``n`` questions of 3+ hops (:func:`generate_deep_split`) for a finished
     world, written once (atomically) and reused. The world is regenerated in memory from its recorded config;
     if that does not reproduce its splits on disk (built by another generator version), nothing is written
-    and FailedPrecondition says to rebuild it."""
-    from prorag.errors import FailedPrecondition
+    and FailedPrecondition says to rebuild it.
 
+    ``split="dev"``: ``dev_deep.jsonl``, ``n`` questions drawn after the test deep split (as many as are on disk,
+    or ``n`` when there is none yet, then written too), so that no dev question is a test one. A test deep split
+    rewritten with another size invalidates the dev one, which is drawn again on its next use."""
+    from prorag.errors import FailedPrecondition, InvalidArgument
+
+    if split not in DEEP_SPLITS:
+        raise InvalidArgument(f"no deep split for {split!r}: one of {sorted(DEEP_SPLITS)}")
     out_dir = Path(out_dir)
-    path = out_dir / f"{DEEP_SPLIT}.jsonl"
+    test_path, path = out_dir / f"{DEEP_SPLIT}.jsonl", out_dir / f"{DEEP_SPLITS[split]}.jsonl"
     if not (out_dir / "DONE").exists():
         raise FileNotFoundError(f"{out_dir}: no finished world (DONE missing); run `prorag world`")
-    if path.exists() and sum(1 for _ in read_jsonl(path)) == n:
+    test_n = sum(1 for _ in read_jsonl(test_path)) if test_path.exists() else 0
+    dev_after = out_dir / f"{DEV_DEEP_SPLIT}.after"  # the test deep split's size the dev one was drawn after
+    if path.exists() and sum(1 for _ in read_jsonl(path)) == n and (
+            split == "test" or (dev_after.exists() and dev_after.read_text().strip() == str(test_n))):
         return path
     meta = json.loads((out_dir / "world.json").read_text())
     cfg = from_dict(WorldConfig, meta["config"])
-    w, rows = generate_deep_split(cfg, n)
+    if split == "test":
+        w, rows = generate_deep_split(cfg, n)
+    else:
+        test_n = test_n or n
+        w, test_rows, rows = generate_deep_split(cfg, test_n, dev=n)
     for s in SPLITS:
         on_disk = [(r["id"], r["question"]) for r in read_jsonl(out_dir / f"{s}.jsonl")]
         if on_disk != [(r["id"], r["question"]) for r in w["splits"][s]]:
             raise FailedPrecondition(f"{out_dir}: its {s} split is not what this generator makes from the world's "
                                      f"config (built by another version): rebuild it (`prorag world --name "
                                      f"{cfg.name} --force`) to add the {DEEP_SPLIT} split")
+    if split == "test":
+        write_jsonl(path, rows)
+        if dev_after.exists() and dev_after.read_text().strip() != str(n):
+            dev_after.unlink()  # drawn after a test deep split of another size: drawn again when next asked for
+        return path
+    if not test_path.exists():
+        write_jsonl(test_path, test_rows)
     write_jsonl(path, rows)
+    write_text(dev_after, f"{test_n}\n")
     return path
 
 

@@ -314,3 +314,37 @@ def test_a_deep_split_adds_three_plus_hop_questions_without_changing_the_world(w
     with pytest.raises(FailedPrecondition, match="rebuild it"):
         ensure_deep_split(out, 12)
     assert not path.exists()
+
+
+def test_the_dev_deep_split_shares_nothing_with_the_test_one(world, tmp_path):
+    import shutil
+
+    from prorag.data.world import DEEP_SPLIT, DEV_DEEP_SPLIT, ensure_deep_split, generate_deep_split
+
+    _, test_rows = generate_deep_split(tiny(0), 12)
+    w, test_again, dev_rows = generate_deep_split(tiny(0), 12, dev=10)
+    assert test_again == test_rows  # the test deep split is the same with or without a dev one drawn after it
+    assert len(dev_rows) == 10 and all(r["id"].startswith(DEV_DEEP_SPLIT) for r in dev_rows)
+    assert all(r["metadata"]["hops"] >= 3 for r in dev_rows)
+    test_keys = {(r["metadata"]["chain"]) for r in test_rows} | {r["question"] for r in test_rows}
+    assert not any(r["metadata"]["chain"] in test_keys or r["question"] in test_keys for r in dev_rows)
+    used = {r["metadata"]["chain"] for s in w["splits"].values() for r in s}
+    assert not any(r["metadata"]["chain"] in used for r in dev_rows)
+
+    out = tmp_path / "w"
+    shutil.copytree(world["dir"], out)
+    # asked for first, the dev split draws (and writes) the test one of the same size before it
+    dev_path = ensure_deep_split(out, 10, "dev")
+    assert [q.question for q in load_split(out, DEV_DEEP_SPLIT)] == [r["question"] for r in
+                                                                    generate_deep_split(tiny(0), 10, dev=10)[2]]
+    assert len(load_split(out, DEEP_SPLIT)) == 10
+    before = dev_path.stat().st_mtime_ns
+    assert ensure_deep_split(out, 10, "dev") == dev_path and dev_path.stat().st_mtime_ns == before  # reused
+    # a test deep split rewritten with another size: the dev one is drawn again, after the new one
+    ensure_deep_split(out, 12)
+    ensure_deep_split(out, 10, "dev")
+    assert [q.question for q in load_split(out, DEV_DEEP_SPLIT)] == [r["question"] for r in dev_rows]
+    from prorag.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="no deep split for 'train'"):
+        ensure_deep_split(out, 10, "train")
