@@ -4,7 +4,7 @@ the same weights, questions and settings is read back instead of recomputed.
 Why: `prorag run --profile ablation` is seven runs over one SFT agent and PRM, and every run evaluated the same
 SFT agent, baselines and PRM again (about 10 of each run's 15 minutes on 2 cores). Greedy evaluation and the PRM
 validation are deterministic functions of their inputs, so a result is keyed by everything it depends on: the code
-version (a commit; a dirty worktree or no git never reuses, as uncommitted code may differ), the weights' hashes,
+(the committed trees of the code directories; uncommitted code or no git never reuses), the weights' hashes,
 the world's corpus, the questions and the settings. Entries live under ``<runs>/cache/<kind>/<key>/`` (one JSON
 result and the files it wrote), each written by one atomic rename, so a killed run never leaves half an entry.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -40,13 +41,31 @@ def corpus_fingerprint(world: str) -> str:
     return sha256_file(corpus) if corpus.is_file() else ""
 
 
-def memo_key(kind: str, parts: Mapping[str, Any], code: str | None = None) -> str | None:
-    """The key of a ``kind`` result computed from ``parts``; None (never reuse) when the code version is not a
-    clean commit."""
-    from prorag.runs import code_version
+#: the directories whose code computes results; a commit that changes only docs or tests keeps the cache
+CODE_DIRS = ("prorag", "services", "prorag_app", "protos")
 
-    code = code_version() if code is None else code
-    if not code or code == "unknown" or code.endswith("-dirty"):
+
+def code_identity() -> str:
+    """The committed trees of :data:`CODE_DIRS` (git tree hashes); "" when git cannot say or any of them has
+    uncommitted changes (then nothing is reused)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_DIRS],
+                               capture_output=True, text=True, timeout=10, cwd=root)
+        trees = subprocess.run(["git", "rev-parse", *(f"HEAD:{d}" for d in CODE_DIRS)],
+                               capture_output=True, text=True, timeout=10, cwd=root)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    if dirty.returncode or trees.returncode or dirty.stdout.strip():
+        return ""
+    return fingerprint(trees.stdout.split())
+
+
+def memo_key(kind: str, parts: Mapping[str, Any], code: str | None = None) -> str | None:
+    """The key of a ``kind`` result computed from ``parts`` by ``code`` (default: :func:`code_identity`); None
+    (never reuse) when the code is not committed."""
+    code = code_identity() if code is None else code
+    if not code:
         return None
     return f"{kind}-{fingerprint({'code': code, **parts})[:20]}"
 
@@ -88,4 +107,4 @@ def store(kind: str, key: str | None, result: dict, files: Sequence[Path] = ()) 
         write_json(tmp / RESULT, result)
 
 
-__all__ = ["corpus_fingerprint", "fingerprint", "load", "memo_key", "questions_fingerprint", "store"]
+__all__ = ["CODE_DIRS", "code_identity", "corpus_fingerprint", "fingerprint", "load", "memo_key", "questions_fingerprint", "store"]

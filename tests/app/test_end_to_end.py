@@ -33,8 +33,8 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     monkeypatch.delenv("PRORAG_RUNS", raising=False)
     monkeypatch.setenv("PRORAG_TRACKING", "local")
     # evaluations are reused only for committed code (prorag_app.memo); a worktree under edit reads as dirty, so
-    # the test names one commit for both runs to see the reuse wherever it runs
-    monkeypatch.setattr("prorag.runs.code_version", lambda: "e2e0001")
+    # the test gives both runs one code identity to see the reuse wherever it runs
+    monkeypatch.setattr("prorag_app.memo.code_identity", lambda: "e2e0001")
     from prorag_app.embedded import ensure_world
     from prorag_app.pipeline import run_main_job
 

@@ -25,9 +25,8 @@ def test_key_depends_on_every_part_and_the_code_version():
     assert key.startswith("eval-")
 
 
-@pytest.mark.parametrize("code", ["1a2b3c4-dirty", "unknown", ""])
-def test_uncommitted_or_unknown_code_never_reuses(runs, code):
-    key = memo.memo_key("eval", {"model": "abc"}, code=code)
+def test_uncommitted_or_unknown_code_never_reuses(runs):
+    key = memo.memo_key("eval", {"model": "abc"}, code="")
     assert key is None
     memo.store("eval", key, {"f1": 0.5})
     assert memo.load("eval", key) is None
@@ -68,3 +67,35 @@ def test_questions_fingerprint_sees_text_answers_and_order():
     assert base != memo.questions_fingerprint([q2, q1])
     assert base != memo.questions_fingerprint([SimpleNamespace(id="q1", question="Who?", golden_answers=["C"]), q2])
     assert base != memo.questions_fingerprint([q1])
+
+
+def test_code_identity_follows_the_code_directories_only(tmp_path, monkeypatch):
+    import subprocess
+
+    repo = tmp_path / "repo"
+    for d in (*memo.CODE_DIRS, "docs"):
+        (repo / d).mkdir(parents=True)
+        (repo / d / "x.py").write_text("a = 1\n")
+    (repo / "prorag_app" / "memo.py").write_text("")  # code_identity looks for the repository above its module
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    monkeypatch.setattr(memo, "__file__", str(repo / "prorag_app" / "memo.py"))
+    first = memo.code_identity()
+    assert first
+    (repo / "docs" / "x.py").write_text("a = 2\n")
+    assert memo.code_identity() == first  # docs edited, even uncommitted: the code is the same
+    git("commit", "-qam", "docs")
+    assert memo.code_identity() == first
+    (repo / "services" / "x.py").write_text("a = 2\n")
+    assert memo.code_identity() == ""  # uncommitted code
+    git("commit", "-qam", "code")
+    assert memo.code_identity() not in ("", first)
+    monkeypatch.setattr(memo, "__file__", str(tmp_path / "nogit" / "prorag_app" / "memo.py"))
+    (tmp_path / "nogit").mkdir()
+    assert memo.code_identity() == ""
