@@ -54,12 +54,15 @@ class Stage34Settings:
                             max=10.0)
 
 
-def _job_id(prefix: str, stage: str, cfg: dict) -> str:
-    """The job id of one stage 3-4 job (prorag_app.stage2.settings_job_id): whether it uses a PRM counts, and for
-    RL with a PRM the version of what the PRM is asked to score."""
+def _job_id(prefix: str, stage: str, cfg: dict, prm_sha256: str = "") -> str:
+    """The job id of one stage 3-4 job (prorag_app.stage2.settings_job_id): whether it uses a PRM counts, which PRM
+    (its weights: the config names only the service's address, so a retrained PRM must not reuse the jobs its
+    predecessor filtered or scored), and for RL with a PRM the version of what the PRM is asked to score."""
     from prorag_app.stage2 import settings_job_id
 
     extra = {"uses_prm": bool(cfg.get("prm"))}
+    if extra["uses_prm"]:
+        extra["prm_sha256"] = prm_sha256
     if stage != "rft" and extra["uses_prm"]:
         from services.trainer.stage_rl import PRM_SCORING_VERSION
 
@@ -97,11 +100,12 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
     reasonrag's data). Returns {"models": {method: {"model":
     directory, "adapter": name@version or ""}}, "jobs", "rl": {method: rl_summary}, "skipped": {method: why},
     "settings"}."""
-    from prorag.registry import registry
+    from prorag.registry import registry, weights_sha256
     from prorag_app.stack import ServiceStack
     from prorag_app.stage2 import run_job
 
     wanted = tuple(settings.methods)
+    prm_sha = weights_sha256(prm_dir) if prm_dir else ""
     out: dict = {"models": {}, "jobs": {}, "rl": {}, "skipped": {}, "settings": asdict(settings)}
     prefix = f"{world}-stage34"
     topk = int(sft_settings.get("topk", 1))
@@ -129,7 +133,7 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
             if cfg.get("replay"):
                 cfg["retriever"] = stack.grpc_target("retriever")
             try:
-                rft = run_job(stack, "rft", cfg, _job_id(prefix, "rft", cfg))
+                rft = run_job(stack, "rft", cfg, _job_id(prefix, "rft", cfg, prm_sha))
             except SystemExit as e:  # RFT kept nothing: report it, go on with what does not need it
                 for m in ("rft", "prorag"):
                     if m in wanted:
@@ -148,7 +152,7 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
             t = time.monotonic()
             cfg = {**rl_common, "base_model": sft_ref, "policy": sft_policy, "prm": prm_target,
                    "beta": settings.beta, "adapter_name": "prorag_no_rft"}
-            job = run_job(stack, "rl", cfg, _job_id(prefix, "prorag_no_rft", cfg))
+            job = run_job(stack, "rl", cfg, _job_id(prefix, "prorag_no_rft", cfg, prm_sha))
             out["jobs"]["prorag_no_rft"] = job["job_id"]
             out["models"]["prorag_no_rft"] = {"model": sft_dir, "adapter": job["outputs"]["adapter"]}
             out["rl"]["prorag_no_rft"] = rl_summary(Path(job["run_dir"]) / "iterations.jsonl")
@@ -172,7 +176,7 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
                 with rft_serving:
                     cfg = {**rl_common, "base_model": rft_ref, "policy": rft_serving.grpc_target("policy"),
                            "prm": prm_target, "beta": settings.beta, "adapter_name": "prorag"}
-                    job = run_job(stack, "rl", cfg, _job_id(prefix, "prorag", cfg))
+                    job = run_job(stack, "rl", cfg, _job_id(prefix, "prorag", cfg, prm_sha))
                 out["jobs"]["prorag"] = job["job_id"]
                 out["models"]["prorag"] = {"model": rft_dir, "adapter": job["outputs"]["adapter"]}
                 out["rl"]["prorag"] = rl_summary(Path(job["run_dir"]) / "iterations.jsonl")
