@@ -90,6 +90,11 @@ def rl_summary(iterations_path: str | Path) -> dict:
     out["f1_first"], out["f1_last"] = float(rows[0].get("f1_mean", 0.0)), float(rows[-1].get("f1_mean", 0.0))
     out["groups_flat_fraction"] = (sum(float(r.get("groups_flat", 0)) for r in rows)
                                    / max(1.0, sum(float(r.get("groups", 0)) for r in rows)))
+    if any("groups_uncredited" in r for r in rows):  # jobs from before these counts have none
+        out["groups_uncredited_fraction"] = (sum(float(r.get("groups_uncredited", 0)) for r in rows)
+                                             / max(1.0, sum(float(r.get("groups", 0)) for r in rows)))
+        out["deep_groups_uncredited_fraction"] = (sum(float(r.get("deep_groups_uncredited", 0)) for r in rows)
+                                                  / max(1.0, sum(float(r.get("deep_groups", 0)) for r in rows)))
     return out
 
 

@@ -31,6 +31,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+#: the F1 from which an answer earns outcome credit in the reference reward (prorag.algorithms.rl)
+ANSWER_CREDIT_F1 = 0.2
+
 from prorag import paths
 from prorag.algorithms.rl import OUTCOME_REWARDS
 from prorag.config import cfg_field
@@ -339,6 +342,7 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
     stats["groups"] = len(groups)
     # groups whose rollouts all scored alike teach nothing through the outcome term
     stats["groups_flat"] = sum(1 for m in groups.values() if len({rewards[i] for i in m}) <= 1)
+    stats.update(credit_counts(groups, f1s, {q: by_id[q].hops for q in groups}))
     stats["reward_mean"] = _mean(rewards)
     stats["f1_mean"] = _mean(f1s)
     stats["format_valid_rate"] = _mean([float(v) for v in valid])
@@ -426,6 +430,23 @@ def rl_loss(model, batch, cfg: RLConfig):
         with torch.no_grad(), model.disable_adapter():
             ref = token_logprobs(model, ids, attn, mask)
     return clipped_policy_loss(lp, old, adv, mask, clip=cfg.clip, kl_coef=cfg.kl_coef, ref_logprobs=ref)
+
+
+def credit_counts(groups: dict[str, list[int]], f1s: list[float], hops: dict[str, int],
+                  threshold: float = ANSWER_CREDIT_F1) -> dict[str, int]:
+    """Groups where no rollout's answer earns credit (F1 under ``threshold``, the reference reward's 0.2): their
+    outcome advantage can only tell valid format from invalid, so only a process term says which of their steps
+    were better. Counted over all groups and over those of 3+ hop questions, where the policy fails most.
+
+    groups: question id -> indices into f1s; hops: question id -> hop count.
+
+    >>> credit_counts({"a": [0, 1], "b": [2, 3]}, [0.0, 0.5, 0.1, 0.0], {"a": 1, "b": 3})
+    {'groups_uncredited': 1, 'deep_groups': 1, 'deep_groups_uncredited': 1}
+    """
+    uncredited = {q for q, members in groups.items() if not any(f1s[i] >= threshold for i in members)}
+    deep = {q for q in groups if hops[q] >= 3}
+    return {"groups_uncredited": len(uncredited), "deep_groups": len(deep),
+            "deep_groups_uncredited": len(uncredited & deep)}
 
 
 # ---------------------------------------------------------------- the stage
