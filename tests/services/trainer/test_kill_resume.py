@@ -32,14 +32,14 @@ def _free_port() -> int:
 class Trainer:
     """`prorag serve trainer` as a real subprocess with its own PRORAG_HOME."""
 
-    def __init__(self, home: Path, port: int):
-        self.home, self.port = home, port
+    def __init__(self, home: Path, port: int, env: dict[str, str] | None = None):
+        self.home, self.port, self.extra_env = home, port, dict(env or {})
         self.proc: subprocess.Popen | None = None
         self.logs: list[Path] = []
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("PRORAG_RUNS", "PRORAG_DATA")}
-        env.update(PRORAG_HOME=str(self.home), WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+        env.update(PRORAG_HOME=str(self.home), WANDB_MODE="disabled", PYTHONUNBUFFERED="1", **self.extra_env)
         log = self.home / f"trainer-{len(self.logs)}.log"
         self.logs.append(log)
         with open(log, "w") as fh:

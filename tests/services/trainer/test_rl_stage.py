@@ -235,6 +235,51 @@ def test_a_job_killed_between_checkpoints_resumes_to_the_uninterrupted_adapter(s
     _assert_same_adapter(out["adapter"], straight["adapter"])
 
 
+def test_kill_dash_nine_of_the_trainer_during_rl_resumes_to_the_uninterrupted_adapter(services, tmp_path,
+                                                                                     one_thread):
+    """The trainer as a real process, killed with SIGKILL after a checkpoint and a later published version, then
+    started again: the job resumes on its own and publishes the adapter an uninterrupted run publishes."""
+    import os
+
+    from prorag.clients_trainer import TrainerClient, state_name
+    from services.trainer.stage_rl import run_rl
+    from tests.services.trainer.test_kill_resume import Trainer, _free_port
+
+    cfg = _config(services, iterations=4, checkpoint_every=2, rollout_adapter="pinned", threads=1)
+    job_id = "rl-kill9"
+    home = tmp_path / "home"
+    home.mkdir()
+    port = _free_port()
+    # the trainer publishes into the registry the policy service loads adapters from
+    trainer = Trainer(home, port, env={"PRORAG_DATA": os.environ["PRORAG_DATA"]})
+    trainer.start()
+    try:
+        with TrainerClient(f"127.0.0.1:{port}", timeout=30) as tc:
+            tc.start("rl", {**cfg.__dict__, "tracking": "local"}, job_id=job_id)
+            killed, messages = False, []
+            for ev in tc.watch(job_id, timeout=600):
+                messages.append(ev.message)
+                # version 3 is out and the last checkpoint is iteration 2's (checkpoint_every 2)
+                if not killed and ev.message.startswith(f"pushed rl@{job_id}-3 "):
+                    trainer.kill()
+                    killed = True
+                    trainer.start()
+            job = tc.wait(job_id, timeout=600)
+    finally:
+        trainer.terminate()
+    logs = "\n".join(p.read_text() for p in trainer.logs)
+    assert killed, "the job finished before version 3 was pushed"
+    assert state_name(job.state) == "SUCCEEDED", (job.error, logs[-3000:])
+    # it resumed from the checkpoint (not from scratch), re-published version 2 for the policy to sample with, and
+    # ran iteration 3 again: the journal row written after the checkpoint is not trusted
+    after = messages[messages.index(f"pushed rl@{job_id}-3 to 1/1 replica(s)") + 1:]
+    assert any(m.startswith("re-queued after a trainer restart") for m in after)
+    assert "resumed from step 2" in after and f"pushed rl@{job_id}-2 to 1/1 replica(s)" in after
+    assert sum(m.startswith("iteration 4/4") for m in messages) == 1
+    straight = run_rl(local_context(tmp_path / "rl-kill9-straight", cfg, stage="rl"))
+    _assert_same_adapter(job.outputs["adapter"], straight["adapter"])
+
+
 def _adapter_weights(ref: str) -> dict:
     from safetensors.torch import load_file
 
