@@ -6,7 +6,8 @@ for the CIs (prorag.evaluation), so the intervals reflect which questions were a
 per-question noise. Comparisons are paired per question over the pooled seeds (compare_methods), on the test split
 and the world's deep split (3+ hop questions) where the runs evaluated it. Runs whose
 stages 3-4 used different betas also give ProRAG's F1 against beta; the RL jobs' iteration journals give the
-training rollouts' F1 against the number of RL questions seen (data efficiency, on train questions).
+training rollouts' F1 against the number of RL questions seen (on train questions), and RL adapters evaluated
+after some of their iterations give the test F1 against RL questions seen (data efficiency).
 
 Written to the output directory: report.md, report.json and PNG plots (per hop count, RL curves, beta).
 """
@@ -72,6 +73,62 @@ def rl_curve(job_id: str) -> list[dict]:
     return rows
 
 
+def _rl_seed(run: dict):
+    return (((run["results"].get("stage34") or {}).get("settings") or {}).get("rl") or {}).get("seed")
+
+
+def data_efficiency(runs: list[dict]) -> dict:
+    """F1 on the test split's 3+ hop questions of each RL method's adapter after i of its iterations (evaluated as
+    ``<method>@it<i>``) and at the end, against the RL questions it had seen, from the runs that evaluated such
+    adapters; and the fewest questions at which ProRAG reaches outcome-only GRPO's final F1 in the same run
+    (None: not within its budget). The issue's figure: at most a third of outcome GRPO's questions.
+
+    Each curve starts at 0 questions with the model its RL began from (RL_STARTS: outcome GRPO and ProRAG without
+    RFT from SFT, ProRAG from RFT). Returns {"runs": n, "curves": {method: [{"questions", "f1"}]} (averaged over
+    those runs), "outcome_grpo_final_f1", "outcome_grpo_start_f1", "prorag_reaches_at", "outcome_grpo_questions"}."""
+    from prorag.evaluation import COMPARISON_MIN_HOPS
+
+    def deep_f1(recs: dict) -> float | None:
+        group = [rec["f1"] for rec in recs.values() if int(rec["hops"]) >= COMPARISON_MIN_HOPS]
+        return sum(group) / len(group) if group else None
+
+    points = defaultdict(lambda: defaultdict(list))  # method -> questions seen -> [F1 per run]
+    used = 0
+    for r in runs:
+        if not any("@it" in m for m in r["records"]):
+            continue
+        used += 1
+        rl = ((r["results"].get("stage34") or {}).get("settings") or {}).get("rl") or {}
+        per_iteration = int(rl.get("questions_per_iteration", 0))
+        total = per_iteration * int(rl.get("iterations", 0))
+        for m, recs in r["records"].items():
+            base, _, it = m.partition("@it")
+            if base not in RL_STARTS or (it and not it.isdigit()):
+                continue
+            f1 = deep_f1(recs)
+            if f1 is not None:
+                points[base][int(it) * per_iteration if it else total].append(f1)
+        for m, start in RL_STARTS.items():  # 0 questions: the model the RL began from
+            if m in points and start in r["records"]:
+                points[m][0].append(deep_f1(r["records"][start]))
+    curves = {m: [{"questions": q, "f1": sum(v) / len(v)} for q, v in sorted(pts.items())]
+              for m, pts in points.items()}
+    out = {"runs": used, "curves": curves, "outcome_grpo_final_f1": None, "outcome_grpo_questions": None,
+           "outcome_grpo_start_f1": None, "prorag_reaches_at": None}
+    if curves.get("outcome_grpo") and curves.get("prorag"):
+        final = curves["outcome_grpo"][-1]
+        out["outcome_grpo_final_f1"], out["outcome_grpo_questions"] = final["f1"], final["questions"]
+        start = curves["outcome_grpo"][0]
+        out["outcome_grpo_start_f1"] = start["f1"] if start["questions"] == 0 else None
+        out["prorag_reaches_at"] = next((p["questions"] for p in curves["prorag"]
+                                         if p["questions"] > 0 and p["f1"] >= final["f1"]), None)
+    return out
+
+
+#: RL methods and the model each starts from (its curve's point at 0 questions)
+RL_STARTS = {"outcome_grpo": "sft", "prorag_no_rft": "sft", "prorag": "rft"}
+
+
 #: methods whose model depends on ProRAG's beta (an evaluated name may carry "@it<i>")
 BETA_METHODS = ("prorag", "prorag_no_rft")
 
@@ -102,12 +159,16 @@ def build_report(run_dirs, out_dir: str | Path) -> dict:
     if not runs:
         raise InvalidArgument("no runs to report on")
     betas = defaultdict(list)
+    sweep_seed = _rl_seed(runs[0])
     for r in runs:  # ProRAG's 3+ hop F1 per beta, before the runs' methods are named by their beta
         beta = ((r["results"].get("stage34") or {}).get("settings") or {}).get("beta")
         if beta is not None and "prorag" in r["records"]:
-            group = [rec["f1"] for rec in r["records"]["prorag"].values() if int(rec["hops"]) >= COMPARISON_MIN_HOPS]
+            # the comparisons' questions: the test split's 3+ hop ones and the deep split where evaluated
+            recs = {**r["records"]["prorag"], **r["deep"].get("prorag", {})}
+            group = [rec["f1"] for rec in recs.values() if int(rec["hops"]) >= COMPARISON_MIN_HOPS]
             if group:
-                betas[float(beta)].append(sum(group) / len(group))
+                betas[float(beta)].append((sum(group) / len(group), len(group), _rl_seed(r) == sweep_seed))
+    efficiency = data_efficiency(runs)
     name_by_beta(runs)
     worlds = {r["results"].get("world") for r in runs}
     if len(worlds) != 1:
@@ -137,7 +198,12 @@ def build_report(run_dirs, out_dir: str | Path) -> dict:
     report = {"runs": [r["dir"] for r in runs], "world": worlds.pop(), "seeds": seeds,
               "methods": scores, "comparisons": comparisons,
               "rl_curves": dict(curves),
-              "beta": {str(b): {"f1_3plus_mean": sum(v) / len(v), "runs": len(v)} for b, v in sorted(betas.items())}}
+              "beta": {str(b): {"f1_3plus_mean": sum(f for f, _, _ in v) / len(v), "runs": len(v),
+                                "questions": v[0][1],
+                                # the sweep's own seed (the first run's), so that betas compare like for like
+                                "f1_3plus_sweep_seed": next((f for f, _, same in v if same), None)}
+                       for b, v in sorted(betas.items())},
+              "data_efficiency": efficiency}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pngs = write_plots(report, out_dir)
@@ -174,8 +240,34 @@ def markdown(report: dict) -> str:
                          f"{100 * c['f1_diff']:+.1f} | [{100 * c['ci'][0]:+.1f}, {100 * c['ci'][1]:+.1f}] | "
                          f"{c['n']} | {c['seeds']} |")
     if report["beta"]:
-        lines += ["", "## ProRAG's F1 on 3+ hop questions against beta", "", "| beta | F1 | runs |", "|---|---|---|"]
-        lines += [f"| {b} | {_pct(v['f1_3plus_mean'])} | {v['runs']} |" for b, v in report["beta"].items()]
+        lines += ["", "## ProRAG's F1 on 3+ hop questions against beta", "",
+                  "Test split and deep split together; the sweep's seed is the first run's (the other betas run at "
+                  "it only).", "",
+                  "| beta | F1, sweep's seed | F1, mean over runs | runs | questions |", "|---|---|---|---|---|"]
+        lines += [f"| {b} | {_pct(v['f1_3plus_sweep_seed']) if v.get('f1_3plus_sweep_seed') is not None else '-'} | "
+                  f"{_pct(v['f1_3plus_mean'])} | {v['runs']} | {v.get('questions', '-')} |"
+                  for b, v in report["beta"].items()]
+    eff = report.get("data_efficiency") or {}
+    if eff.get("curves"):
+        seen = sorted({p["questions"] for pts in eff["curves"].values() for p in pts})
+        lines += ["", "## Data efficiency: F1 on the test split's 3+ hop questions against RL questions seen", "",
+                  f"RL adapters evaluated after some of their iterations, in {eff['runs']} run(s); 0 questions is "
+                  "the model each RL began from (SFT; RFT for ProRAG).", "",
+                  "| method | " + " | ".join(f"{q} questions" for q in seen) + " |", "|---|" + "---|" * len(seen)]
+        for m, pts in eff["curves"].items():
+            at = {p["questions"]: p["f1"] for p in pts}
+            lines.append(f"| {m} | " + " | ".join(_pct(at[q]) if q in at else "-" for q in seen) + " |")
+        if eff.get("outcome_grpo_final_f1") is not None:
+            at = eff.get("prorag_reaches_at")
+            lines += ["", f"Outcome-only GRPO's final F1 ({_pct(eff['outcome_grpo_final_f1'])}, after "
+                          f"{eff['outcome_grpo_questions']} questions): ProRAG reaches it "
+                          + (f"after {at} questions ({at / eff['outcome_grpo_questions']:.2f} of them)." if at
+                             else "at none of its evaluated points.")]
+            start = eff.get("outcome_grpo_start_f1")
+            if start is not None and eff["outcome_grpo_final_f1"] <= start:
+                # reaching a final that RL did not raise says nothing about data efficiency: say so
+                lines.append(f"Outcome-only GRPO ended at or below the model it started from ({_pct(start)} at 0 "
+                             "questions), so reaching its final F1 shows no learning.")
     if report["rl_curves"]:
         lines += ["", "## RL: rollout F1 against RL questions seen (train questions; data efficiency)", ""]
         for m, curves in report["rl_curves"].items():

@@ -9,7 +9,7 @@ from prorag.errors import InvalidArgument
 from prorag_app.report import build_report
 
 
-def _run(root, name, f1s: dict, beta=0.3, world="default", job_ids=None):
+def _run(root, name, f1s: dict, beta=0.3, world="default", job_ids=None, rl=None):
     """A run directory as `prorag run` leaves it: results.json and each method's predictions.jsonl.
     f1s: method -> [F1 per question]; question i has 1 + i % 4 hops."""
     d = root / name
@@ -19,7 +19,7 @@ def _run(root, name, f1s: dict, beta=0.3, world="default", job_ids=None):
                  "acc": float(f == 1.0)} for i, f in enumerate(values)]
         (d / method / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     results = {"world": world, "methods": {m: {} for m in f1s},
-               "stage34": {"settings": {"beta": beta}, "jobs": job_ids or {}}}
+               "stage34": {"settings": {"beta": beta, "rl": rl or {}}, "jobs": job_ids or {}}}
     (d / "results.json").write_text(json.dumps(results))
     return d
 
@@ -47,12 +47,14 @@ def test_seeds_are_pooled_per_question_and_compared_in_pairs(tmp_path, monkeypat
     assert c["seeds"] == 2 and c["n"] == three_plus and c["f1_diff"] == pytest.approx(0.75)
     assert c["ci"][0] > 0  # every question ahead or tied, half of them by a full point
     # ProRAG's 3+ hop F1 per beta (at 0.3 the two seeds' mean: 1.0 and 0.5)
-    assert report["beta"] == {"0.3": {"f1_3plus_mean": 0.75, "runs": 2}, "0.5": {"f1_3plus_mean": 0.5, "runs": 1}}
+    assert report["beta"] == {
+        "0.3": {"f1_3plus_mean": 0.75, "runs": 2, "questions": 20, "f1_3plus_sweep_seed": 1.0},
+        "0.5": {"f1_3plus_mean": 0.5, "runs": 1, "questions": 20, "f1_3plus_sweep_seed": 0.5}}
     assert report["rl_curves"]["prorag"] == [[{"questions": 16, "f1": 0.0, "reward": 0.0},
                                               {"questions": 32, "f1": 0.1, "reward": 1.0},
                                               {"questions": 48, "f1": 0.2, "reward": 2.0}]]
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "| prorag | 2 | 75.0 [" in md and "prorag_vs_sft" in md and "| 0.5 | 50.0 | 1 |" in md
+    assert "| prorag | 2 | 75.0 [" in md and "prorag_vs_sft" in md and "| 0.5 | 50.0 | 50.0 | 1 | 20 |" in md
     assert "| prorag[beta=0.5] | 1 | 50.0 [" in md
     for name in ("f1_by_hops", "rl_curves", "beta"):
         assert (tmp_path / "out" / f"{name}.png").stat().st_size > 1000
@@ -96,3 +98,41 @@ def test_comparisons_also_pool_the_deep_split_where_a_run_evaluated_it(tmp_path)
     assert c["f1_diff"] == pytest.approx((three_plus * 1.0 + 10 * 0.5) / (three_plus + 10))
     # the per-method table stays the test split's
     assert report["methods"]["prorag"]["overall"]["n"] == n
+
+
+def test_data_efficiency_reads_the_rl_adapters_evaluated_after_some_iterations(tmp_path):
+    n = 40
+    deep = [i for i in range(n) if 1 + i % 4 >= 3]  # 20 questions of 3+ hops; the others do not count
+
+    def f1s(value_3plus):
+        return [value_3plus if i in deep else 0.9 for i in range(n)]
+
+    rl = {"seed": 1, "iterations": 10, "questions_per_iteration": 16}
+    first = _run(tmp_path, "seed1", {"sft": f1s(0.1), "outcome_grpo@it3": f1s(0.2), "outcome_grpo": f1s(0.3),
+                                     "prorag@it3": f1s(0.25), "prorag@it5": f1s(0.35), "prorag": f1s(0.4)}, rl=rl)
+    second = _run(tmp_path, "seed2", {"sft": f1s(0.1), "outcome_grpo": f1s(0.0), "prorag": f1s(0.0)},
+                  rl={**rl, "seed": 2})
+    eff = build_report([first, second], tmp_path / "out")["data_efficiency"]
+    # only the run that evaluated earlier adapters counts, so the finals are that run's, like for like
+    assert eff["runs"] == 1
+    assert ([(p["questions"], pytest.approx(p["f1"])) for p in eff["curves"]["outcome_grpo"]]
+            == [(0, 0.1), (48, 0.2), (160, 0.3)])  # from the SFT model it started from
+    assert [p["questions"] for p in eff["curves"]["prorag"]] == [48, 80, 160]  # no RFT model in this run
+    assert eff["outcome_grpo_final_f1"] == pytest.approx(0.3) and eff["outcome_grpo_questions"] == 160
+    assert eff["prorag_reaches_at"] == 80  # 0.35 after 5 iterations of 16 questions
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "ProRAG reaches it after 80 questions (0.50 of them)" in md and "shows no learning" not in md
+
+    behind = _run(tmp_path, "behind", {"outcome_grpo@it3": f1s(0.2), "outcome_grpo": f1s(0.5),
+                                       "prorag@it3": f1s(0.1), "prorag": f1s(0.4)}, rl=rl)
+    eff = build_report([behind], tmp_path / "out2")["data_efficiency"]
+    assert eff["prorag_reaches_at"] is None
+    assert "at none of its evaluated points" in (tmp_path / "out2" / "report.md").read_text()
+
+    # outcome GRPO ending below where it started: ProRAG "reaching" that is no evidence, and the report says so
+    down = _run(tmp_path, "down", {"sft": f1s(0.3), "rft": f1s(0.3), "outcome_grpo@it3": f1s(0.25),
+                                   "outcome_grpo": f1s(0.2), "prorag@it3": f1s(0.2), "prorag": f1s(0.1)}, rl=rl)
+    eff = build_report([down], tmp_path / "out3")["data_efficiency"]
+    assert eff["prorag_reaches_at"] == 48 and eff["outcome_grpo_start_f1"] == pytest.approx(0.3)
+    assert eff["curves"]["prorag"][0] == {"questions": 0, "f1": pytest.approx(0.3)}  # from the RFT model
+    assert "shows no learning" in (tmp_path / "out3" / "report.md").read_text()
