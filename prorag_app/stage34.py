@@ -88,13 +88,14 @@ def rl_summary(iterations_path: str | Path) -> dict:
     out["lag_max"] = max(float(r.get("lag_max", 0.0)) for r in rows)
     out["reward_first"], out["reward_last"] = float(rows[0].get("reward_mean", 0.0)), float(rows[-1].get("reward_mean", 0.0))
     out["f1_first"], out["f1_last"] = float(rows[0].get("f1_mean", 0.0)), float(rows[-1].get("f1_mean", 0.0))
-    out["groups_flat_fraction"] = (sum(float(r.get("groups_flat", 0)) for r in rows)
-                                   / max(1.0, sum(float(r.get("groups", 0)) for r in rows)))
+
+    def fraction(part: str, whole: str) -> float:
+        return sum(float(r.get(part, 0)) for r in rows) / max(1.0, sum(float(r.get(whole, 0)) for r in rows))
+
+    out["groups_flat_fraction"] = fraction("groups_flat", "groups")
     if any("groups_uncredited" in r for r in rows):  # jobs from before these counts have none
-        out["groups_uncredited_fraction"] = (sum(float(r.get("groups_uncredited", 0)) for r in rows)
-                                             / max(1.0, sum(float(r.get("groups", 0)) for r in rows)))
-        out["deep_groups_uncredited_fraction"] = (sum(float(r.get("deep_groups_uncredited", 0)) for r in rows)
-                                                  / max(1.0, sum(float(r.get("deep_groups", 0)) for r in rows)))
+        out["groups_uncredited_fraction"] = fraction("groups_uncredited", "groups")
+        out["deep_groups_uncredited_fraction"] = fraction("deep_groups_uncredited", "deep_groups")
     return out
 
 

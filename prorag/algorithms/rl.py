@@ -22,10 +22,12 @@ import torch
 from prorag.tokens import StepSpan
 
 EPS = 1e-4  # the reference code's std epsilon for the outcome normalisation
+#: the F1 from which an answer earns outcome credit in the reference code's reward
+ANSWER_CREDIT_F1 = 0.2
 
 
 # ---------------------------------------------------------------- rewards
-def outcome_reward_reference(f1: float, format_valid: bool, threshold: float = 0.2) -> float:
+def outcome_reward_reference(f1: float, format_valid: bool, threshold: float = ANSWER_CREDIT_F1) -> float:
     """The reference code's outcome reward: (2 F1 if F1 >= threshold else 0) + (+1 valid format / -1 invalid).
 
     >>> outcome_reward_reference(0.5, True), outcome_reward_reference(0.1, True), outcome_reward_reference(1.0, False)
@@ -55,6 +57,23 @@ def step_score_reference(prm_logit: float, step_valid: bool) -> float:
 #: name -> outcome reward, for configuration (the reference code's is the default of the RL stage)
 OUTCOME_REWARDS: dict[str, Callable[..., float]] = {"reference": outcome_reward_reference,
                                                     "paper": outcome_reward_paper}
+
+
+def credit_counts(groups: dict[str, list[int]], f1s: Sequence[float], hops: dict[str, int],
+                  threshold: float = ANSWER_CREDIT_F1, min_hops: int = 3) -> dict[str, int]:
+    """Groups where no rollout's answer earns credit (F1 under ``threshold``): their outcome advantage can only
+    tell valid format from invalid, so only a process term says which of their steps were better. Counted over
+    all groups and over those of ``min_hops``+ hop questions, where the policy fails most.
+
+    groups: question id -> indices into f1s [N]; hops: question id -> hop count.
+
+    >>> credit_counts({"a": [0, 1], "b": [2, 3]}, [0.0, 0.5, 0.1, 0.0], {"a": 1, "b": 3})
+    {'groups_uncredited': 1, 'deep_groups': 1, 'deep_groups_uncredited': 1}
+    """
+    uncredited = {q for q, members in groups.items() if not any(f1s[i] >= threshold for i in members)}
+    deep = {q for q in groups if hops[q] >= min_hops}
+    return {"groups_uncredited": len(uncredited), "deep_groups": len(deep),
+            "deep_groups_uncredited": len(uncredited & deep)}
 
 
 # ---------------------------------------------------------------- rejection sampling (RFT)
@@ -243,6 +262,6 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
     return loss, stats
 
 
-__all__ = ["EPS", "OUTCOME_REWARDS", "rft_keep", "clipped_policy_loss", "dpo_loss", "dual_granularity_advantages",
+__all__ = ["ANSWER_CREDIT_F1", "EPS", "OUTCOME_REWARDS", "credit_counts", "rft_keep", "clipped_policy_loss", "dpo_loss", "dual_granularity_advantages",
            "group_normalized", "group_step_advantages", "outcome_reward_paper", "outcome_reward_reference", "process_advantages",
            "step_score_reference", "step_score_stats", "token_advantages"]

@@ -31,11 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-#: the F1 from which an answer earns outcome credit in the reference reward (prorag.algorithms.rl)
-ANSWER_CREDIT_F1 = 0.2
-
 from prorag import paths
-from prorag.algorithms.rl import OUTCOME_REWARDS
+from prorag.algorithms.rl import OUTCOME_REWARDS, credit_counts
 from prorag.config import cfg_field
 from prorag.errors import AlreadyExists, FailedPrecondition
 from prorag.training.context import JobContext
@@ -430,23 +427,6 @@ def rl_loss(model, batch, cfg: RLConfig):
         with torch.no_grad(), model.disable_adapter():
             ref = token_logprobs(model, ids, attn, mask)
     return clipped_policy_loss(lp, old, adv, mask, clip=cfg.clip, kl_coef=cfg.kl_coef, ref_logprobs=ref)
-
-
-def credit_counts(groups: dict[str, list[int]], f1s: list[float], hops: dict[str, int],
-                  threshold: float = ANSWER_CREDIT_F1) -> dict[str, int]:
-    """Groups where no rollout's answer earns credit (F1 under ``threshold``, the reference reward's 0.2): their
-    outcome advantage can only tell valid format from invalid, so only a process term says which of their steps
-    were better. Counted over all groups and over those of 3+ hop questions, where the policy fails most.
-
-    groups: question id -> indices into f1s; hops: question id -> hop count.
-
-    >>> credit_counts({"a": [0, 1], "b": [2, 3]}, [0.0, 0.5, 0.1, 0.0], {"a": 1, "b": 3})
-    {'groups_uncredited': 1, 'deep_groups': 1, 'deep_groups_uncredited': 1}
-    """
-    uncredited = {q for q, members in groups.items() if not any(f1s[i] >= threshold for i in members)}
-    deep = {q for q in groups if hops[q] >= 3}
-    return {"groups_uncredited": len(uncredited), "deep_groups": len(deep),
-            "deep_groups_uncredited": len(uncredited & deep)}
 
 
 # ---------------------------------------------------------------- the stage

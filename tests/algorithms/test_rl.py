@@ -129,3 +129,14 @@ def test_the_docstring_examples_hold():
 
     result = doctest.testmod(rl)
     assert result.attempted >= 4 and result.failed == 0
+
+
+def test_credit_counts_find_the_groups_only_a_process_term_can_teach():
+    from prorag.algorithms.rl import credit_counts
+
+    groups = {"q1": [0, 1], "q3": [2, 3], "q4": [4, 5]}
+    f1s = [0.19, 0.0, 0.2, 0.0, 0.0, 0.1]  # q3's first rollout reaches the threshold exactly
+    assert credit_counts(groups, f1s, {"q1": 1, "q3": 3, "q4": 4}) == {
+        "groups_uncredited": 2, "deep_groups": 2, "deep_groups_uncredited": 1}
+    assert credit_counts(groups, f1s, {"q1": 1, "q3": 3, "q4": 4}, threshold=0.15) == {
+        "groups_uncredited": 1, "deep_groups": 2, "deep_groups_uncredited": 1}  # q4's best is 0.1

@@ -570,17 +570,3 @@ def test_empty_sampled_steps_are_not_sent_to_the_prm_and_score_as_invalid(tmp_pa
     assert 0 < data.stats["prm_scored"] < 8  # trajectories whose only step is empty ask the PRM nothing
     assert all(math.isfinite(a) for s in data.samples for a in s.advantages)
 
-
-def test_credit_counts_find_the_groups_only_a_process_term_can_teach():
-    import doctest
-
-    from services.trainer import stage_rl
-    from services.trainer.stage_rl import credit_counts
-
-    assert doctest.testmod(stage_rl).failed == 0
-    groups = {"q1": [0, 1], "q3": [2, 3], "q4": [4, 5]}
-    f1s = [0.19, 0.0, 0.2, 0.0, 0.0, 0.1]  # q3's second rollout reaches the threshold exactly
-    assert credit_counts(groups, f1s, {"q1": 1, "q3": 3, "q4": 4}) == {
-        "groups_uncredited": 2, "deep_groups": 2, "deep_groups_uncredited": 1}
-    assert credit_counts(groups, f1s, {"q1": 1, "q3": 3, "q4": 4}, threshold=0.15) == {
-        "groups_uncredited": 1, "deep_groups": 2, "deep_groups_uncredited": 1}  # q4's best is 0.1
