@@ -52,6 +52,8 @@ class RLConfig:
                                            "into its adapter registry (the policy's default adapter root)")
     split: str = cfg_field("train", help="split whose questions are sampled (never the test split)")
     max_questions: int = cfg_field(0, help="questions used, the split's first ones (0 = all)", min=0)
+    min_hops: int = cfg_field(0, help="only questions of at least this many hops (0 = all; before max_questions)",
+                              min=0, max=16)
     base_model: str = cfg_field("", help="required: the model the adapters train on (a directory or name@version "
                                          "in the world's registry); the policy service must serve this model")
     policy: str = cfg_field("127.0.0.1:50052", help="policy service (every replica of the target gets each "
@@ -430,6 +432,13 @@ def rl_loss(model, batch, cfg: RLConfig):
 
 
 # ---------------------------------------------------------------- the stage
+def select_questions(questions: list, min_hops: int = 0, max_questions: int = 0) -> list:
+    """The RL questions: those of at least ``min_hops`` hops (0 = all), then the first ``max_questions`` (0 = all),
+    in the split's order."""
+    picked = [q for q in questions if q.hops >= min_hops]
+    return picked[:max_questions] if max_questions else picked
+
+
 def run_rl(ctx: JobContext) -> dict:
     import torch
 
@@ -444,11 +453,10 @@ def run_rl(ctx: JobContext) -> dict:
         torch.set_num_threads(cfg.threads)
     base = Path(resolve_model(cfg.world, cfg.base_model, "base_model"))
     base_sha = weights_sha256(base)
-    qs = load_split(paths.world_dir(cfg.world), cfg.split)
-    if cfg.max_questions:
-        qs = qs[:cfg.max_questions]
+    qs = select_questions(load_split(paths.world_dir(cfg.world), cfg.split), cfg.min_hops, cfg.max_questions)
     if not qs:
-        raise FailedPrecondition(f"world {cfg.world!r} has no {cfg.split} questions")
+        raise FailedPrecondition(f"world {cfg.world!r} has no {cfg.split} questions"
+                                 + (f" of {cfg.min_hops}+ hops" if cfg.min_hops else ""))
     per_epoch = math.ceil(len(qs) / cfg.questions_per_iteration)
     total = cfg.iterations or per_epoch
     ctx.seed_everything(cfg.seed)

@@ -442,6 +442,19 @@ def test_policy_lag_reads_this_jobs_versions_only():
     assert policy_lag("rl@job-x-5", "rl", "job", 5) is None
 
 
+def test_min_hops_keeps_deep_questions_before_max_questions_cuts():
+    from types import SimpleNamespace
+
+    from services.trainer.stage_rl import select_questions
+
+    qs = [SimpleNamespace(id=f"q{i}", hops=h) for i, h in enumerate([1, 3, 2, 4, 3, 1])]
+    assert [q.id for q in select_questions(qs)] == [q.id for q in qs]
+    assert [q.id for q in select_questions(qs, min_hops=3)] == ["q1", "q3", "q4"]
+    assert [q.id for q in select_questions(qs, min_hops=3, max_questions=2)] == ["q1", "q3"]
+    assert [q.id for q in select_questions(qs, max_questions=2)] == ["q0", "q1"]
+    assert select_questions(qs, min_hops=5) == []
+
+
 def test_rl_never_trains_on_the_test_split(services):
     from prorag.config import ConfigError
 
