@@ -7,12 +7,14 @@ validation are deterministic functions of their inputs, so a result is keyed by 
 (the committed trees of the code directories; uncommitted code or no git never reuses), the weights' hashes,
 the world's corpus, the questions and the settings. Entries live under ``<runs>/cache/<kind>/<key>/`` (one JSON
 result and the files it wrote), each written by one atomic rename, so a killed run never leaves half an entry.
+The store is bounded: past ``PRORAG_CACHE_MAX_BYTES`` (default 2 GiB) the least recently used entries go.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -70,8 +72,47 @@ def memo_key(kind: str, parts: Mapping[str, Any], code: str | None = None) -> st
     return f"{kind}-{fingerprint({'code': code, **parts})[:20]}"
 
 
+#: the store's size bound when PRORAG_CACHE_MAX_BYTES does not say (a full ablation report keeps ~130 MB)
+DEFAULT_MAX_BYTES = 2 << 30
+
+
+def _root() -> Path:
+    return paths.runs_dir() / "cache"
+
+
 def _entry(kind: str, key: str) -> Path:
-    return paths.runs_dir() / "cache" / kind / key
+    return _root() / kind / key
+
+
+def max_bytes() -> int:
+    raw = os.environ.get("PRORAG_CACHE_MAX_BYTES", "")
+    try:
+        return int(raw) if raw else DEFAULT_MAX_BYTES
+    except ValueError:
+        raise ValueError(f"PRORAG_CACHE_MAX_BYTES={raw!r} is not a number of bytes") from None
+
+
+def prune(limit: int | None = None) -> list[Path]:
+    """Delete the least recently used entries (by their result's mtime, which a load refreshes) until the store
+    holds at most ``limit`` bytes (default :func:`max_bytes`); returns the deleted entries."""
+    limit = max_bytes() if limit is None else limit
+    entries = []
+    for result in _root().glob(f"*/*/{RESULT}"):
+        try:
+            used = result.stat().st_mtime
+            size = sum(f.stat().st_size for f in result.parent.iterdir() if f.is_file())
+        except OSError:  # removed meanwhile by another run's prune
+            continue
+        entries.append((used, size, result.parent))
+    total = sum(size for _, size, _ in entries)
+    removed = []
+    for _, size, entry in sorted(entries, key=lambda e: e[0]):
+        if total <= limit:
+            break
+        shutil.rmtree(entry, ignore_errors=True)
+        total -= size
+        removed.append(entry)
+    return removed
 
 
 def load(kind: str, key: str | None, into: Path | None = None) -> dict | None:
@@ -86,6 +127,10 @@ def load(kind: str, key: str | None, into: Path | None = None) -> dict | None:
         value = json.loads(result.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None  # unreadable: computed again, and the store below replaces it
+    try:
+        os.utime(result)  # recently used: the last to be pruned
+    except OSError:
+        pass
     if into is not None:
         into.mkdir(parents=True, exist_ok=True)
         for f in entry.iterdir():
@@ -105,6 +150,8 @@ def store(kind: str, key: str | None, result: dict, files: Sequence[Path] = ()) 
             if f.is_file():  # e.g. no PNG where plotting is unavailable
                 shutil.copy2(f, tmp / f.name)
         write_json(tmp / RESULT, result)
+    prune()
 
 
-__all__ = ["CODE_DIRS", "code_identity", "corpus_fingerprint", "fingerprint", "load", "memo_key", "questions_fingerprint", "store"]
+__all__ = ["CODE_DIRS", "DEFAULT_MAX_BYTES", "code_identity", "corpus_fingerprint", "fingerprint", "load", "max_bytes",
+           "memo_key", "prune", "questions_fingerprint", "store"]

@@ -473,10 +473,10 @@ def stage34(prof: Profile, stack: ServiceStack, world: str, sft_ref: str, prm: d
     deep_scores = {}
     if deep:
         t_deep = time.monotonic()
-        finals = {m: v for m, v in models.items() if "@" not in m}  # not the RL adapters of earlier iterations
-        deep_models = {"sft": sft_dir, **{m: v["model"] for m, v in finals.items()}}
+        # the RL adapters of earlier iterations too: the data-efficiency curve then counts the deep questions
+        deep_models = {"sft": sft_dir, **{m: v["model"] for m, v in models.items()}}
         deep_scores = evaluate_methods(deep_models, world, stack, list(deep), Path(run_dir) / "deep",
-                                       port_offset + 100, adapters={m: v["adapter"] for m, v in finals.items()})
+                                       port_offset + 100, adapters={m: v["adapter"] for m, v in models.items()})
         timings["eval_deep_s"] = time.monotonic() - t_deep
     timings["stage34_s"] = time.monotonic() - t
     return out, evaluated, deep_scores

@@ -9,7 +9,7 @@ stages 3-4 used different betas also give ProRAG's F1 against beta; the RL jobs'
 training rollouts' F1 against the number of RL questions seen (on train questions), and RL adapters evaluated
 after some of their iterations give the test F1 against RL questions seen (data efficiency).
 
-Written to the output directory: report.md, report.json and PNG plots (per hop count, RL curves, beta).
+Written to the output directory: report.md, report.json and PNG plots (per hop count, RL curves, data efficiency, beta).
 """
 
 from __future__ import annotations
@@ -78,22 +78,24 @@ def _rl_seed(run: dict):
 
 
 def data_efficiency(runs: list[dict]) -> dict:
-    """F1 on the test split's 3+ hop questions of each RL method's adapter after i of its iterations (evaluated as
+    """F1 on the 3+ hop questions of each RL method's adapter after i of its iterations (evaluated as
     ``<method>@it<i>``) and at the end, against the RL questions it had seen, from the runs that evaluated such
     adapters; and the fewest questions at which ProRAG reaches outcome-only GRPO's final F1 in the same run
     (None: not within its budget). The issue's figure: at most a third of outcome GRPO's questions.
 
     Each curve starts at 0 questions with the model its RL began from (RL_STARTS: outcome GRPO and ProRAG without
-    RFT from SFT, ProRAG from RFT). Returns {"runs": n, "curves": {method: [{"questions", "f1"}]} (averaged over
-    those runs), "outcome_grpo_final_f1", "outcome_grpo_start_f1", "prorag_reaches_at", "outcome_grpo_questions"}."""
+    RFT from SFT, ProRAG from RFT). A run's points count the test split's questions and, where that run evaluated
+    every point of the curves on the deep split too, the deep split's (one question set per run, so the points
+    compare like for like). Returns {"runs": n, "questions": 3+ hop questions per point (the first run's),
+    "curves": {method: [{"questions", "f1"}]} (averaged over those runs), "outcome_grpo_final_f1",
+    "outcome_grpo_start_f1", "prorag_reaches_at", "outcome_grpo_questions"}."""
     from prorag.evaluation import COMPARISON_MIN_HOPS
 
-    def deep_f1(recs: dict) -> float | None:
-        group = [rec["f1"] for rec in recs.values() if int(rec["hops"]) >= COMPARISON_MIN_HOPS]
-        return sum(group) / len(group) if group else None
+    def deep_group(recs: dict) -> list[float]:
+        return [rec["f1"] for rec in recs.values() if int(rec["hops"]) >= COMPARISON_MIN_HOPS]
 
     points = defaultdict(lambda: defaultdict(list))  # method -> questions seen -> [F1 per run]
-    used = 0
+    used, n_questions = 0, None
     for r in runs:
         if not any("@it" in m for m in r["records"]):
             continue
@@ -101,20 +103,26 @@ def data_efficiency(runs: list[dict]) -> dict:
         rl = ((r["results"].get("stage34") or {}).get("settings") or {}).get("rl") or {}
         per_iteration = int(rl.get("questions_per_iteration", 0))
         total = per_iteration * int(rl.get("iterations", 0))
-        for m, recs in r["records"].items():
+        named = {}  # evaluated name -> (curve, questions seen)
+        for m in r["records"]:
             base, _, it = m.partition("@it")
-            if base not in RL_STARTS or (it and not it.isdigit()):
-                continue
-            f1 = deep_f1(recs)
-            if f1 is not None:
-                points[base][int(it) * per_iteration if it else total].append(f1)
+            if base in RL_STARTS and (not it or it.isdigit()):
+                named[m] = (base, int(it) * per_iteration if it else total)
         for m, start in RL_STARTS.items():  # 0 questions: the model the RL began from
-            if m in points and start in r["records"]:
-                points[m][0].append(deep_f1(r["records"][start]))
+            if any(c == m for c, _ in named.values()) and start in r["records"]:
+                named.setdefault(f"{start}->{m}", (m, 0))
+        source = {name: r["records"][name.split("->")[0]] for name in named}
+        if all(name.split("->")[0] in r["deep"] for name in named):
+            source = {name: {**recs, **r["deep"][name.split("->")[0]]} for name, recs in source.items()}
+        for name, (curve, seen) in named.items():
+            group = deep_group(source[name])
+            if group:
+                points[curve][seen].append(sum(group) / len(group))
+                n_questions = len(group) if n_questions is None else n_questions
     curves = {m: [{"questions": q, "f1": sum(v) / len(v)} for q, v in sorted(pts.items())]
               for m, pts in points.items()}
-    out = {"runs": used, "curves": curves, "outcome_grpo_final_f1": None, "outcome_grpo_questions": None,
-           "outcome_grpo_start_f1": None, "prorag_reaches_at": None}
+    out = {"runs": used, "questions": n_questions, "curves": curves, "outcome_grpo_final_f1": None,
+           "outcome_grpo_questions": None, "outcome_grpo_start_f1": None, "prorag_reaches_at": None}
     if curves.get("outcome_grpo") and curves.get("prorag"):
         final = curves["outcome_grpo"][-1]
         out["outcome_grpo_final_f1"], out["outcome_grpo_questions"] = final["f1"], final["questions"]
@@ -144,8 +152,10 @@ def name_by_beta(runs: list[dict]) -> None:
     headline = beta_of(runs[0])
     for r in runs:
         b = beta_of(r)
+        r["names"] = {}
         if b is None or b == headline:
             continue
+        r["names"] = {m: f"{m}[beta={b}]" for m in BETA_METHODS}
         for part in ("records", "deep"):
             r[part] = {(f"{m}[beta={b}]" if base_method(m) in BETA_METHODS else m): v for m, v in r[part].items()}
 
@@ -194,7 +204,7 @@ def build_report(run_dirs, out_dir: str | Path) -> dict:
             if m in ("prorag", "outcome_grpo", "prorag_no_rft"):
                 curve = rl_curve(job_id)
                 if curve:
-                    curves[m].append(curve)
+                    curves[r["names"].get(m, m)].append(curve)
     report = {"runs": [r["dir"] for r in runs], "world": worlds.pop(), "seeds": seeds,
               "methods": scores, "comparisons": comparisons,
               "rl_curves": dict(curves),
@@ -250,9 +260,10 @@ def markdown(report: dict) -> str:
     eff = report.get("data_efficiency") or {}
     if eff.get("curves"):
         seen = sorted({p["questions"] for pts in eff["curves"].values() for p in pts})
-        lines += ["", "## Data efficiency: F1 on the test split's 3+ hop questions against RL questions seen", "",
-                  f"RL adapters evaluated after some of their iterations, in {eff['runs']} run(s); 0 questions is "
-                  "the model each RL began from (SFT; RFT for ProRAG).", "",
+        lines += ["", "## Data efficiency: F1 on 3+ hop questions against RL questions seen", "",
+                  f"RL adapters evaluated after some of their iterations, in {eff['runs']} run(s), on "
+                  f"{eff.get('questions')} questions of 3+ hops; 0 questions is the model each RL began from "
+                  "(SFT; RFT for ProRAG).", "",
                   "| method | " + " | ".join(f"{q} questions" for q in seen) + " |", "|---|" + "---|" * len(seen)]
         for m, pts in eff["curves"].items():
             at = {p["questions"]: p["f1"] for p in pts}
@@ -311,14 +322,24 @@ def write_plots(report: dict, out_dir: Path) -> dict[str, str]:
         save(fig, "f1_by_hops")
     if report["rl_curves"]:
         fig, ax = plt.subplots(figsize=(5, 3.4))
-        for m, curves in report["rl_curves"].items():
+        for k, (m, curves) in enumerate(report["rl_curves"].items()):
             for i, c in enumerate(curves):
                 ax.plot([p["questions"] for p in c], [100 * p["f1"] for p in c], marker="o", markersize=3,
-                        label=m if i == 0 else None, color="C0" if m == "prorag" else "C1", alpha=0.8)
+                        label=m if i == 0 else None, color=f"C{k % 10}", alpha=0.8)
         ax.set_xlabel("RL questions seen")
         ax.set_ylabel("rollout F1 x100 (train)")
         ax.legend(fontsize=8)
         save(fig, "rl_curves")
+    eff = report.get("data_efficiency") or {}
+    if eff.get("curves"):
+        fig, ax = plt.subplots(figsize=(5, 3.4))
+        for k, (m, pts) in enumerate(eff["curves"].items()):
+            ax.plot([p["questions"] for p in pts], [100 * p["f1"] for p in pts], marker="o", label=m,
+                    color=f"C{k % 10}")
+        ax.set_xlabel("RL questions seen")
+        ax.set_ylabel(f"F1 x100, {eff.get('questions')} questions of 3+ hops")
+        ax.legend(fontsize=8)
+        save(fig, "data_efficiency")
     if len(report["beta"]) > 1:
         fig, ax = plt.subplots(figsize=(4.5, 3.2))
         bs = sorted(report["beta"], key=float)

@@ -7,10 +7,11 @@ trajectory up to the context, then each step, tokenised as SFT tokenises a sampl
 (its last span), the context and documents being the condition. The reference is the same model with the
 adapter disabled, so it costs no second copy.
 
-Why not TRL's DPOTrainer: it owns its training loop and tokenises prompt/completion text itself, while here the
-step's ids must be the ids the policy produced and reads (documents and glue inserted between steps), and the
-project's one loop gives checkpoints, exact resume, cancellation and the same events as every other stage.
-The objective is TRL's (and ReasonRAG's) sigmoid loss with beta 0.3 (prorag.algorithms.rl.dpo_loss).
+TRL does the data side: each pair becomes TRL's pre-tokenised preference example (prompt_ids, chosen_ids,
+rejected_ids) and TRL's DataCollatorForPreference pads the chosen and rejected sequences into one batch with the
+completion mask DPO sums over. Why not TRL's DPOTrainer as a whole: it owns its training loop, while the project's
+one loop gives checkpoints, exact resume, cancellation and the same events as every other stage. The objective is
+TRL's (and ReasonRAG's) sigmoid loss with beta 0.3 (prorag.algorithms.rl.dpo_loss).
 """
 
 from __future__ import annotations
@@ -58,40 +59,39 @@ class DPOConfig:
     tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
 
 
-def encode_preference(tokenizer, pair, choice: int) -> tuple[list[int], list[int], list[int], list[int]]:
-    """(chosen ids, chosen step mask, rejected ids, rejected step mask) of ``pair`` with sibling ``choice`` chosen;
-    a mask [T] is 1 on the sibling step's generated tokens, the tokens whose log-probability DPO compares."""
+def encode_preference(tokenizer, pair, choice: int) -> dict[str, list[int]]:
+    """TRL's pre-tokenised preference example for ``pair`` with sibling ``choice`` chosen: ``prompt_ids`` the agent
+    prompt and the context steps with their documents and glue, as the policy read them; ``chosen_ids`` and
+    ``rejected_ids`` the sibling steps' generated tokens, the ones whose log-probability DPO compares (the glue
+    after a step is left out: it conditions nothing before it)."""
     from prorag.sft_data import agent_prompt, encode_segments
 
-    out = []
-    for i in (choice, 1 - choice):
+    out: dict[str, list[int]] = {}
+    for key, i in (("chosen_ids", choice), ("rejected_ids", 1 - choice)):
         traj = encode_segments(tokenizer, agent_prompt(pair.question), [*pair.context, pair.steps[i]], {}, {})
         span = traj.spans[-1]
-        mask = [0] * len(traj.token_ids)
-        mask[span.generated] = [1] * (span.generated_end - span.start)
-        out += [list(traj.token_ids), mask]
-    return tuple(out)
+        ids = list(traj.token_ids)
+        prompt = ids[:span.start]
+        if out.setdefault("prompt_ids", prompt) != prompt:
+            raise ValueError(f"pair {pair.question_id}: its siblings' contexts encode differently")
+        out[key] = ids[span.start:span.generated_end]
+    return out
 
 
-def step_logps(model, sequences, pad_id: int):
-    """[N] summed log-probabilities of each (ids, mask) sequence's masked tokens, in one padded forward pass."""
-    import torch
-
+def preference_logps(model, collator, examples: list[dict]):
+    """([B] chosen, [B] rejected) summed log-probabilities of each example's completion, in one padded forward pass
+    over the batch TRL's collator makes (chosen rows first, then rejected)."""
     from services.trainer.stage_rl import token_logprobs
 
-    T = max(len(ids) for ids, _ in sequences)
-    ids = torch.full((len(sequences), T), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    mask = torch.zeros((len(sequences), T))
-    for i, (s, m) in enumerate(sequences):
-        ids[i, :len(s)] = torch.tensor(s)
-        attn[i, :len(s)] = 1
-        mask[i, :len(m)] = torch.tensor(m, dtype=torch.float)
-    return (token_logprobs(model, ids, attn, mask) * mask).sum(-1)
+    batch = collator([{k: e[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for e in examples])
+    mask = batch["completion_mask"].float()
+    logps = (token_logprobs(model, batch["input_ids"], batch["attention_mask"], mask) * mask).sum(-1)
+    return logps[:len(examples)], logps[len(examples):]
 
 
 def run_dpo(ctx: JobContext) -> dict:
     import torch
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     from prorag.algorithms.rl import dpo_loss
     from prorag.modeling import load_policy
@@ -113,37 +113,37 @@ def run_dpo(ctx: JobContext) -> dict:
         choice = p.label(cfg.label_source)
         if choice is None or p.steps[0].empty or p.steps[1].empty:
             continue
-        c_ids, c_mask, r_ids, r_mask = encode_preference(tokenizer, p, choice)
-        if max(len(c_ids), len(r_ids)) > cfg.max_len:
+        example = encode_preference(tokenizer, p, choice)
+        if len(example["prompt_ids"]) + max(len(example["chosen_ids"]), len(example["rejected_ids"])) > cfg.max_len:
             too_long += 1
             continue
-        data.append({"chosen": (c_ids, c_mask), "rejected": (r_ids, r_mask)})
+        data.append(example)
     if not data:
         raise FailedPrecondition(f"no {cfg.label_source}-labelled pairs to train on in {cfg.pairs} "
                                  f"({len(pairs)} pairs read, {too_long} too long)")
-    pad = tokenizer.pad_token_id
+    collator = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
     # the reference log-probs: the same weights with the adapter disabled, computed once (a function of the data,
     # so a resumed job computes the same ones)
     model.eval()
     with torch.no_grad(), model.disable_adapter():
         for i in range(0, len(data), cfg.batch_size):
             part = data[i:i + cfg.batch_size]
-            ref = step_logps(model, [d["chosen"] for d in part] + [d["rejected"] for d in part], pad)
-            for d, rc, rr in zip(part, ref[:len(part)].tolist(), ref[len(part):].tolist()):
+            chosen, rejected = preference_logps(model, collator, part)
+            for d, rc, rr in zip(part, chosen.tolist(), rejected.tolist()):
                 d["ref"] = (rc, rr)
     model.train()
     total, batch_at = shuffled_epochs(data, cfg.batch_size, cfg.epochs, cfg.seed)
     stats_sum = {"reward_accuracy": 0.0, "margin": 0.0, "n": 0}
 
     def loss_fn(m, batch):
-        logps = step_logps(m, [d["chosen"] for d in batch] + [d["rejected"] for d in batch], pad)
+        chosen, rejected = preference_logps(m, collator, batch)
         n = len(batch)
         ref = torch.tensor([d["ref"] for d in batch])
-        loss, st = dpo_loss(logps[:n], logps[n:], ref[:, 0], ref[:, 1], beta=cfg.beta)
+        loss, st = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta=cfg.beta)
         stats_sum["reward_accuracy"] += st["reward_accuracy"] * n
         stats_sum["margin"] += st["margin"] * n
         stats_sum["n"] += n
-        return loss, sum(len(d["chosen"][0]) + len(d["rejected"][0]) for d in batch)
+        return loss, sum(2 * len(d["prompt_ids"]) + len(d["chosen_ids"]) + len(d["rejected_ids"]) for d in batch)
 
     loop = LoopConfig(steps=total, optimizer="adamw", lr=cfg.lr, weight_decay=0.0, schedule="warmup_cosine",
                       warmup_steps=int(total * cfg.warmup_ratio), grad_clip=1.0, checkpoint_every=cfg.checkpoint_every,

@@ -59,6 +59,26 @@ def test_an_unreadable_entry_is_computed_again_and_replaced(runs):
     assert json.loads(result.read_text()) == {"overall": 0.8}
 
 
+def test_the_store_is_bounded_and_drops_the_least_recently_used_entries(runs, monkeypatch):
+    import os
+
+    keys = [memo.memo_key("eval", {"model": m}, code="1a2b3c4") for m in ("a", "b", "c")]
+    for age, key in zip((300, 200, 100), keys):  # a oldest
+        memo.store("eval", key, {"pad": "x" * 1000})
+        os.utime(runs / "cache" / "eval" / key / "result.json", (0, 1_000_000 - age))
+    assert memo.load("eval", keys[0]) is not None  # used now: a is the most recent
+    monkeypatch.setenv("PRORAG_CACHE_MAX_BYTES", "2500")  # room for two entries
+    removed = memo.prune()
+    assert [p.name for p in removed] == [keys[1]]
+    assert memo.load("eval", keys[1]) is None and memo.load("eval", keys[0]) and memo.load("eval", keys[2])
+    # a store prunes too
+    memo.store("eval", memo.memo_key("eval", {"model": "d"}, code="1a2b3c4"), {"pad": "x" * 1000})
+    assert len(list((runs / "cache" / "eval").iterdir())) == 2
+    monkeypatch.setenv("PRORAG_CACHE_MAX_BYTES", "lots")
+    with pytest.raises(ValueError, match="PRORAG_CACHE_MAX_BYTES"):
+        memo.prune()
+
+
 def test_questions_fingerprint_sees_text_answers_and_order():
     q1 = SimpleNamespace(id="q1", question="Who?", golden_answers=["A"])
     q2 = SimpleNamespace(id="q2", question="Where?", golden_answers=["B"])

@@ -34,7 +34,7 @@ def test_seeds_are_pooled_per_question_and_compared_in_pairs(tmp_path, monkeypat
     a = _run(tmp_path, "seed1", {"sft": [0.0] * n, "prorag": [1.0] * n}, beta=0.3, job_ids={"prorag": "rl-job"})
     b = _run(tmp_path, "seed2", {"sft": [0.0] * n, "prorag": [1.0 if i % 2 else 0.0 for i in range(n)]}, beta=0.3)
     # a beta sweep's run: its ProRAG is another method, not a third seed of the headline one
-    c = _run(tmp_path, "beta0.5", {"prorag": [0.5] * n}, beta=0.5)
+    c = _run(tmp_path, "beta0.5", {"prorag": [0.5] * n}, beta=0.5, job_ids={"prorag": "rl-job"})
     report = build_report([a, b, c], tmp_path / "out")
 
     assert report["seeds"] == {"sft": 2, "prorag": 2, "prorag[beta=0.5]": 1}
@@ -53,6 +53,8 @@ def test_seeds_are_pooled_per_question_and_compared_in_pairs(tmp_path, monkeypat
     assert report["rl_curves"]["prorag"] == [[{"questions": 16, "f1": 0.0, "reward": 0.0},
                                               {"questions": 32, "f1": 0.1, "reward": 1.0},
                                               {"questions": 48, "f1": 0.2, "reward": 2.0}]]
+    # the beta run's curve is named by its beta, as its method is, not pooled with the headline's
+    assert len(report["rl_curves"]["prorag[beta=0.5]"]) == 1
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| prorag | 2 | 75.0 [" in md and "prorag_vs_sft" in md and "| 0.5 | 50.0 | 50.0 | 1 | 20 |" in md
     assert "| prorag[beta=0.5] | 1 | 50.0 [" in md
@@ -136,3 +138,32 @@ def test_data_efficiency_reads_the_rl_adapters_evaluated_after_some_iterations(t
     assert eff["prorag_reaches_at"] == 48 and eff["outcome_grpo_start_f1"] == pytest.approx(0.3)
     assert eff["curves"]["prorag"][0] == {"questions": 0, "f1": pytest.approx(0.3)}  # from the RFT model
     assert "shows no learning" in (tmp_path / "out3" / "report.md").read_text()
+
+
+def test_data_efficiency_counts_the_deep_split_where_every_point_was_evaluated_on_it(tmp_path):
+    n = 8  # questions 2, 3, 6, 7 of the test split have 3+ hops
+    rl = {"seed": 1, "iterations": 10, "questions_per_iteration": 16}
+    test = {"sft": [0.0] * n, "outcome_grpo@it3": [0.0] * n, "outcome_grpo": [0.0] * n,
+            "rft": [0.0] * n, "prorag@it3": [0.0] * n, "prorag": [0.0] * n}
+    deep = {"sft": 0.0, "outcome_grpo@it3": 1.0, "outcome_grpo": 0.5, "rft": 0.0, "prorag@it3": 0.5, "prorag": 1.0}
+
+    def with_deep(name, methods):
+        run = _run(tmp_path, name, test, rl=rl)
+        for method in methods:
+            (run / "deep" / method).mkdir(parents=True)
+            rows = [{"id": f"test_deep_{i}", "hops": 3, "type": "compositional", "f1": deep[method], "em": 0.0,
+                     "acc": 0.0} for i in range(12)]
+            (run / "deep" / method / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return run
+
+    eff = build_report([with_deep("all", deep)], tmp_path / "out")["data_efficiency"]
+    assert eff["questions"] == 4 + 12
+    assert [(p["questions"], pytest.approx(p["f1"])) for p in eff["curves"]["outcome_grpo"]] == [
+        (0, 0.0), (48, 12 / 16), (160, 6 / 16)]
+    assert eff["prorag_reaches_at"] == 48  # 6/16 after 3 iterations, as much as outcome GRPO's final
+    assert "on 16 questions of 3+ hops" in (tmp_path / "out" / "report.md").read_text()
+    assert (tmp_path / "out" / "data_efficiency.png").stat().st_size > 1000
+    # an earlier adapter not evaluated on the deep split: the run's points use the test split alone
+    eff = build_report([with_deep("finals_only", ["sft", "outcome_grpo", "rft", "prorag"])],
+                       tmp_path / "out2")["data_efficiency"]
+    assert eff["questions"] == 4 and all(p["f1"] == 0.0 for p in eff["curves"]["outcome_grpo"])

@@ -15,7 +15,7 @@ from prorag.pairs import StepPair
 from prorag.registry import registry
 from prorag.training.context import local_context
 from prorag.trajectory import Step
-from services.trainer.stage_dpo import DPOConfig, encode_preference, run_dpo, step_logps
+from services.trainer.stage_dpo import DPOConfig, encode_preference, preference_logps, run_dpo
 
 NAMES = ["Tova Lunn", "Kora Vell", "Arn Pell", "Mira Dost", "Sel Varn", "Oda Kree", "Bram Tull", "Ina Rook"]
 
@@ -38,22 +38,28 @@ def _pairs(n, seed=0):
     return out
 
 
-def test_a_preference_masks_only_the_sibling_steps_generated_tokens(tiny_policy):
+def test_a_preference_is_trls_example_of_the_shared_context_and_each_siblings_generated_tokens(tiny_policy):
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from prorag.sft_data import agent_prompt, encode_segments
+
     _, tok = tiny_policy
     pair = _pairs(1)[0]
-    c_ids, c_mask, r_ids, r_mask = encode_preference(tok, pair, pair.value_choice)
-    for ids, mask, step in ((c_ids, c_mask, pair.steps[pair.value_choice]),
-                            (r_ids, r_mask, pair.steps[1 - pair.value_choice])):
-        assert len(ids) == len(mask)
-        first = mask.index(1)
-        assert all(mask[first:first + sum(mask)])  # one contiguous span...
-        assert tok.decode(ids[first:first + sum(mask)], skip_special_tokens=False).strip() == step.text  # ...the step
-        # everything after the step is inserted glue, never trained
-        assert first + sum(mask) < len(ids) and not any(mask[first + sum(mask):])
+    example = encode_preference(tok, pair, pair.value_choice)
+    for key, step in (("chosen_ids", pair.steps[pair.value_choice]), ("rejected_ids", pair.steps[1 - pair.value_choice])):
+        assert tok.decode(example[key], skip_special_tokens=False).strip() == step.text  # the step, no glue
+        # the prompt is the token prefix the policy read before the step, documents and glue included
+        whole = encode_segments(tok, agent_prompt(pair.question), [*pair.context, step], {}, {}).token_ids
+        assert list(whole[:len(example["prompt_ids"]) + len(example[key])]) == example["prompt_ids"] + example[key]
+    assert tok.decode(example["prompt_ids"]).count("Mai Brewery was founded by") == 1  # the context's document
+    # TRL's collator marks exactly the siblings' tokens as the completion DPO sums over
+    batch = DataCollatorForPreference(pad_token_id=tok.pad_token_id)([example])
+    assert batch["completion_mask"].sum(-1).tolist() == [len(example["chosen_ids"]), len(example["rejected_ids"])]
 
 
 def test_dpo_stage_prefers_the_chosen_step_and_publishes_an_adapter(tiny_policy, tmp_path, monkeypatch):
     from peft import PeftModel
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     from prorag.modeling import load_policy
 
@@ -74,12 +80,12 @@ def test_dpo_stage_prefers_the_chosen_step_and_publishes_an_adapter(tiny_policy,
     base.eval()
     tuned.eval()
     fresh = _pairs(16, seed=99)  # names in new pairings: the preference generalises, not memorised pairs
-    seqs = [encode_preference(tok, p, p.value_choice) for p in fresh]
+    examples = [encode_preference(tok, p, p.value_choice) for p in fresh]
+    collator = DataCollatorForPreference(pad_token_id=tok.pad_token_id)
     with torch.no_grad():
         margins = []
         for m in (base, tuned):
-            c = step_logps(m, [(s[0], s[1]) for s in seqs], tok.pad_token_id)
-            r = step_logps(m, [(s[2], s[3]) for s in seqs], tok.pad_token_id)
+            c, r = preference_logps(m, collator, examples)
             margins.append(c - r)
     implicit_reward = margins[1] - margins[0]  # DPO's reward of chosen over rejected, per pair
     assert float((implicit_reward > 0).float().mean()) >= 0.75
