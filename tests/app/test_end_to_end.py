@@ -159,6 +159,8 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
                           world="tiny-s7", port_offset=_free_offset())
     assert report["seeds"]["sft"] == 2 and report["seeds"]["outcome_grpo"] == 2
     assert report["seeds"]["outcome_grpo@it1"] == 1  # the first seed's adapter after 1 of its 2 iterations
+    # ... evaluated on the deep split too, so the data-efficiency curve counts its questions
+    assert report["data_efficiency"]["questions"] == n3 + 8
     assert report["comparisons"]["outcome_grpo_vs_sft"]["seeds"] == 2
     assert len(report["rl_curves"]["outcome_grpo"]) == 2
     seed_runs = [json.loads((Path(d) / "results.json").read_text()) for d in report["runs"]]
