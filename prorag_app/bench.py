@@ -731,11 +731,29 @@ def _trajectory_lengths(tokenizer, limit: int = 500) -> list[int]:
     return out
 
 
+#: the parts of one RL iteration, as the RL stage's summary names their medians (prorag_app.stage34.rl_summary)
+RL_STEP_PARTS = ("rollout", "prm_scoring", "reward", "update", "adapter_sync")
+
+
+def rl_step_split(results: dict) -> dict:
+    """Per RL method of a run's results.json: the median seconds of each part of an iteration (RL_STEP_PARTS) and
+    each part's share of their sum; {} when the run trained no RL method."""
+    out = {}
+    for method, summary in (((results.get("stage34") or {}).get("rl")) or {}).items():
+        parts = {p: float(summary.get(f"median_{p}_s", 0.0)) for p in RL_STEP_PARTS}
+        total = sum(parts.values())
+        out[method] = {**{f"{p}_s": v for p, v in parts.items()}, "iteration_s": total,
+                       **{f"{p}_share": (v / total if total else 0.0) for p, v in parts.items()}}
+    return out
+
+
 def bench_rl(args) -> dict:
     """One RL update (the clipped loss's forward and backward through a LoRA policy) over a GRPO iteration's
     trajectories (--questions x --samples): one padded pass against length-sorted chunks of at most the stage's
     chunk_tokens padded tokens (services.trainer.stage_rl.length_chunks; the same gradient). Lengths are drawn from
-    the agent's saved test trajectories (uniform 200-1,000 tokens without them); token ids are random."""
+    the agent's saved test trajectories (uniform 200-1,000 tokens without them); token ids are random. Also the
+    last `prorag run`'s RL iterations split into rollout, PRM scoring, reward, update and adapter sync
+    (rl_step_split)."""
     import random
 
     import torch
@@ -773,7 +791,13 @@ def bench_rl(args) -> dict:
         times = [update(chunks) for _ in range(args.repeats)]
         out[name] = {"s": statistics.median(times), "chunks": len(chunks),
                      "padded_tokens": sum(len(c) * max(lengths[i] for i in c) for c in chunks)}
+    from prorag import paths
+
+    latest = paths.runs_dir() / "latest" / "results.json"
+    # where an iteration's time goes in the real RL jobs of the last `prorag run` (medians over their iterations)
+    split = rl_step_split(json.loads(latest.read_text())) if latest.is_file() else {}
     return {"target": "rl", "model": model_dir, "trajectories": n, "tokens": sum(lengths),
+            "step_split": split, "step_split_from": str(latest) if split else None,
             "lengths_from": "saved agent trajectories" if pool else "uniform 200-1000",
             "chunk_tokens": cfg.chunk_tokens, "threads": torch.get_num_threads(), "repeats": args.repeats, **out,
             "ratio": out["one_pass"]["s"] / out["chunked"]["s"]}
