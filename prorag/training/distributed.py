@@ -36,6 +36,17 @@ def accelerator_from_env(cpu: bool | None = None):
     return Accelerator(cpu=bool(cpu)) if cpu is not None else Accelerator()
 
 
+def finish_distributed(accelerator) -> None:
+    """End a launched process's part cleanly: wait for every process, then destroy the process group
+    (accelerate's ``end_training``). Why: a process that exits with the group alive can abort in teardown
+    ("terminate called without an active exception", SIGABRT) while gloo's threads still run, failing a job
+    whose work was done. None (one process) does nothing."""
+    if accelerator is None:
+        return
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
 def my_micro_batches(step: int, grad_accum: int, rank: int, world: int) -> list[int]:
     """The micro-batch indices process ``rank`` of ``world`` computes for optimizer step ``step``.
 
@@ -52,4 +63,4 @@ def my_micro_batches(step: int, grad_accum: int, rank: int, world: int) -> list[
     return list(range(step * grad_accum + rank, (step + 1) * grad_accum, world))
 
 
-__all__ = ["accelerator_from_env", "my_micro_batches", "world_size_from_env"]
+__all__ = ["accelerator_from_env", "finish_distributed", "my_micro_batches", "world_size_from_env"]

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from prorag.config import to_dict
     from prorag.io import write_json
     from prorag.training.context import local_context
-    from prorag.training.distributed import accelerator_from_env
+    from prorag.training.distributed import accelerator_from_env, finish_distributed
     from services.trainer.server import TrainerConfig
     from services.trainer.stages import check_job_config, get_stage, load_stage_modules, validate_config
 
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if ctx.is_main:
         write_json(Path(args.work_dir) / "result.json", out or {})
         print(json.dumps(out or {}, default=str))
+    finish_distributed(accelerator)
     return 0 if out or not ctx.is_main else 1
 
 

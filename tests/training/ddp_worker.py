@@ -12,7 +12,7 @@ def main(out: str) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from prorag.training.context import local_context
-    from prorag.training.distributed import accelerator_from_env
+    from prorag.training.distributed import accelerator_from_env, finish_distributed
     from prorag.training.loop import LoopConfig, run_loop
 
     torch.set_num_threads(1)
@@ -39,6 +39,7 @@ def main(out: str) -> None:
         torch.save({"weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
                     "loss": result.loss, "processes": 1 if accelerator is None else accelerator.num_processes},
                    Path(out) / "weights.pt")
+    finish_distributed(accelerator)
 
 
 if __name__ == "__main__":
