@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ from typing import Any, Mapping, Sequence
 from prorag import paths
 
 RESULT = "result.json"
+log = logging.getLogger("prorag.memo")
 
 
 def fingerprint(obj: Any) -> str:
@@ -87,9 +89,12 @@ def _entry(kind: str, key: str) -> Path:
 def max_bytes() -> int:
     raw = os.environ.get("PRORAG_CACHE_MAX_BYTES", "")
     try:
-        return int(raw) if raw else DEFAULT_MAX_BYTES
+        limit = int(raw) if raw else DEFAULT_MAX_BYTES
     except ValueError:
-        raise ValueError(f"PRORAG_CACHE_MAX_BYTES={raw!r} is not a number of bytes") from None
+        limit = -1
+    if limit < 0:
+        raise ValueError(f"PRORAG_CACHE_MAX_BYTES={raw!r} is not a number of bytes (>= 0)")
+    return limit
 
 
 def prune(limit: int | None = None) -> list[Path]:
@@ -150,7 +155,10 @@ def store(kind: str, key: str | None, result: dict, files: Sequence[Path] = ()) 
             if f.is_file():  # e.g. no PNG where plotting is unavailable
                 shutil.copy2(f, tmp / f.name)
         write_json(tmp / RESULT, result)
-    prune()
+    try:
+        prune()
+    except ValueError as e:  # a mistyped bound must not fail the run whose result was just kept: say so, go on
+        log.warning("runs/cache not pruned: %s", e)
 
 
 __all__ = ["CODE_DIRS", "DEFAULT_MAX_BYTES", "code_identity", "corpus_fingerprint", "fingerprint", "load", "max_bytes",

@@ -103,19 +103,18 @@ def data_efficiency(runs: list[dict]) -> dict:
         rl = ((r["results"].get("stage34") or {}).get("settings") or {}).get("rl") or {}
         per_iteration = int(rl.get("questions_per_iteration", 0))
         total = per_iteration * int(rl.get("iterations", 0))
-        named = {}  # evaluated name -> (curve, questions seen)
+        # (evaluated name, curve, RL questions seen) of every point this run gives
+        run_points = []
         for m in r["records"]:
             base, _, it = m.partition("@it")
             if base in RL_STARTS and (not it or it.isdigit()):
-                named[m] = (base, int(it) * per_iteration if it else total)
+                run_points.append((m, base, int(it) * per_iteration if it else total))
         for m, start in RL_STARTS.items():  # 0 questions: the model the RL began from
-            if any(c == m for c, _ in named.values()) and start in r["records"]:
-                named.setdefault(f"{start}->{m}", (m, 0))
-        source = {name: r["records"][name.split("->")[0]] for name in named}
-        if all(name.split("->")[0] in r["deep"] for name in named):
-            source = {name: {**recs, **r["deep"][name.split("->")[0]]} for name, recs in source.items()}
-        for name, (curve, seen) in named.items():
-            group = deep_group(source[name])
+            if any(curve == m for _, curve, _ in run_points) and start in r["records"]:
+                run_points.append((start, m, 0))
+        with_deep = all(name in r["deep"] for name, _, _ in run_points)  # one question set for the whole run
+        for name, curve, seen in run_points:
+            group = deep_group({**r["records"][name], **(r["deep"][name] if with_deep else {})})
             if group:
                 points[curve][seen].append(sum(group) / len(group))
                 n_questions = len(group) if n_questions is None else n_questions

@@ -77,6 +77,13 @@ def test_the_store_is_bounded_and_drops_the_least_recently_used_entries(runs, mo
     monkeypatch.setenv("PRORAG_CACHE_MAX_BYTES", "lots")
     with pytest.raises(ValueError, match="PRORAG_CACHE_MAX_BYTES"):
         memo.prune()
+    # ... but a store under a mistyped bound keeps its entry and does not fail the run
+    kept = memo.memo_key("eval", {"model": "e"}, code="1a2b3c4")
+    memo.store("eval", kept, {"f1": 0.5})
+    assert memo.load("eval", kept) == {"f1": 0.5}
+    monkeypatch.setenv("PRORAG_CACHE_MAX_BYTES", "-1")
+    with pytest.raises(ValueError, match=">= 0"):
+        memo.prune()
 
 
 def test_questions_fingerprint_sees_text_answers_and_order():
