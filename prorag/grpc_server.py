@@ -31,6 +31,9 @@ def _error_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, str(exc)
     if isinstance(exc, asyncio.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, "the operation did not finish before its deadline"
+    if type(exc).__name__ == "OutOfMemoryError":  # torch's, matched by name so this module never imports torch
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, (f"out of memory on the accelerator serving this request: {exc}; "
+                                                    "send a smaller request or retry later")
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}): {exc}; this is a server bug, please report it"
 
 

@@ -210,11 +210,13 @@ def _dtype(dtype) -> torch.dtype | str:
     return table[dtype]
 
 
-def load_policy(path: str | Path, device: str = "cpu", dtype="float32"):
+def load_policy(path: str | Path, device: str | torch.device = "cpu", dtype="float32",
+                attn_implementation: str | None = None):
     """Load any Hugging Face causal LM directory (or hub id) and its tokenizer; returns (model, tokenizer).
 
-    The model is in eval mode on ``device``; the tokenizer gets a pad token (eos when it has none)
-    and the format tags as special tokens (embeddings resized if they were missing).
+    The model is in eval mode on ``device`` with weights in ``dtype``; the tokenizer gets a pad token (eos when it
+    has none) and the format tags as special tokens (embeddings resized if they were missing).
+    attn_implementation: sdpa, eager or flash_attention_2 (None = transformers' choice).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -226,9 +228,41 @@ def load_policy(path: str | Path, device: str = "cpu", dtype="float32"):
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dtype(dtype))
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dtype(dtype), **extra)
     add_format_tokens(tokenizer, model)
     return model.to(device).eval(), tokenizer
+
+
+def prepare_for_training(model, placement, *, gradient_checkpointing: bool = False, frozen: bool = False):
+    """A loaded model made ready for a training stage on ``placement`` (prorag.training.devices.Placement).
+
+    frozen=False (full fine-tuning): weights in float32 on the device, so the optimizer's state is float32 too and
+    the compute dtype applies through autocast. frozen=True (the base under LoRA adapters): weights stored in the
+    compute dtype, halving their memory in bf16; the adapters added afterwards are float32 (PEFT's default).
+    gradient_checkpointing: recompute each block's activations in the backward pass (non-reentrant, so a frozen
+    base with trainable adapters still gets its gradients)."""
+    dtype = placement.dtype if frozen else torch.float32
+    model = model.to(device=placement.device, dtype=dtype)
+    if getattr(model.config, "_attn_implementation", None) != placement.attn_implementation:
+        model.set_attn_implementation(placement.attn_implementation)  # a model built here rather than loaded
+    if gradient_checkpointing:
+        # transformers >= 5.2x renamed it (the old name warns); the lent GPU machines carry an older 5.x
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.config.use_cache = False
+    return model
+
+
+def load_for_training(path: str | Path, placement, *, gradient_checkpointing: bool = False, frozen: bool = False):
+    """(model, tokenizer) of a causal LM directory placed for training (see :func:`prepare_for_training`)."""
+    dtype = placement.dtype if frozen else torch.float32
+    model, tokenizer = load_policy(path, device="cpu", dtype=dtype, attn_implementation=placement.attn_implementation)
+    return prepare_for_training(model, placement, gradient_checkpointing=gradient_checkpointing,
+                                frozen=frozen), tokenizer
 
 
 @dataclass
@@ -288,5 +322,6 @@ def describe_model(model) -> dict:
 
 
 __all__ = ["CHAT_TEMPLATE", "PolicyModelConfig", "PRESETS", "train_tokenizer", "add_format_tokens", "model_config",
-           "build_model", "num_parameters", "save_pretrained", "load_policy",
+           "build_model", "num_parameters", "save_pretrained", "load_policy", "load_for_training",
+           "prepare_for_training",
            "WarmupConfig", "describe_model"]

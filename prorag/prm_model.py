@@ -32,13 +32,16 @@ def _tokenizer(path: str | Path, what: str):
     return tokenizer
 
 
-def prm_from_policy(policy_dir: str | Path, seed: int = 0, dtype="float32"):
+def prm_from_policy(policy_dir: str | Path, seed: int = 0, dtype="float32", attn_implementation: str | None = None):
     """A new PRM from a policy directory: its trunk and tokenizer, a scalar head initialised from ``seed``
-    (N(0, 0.02), as the trunk's linear layers). Returns (model, tokenizer), the model in train mode."""
+    (N(0, 0.02), as the trunk's linear layers). Returns (model, tokenizer), the model in train mode on the CPU
+    (a stage places it: prorag.modeling.prepare_for_training)."""
     from transformers import AutoModelForTokenClassification
 
     tokenizer = _tokenizer(policy_dir, "policy")
-    model = AutoModelForTokenClassification.from_pretrained(str(policy_dir), num_labels=1, dtype=_dtype(dtype))
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForTokenClassification.from_pretrained(str(policy_dir), num_labels=1, dtype=_dtype(dtype),
+                                                            **extra)
     add_format_tokens(tokenizer, model)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -49,12 +52,14 @@ def prm_from_policy(policy_dir: str | Path, seed: int = 0, dtype="float32"):
     return model.train(), tokenizer
 
 
-def load_prm(path: str | Path, device: str = "cpu", dtype="float32"):
+def load_prm(path: str | Path, device: str | torch.device = "cpu", dtype="float32",
+             attn_implementation: str | None = None):
     """A saved PRM directory (prorag.modeling.save_pretrained of a prm_from_policy model); (model eval, tok)."""
     from transformers import AutoModelForTokenClassification
 
     tokenizer = _tokenizer(path, "PRM")
-    model = AutoModelForTokenClassification.from_pretrained(str(path), dtype=_dtype(dtype))
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForTokenClassification.from_pretrained(str(path), dtype=_dtype(dtype), **extra)
     if model.config.num_labels != 1:
         raise InvalidArgument(f"{path} is not a PRM: its head has {model.config.num_labels} outputs, not 1")
     return model.to(device).eval(), tokenizer
@@ -79,7 +84,7 @@ def score_batch(model, sequences: Sequence[Sequence[int]], positions: Sequence[S
         x[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         attn[i, :len(ids)] = 1
     device = next(model.parameters()).device
-    logits = model(input_ids=x.to(device), attention_mask=attn.to(device)).logits[..., 0]  # [B, T]
+    logits = model(input_ids=x.to(device), attention_mask=attn.to(device)).logits[..., 0].float()  # [B, T]
     return [[None if p is None else logits[i, p] for p in pos] for i, (_, pos) in enumerate(cut)]
 
 

@@ -30,6 +30,7 @@ from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.modeling import num_parameters
 from prorag.training.context import JobContext
+from prorag.training.devices import Placement, batch_shape, is_out_of_memory, out_of_memory, to_device
 from prorag.training.flops import model_flops_utilisation, peak_matmul_flops
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -54,6 +55,8 @@ class LoopConfig:
                                 min=1, max=65536)
     checkpoint_every: int = cfg_field(100, help="steps between checkpoints", min=1)
     log_every: int = cfg_field(10, help="steps between progress events", min=1)
+    compile: bool = cfg_field(False, help="torch.compile each decoder block (regional compilation: the loss and "
+                                          "the rest of the step stay eager)")
 
 
 class NonFiniteLoss(FailedPrecondition):
@@ -69,7 +72,11 @@ class LoopResult:
 
 def build_optimizer(params, cfg: LoopConfig) -> torch.optim.Optimizer:
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+        params = list(params)
+        # one fused kernel per step instead of a loop over tensors; CUDA float32 parameters only
+        fused = bool(params) and all(p.is_cuda and p.dtype == torch.float32 for p in params)
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+                                 fused=fused or None)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
@@ -89,10 +96,27 @@ class _LossModule(torch.nn.Module):
         return self.loss_fn(self.model, batch)
 
 
+def compile_blocks(model: torch.nn.Module) -> int:
+    """torch.compile every decoder block of ``model`` in place (regional compilation); returns how many.
+
+    Why blocks and not the whole model: a stage's loss calls the trunk and the head separately and selects the
+    trained positions by a mask (a data-dependent shape), which would break one whole-model graph; the blocks are
+    the same graph repeated, so compiling them costs one compile and keeps the state-dict keys unchanged."""
+    blocks = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    for block in blocks:
+        block.compile(dynamic=None)
+    return len(blocks)
+
+
 def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], Any],
              loss_fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, int]], cfg: LoopConfig,
-             grad_hook: Callable[[torch.nn.Module], None] | None = None, accelerator=None) -> LoopResult:
+             grad_hook: Callable[[torch.nn.Module], None] | None = None, accelerator=None,
+             placement: Placement | None = None) -> LoopResult:
     """Train ``model`` in place for ``cfg.steps`` optimizer steps, resuming from the context's last checkpoint.
+
+    placement: where the step computes (prorag.training.devices): each micro-batch is moved to its device and the
+    loss runs under autocast to its dtype, the weights and optimizer state staying as the stage built them
+    (float32 for what is trained). None = the model's device in float32.
 
     grad_hook(model): called once per step after the micro-batches' backward passes, before clipping
     (e.g. the selftest's gradient noise). Leaves the model in eval mode.
@@ -150,7 +174,12 @@ def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], 
         flag = float(ctx.should_stop()) if main else 0.0
         return all_ranks_sum(flag)[0] > 0
 
-    peak = peak_matmul_flops(next(model.parameters()).device)  # measured before the first window starts
+    if placement is None:
+        placement = Placement(next(model.parameters()).device, torch.float32, "sdpa")
+    if cfg.compile:
+        compile_blocks(model)
+    # the peak of the dtype the step computes in, measured before the first window starts
+    peak = peak_matmul_flops(placement.device, placement.dtype)
     n_params = num_parameters(model)
     model.train()
     try:
@@ -170,15 +199,26 @@ def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], 
                 # gradients are synchronised once per step, on this process's last micro-batch
                 sync = accelerator.no_sync(trained) if trained is not None and j < len(mine) - 1 \
                     else contextlib.nullcontext()
-                with sync:
-                    loss, n = step_loss(batch_at(i))
-                    # the mean of the step's k micro-batches' losses; the engine averages the processes' sums,
-                    # so each scales its share by world / k
-                    scaled = loss * world / k
-                    if accelerator is not None:
-                        accelerator.backward(scaled)
-                    else:
-                        scaled.backward()
+                batch = to_device(batch_at(i), placement.device)
+                try:
+                    with sync:
+                        with placement.autocast():
+                            loss, n = step_loss(batch)
+                        # the mean of the step's k micro-batches' losses; the engine averages the processes'
+                        # sums, so each scales its share by world / k
+                        scaled = loss * world / k
+                        if accelerator is not None:
+                            accelerator.backward(scaled)
+                        else:
+                            scaled.backward()
+                except Exception as exc:
+                    if not is_out_of_memory(exc):
+                        raise
+                    # the step was not applied: the weights and the last checkpoint are as they were
+                    raise out_of_memory(exc, f"at step {step + 1}/{cfg.steps}, micro-batch {i} ({batch_shape(batch)})",
+                                        "lower batch_size or raise grad_accum, turn gradient_checkpointing on, or "
+                                        "lower max_len; the job's last checkpoint is intact and a resubmitted job "
+                                        "resumes from it") from None
                 loss_v += float(loss.detach()) / k
                 n_tok += int(n)
             loss_v, n_tok = all_ranks_sum(loss_v, float(n_tok))
@@ -205,7 +245,7 @@ def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], 
                 rate = tokens / max(now - t_last, 1e-9)
                 t_last, tokens = now, 0
                 metrics.update(mfu=model_flops_utilisation(rate / world, n_params, peak), peak_flops=peak,
-                               processes=world)
+                               processes=world, dtype=placement.dtype_name)
                 ctx.emit(done, cfg.steps, loss=loss_v, tokens_per_s=rate, metrics=metrics)
             if done % cfg.checkpoint_every == 0 and done < cfg.steps:
                 state = snapshot(done)
@@ -234,4 +274,4 @@ def shuffled_epochs(items, batch_size: int, epochs: float, seed: int) -> tuple[i
     return total, batch_at
 
 
-__all__ = ["LoopConfig", "LoopResult", "NonFiniteLoss", "OPTIMIZERS", "build_optimizer", "run_loop", "shuffled_epochs"]
+__all__ = ["compile_blocks", "LoopConfig", "LoopResult", "NonFiniteLoss", "OPTIMIZERS", "build_optimizer", "run_loop", "shuffled_epochs"]

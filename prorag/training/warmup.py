@@ -168,10 +168,14 @@ def loop_config(cfg: WarmupConfig, checkpoint_every: int = 50, log_every: int = 
 
 
 def warm_up(ctx: JobContext, model, tokenizer, docs: Mapping[str, str], facts: Sequence[Fact], cfg: WarmupConfig,
-            seed: int = 0, checkpoint_every: int = 50, log_every: int = 10) -> LoopResult:
-    """Run the warm-up on ``model`` in place through the one loop (resuming from ctx's last checkpoint)."""
+            seed: int = 0, checkpoint_every: int = 50, log_every: int = 10, placement=None,
+            compile: bool = False) -> LoopResult:
+    """Run the warm-up on ``model`` in place through the one loop (resuming from ctx's last checkpoint);
+    placement: where it computes (prorag.training.devices; None = the model's device in float32)."""
     batches = WarmupBatches(tokenizer, docs, facts, cfg, seed)
-    return run_loop(ctx, model, batches, warmup_loss, loop_config(cfg, checkpoint_every, log_every))
+    loop = loop_config(cfg, checkpoint_every, log_every)
+    loop.compile = compile
+    return run_loop(ctx, model, batches, warmup_loss, loop, placement=placement)
 
 
 __all__ = ["WarmupBatch", "WarmupBatches", "loop_config", "phases", "warm_up", "warmup_loss"]

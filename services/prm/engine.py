@@ -21,6 +21,7 @@ from prorag.pairs import prm_inputs, prompt_length
 from prorag.prm_model import load_prm, score_batch
 from prorag.registry import artifact_name
 from prorag.trajectory import Step
+from prorag.training.devices import CPU_FP32, Placement, is_out_of_memory, out_of_memory
 
 
 @dataclass
@@ -33,15 +34,21 @@ class ScoringItem:
 class PRMEngine:
     """Loads a PRM directory; ``score(items)`` -> per item, one float per scored step."""
 
-    def __init__(self, model_dir: str | Path, max_len: int = 0, max_batch_tokens: int = 32768, dtype="float32"):
+    def __init__(self, model_dir: str | Path, max_len: int = 0, max_batch_tokens: int = 32768,
+                 placement: Placement = CPU_FP32):
+        """placement: device, weights dtype and attention kernel (prorag.training.devices.resolve of the service's
+        config); every later load (a hot-swap) uses the same."""
         self.lock = threading.Lock()
         self.max_batch_tokens = max_batch_tokens
         self._max_len_cfg = max_len
-        self.load(model_dir, dtype)
+        self.placement = placement
+        self.load(model_dir)
 
-    def load(self, model_dir: str | Path, dtype="float32") -> str:
+    def load(self, model_dir: str | Path) -> str:
         """(Re)load weights; returns the new version. Calls in flight finish on the old model."""
-        model, tok = load_prm(model_dir, dtype=dtype)
+        pl = self.placement
+        model, tok = load_prm(model_dir, device=pl.device, dtype=pl.dtype,
+                              attn_implementation=pl.attn_implementation)
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
         with self.lock:
             self.model, self.tokenizer, self.model_dir = model, tok, Path(model_dir)
@@ -79,8 +86,16 @@ class PRMEngine:
             def run(chunk):
                 seqs = [plans[i][0][r][0] for i, r in chunk]
                 pos = [[p for p in plans[i][0][r][1] if p is not None] for i, r in chunk]
-                with torch.no_grad():
-                    out = score_batch(model, seqs, pos, max_len=self.max_len, pad_id=tok.pad_token_id or 0)
+                try:
+                    with torch.no_grad():
+                        out = score_batch(model, seqs, pos, max_len=self.max_len, pad_id=tok.pad_token_id or 0)
+                except Exception as exc:
+                    if not is_out_of_memory(exc):
+                        raise
+                    # this request fails with the size that did not fit; the service goes on serving
+                    raise out_of_memory(exc, f"scoring {len(chunk)} rows of up to {max(map(len, seqs))} tokens",
+                                        "send fewer trajectories per request or lower the service's "
+                                        "max_batch_tokens") from None
                 for (i, r), scores in zip(chunk, out):
                     results[(i, r)] = [float(s) for s in scores]
 

@@ -13,6 +13,7 @@ from prorag.errors import FailedPrecondition
 from prorag.grpc_server import ServerSpec, start_server
 from prorag.pb import prm_pb2_grpc
 from prorag.service import ServeConfig, Started
+from prorag.training.devices import DeviceConfig, check_device_config, resolve
 from services.prm.servicer import PRMServicer
 
 SERVICE = "prorag.v1.ProcessRewardModel"
@@ -20,8 +21,9 @@ log = logging.getLogger("prorag.prm")
 
 
 @dataclass
-class PRMServeConfig:
-    """Which PRM is served and the limits callers get."""
+class PRMServeConfig(DeviceConfig):
+    """Which PRM is served, where (device, dtype, attention kernel: prorag.training.devices), and the limits callers
+    get."""
 
     model: str = cfg_field("", help="required: a PRM directory, or name[@version] in the world's PRM registry "
                                     "(a bare name serves its newest version)")
@@ -46,7 +48,7 @@ def resolve_model(cfg: PRMServeConfig):
 def _make_engine(cfg: PRMServeConfig, path):
     from services.prm.engine import PRMEngine
 
-    return PRMEngine(path, max_len=cfg.max_len, max_batch_tokens=cfg.max_batch_tokens)
+    return PRMEngine(path, max_len=cfg.max_len, max_batch_tokens=cfg.max_batch_tokens, placement=resolve(cfg))
 
 
 async def _follow(cfg: PRMServeConfig, servicer, running) -> None:
@@ -77,6 +79,7 @@ async def start(serve: ServeConfig, cfg: PRMServeConfig | None = None, engine=No
     from prorag.errors import NotFound
 
     cfg = cfg or PRMServeConfig()
+    check_device_config(cfg)  # a GPU or dtype this host lacks is refused at start, not at the first request
     following = bool(cfg.follow_latest_s) and "@" not in cfg.model and not Path(cfg.model).is_dir()
     if engine is None and cfg.model:
         try:

@@ -37,9 +37,11 @@ class PRMServicer(prm_pb2_grpc.ProcessRewardModelServicer):
 
     async def GetModelInfo(self, request, context):
         e = self._engine()
-        return common_pb2.ModelInfo(model_id=e.version, engine="transformers", device="cpu",
+        return common_pb2.ModelInfo(model_id=e.version, engine="transformers", device=str(e.placement.device),
                                     num_parameters=sum(p.numel() for p in e.model.parameters()),
-                                    extra={"max_context": str(e.max_len), "path": str(e.model_dir)})
+                                    extra={"max_context": str(e.max_len), "path": str(e.model_dir),
+                                           "dtype": e.placement.dtype_name,
+                                           "attn_implementation": e.placement.attn_implementation})
 
     async def close(self) -> None:
         await self.batcher.close()

@@ -22,12 +22,13 @@ from pathlib import Path
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
+from prorag.training.run_config import TrainRunConfig
 from services.trainer.stage_rl import ALL_PROJECTIONS
 from services.trainer.stages import register_stage, resolve_model
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(TrainRunConfig):
     """DPO with LoRA on labelled sibling steps (ReasonRAG: SPRE pairs from MCTS)."""
 
     world: str = cfg_field("default", help="embedded world whose adapter registry receives the adapter")
@@ -52,11 +53,6 @@ class DPOConfig:
     lora_targets: str = cfg_field(ALL_PROJECTIONS, help="comma-separated module names LoRA adapts")
     adapter_name: str = cfg_field("reasonrag", help="published as adapter_name@<job id> in the world's adapter "
                                                     "registry")
-    seed: int = cfg_field(0, help="data order and LoRA init", min=0, max=2 ** 31 - 1)
-    checkpoint_every: int = cfg_field(50, help="steps between checkpoints", min=1)
-    log_every: int = cfg_field(10, help="steps between progress events", min=1)
-    threads: int = cfg_field(0, help="torch threads (0 = leave as is)", min=0, max=256)
-    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
 
 
 def encode_preference(tokenizer, pair, choice: int) -> dict[str, list[int]]:
@@ -94,19 +90,20 @@ def run_dpo(ctx: JobContext) -> dict:
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     from prorag.algorithms.rl import dpo_loss
-    from prorag.modeling import load_policy
+    from prorag.modeling import load_for_training
     from prorag.pairs import load_pairs
     from prorag.registry import ArtifactRef, registry, weights_sha256
-    from prorag.training.loop import LoopConfig, run_loop, shuffled_epochs
+    from prorag.training.loop import run_loop, shuffled_epochs
     from services.trainer.stage_rl import build_lora, publish_adapter
 
     cfg: DPOConfig = ctx.config
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    cfg.apply_threads()
+    placement = cfg.placement()
     pairs = load_pairs(cfg.pairs)
     base = Path(resolve_model(cfg.world, cfg.base_model, "base_model"))
     ctx.seed_everything(cfg.seed)
-    model, tokenizer = load_policy(base, device="cpu", dtype="float32")
+    # the base is frozen under the adapter: stored in the compute dtype, the LoRA weights in float32
+    model, tokenizer = load_for_training(base, placement, frozen=True, gradient_checkpointing=cfg.gradient_checkpointing)
     model = build_lora(model, cfg)
     data, too_long = [], 0
     for p in pairs:
@@ -125,7 +122,7 @@ def run_dpo(ctx: JobContext) -> dict:
     # the reference log-probs: the same weights with the adapter disabled, computed once (a function of the data,
     # so a resumed job computes the same ones)
     model.eval()
-    with torch.no_grad(), model.disable_adapter():
+    with torch.no_grad(), model.disable_adapter(), placement.autocast():
         for i in range(0, len(data), cfg.batch_size):
             part = data[i:i + cfg.batch_size]
             chosen, rejected = preference_logps(model, collator, part)
@@ -138,17 +135,14 @@ def run_dpo(ctx: JobContext) -> dict:
     def loss_fn(m, batch):
         chosen, rejected = preference_logps(m, collator, batch)
         n = len(batch)
-        ref = torch.tensor([d["ref"] for d in batch])
+        ref = torch.tensor([d["ref"] for d in batch], device=chosen.device)
         loss, st = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta=cfg.beta)
         stats_sum["reward_accuracy"] += st["reward_accuracy"] * n
         stats_sum["margin"] += st["margin"] * n
         stats_sum["n"] += n
         return loss, sum(2 * len(d["prompt_ids"]) + len(d["chosen_ids"]) + len(d["rejected_ids"]) for d in batch)
 
-    loop = LoopConfig(steps=total, optimizer="adamw", lr=cfg.lr, weight_decay=0.0, schedule="warmup_cosine",
-                      warmup_steps=int(total * cfg.warmup_ratio), grad_clip=1.0, checkpoint_every=cfg.checkpoint_every,
-                      log_every=cfg.log_every)
-    result = run_loop(ctx, model, batch_at, loss_fn, loop)
+    result = run_loop(ctx, model, batch_at, loss_fn, cfg.loop_config(total), placement=placement)
     if not result.completed:
         return {}
     version = publish_adapter(model, cfg.world, cfg.adapter_name, ctx.job_id, base=base,

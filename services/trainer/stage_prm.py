@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
-from prorag.training.loop import LoopConfig, run_loop, shuffled_epochs
+from prorag.training.loop import run_loop, shuffled_epochs
+from prorag.training.run_config import TrainRunConfig
 from services.trainer.stages import register_stage, resolve_model
 
 
 @dataclass
-class PRMConfig:
+class PRMConfig(TrainRunConfig):
     """Train a PRM (the policy's trunk with a scalar head) on labelled sibling pairs."""
 
     world: str = cfg_field("default", help="embedded world whose registry receives the PRM")
@@ -37,15 +38,9 @@ class PRMConfig:
     batch_size: int = cfg_field(8, help="pairs per optimizer step", min=1, max=1024)
     lr: float = cfg_field(1e-4, help="peak learning rate (ProRAG: 2e-5 for an 8B model; small models take more)",
                           min=0.0, max=1.0)
-    warmup_ratio: float = cfg_field(0.05, help="fraction of steps warming up", min=0.0, max=0.5)
     max_len: int = cfg_field(2048, help="longest input; longer ones are cut on the left, after the prompt",
                              min=16)
-    seed: int = cfg_field(0, help="seed for the head's init and the data order", min=0, max=2 ** 31 - 1)
-    checkpoint_every: int = cfg_field(100, help="steps between checkpoints", min=1)
-    log_every: int = cfg_field(10, help="steps between progress events", min=1)
     publish_name: str = cfg_field("prm", help="publish as name@<job id> under data/prms/<world>")
-    threads: int = cfg_field(0, help="torch threads (0 = leave as is)", min=0, max=256)
-    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
 
 
 def _held_out(question_id: str, share: float) -> bool:
@@ -87,16 +82,18 @@ def run_prm(ctx: JobContext) -> dict:
     from prorag.algorithms.prm import bradley_terry_loss, pairwise_accuracy
     from prorag.modeling import save_pretrained
     from prorag.pairs import load_pairs
+    from prorag.modeling import prepare_for_training
     from prorag.prm_model import prm_from_policy
     from prorag.registry import ArtifactRef, registry, weights_sha256
 
     cfg: PRMConfig = ctx.config
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    cfg.apply_threads()
+    placement = cfg.placement()
     pairs = load_pairs(cfg.pairs)
     policy = resolve_model(cfg.world, cfg.policy_model, "policy_model")
     ctx.seed_everything(cfg.seed)
-    model, tokenizer = prm_from_policy(policy, seed=cfg.seed)
+    model, tokenizer = prm_from_policy(policy, seed=cfg.seed, attn_implementation=placement.attn_implementation)
+    model = prepare_for_training(model, placement, gradient_checkpointing=cfg.gradient_checkpointing)
     train = encode_pairs(tokenizer, [p for p in pairs if not _held_out(p.question_id, cfg.holdout)], cfg.label_source)
     held = encode_pairs(tokenizer, [p for p in pairs if _held_out(p.question_id, cfg.holdout)], cfg.label_source)
     if not train:
@@ -109,16 +106,13 @@ def run_prm(ctx: JobContext) -> dict:
         chosen, rejected = pair_scores(m, batch, cfg.max_len, pad)
         return bradley_terry_loss(chosen, rejected), sum(len(b[0]) + len(b[2]) for b in batch)
 
-    loop = LoopConfig(steps=total, optimizer="adamw", lr=cfg.lr, weight_decay=0.0, schedule="warmup_cosine",
-                      warmup_steps=int(total * cfg.warmup_ratio), grad_clip=1.0, checkpoint_every=cfg.checkpoint_every,
-                      log_every=cfg.log_every)
-    result = run_loop(ctx, model, batch_at, loss_fn, loop)
+    result = run_loop(ctx, model, batch_at, loss_fn, cfg.loop_config(total), placement=placement)
     if not result.completed:
         return {}
     model.eval()
     metrics = {"final_loss": result.loss, "train_pairs": len(train), "heldout_pairs": len(held)}
     if held:
-        with torch.no_grad():
+        with torch.no_grad(), placement.autocast():
             c, r = [], []
             for i in range(0, len(held), cfg.batch_size):
                 sc, sr = pair_scores(model, held[i:i + cfg.batch_size], cfg.max_len, pad)

@@ -18,12 +18,13 @@ from prorag import paths
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
+from prorag.training.run_config import TrainRunConfig
 from services.trainer.stage_sft import fit_and_publish
 from services.trainer.stages import register_stage, resolve_model
 
 
 @dataclass
-class RFTConfig:
+class RFTConfig(TrainRunConfig):
     """Sample from the policy, keep what is correct and PRM-approved, fine-tune on it."""
 
     world: str = cfg_field("default", help="embedded world whose questions are sampled")
@@ -70,20 +71,14 @@ class RFTConfig:
     batch_size: int = cfg_field(16, help="sequences per optimizer step", min=1, max=4096)
     grad_accum: int = cfg_field(1, help="micro-batches per optimizer step", min=1, max=4096)
     lr: float = cfg_field(2e-4, help="peak learning rate (linear warm-up, cosine decay)", min=0.0, max=1.0)
-    warmup_ratio: float = cfg_field(0.05, help="fraction of steps warming up", min=0.0, max=0.5)
     weight_decay: float = cfg_field(0.01, help="AdamW weight decay", min=0.0, max=1.0)
-    grad_clip: float = cfg_field(1.0, help="max gradient norm (0 = off)", min=0.0)
     max_len: int = cfg_field(2048, help="longest kept trajectory in tokens; longer ones are dropped", min=16)
-    seed: int = cfg_field(0, help="sampling seeds and data order", min=0, max=2 ** 31 - 1)
-    checkpoint_every: int = cfg_field(100, help="steps between checkpoints", min=1)
-    log_every: int = cfg_field(10, help="steps between progress events", min=1)
     publish_name: str = cfg_field("rft", help="publish the model as name@<job id> under data/models/<world>")
-    threads: int = cfg_field(0, help="torch threads (0 = leave as is)", min=0, max=256)
-    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
 
     def validate(self) -> None:
         from prorag.config import ConfigError
 
+        super().validate()
         if not self.base_model:
             raise ConfigError("base_model", "required: the SFT model to fine-tune")
         if self.batch_size % self.grad_accum:
@@ -209,16 +204,15 @@ def run_rft(ctx: JobContext) -> dict:
     import torch
 
     from prorag.io import atomic_path
-    from prorag.modeling import load_policy
+    from prorag.modeling import load_for_training
     from prorag.tokens import TokenTrajectory
     from prorag.training.checkpoint import load_weights_file
 
     cfg: RFTConfig = ctx.config
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    cfg.apply_threads()
     base = Path(resolve_model(cfg.world, cfg.base_model, "base_model"))
     ctx.seed_everything(cfg.seed)
-    model, tokenizer = load_policy(base, device="cpu", dtype="float32")
+    model, tokenizer = load_for_training(base, cfg.placement(), gradient_checkpointing=cfg.gradient_checkpointing)
     # Sampled once and kept with the checkpoints, so a resumed job trains on the same trajectories (plain lists,
     # loaded weights-only).
     data_path = ctx.checkpoint_dir / "rft_data.pt"
@@ -237,20 +231,9 @@ def run_rft(ctx: JobContext) -> dict:
             torch.save({"samples": [s.to_dict() for s in samples], "stats": stats}, tmp)
     ctx.emit(0, 1, message=f"data: {stats}")
     prm_version = stats.pop("prm_version", "")
-    train = _TrainSettings(cfg)
-    out = fit_and_publish(ctx, train, model, tokenizer, samples, stats, base=base, name=cfg.publish_name,
-                          stage="rft")
+    out = fit_and_publish(ctx, cfg, model, tokenizer, samples, stats, base=base, name=cfg.publish_name,
+                          stage="rft", max_steps=cfg.max_train_steps)
     return {**out, "prm_version": prm_version} if out else out
-
-
-class _TrainSettings:
-    """The optimisation settings fit_and_publish reads, named as the SFT config names them."""
-
-    def __init__(self, cfg: RFTConfig):
-        for name in ("lr", "batch_size", "grad_accum", "epochs", "warmup_ratio", "weight_decay", "grad_clip", "seed",
-                     "checkpoint_every", "log_every", "world"):
-            setattr(self, name, getattr(cfg, name))
-        self.max_steps = cfg.max_train_steps
 
 
 register_stage("rft", RFTConfig, run_rft,

@@ -36,6 +36,7 @@ from prorag.algorithms.rl import OUTCOME_REWARDS, credit_counts
 from prorag.config import cfg_field
 from prorag.errors import AlreadyExists, FailedPrecondition
 from prorag.training.context import JobContext
+from prorag.training.run_config import TrainRunConfig
 from services.trainer.stages import register_stage, resolve_model
 
 ALL_PROJECTIONS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -45,7 +46,7 @@ PRM_SCORING_VERSION = 3
 
 
 @dataclass
-class RLConfig:
+class RLConfig(TrainRunConfig):
     """GRPO with outcome and PRM step rewards on LoRA adapters, sampled through the policy service."""
 
     world: str = cfg_field("default", help="embedded world whose questions are sampled; adapters are published "
@@ -100,8 +101,8 @@ class RLConfig:
     lora_targets: str = cfg_field(ALL_PROJECTIONS, help="comma-separated module names LoRA adapts (default: every "
                                                         "attention and MLP projection)")
     lr: float = cfg_field(1e-5, help="learning rate (constant; ProRAG: 1e-5)", min=0.0, max=1.0)
-    weight_decay: float = cfg_field(0.0, help="AdamW weight decay", min=0.0, max=1.0)
-    grad_clip: float = cfg_field(1.0, help="max gradient norm (0 = off)", min=0.0)
+    warmup_ratio: float = cfg_field(0.0, help="fraction of the optimizer steps with a linear learning-rate ramp, "
+                                              "constant after (ProRAG: none)", min=0.0, max=0.5)
     chunk_tokens: int = cfg_field(16384, help="most padded tokens in one forward pass of the update: a micro-batch's "
                                               "trajectories, sorted by length, go through in chunks of at most this "
                                               "many (the gradient is the same; less padding; 0 = one pass)", min=0)
@@ -119,12 +120,11 @@ class RLConfig:
                                                   "PRM service that went away (UNAVAILABLE) to come back before "
                                                   "the job fails; the interrupted call is made again whole, so no "
                                                   "trajectory is lost or counted twice", min=0.0)
-    threads: int = cfg_field(0, help="torch threads (0 = leave as is)", min=0, max=256)
-    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
 
     def validate(self) -> None:
         from prorag.config import ConfigError
 
+        super().validate()
         if not self.base_model:
             raise ConfigError("base_model", "required: the model the adapters train on")
         if self.split == "test":
@@ -407,6 +407,8 @@ def token_logprobs(model, ids, attn, mask):
     import torch
 
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    device = hf.get_output_embeddings().weight.device
+    ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
     hidden = hf.base_model(input_ids=ids, attention_mask=attn).last_hidden_state  # [B,T,H]
     sel = mask[:, 1:] > 0  # position t-1 predicts token t; position 0 is the prompt
     logits = hf.get_output_embeddings()(hidden[:, :-1][sel]).float()  # [N,V]
@@ -444,13 +446,13 @@ def run_rl(ctx: JobContext) -> dict:
 
     from prorag.clients import PolicyClient, PRMClient, push_adapter
     from prorag.data.loaders import load_split
-    from prorag.modeling import load_policy
+    from prorag.modeling import load_for_training
     from prorag.registry import ArtifactRef, registry, weights_sha256
-    from prorag.training.loop import LoopConfig, run_loop
+    from prorag.training.loop import run_loop
 
     cfg: RLConfig = ctx.config
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    cfg.apply_threads()
+    placement = cfg.placement()
     base = Path(resolve_model(cfg.world, cfg.base_model, "base_model"))
     base_sha = weights_sha256(base)
     qs = select_questions(load_split(paths.world_dir(cfg.world), cfg.split), cfg.min_hops, cfg.max_questions)
@@ -460,7 +462,8 @@ def run_rl(ctx: JobContext) -> dict:
     per_epoch = math.ceil(len(qs) / cfg.questions_per_iteration)
     total = cfg.iterations or per_epoch
     ctx.seed_everything(cfg.seed)
-    model, tokenizer = load_policy(base, device="cpu", dtype="float32")
+    # the base is frozen under the adapter: stored in the compute dtype, the LoRA weights in float32
+    model, tokenizer = load_for_training(base, placement, frozen=True, gradient_checkpointing=cfg.gradient_checkpointing)
     model = build_lora(model, cfg)
     k, m_steps = cfg.grad_accum, cfg.mini_batches
     journal = ctx.checkpoint_dir / "rl-iterations.jsonl"
@@ -512,7 +515,7 @@ def run_rl(ctx: JobContext) -> dict:
                        policy, prm)
         if cfg.recompute_old_logprobs and data.samples:
             model.eval()
-            with torch.no_grad():
+            with torch.no_grad(), placement.autocast():
                 for s_ in data.samples:
                     b = collate_rl([s_], tokenizer.pad_token_id)
                     s_.old_logprobs = token_logprobs(model, b[0], b[1], b[3])[0].tolist()
@@ -594,16 +597,15 @@ def run_rl(ctx: JobContext) -> dict:
                                         f"reward {stats['reward_mean']:.3f}, F1 {stats['f1_mean']:.3f}, "
                                         f"stale {stats['dropped_stale']}")
 
-    loop = LoopConfig(steps=total * m_steps, optimizer="adamw", lr=cfg.lr, beta1=0.9, beta2=0.999,
-                      weight_decay=cfg.weight_decay, schedule="constant", grad_clip=cfg.grad_clip, grad_accum=k,
-                      checkpoint_every=cfg.checkpoint_every * m_steps, log_every=cfg.log_every * m_steps)
+    loop = cfg.loop_config(total * m_steps, schedule="constant", beta2=0.999, grad_accum=k,
+                           checkpoint_every=cfg.checkpoint_every * m_steps, log_every=cfg.log_every * m_steps)
     # batch_at(i) is the loop's "pure function of i" as far as RL allows: the questions and sampling seeds are
     # functions of i, and the weights that sample them are the ones the loop's checkpoint restores.
     try:
         # the loop restores the weights of a resumed job before its first batch, so the journal is trimmed to the
         # iterations those weights have seen here and re-read after the loop
         result = run_loop(ctx, model, _Trimmed(batch_at, journal, k * m_steps), loss_fn, loop,
-                          grad_hook=after_backward)
+                          grad_hook=after_backward, placement=placement)
         if not result.completed:
             return {}
         version, push = publish_and_push(total)

@@ -23,12 +23,13 @@ from prorag.methods import DOCS_PER_SEARCH, SFT_MODES
 from prorag.sft_data import length_grouped_batches
 from prorag.training.context import JobContext
 from prorag.training.lm import weighted_lm_loss
-from prorag.training.loop import LoopConfig, run_loop
+from prorag.training.loop import run_loop
+from prorag.training.run_config import TrainRunConfig
 from services.trainer.stages import register_stage
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(TrainRunConfig):
     """Supervised warm-up of the policy (mode agent) or of a baseline (no_retrieval, standard_rag)."""
 
     mode: str = cfg_field("agent", help="agent = ProRAG step format; no_retrieval / standard_rag = baselines",
@@ -71,20 +72,14 @@ class SFTConfig:
     grad_accum: int = cfg_field(1, help="micro-batches per optimizer step, batch_size split evenly among them "
                                         "(less memory per forward pass, same step)", min=1, max=4096)
     lr: float = cfg_field(1e-3, help="peak learning rate (linear warm-up, cosine decay)", min=0.0, max=1.0)
-    warmup_ratio: float = cfg_field(0.05, help="fraction of steps warming up", min=0.0, max=0.5)
     weight_decay: float = cfg_field(0.01, help="AdamW weight decay", min=0.0, max=1.0)
-    grad_clip: float = cfg_field(1.0, help="max gradient norm (0 = off)", min=0.0)
     max_len: int = cfg_field(2048, help="longest training sequence in tokens; longer ones are dropped", min=16)
-    seed: int = cfg_field(0, help="seed for data order and init", min=0, max=2 ** 31 - 1)
-    checkpoint_every: int = cfg_field(100, help="steps between checkpoints", min=1)
-    log_every: int = cfg_field(10, help="steps between progress events", min=1)
     publish_name: str = cfg_field("", help="publish the model as name@<job id> under data/models/<world> ('' = mode)")
-    threads: int = cfg_field(0, help="torch threads (0 = leave as is)", min=0, max=256)
-    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
 
     def validate(self) -> None:
         from prorag.config import ConfigError
 
+        super().validate()
         if not self.base_model:
             raise ConfigError("base_model", "required: the model directory to fine-tune")
         if not Path(self.base_model).is_dir():
@@ -198,15 +193,14 @@ def collate(samples, pad_id: int):
 def run_sft(ctx: JobContext) -> dict:
     import torch
 
-    from prorag.modeling import load_policy
+    from prorag.modeling import load_for_training
     from prorag.tokens import TokenTrajectory
 
     cfg: SFTConfig = ctx.config
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    cfg.apply_threads()
     base = Path(cfg.base_model)
     ctx.seed_everything(cfg.seed)
-    model, tokenizer = load_policy(base, device="cpu", dtype="float32")
+    model, tokenizer = load_for_training(base, cfg.placement(), gradient_checkpointing=cfg.gradient_checkpointing)
 
     # Data is built once and kept with the checkpoints, so a resumed job trains on identical samples. Saved as
     # plain lists and loaded with weights_only: nothing in the job store is unpickled into code.
@@ -226,22 +220,23 @@ def run_sft(ctx: JobContext) -> dict:
     ctx.emit(0, 1, message=f"data: {stats}")
 
     name = cfg.publish_name or ("sft" if cfg.mode == "agent" else cfg.mode)
-    return fit_and_publish(ctx, cfg, model, tokenizer, samples, stats, base=base, name=name, stage="sft")
+    return fit_and_publish(ctx, cfg, model, tokenizer, samples, stats, base=base, name=name, stage="sft",
+                           max_steps=cfg.max_steps)
 
 
-def fit_and_publish(ctx: JobContext, cfg, model, tokenizer, samples, stats: dict, *, base: Path, name: str,
-                    stage: str) -> dict:
+def fit_and_publish(ctx: JobContext, cfg: TrainRunConfig, model, tokenizer, samples, stats: dict, *, base: Path,
+                    name: str, stage: str, max_steps: int = 0) -> dict:
     """Fine-tune ``model`` on token trajectories (loss on generated tokens, weighted) with the one training loop,
-    then publish it as name@<job id> in cfg.world's model registry. Shared by the SFT and RFT stages; ``cfg``
-    carries the optimisation settings both configs name alike (lr, batch_size, grad_accum, epochs, max_steps,
-    warmup_ratio, weight_decay, grad_clip, seed, checkpoint_every, log_every, world)."""
+    then publish it as name@<job id> in cfg.world's model registry. Shared by the SFT and RFT stages; ``cfg`` is
+    either's config: the shared run fields, plus batch_size, grad_accum, epochs and world, named alike in both.
+    max_steps: optimizer steps, overriding epochs when > 0."""
     from prorag.modeling import save_pretrained
     from prorag.registry import ArtifactRef, registry, weights_sha256
 
     # batch_size sequences per optimizer step, as grad_accum length-grouped micro-batches
     micro = cfg.batch_size // cfg.grad_accum
     per_epoch = math.ceil(len(samples) / micro)
-    total = cfg.max_steps or max(1, int(round(per_epoch * cfg.epochs / cfg.grad_accum)))
+    total = max_steps or max(1, int(round(per_epoch * cfg.epochs / cfg.grad_accum)))
     orders: dict[int, list[list[int]]] = {}
     lengths = [len(s.token_ids) for s in samples]
 
@@ -257,10 +252,8 @@ def fit_and_publish(ctx: JobContext, cfg, model, tokenizer, samples, stats: dict
         ids, attn, labels, w = batch
         return weighted_lm_loss(m, ids, attn, labels, w)[0], int(attn.sum())  # throughput over every real token
 
-    loop = LoopConfig(steps=total, optimizer="adamw", lr=cfg.lr, beta1=0.9, beta2=0.95, weight_decay=cfg.weight_decay,
-                      schedule="warmup_cosine", warmup_steps=int(total * cfg.warmup_ratio), grad_clip=cfg.grad_clip,
-                      grad_accum=cfg.grad_accum, checkpoint_every=cfg.checkpoint_every, log_every=cfg.log_every)
-    result = run_loop(ctx, model, batch_at, loss_fn, loop)
+    result = run_loop(ctx, model, batch_at, loss_fn, cfg.loop_config(total, grad_accum=cfg.grad_accum),
+                      placement=cfg.placement())
     if not result.completed or not ctx.is_main:  # the other processes of a launch publish nothing
         return {}
     loss_v = result.loss

@@ -14,11 +14,12 @@ from prorag.config import cfg_field
 from prorag.modeling import PRESETS, WarmupConfig
 from prorag.trajectory import CHAT_TOKENS, TAGS
 from prorag.training.context import JobContext
+from prorag.training.run_config import StageRunConfig
 from services.trainer.stages import register_stage
 
 
 @dataclass
-class WarmupStageConfig:
+class WarmupStageConfig(StageRunConfig):
     """Warm up a new embedded base (or a given model) on a world's corpus and train-split facts."""
 
     world: str = cfg_field("default", help="embedded world whose corpus and train split are read")
@@ -32,9 +33,6 @@ class WarmupStageConfig:
     output: str = cfg_field("", help="also save the warmed model in this directory, atomically ('' = only the "
                                      "run's artifact)")
     checkpoint_every: int = cfg_field(50, help="steps between checkpoints", min=1)
-    log_every: int = cfg_field(10, help="steps between progress events", min=1)
-    threads: int = cfg_field(0, help="torch threads (0 = leave as is)", min=0, max=256)
-    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
 
 
 def tokenizer_texts(world_dir) -> list[str]:
@@ -57,16 +55,17 @@ def run_warmup(ctx: JobContext) -> dict:
     from transformers import AutoTokenizer
 
     from prorag.data.loaders import iter_corpus, load_split
-    from prorag.modeling import build_model, load_policy, num_parameters, save_pretrained, train_tokenizer
+    from prorag.modeling import (build_model, load_policy, num_parameters, prepare_for_training, save_pretrained,
+                                 train_tokenizer)
     from prorag.training.warmup import warm_up
     from prorag.warmup_data import facts_from_questions
 
     cfg: WarmupStageConfig = ctx.config
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    cfg.apply_threads()
+    placement = cfg.placement()
     wdir = paths.world_dir(cfg.world)
     if cfg.base_model:
-        model, tokenizer = load_policy(cfg.base_model)
+        model, tokenizer = load_policy(cfg.base_model, attn_implementation=placement.attn_implementation)
     else:
         # kept with the checkpoints, so a resumed job builds its model on the very same vocabulary
         saved = ctx.checkpoint_dir / "tokenizer"
@@ -76,10 +75,12 @@ def run_warmup(ctx: JobContext) -> dict:
             ctx.emit(0, cfg.warmup.total_steps, message=f"training a {cfg.vocab_size}-token tokenizer on {wdir}")
             tokenizer = train_tokenizer(tokenizer_texts(wdir), vocab_size=cfg.vocab_size, out_dir=saved)
         model = build_model(cfg.preset, tokenizer, seed=cfg.seed)
+    model = prepare_for_training(model, placement, gradient_checkpointing=cfg.gradient_checkpointing)
     docs = {d.id: d.contents for d in iter_corpus(wdir / "corpus.jsonl")}
     facts = facts_from_questions(load_split(wdir, "train"))
     result = warm_up(ctx, model, tokenizer, docs, facts, cfg.warmup, seed=cfg.seed,
-                     checkpoint_every=cfg.checkpoint_every, log_every=cfg.log_every)
+                     checkpoint_every=cfg.checkpoint_every, log_every=cfg.log_every, placement=placement,
+                     compile=cfg.compile)
     if not result.completed:
         return {}
     ctx.write_artifact("model", save_pretrained(model, tokenizer, ctx.run_dir / "model"))

@@ -199,3 +199,51 @@ def test_named_before_it_is_published_it_becomes_ready_at_the_first_publish(serv
     finally:
         loop.run(started.stop())
         loop.close()
+
+
+def test_served_in_bfloat16_it_scores_as_float32_does_within_bf16_rounding(served, monkeypatch):
+    """The PRM service on the device and dtype its config names (here the CPU in bf16: the path a GPU takes)."""
+    from prorag.config import from_dict
+    from prorag.training.devices import resolve
+
+    _, engine, *_ = served
+    cfg = from_dict(PRMServeConfig, {"model": str(engine.model_dir), "dtype": "bfloat16", "device": "cpu"})
+    bf16 = PRMEngine(engine.model_dir, placement=resolve(cfg))
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
+    fp32_scores = engine.score([ScoringItem(Q, STEPS)])[0][1]
+    bf16_scores = bf16.score([ScoringItem(Q, STEPS)])[0][1]
+    assert bf16_scores == pytest.approx(fp32_scores, abs=0.05 + 0.02 * max(abs(x) for x in fp32_scores))
+
+
+def test_a_gpu_the_host_lacks_is_refused_at_start(monkeypatch):
+    from prorag.errors import FailedPrecondition
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    loop = LoopThread()
+    try:
+        with pytest.raises(FailedPrecondition, match="no CUDA device"):
+            loop.run(start(ServeConfig(port=0), PRMServeConfig(model="prm", world="tiny", device="cuda:0")))
+    finally:
+        loop.close()
+
+
+def test_out_of_memory_fails_that_request_with_resource_exhausted_and_the_server_keeps_serving(served, monkeypatch):
+    import services.prm.engine as prm_engine
+
+    stub, *_ = served
+    real = prm_engine.score_batch
+    calls = []
+
+    def oom_once(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:  # torch's own error, raised by hand: there is no GPU here to run out of memory
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB")
+        return real(*a, **k)
+
+    monkeypatch.setattr(prm_engine, "score_batch", oom_once)
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.ScoreSteps(prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)]), timeout=30)
+    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "out of memory" in ei.value.details() and "max_batch_tokens" in ei.value.details()
+    resp = stub.ScoreSteps(prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)]), timeout=30)
+    assert len(resp.results[0].scores) == len(STEPS)

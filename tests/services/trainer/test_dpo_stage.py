@@ -104,3 +104,22 @@ def test_dpo_stage_refuses_what_it_cannot_train(tiny_policy, tmp_path, monkeypat
     with pytest.raises(InvalidArgument, match="base_model"):
         run_dpo(local_context(tmp_path / "c", from_dict(DPOConfig, {"pairs": str(unlabelled),
                                                                     "base_model": "nowhere"})))
+
+
+def test_dpo_stage_trains_float32_adapters_over_a_bfloat16_base_on_the_cpu(tiny_policy, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
+    model_dir, _ = tiny_policy
+    pairs_file = tmp_path / "pairs.jsonl"
+    pairs_file.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in _pairs(16)))
+    cfg = from_dict(DPOConfig, {"world": "tiny", "pairs": str(pairs_file), "base_model": str(model_dir),
+                                "epochs": 1, "batch_size": 8, "lr": 1e-2, "lora_r": 4, "lora_alpha": 8,
+                                "threads": 1, "checkpoint_every": 1000, "max_len": 512, "dtype": "bfloat16",
+                                "log_every": 1})
+    events = []
+    out = run_dpo(local_context(tmp_path / "work", cfg, emit=events.append))
+    assert {e["metrics"]["dtype"] for e in events if e.get("loss") is not None} == {"bfloat16"}
+    assert out["steps"] == 2 and 0 < out["final_loss"] < float("inf")
+    adapter = load_file(str(registry("adapter", "tiny").resolve(out["adapter"]) / "adapter_model.safetensors"))
+    assert adapter and {v.dtype for v in adapter.values()} == {torch.float32}

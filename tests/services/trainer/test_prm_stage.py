@@ -71,3 +71,19 @@ def test_prm_stage_refuses_what_it_cannot_train(tiny_policy, tmp_path, monkeypat
     with pytest.raises(InvalidArgument, match="policy_model"):
         run_prm(local_context(tmp_path / "c", from_dict(PRMConfig, {"pairs": str(unlabelled),
                                                                     "policy_model": "nowhere"})))
+
+
+def test_prm_stage_trains_in_bfloat16_on_the_cpu_through_the_gpu_path(tiny_policy, tmp_path, monkeypatch):
+    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
+    model_dir, _ = tiny_policy
+    pairs_file = tmp_path / "pairs.jsonl"
+    pairs_file.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in _pairs(24)))
+    cfg = from_dict(PRMConfig, {"world": "tiny", "pairs": str(pairs_file), "policy_model": str(model_dir),
+                                "holdout": 0.25, "epochs": 1, "batch_size": 8, "lr": 2e-3, "threads": 1,
+                                "checkpoint_every": 1000, "max_len": 512, "dtype": "bfloat16", "log_every": 1})
+    events = []
+    out = run_prm(local_context(tmp_path / "work", cfg, emit=events.append))
+    assert {e["metrics"]["dtype"] for e in events if e.get("loss") is not None} == {"bfloat16"}
+    assert 0 < out["final_loss"] < float("inf") and "heldout_pairwise_accuracy" in out
+    prm, _ = load_prm(registry("prm", "tiny").resolve(out["prm"]))
+    assert next(prm.parameters()).dtype == torch.float32

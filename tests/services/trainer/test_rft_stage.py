@@ -8,6 +8,7 @@ because a policy that answers correctly takes training a unit test cannot spend;
 from __future__ import annotations
 
 import pytest
+import torch
 
 from prorag.config import from_dict
 from prorag.errors import FailedPrecondition
@@ -134,3 +135,18 @@ def test_replay_mixes_in_gold_sft_trajectories_built_as_the_sft_job_built_them(s
     tok = AutoTokenizer.from_pretrained(sft_dir)
     gold, _ = build_samples(from_dict_(SFTConfig, {**sft_cfg.__dict__, "max_questions": replayed}), tok)
     assert [d["token_ids"] for d in blob["samples"][kept:]] == [g.token_ids for g in gold[:replayed]]
+
+
+def test_rft_trains_in_bfloat16_on_the_cpu_through_the_gpu_path(services, tmp_path, one_thread):
+    from safetensors.torch import load_file
+
+    from prorag.registry import registry
+    from services.trainer.stage_rft import run_rft
+
+    events = []
+    cfg = _config(services, prm_threshold=-1e9, dtype="bfloat16", log_every=1, publish_name="rft-bf16")
+    out = run_rft(local_context(tmp_path / "rft-bf16", cfg, emit=events.append, stage="rft"))
+    assert {e["metrics"]["dtype"] for e in events if e.get("loss") is not None} == {"bfloat16"}
+    assert out["steps"] == 2 and 0 < out["final_loss"] < float("inf")
+    weights = load_file(str(registry("model", "tiny").resolve(out["model"]) / "model.safetensors"))
+    assert {v.dtype for v in weights.values()} == {torch.float32}

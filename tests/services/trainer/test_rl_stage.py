@@ -583,3 +583,18 @@ def test_empty_sampled_steps_are_not_sent_to_the_prm_and_score_as_invalid(tmp_pa
     assert 0 < data.stats["prm_scored"] < 8  # trajectories whose only step is empty ask the PRM nothing
     assert all(math.isfinite(a) for s in data.samples for a in s.advantages)
 
+
+
+def test_rl_trains_float32_adapters_over_a_bfloat16_base_on_the_cpu(services, tmp_path, one_thread):
+    from safetensors.torch import load_file
+
+    from prorag.registry import registry
+    from services.trainer.stage_rl import run_rl
+
+    events = []
+    out = run_rl(local_context(tmp_path / "rl-bf16", _config(services, iterations=1, dtype="bfloat16"),
+                               emit=events.append, stage="rl"))
+    assert {e["metrics"]["dtype"] for e in events if e.get("loss") is not None} == {"bfloat16"}
+    assert out["iterations"] == 1 and out["total_kept"] > 0
+    adapter = load_file(str(registry("adapter", "tiny").resolve(out["adapter"]) / "adapter_model.safetensors"))
+    assert adapter and {v.dtype for v in adapter.values()} == {torch.float32}

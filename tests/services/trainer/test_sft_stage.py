@@ -209,3 +209,20 @@ def test_one_document_hop_samples_hold_their_gold_document_without_searching(dat
     for hop, s in zip(hops, samples[-len(hops):]):
         text = tok.decode(s.token_ids)
         assert text.count("(Title: ") == 1 and f"(Title: {hop.title})" in text and hop.answer in text
+
+
+def test_sft_stage_trains_in_bfloat16_on_the_cpu_through_the_gpu_path(tmp_path, data_dir, retriever):
+    from prorag.config import from_dict
+    from prorag.registry import registry
+    from prorag.training.context import local_context
+    from services.trainer.stage_sft import SFTConfig, run_sft
+
+    cfg = from_dict(SFTConfig, _config(retriever, max_steps=4, max_questions=16, tracking="", dtype="bfloat16",
+                                       gradient_checkpointing=True, publish_name="sft-bf16"))
+    events = []
+    out = run_sft(local_context(tmp_path / "bf16", cfg, emit=events.append, stage="sft"))
+    timed = [e for e in events if e.get("loss") is not None]
+    assert {e["metrics"]["dtype"] for e in timed} == {"bfloat16"} and all(e["metrics"]["mfu"] > 0 for e in timed)
+    assert out["steps"] == 4 and 0 < out["final_loss"] < float("inf")
+    weights = _weights(registry("model", "tiny").resolve(out["model"]))
+    assert {v.dtype for v in weights.values()} == {torch.float32}

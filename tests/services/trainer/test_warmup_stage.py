@@ -55,3 +55,17 @@ def test_warmup_is_a_trainer_stage_with_a_strict_nested_config():
         validate_config(get_stage("warmup"), {**CONFIG, "warmup": {"copy_stpes": 1}})
     with pytest.raises(InvalidArgument, match="config.preset"):
         validate_config(get_stage("warmup"), {**CONFIG, "preset": "huge"})
+
+
+def test_warmup_stage_runs_in_bfloat16_on_the_cpu_through_the_gpu_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
+    from prorag_app.embedded import ensure_world
+
+    ensure_world("tiny")
+    events = []
+    out = run_warmup(local_context(tmp_path / "bf16", from_dict(WarmupStageConfig, {**CONFIG, "dtype": "bfloat16"}),
+                                   emit=events.append))
+    assert out["steps"] == 14 and 0 < out["final_loss"] < float("inf")
+    assert {e["metrics"]["dtype"] for e in events if e.get("loss") is not None} == {"bfloat16"}
+    weights = _weights(tmp_path / "bf16" / "run" / "model")
+    assert {v.dtype for v in weights.values()} == {torch.float32}  # master weights, published as trained
