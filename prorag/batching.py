@@ -33,24 +33,33 @@ class _Pending:
 class MicroBatcher:
     """``await batcher.submit(key, items, deadline)`` -> ``fn(key, merged_items)[slice]``.
 
-    ``fn(key, items) -> list`` runs in a single worker thread and returns one result per item.
+    ``fn(key, items) -> list`` runs in a worker thread and returns one result per item.
     ``max_queue`` bounds the number of waiting requests (RESOURCE_EXHAUSTED past it).
+    ``concurrency``: merged calls in flight at once. 1 (an engine that batches only what one call hands it: requests
+    arriving while it runs wait and are merged into the next call); more for an engine that schedules concurrent
+    calls itself (vLLM's continuous batching), so callers with different keys do not take turns.
     """
 
     def __init__(self, fn: Callable[[Hashable, list], list], max_items: int = 1024,
-                 max_queue: int = 4096, name: str = "batcher"):
+                 max_queue: int = 4096, name: str = "batcher", concurrency: int = 1):
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self._fn = fn
         self._max_items = max_items
         self._max_queue = max_queue
         self._pending: list[_Pending] = []
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=name)
+        self._concurrency = concurrency
+        self._slots: asyncio.Semaphore | None = None  # made on the running loop
+        self._running: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
         self.calls = 0
         self.requests = 0
 
     def start(self) -> None:
         if self._task is None:
+            self._slots = asyncio.Semaphore(self._concurrency)
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def close(self) -> None:
@@ -61,6 +70,8 @@ class MicroBatcher:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        for t in list(self._running):
+            t.cancel()
         for p in self._pending:
             if not p.future.done():
                 p.future.set_exception(asyncio.CancelledError())
@@ -107,21 +118,31 @@ class MicroBatcher:
             if not self._pending:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+            # a free slot first: with every slot busy, new requests keep queueing and are merged when one frees
+            await self._slots.acquire()
             key, group = self._take_group()
             if not group:
+                self._slots.release()
                 continue
-            merged = [item for p in group for item in p.items]
-            try:
-                results = await loop.run_in_executor(self._executor, self._fn, key, merged)
-            except Exception as exc:  # noqa: BLE001 - delivered to every caller of this batch
-                for p in group:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
-                continue
-            self.calls += 1
-            self.requests += len(group)
-            offset = 0
+            task = loop.create_task(self._dispatch(loop, key, group))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _dispatch(self, loop, key, group: list[_Pending]) -> None:
+        merged = [item for p in group for item in p.items]
+        try:
+            results = await loop.run_in_executor(self._executor, self._fn, key, merged)
+        except Exception as exc:  # noqa: BLE001 - delivered to every caller of this batch
             for p in group:
                 if not p.future.done():
-                    p.future.set_result(results[offset:offset + len(p.items)])
-                offset += len(p.items)
+                    p.future.set_exception(exc)
+            return
+        finally:
+            self._slots.release()
+        self.calls += 1
+        self.requests += len(group)
+        offset = 0
+        for p in group:
+            if not p.future.done():
+                p.future.set_result(results[offset:offset + len(p.items)])
+            offset += len(p.items)

@@ -113,6 +113,9 @@ class GenerationEngine(abc.ABC):
     name: str = "abstract"
     tokenizer = None
     max_model_len: int = 0
+    #: generate calls the service may have in flight at once: 1 for an engine that batches only within a call
+    #: (concurrent callers are merged into its next call), more for one that batches across calls itself (vLLM)
+    concurrent_calls: int = 1
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingSpec, adapter: str | None = None,

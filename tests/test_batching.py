@@ -117,3 +117,49 @@ def test_queue_bound():
         return out
 
     assert asyncio.run(main()) == [[1], [2], [3]]
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_concurrency_lets_calls_of_different_keys_run_together_and_one_keeps_them_in_turn(concurrency):
+    """vLLM batches concurrent calls itself (concurrency > 1); the transformers engine merges callers into its next
+    call (concurrency 1): requests arriving while every slot is busy still merge."""
+    running, peak, lock = [0], [0], threading.Lock()
+    calls = []
+
+    def fn(key, items):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            calls.append((key, list(items)))
+        time.sleep(0.15)
+        with lock:
+            running[0] -= 1
+        return [f"{key}:{x}" for x in items]
+
+    async def main():
+        b = MicroBatcher(fn, concurrency=concurrency)
+        tasks = [asyncio.create_task(b.submit(k, [k])) for k in ("a", "b", "c")]
+        await asyncio.sleep(0.05)
+        late = [asyncio.create_task(b.submit("d", [i])) for i in range(4)]  # all slots may be busy now
+        out = await asyncio.gather(*tasks, *late)
+        await b.close()
+        return out
+
+    out = asyncio.run(main())
+    assert out[:3] == [["a:a"], ["b:b"], ["c:c"]] and out[3:] == [[f"d:{i}"] for i in range(4)]
+    assert peak[0] == concurrency
+    assert ("d", [0, 1, 2, 3]) in calls  # the late callers of one key were merged into one call
+
+
+def test_the_policy_scheduler_gives_vllm_concurrent_calls_and_transformers_one():
+    from services.policy.scheduler import GenerationScheduler
+    from services.policy.vllm_engine import VLLMEngine
+
+    class Plain:
+        tokenizer, max_model_len = None, 0
+
+    assert GenerationScheduler(Plain()).batcher._concurrency == 1
+    assert VLLMEngine.concurrent_calls > 1
+    vllm_like = Plain()
+    vllm_like.concurrent_calls = VLLMEngine.concurrent_calls
+    assert GenerationScheduler(vllm_like).batcher._concurrency == VLLMEngine.concurrent_calls

@@ -14,7 +14,8 @@ from prorag.engine import GeneratedSeq, GenerationEngine, SamplingSpec
 class GenerationScheduler:
     def __init__(self, engine: GenerationEngine, max_items: int = 1024, max_queue: int = 4096):
         self.engine = engine
-        self.batcher = MicroBatcher(self._run, max_items=max_items, max_queue=max_queue, name="policy")
+        self.batcher = MicroBatcher(self._run, max_items=max_items, max_queue=max_queue, name="policy",
+                                    concurrency=max(1, int(getattr(engine, "concurrent_calls", 1))))
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def _run(self, key, items: list) -> list:
