@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE ?= offline
 
-.PHONY: run test install proto bench clean-data deploy-tools smoke-containers
+.PHONY: run test install proto bench clean-data deploy-tools smoke-containers gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ deploy-tools:
 # down. Without a Docker engine it says why and exits 0 (STRICT=1: fails).
 smoke-containers:
 	bash scripts/smoke_containers.sh
+
+# Every stage and service on the GPU, with the throughput figures (the CPU when there is none; it says so).
+gpu-check: install
+	$(VENV)/bin/prorag check gpu --json
 
 bench: install
 	$(VENV)/bin/prorag bench retriever --json

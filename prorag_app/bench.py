@@ -423,16 +423,20 @@ def bare_decode_tokens_per_s(model, prompts: list[list[int]], new_tokens: int, p
     from transformers import DynamicCache
 
     B = len(prompts)
+    device = next(model.parameters()).device
     uniq = list(dict.fromkeys(tuple(p) for p in prompts))  # each distinct prompt prefilled once, as an engine does
     where = {p: i for i, p in enumerate(uniq)}
-    expand = torch.tensor([where[tuple(p)] for p in prompts], dtype=torch.long)
+    expand = torch.tensor([where[tuple(p)] for p in prompts], dtype=torch.long, device=device)
     L = max(len(p) for p in uniq)
     ids = torch.full((len(uniq), L), pad_id, dtype=torch.long)
     attn = torch.zeros((len(uniq), L), dtype=torch.long)
     for i, p in enumerate(uniq):
         ids[i, L - len(p):] = torch.tensor(p)
         attn[i, L - len(p):] = 1
-    g = torch.Generator().manual_seed(seed)
+    ids, attn = ids.to(device), attn.to(device)
+    g = torch.Generator(device).manual_seed(seed)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
@@ -447,6 +451,7 @@ def bare_decode_tokens_per_s(model, prompts: list[list[int]], new_tokens: int, p
             logits = model(input_ids=tok, attention_mask=attn, position_ids=next_pos[:, None], past_key_values=cache,
                            use_cache=True).logits[:, -1, :].float()
             next_pos = next_pos + 1
+    sync()
     return B * new_tokens / (time.perf_counter() - t0)
 
 

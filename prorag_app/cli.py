@@ -328,6 +328,26 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_check(args) -> int:
+    """`prorag check gpu`: every stage and service on the accelerator, with the figures (prorag_app.check_gpu)."""
+    import shutil
+    import tempfile
+
+    from prorag_app.check_gpu import run_check
+
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="prorag-check-gpu-"))
+    try:
+        result = run_check(work, quick=args.quick)
+    finally:
+        if not args.work and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        print(json.dumps(result, sort_keys=True, default=str))
+    else:
+        print(json.dumps(result, indent=2, sort_keys=True, default=str))
+    return 0 if result["ok"] else 1
+
+
 def cmd_report(args) -> int:
     from prorag.runs import new_run_dir
     from prorag_app.report import build_report
@@ -487,6 +507,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override one profile setting, a dotted path with a JSON value, e.g. "
                         "--set stage34.rft.lr=1e-4 --set 'stage34.methods=[\"rft\"]' (repeatable)")
     r.set_defaults(fn=cmd_run)
+
+    ck = sub.add_parser("check", help="gpu: train, serve, roll out and score on the accelerator (the CPU when there is "
+                                      "none, said in the output) and print the throughput figures; at most ~5 min")
+    ck.add_argument("target", choices=["gpu"])
+    ck.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    ck.add_argument("--work", default="", help="workspace (world, models, logs); default: a temporary directory, "
+                                              "removed afterwards")
+    ck.add_argument("--keep", action="store_true", help="keep the temporary workspace")
+    ck.add_argument("--quick", action="store_true", help="fewer steps (the CPU test's setting)")
+    ck.set_defaults(fn=cmd_check)
 
     rep = sub.add_parser("report", help="one report (Markdown, JSON, PNG) over `prorag run` directories of the same "
                                         "world: their seeds pooled, paired comparisons, RL curves, beta")
