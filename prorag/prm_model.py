@@ -84,7 +84,8 @@ def score_batch(model, sequences: Sequence[Sequence[int]], positions: Sequence[S
         x[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         attn[i, :len(ids)] = 1
     device = next(model.parameters()).device
-    logits = model(input_ids=x.to(device), attention_mask=attn.to(device)).logits[..., 0].float()  # [B, T]
+    # use_cache=False: scoring and training read every position once; a KV cache would only cost memory
+    logits = model(input_ids=x.to(device), attention_mask=attn.to(device), use_cache=False).logits[..., 0].float()
     return [[None if p is None else logits[i, p] for p in pos] for i, (_, pos) in enumerate(cut)]
 
 

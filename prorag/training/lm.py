@@ -13,7 +13,9 @@ def weighted_lm_loss(model, input_ids, attention_mask, labels, weights):
     of a trajectory: prompt, documents and glue are masked), which halved the SFT step time on CPU.
     Returns (loss, number of trained tokens).
     """
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    # use_cache=False: a training forward stores no KV cache (it cost memory, and under torch.compile its per-layer
+    # state made each decoder block recompile)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     target = labels[:, 1:]
     mask = target != IGNORE_INDEX
     logits = model.get_output_embeddings()(hidden[:, :-1][mask])

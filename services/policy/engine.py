@@ -9,6 +9,8 @@ by default.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -22,6 +24,8 @@ import torch
 from prorag.engine import (ADAPTER_FILES, GeneratedSeq, GenerationEngine, SamplingSpec, already_loaded, check_prompts,
                            derive_seed, validate_adapter_dir)
 from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
+
+log = logging.getLogger("prorag.policy.engine")
 
 # --- sampling (pure) -------------------------------------------------------------------------
 
@@ -58,7 +62,8 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
         u = torch.rand(B)
     else:
         u = torch.cat([torch.rand(1, generator=g) if g is not None else torch.rand(1) for g in generators])
-    u = (1.0 - u).to(probs.device)  # in (0, 1]: never lands on a leading zero-probability token
+    # non_blocking: a blocking host-to-GPU copy would wait for the queued decode step every token
+    u = (1.0 - u).to(probs.device, non_blocking=True)  # in (0, 1]: never lands on a leading zero-probability token
     cdf = probs.cumsum(-1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
     return idx.clamp_(max=probs.shape[-1] - 1)
@@ -153,6 +158,152 @@ class PrefixKVCache:
             self._pop(key)
 
 
+# --- compiled decoding (CUDA graphs over a static KV cache) ------------------------------------
+
+#: the static cache's length is rounded up to a multiple of this, so chunks of similar lengths replay one graph
+CACHE_LEN_STEP = 128
+
+
+def batch_bucket(n: int, cap: int) -> int:
+    """The batch size a chunk of ``n`` live rows is padded to: the next power of two, or ``cap`` (>= n) when smaller.
+
+    A CUDA graph replays one shape only; a few buckets keep the number of recorded graphs small.
+
+    >>> [batch_bucket(n, 48) for n in (1, 3, 4, 17, 40, 48)]
+    [1, 4, 4, 32, 48, 48]
+    """
+    return min(1 << (max(1, n) - 1).bit_length(), max(n, cap))
+
+
+class _KVPool:
+    """Per-layer key/value storage that outlives a chunk's cache, so compiled graphs see the same addresses.
+
+    CUDA graphs (and torch.compile's static inputs) bake in tensor addresses: a new cache per chunk would make
+    every chunk record its graph again, and those recordings pile up. Each layer owns one flat buffer, grown
+    (never shrunk) to the largest chunk seen; a chunk's [B, H, L, D] cache is a contiguous view of its front.
+    """
+
+    def __init__(self):
+        self._flat: dict[tuple[int, str], torch.Tensor] = {}
+        self._lengths: dict[int, torch.Tensor] = {}
+
+    def view(self, layer: int, kind: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        need = int(np.prod(shape))
+        flat = self._flat.get((layer, kind))
+        if flat is None or flat.numel() < need or flat.dtype != like.dtype or flat.device != like.device:
+            self._flat.pop((layer, kind), None)
+            flat = None  # the old buffer goes before the larger one is allocated
+            # zeros, not empty: masked columns still enter attention's probs @ V, where 0 * NaN bits is NaN
+            flat = self._flat[(layer, kind)] = torch.zeros(need, dtype=like.dtype, device=like.device)
+        return flat[:need].view(shape)
+
+    def length(self, layer: int, device: torch.device) -> torch.Tensor:
+        """The layer's write position (StaticLayer.cumulative_length): a 0-d tensor that also keeps its address."""
+        t = self._lengths.get(layer)
+        if t is None or t.device != device:
+            self._lengths[layer] = t = torch.zeros((), dtype=torch.long, device=device)
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._flat.values())
+
+
+def _pooled_static_cache(model, max_cache_len: int, pool: _KVPool):
+    """A transformers StaticCache whose layers keep their tensors in ``pool`` (plain full-attention models only:
+    the engine checks the layer types before it compiles)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    layer_cls = _pooled_layer_class()
+    cache.layers = [layer_cls(max_cache_len, pool, i) for i in range(len(cache.layers))]
+    return cache
+
+
+#: transformers' sdpa attention, with one-token queries on grouped KV heads run without copies of K and V
+GQA_DECODE_ATTENTION = "prorag_sdpa_gqa_decode"
+
+
+def _sdpa_gqa_decode(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention, except for a one-token query on grouped KV heads (GQA): the query heads of a
+    group become the query length, so SDPA reads each KV head once. Under torch.compile transformers instead repeats
+    K and V to every query head (repeat_kv, as SDPA's own GQA takes no mask on CUDA), which writes and reads the
+    whole cache several times over in a step that is bound by reading it once. Eager transformers does the same
+    packing for one-token queries (its pack_gqa, from 5.2x on), only not under compile."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    plain = (groups == 1 or query.shape[2] != 1 or kwargs.get("position_bias") is not None
+             or kwargs.get("softcap") is not None or (attention_mask is not None and attention_mask.shape[1] != 1))
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    B, H, _, D = query.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(B, H // groups, groups, D), key, value, attn_mask=attention_mask,
+        dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"))
+    return out.reshape(B, H, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _use_gqa_decode_attention(model) -> None:
+    """Switch an sdpa model with grouped KV heads to GQA_DECODE_ATTENTION (its masks stay sdpa's)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    cfg = model.config
+    if cfg._attn_implementation != "sdpa" or (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) \
+            == cfg.num_attention_heads:
+        return
+    AttentionInterface.register(GQA_DECODE_ATTENTION, _sdpa_gqa_decode)
+    AttentionMaskInterface.register(GQA_DECODE_ATTENTION, sdpa_mask)
+    try:
+        model.set_attn_implementation(GQA_DECODE_ATTENTION)
+    except (ValueError, AttributeError, NotImplementedError) as e:  # a model that cannot switch keeps plain sdpa
+        log.warning("compile_decode: %s keeps sdpa attention (repeated KV heads under compile): %s",
+                    type(model).__name__, e)
+
+
+@functools.cache
+def _pooled_layer_class():
+    from transformers.cache_utils import StaticLayer
+
+    class PooledLayer(StaticLayer):
+        """StaticLayer allocating from a _KVPool (its documented hook: lazy_initialization); rebatch moves rows."""
+
+        _layer_type = None  # never registered as the default static layer
+
+        def __init__(self, max_cache_len: int, pool: _KVPool, index: int):
+            super().__init__(max_cache_len=max_cache_len)
+            self.pool, self.index = pool, index
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            self.device = key_states.device
+            self.num_heads = key_states.shape[1]
+            self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+            self._like = (key_states, value_states)
+            self.cumulative_length = self.pool.length(self.index, self.device)
+            self.cumulative_length.zero_()
+            self._bind(key_states.shape[0])
+            self.is_initialized = True
+
+        def _bind(self, batch: int) -> None:
+            self.batch_size = batch
+            k, v = self._like
+            shape = (batch, self.num_heads, self.max_cache_len)
+            self.keys = self.pool.view(self.index, "k", (*shape, self.k_head_dim), k)
+            self.values = self.pool.view(self.index, "v", (*shape, self.v_head_dim), v)
+            for t in (self.keys, self.values, self.cumulative_length):
+                torch._dynamo.mark_static_address(t)
+
+        def rebatch(self, idx: torch.Tensor) -> None:
+            """Rows ``idx`` of the current batch become the new batch (in place: the addresses stay)."""
+            keys, values = self.keys.index_select(0, idx), self.values.index_select(0, idx)  # copies first
+            self._bind(len(idx))
+            self.keys.copy_(keys)
+            self.values.copy_(values)
+
+    return PooledLayer
+
+
 # --- transformers engine ---------------------------------------------------------------------
 
 @dataclass
@@ -181,7 +332,8 @@ class TransformersEngine(GenerationEngine):
     def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
                  max_batch_size: int = 256, max_model_len: int | None = None, cache: str = "static",
                  compact_below: float = 0.75, prefix_cache_bytes: int = 1 << 30, num_threads: int | None = None,
-                 model=None, tokenizer=None, merge_adapters: bool = True):
+                 model=None, tokenizer=None, merge_adapters: bool = True, compile_decode: str = "auto",
+                 compile_backend: str = "inductor", stop_check_every: int = 8):
         """model_path: any HF causal LM directory; ``model``/``tokenizer`` may be passed pre-loaded.
 
         cache: "static" (preallocated per chunk, no per-token copies) or "dynamic".
@@ -194,6 +346,13 @@ class TransformersEngine(GenerationEngine):
           (one model copy of memory per adapter) instead of PEFT's LoRA layers around the shared base: every
           projection is then one matmul, not three plus PEFT's per-layer Python, which on a CPU is much of a
           small model's decoding time.
+        compile_decode: "on" runs the one-token decode step through torch.compile, with CUDA graphs on a GPU
+          (mode "reduce-overhead"), over a static cache whose memory is kept between chunks; "auto" = on for CUDA
+          devices only (on a CPU the eager loop is as fast for small models, and compiling costs seconds); "off".
+          Prefill stays eager. Any compile failure is logged and that model decodes uncompiled from then on.
+        compile_backend: torch.compile's backend for compile_decode (tests use "aot_eager" to skip codegen).
+        stop_check_every: with compile_decode, finished rows are read back every this many steps, not every token
+          (each read waits for the GPU); a row that stopped in between decodes a few tokens that are dropped.
         """
         from prorag.modeling import load_policy
 
@@ -201,6 +360,10 @@ class TransformersEngine(GenerationEngine):
             raise InvalidArgument(f"max_batch_size must be >= 1, got {max_batch_size}")
         if cache not in ("static", "dynamic"):
             raise InvalidArgument(f"cache must be 'static' or 'dynamic', got {cache!r}")
+        if compile_decode not in ("auto", "on", "off"):
+            raise InvalidArgument(f"compile_decode must be 'auto', 'on' or 'off', got {compile_decode!r}")
+        if stop_check_every < 1:
+            raise InvalidArgument(f"stop_check_every must be >= 1, got {stop_check_every}")
         if num_threads:
             torch.set_num_threads(int(num_threads))
         self.model_path = str(model_path)
@@ -225,7 +388,17 @@ class TransformersEngine(GenerationEngine):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id
         self.stats = {"generate_calls": 0, "generated_tokens": 0, "generate_s": 0.0,
-                      "prefill_tokens": 0, "reused_tokens": 0}
+                      "prefill_tokens": 0, "reused_tokens": 0, "compiled_steps": 0}
+        self.compile_decode = compile_decode == "on" or (compile_decode == "auto" and self.device.type == "cuda")
+        if self.compile_decode and cache != "static":
+            log.warning("compile_decode needs cache='static' (a dynamic cache changes shape every token): "
+                        "decoding uncompiled")
+            self.compile_decode = False
+        self.compile_backend = compile_backend
+        self.stop_check_every = int(stop_check_every)
+        self._compiled: dict[int, tuple[torch.nn.Module, object]] = {}  # id(model) -> (model, step fn | None)
+        self._kv_pool = _KVPool()
+        self._cudagraph_skips = 0
 
     # -- adapters --
 
@@ -270,16 +443,23 @@ class TransformersEngine(GenerationEngine):
             name, _ = self._adapters.pop(key)
             self.prefix_cache.drop_adapter(key)  # a later load under this key may hold other weights
             if self._merged.pop(key, None) is not None:
+                self._forget_compiled()
                 return
             if not self._adapters:
                 # removing the last adapter strips the LoRA layers: the base runs as before any load
                 self.base = self._peft.unload()
                 self._peft = None
+                self._forget_compiled()
             else:
                 if self._peft.active_adapter == name:
                     # move off the doomed adapter first (PEFT warns when the active one is deleted)
                     self._peft.set_adapter(next(iter(self._adapters.values()))[0], inference_mode=True)
                 self._peft.delete_adapter(name)
+
+    def _forget_compiled(self) -> None:
+        """Drop the compiled steps of models no longer served (their wrappers hold the modules)."""
+        alive = [self.base, *self._merged.values()]
+        self._compiled = {k: v for k, v in self._compiled.items() if any(v[0] is m for m in alive)}
 
     def adapters(self) -> list[str]:
         return list(self._adapters)
@@ -292,7 +472,8 @@ class TransformersEngine(GenerationEngine):
                 "num_parameters": num_parameters(self.base), "max_model_len": self.max_model_len,
                 "vocab_size": self.vocab_size, "max_batch_size": self.max_batch_size,
                 "adapters": self.adapters(), "prefix_cache_entries": len(self.prefix_cache),
-                "prefix_cache_bytes": self.prefix_cache.bytes, **self.stats}
+                "prefix_cache_bytes": self.prefix_cache.bytes, "compile_decode": self.compile_decode,
+                "decode_cache_bytes": self._kv_pool.nbytes, **self.stats}
 
     # -- generation --
 
@@ -350,12 +531,13 @@ class TransformersEngine(GenerationEngine):
         self._peft.set_adapter(self._adapters[adapter][0], inference_mode=True)
         return contextlib.nullcontext()
 
-    def _prefill(self, uniq: list[_Row], T: int, adapter: str | None):
+    def _prefill(self, uniq: list[_Row], T: int, adapter: str | None, make_cache=None):
         """Prefill each distinct prompt once, reusing cached prefix KV.
 
         Layout: [U, C + Q] with every sequence right-aligned: C cached columns (a row's reused
         prefix, left-padded) then Q query columns (the tokens actually run). Returns
         (cache, last logits [U, V], attention mask [U, C + Q], next position [U]).
+        make_cache: length -> cache holding at least that many columns (default: a new cache of self.cache's kind).
         """
         from transformers import DynamicCache, StaticCache
 
@@ -372,7 +554,9 @@ class TransformersEngine(GenerationEngine):
             attn[u, C - reuse[u]:C] = 1
             attn[u, C + Q - len(tail):] = 1
         pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, C:]
-        if self.cache == "static":
+        if make_cache is not None:
+            cache = make_cache(C + Q + T)
+        elif self.cache == "static":
             cache = StaticCache(config=model.config, max_cache_len=C + Q + T)
         else:
             cache = DynamicCache(config=model.config)
@@ -406,10 +590,9 @@ class TransformersEngine(GenerationEngine):
         values = [layer.values[slot, :, cols].clone() for layer in cache.layers]
         self.prefix_cache.put(adapter, ids, keys, values)
 
-    def _decode(self, rows: list[_Row], params: SamplingSpec, stops: set[int], adapter: str | None) -> None:
-        """Prefill, then one token per step for the live rows only."""
-        dev, model = self.device, self._model_for(adapter)
-        T = max(r.max_new for r in rows)
+    @staticmethod
+    def _unique_prompts(rows: list[_Row]) -> tuple[list[_Row], list[int]]:
+        """(first row of each distinct prompt, index into it per row): n samples of a prompt share one prefill."""
         index: dict[tuple, int] = {}
         uniq: list[_Row] = []
         expand = []
@@ -419,6 +602,15 @@ class TransformersEngine(GenerationEngine):
                 index[key] = len(uniq)
                 uniq.append(r)
             expand.append(index[key])
+        return uniq, expand
+
+    def _decode(self, rows: list[_Row], params: SamplingSpec, stops: set[int], adapter: str | None) -> None:
+        """Prefill, then one token per step for the live rows only."""
+        dev, model = self.device, self._model_for(adapter)
+        if self.compile_decode and self._compiled_step(model) is not None:
+            return self._decode_compiled(rows, params, stops, adapter)
+        T = max(r.max_new for r in rows)
+        uniq, expand = self._unique_prompts(rows)
         cache, logits, attn, next_pos = self._prefill(uniq, T, adapter)
         if len(uniq) < len(rows):
             idx = torch.tensor(expand, dtype=torch.long, device=dev)
@@ -461,6 +653,138 @@ class TransformersEngine(GenerationEngine):
                         past_key_values=cache, use_cache=True)
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
+
+    # -- compiled decoding --
+
+    def _compiled_step(self, model: torch.nn.Module):
+        """The compiled forward of ``model`` (compiled lazily: merged adapters are modules of their own), or None
+        where it cannot be used (the reason is logged once)."""
+        entry = self._compiled.get(id(model))
+        if entry is not None and entry[0] is model:
+            return entry[1]
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+
+        step, why = None, ""
+        try:
+            kinds = {type(layer).__name__ for layer in StaticCache(config=model.config, max_cache_len=1).layers
+                     if type(layer) is not StaticLayer}
+            if kinds:
+                why = f"its static cache has {', '.join(sorted(kinds))} layers, which the pooled decode cache lacks"
+            else:
+                # reduce-overhead = CUDA graphs; they exist on CUDA only, and only inductor takes a mode.
+                # dynamic=None: the first shape compiles static, a second one recompiles with dynamic sizes once
+                mode = "reduce-overhead" if self.device.type == "cuda" and self.compile_backend == "inductor" else None
+                _use_gqa_decode_attention(model)
+                step = torch.compile(model, backend=self.compile_backend, mode=mode, fullgraph=False, dynamic=None)
+        except Exception as e:  # noqa: BLE001 - whatever the reason, the request is decoded uncompiled
+            step, why = None, f"{type(e).__name__}: {e}"
+        if why:
+            log.warning("compile_decode: %s decodes uncompiled: %s", type(model).__name__, why)
+        self._compiled[id(model)] = (model, step)
+        return step
+
+    def _forward_step(self, model, cache, ids, mask, pos, written: int) -> torch.Tensor:
+        """One decode step -> float32 logits [B, V], through the compiled forward when there is one; a failure
+        switches the model to eager decoding (logged) and redoes the step, never failing the request."""
+        step = self._compiled_step(model)
+        if step is not None:
+            try:
+                if self.device.type == "cuda":
+                    # the last step's graph outputs are dead: the replay may overwrite them
+                    torch.compiler.cudagraph_mark_step_begin()
+                out = step(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+                self.stats["compiled_steps"] += 1
+                self._note_cudagraph_skips()
+                # a copy: the graph's output buffer is overwritten by the next replay
+                return out.logits[:, -1, :].to(torch.float32, copy=True)
+            except Exception as e:  # noqa: BLE001 - dynamo, inductor and CUDA graph failures share no base class
+                log.warning("compile_decode: the compiled decode step of %s failed, decoding uncompiled from now on: "
+                            "%s: %s", type(model).__name__, type(e).__name__, e)
+                self._compiled[id(model)] = (model, None)
+                for layer in cache.layers:  # a step that broke part-way may have moved some write positions
+                    layer.cumulative_length.fill_(written)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        return out.logits[:, -1, :].float()
+
+    def _note_cudagraph_skips(self) -> None:
+        if self.device.type != "cuda":
+            return
+        from torch._dynamo.utils import counters
+
+        skips = counters["inductor"]["cudagraph_skips"]
+        if skips != self._cudagraph_skips:
+            self._cudagraph_skips = skips
+            log.warning("compile_decode: CUDA graphs were skipped for a decode step (it runs compiled, without "
+                        "graphs; TORCH_LOGS=perf_hints says why)")
+
+    def _decode_compiled(self, rows: list[_Row], params: SamplingSpec, stops: set[int], adapter: str | None) -> None:
+        """_decode with the one-token step compiled: the same tokens, logprobs and cached prefixes.
+
+        What differs, invisibly in the outputs: the cache lives in self._kv_pool with its length rounded up to
+        CACHE_LEN_STEP and its batch padded to a batch_bucket (padding rows copy a real row; their tokens are never
+        read), so a graph serves many chunks; the attention mask is allocated at the cache's length; and tokens are
+        read back every stop_check_every steps, so finished rows may decode a few more tokens, which are dropped.
+        """
+        dev, model = self.device, self._model_for(adapter)
+        T = max(r.max_new for r in rows)
+        uniq, expand = self._unique_prompts(rows)
+
+        def make_cache(length: int):
+            return _pooled_static_cache(model, -(-length // CACHE_LEN_STEP) * CACHE_LEN_STEP, self._kv_pool)
+
+        cache, logits, attn, next_pos = self._prefill(uniq, T, adapter, make_cache=make_cache)
+        width, L = attn.shape[1], cache.layers[0].max_cache_len
+        n = len(rows)  # slots in use; slots n.. are padding
+        bucket = batch_bucket(n, self.max_batch_size)
+        idx = torch.tensor(expand + [0] * (bucket - n), dtype=torch.long, device=dev)
+        for layer in cache.layers:
+            layer.rebatch(idx)
+        mask = torch.zeros((bucket, L), dtype=attn.dtype, device=dev)
+        mask[:, :width] = attn[idx]
+        logits, pos = logits[idx], next_pos[idx]
+        live = list(range(n))  # slot -> row index
+        stop_t = torch.tensor(sorted(stops), dtype=torch.long, device=dev) if stops else None
+        pending: list[torch.Tensor] = []  # per step since the last read-back: [3, n] (token, logprob, stopped)
+        for t in range(T):
+            lg = logits[:n]
+            tok = sample_tokens(lg, params.temperature, params.top_p, [rows[k].generator for k in live]).to(dev)
+            tok_lp = torch.log_softmax(lg, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+            is_stop = torch.isin(tok, stop_t) if stop_t is not None else torch.zeros_like(tok, dtype=torch.bool)
+            # float64 holds token ids and float32 logprobs exactly: one copy to the host per read-back
+            pending.append(torch.stack([tok.double(), tok_lp.double(), is_stop.double()]))
+            if len(pending) == self.stop_check_every or t == T - 1:
+                for toks, lps, stopped in torch.stack(pending).tolist():
+                    for slot, k in enumerate(live):
+                        r = rows[k]
+                        if r.finish:
+                            continue
+                        r.out.append(int(toks[slot]))
+                        r.logprobs.append(lps[slot])
+                        if stopped[slot]:
+                            r.finish, r.stop = "stop", int(toks[slot])
+                        elif len(r.out) >= r.max_new:
+                            r.finish = "length"
+                        else:
+                            continue
+                        # its KV columns: the prompt's, then one per generated token but the last
+                        self._keep_kv(rows, k, cache, mask[slot, :width + len(r.out) - 1], slot, adapter)
+                pending.clear()
+                keep = [slot for slot, k in enumerate(live) if not rows[k].finish]
+                if not keep:
+                    break
+                smaller = batch_bucket(len(keep), self.max_batch_size)
+                if len(keep) < n * self.compact_below and smaller < bucket:
+                    # into a smaller bucket (another graph): finished rows stop costing compute
+                    sel = torch.tensor(keep + [keep[0]] * (smaller - len(keep)), dtype=torch.long, device=dev)
+                    for layer in cache.layers:
+                        layer.rebatch(sel)
+                    tok, mask, pos = tok[sel[:len(keep)]], mask[sel], pos[sel]
+                    live, n, bucket = [live[s] for s in keep], len(keep), smaller
+            mask[:, width + t] = 1
+            ids = tok if n == bucket else torch.cat([tok, tok.new_zeros(bucket - n)])
+            logits = self._forward_step(model, cache, ids[:, None], mask, pos[:, None], width + t)
+            pos = pos + 1
 
 
 __all__ = ["SamplingSpec", "GeneratedSeq", "GenerationEngine", "TransformersEngine", "PrefixKVCache",

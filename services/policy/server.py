@@ -25,14 +25,33 @@ class PolicyConfig:
                                      "model name[@version] of `world`'s registry (data/models/<world>)")
     world: str = cfg_field("default", help="world whose model registry and adapter root are used")
     engine: str = cfg_field("transformers", help="generation engine", choices=("transformers", "vllm"))
-    device: str = cfg_field("cpu", help="transformers engine device (cpu, cuda, cuda:1)")
-    dtype: str = cfg_field("float32", help="weights dtype", choices=("float32", "bfloat16", "float16", "auto"))
+    device: str = cfg_field("auto", help="transformers engine device: auto (the first GPU when torch sees one, else "
+                                         "cpu), cpu, cuda or cuda:N")
+    dtype: str = cfg_field("auto", help="transformers engine weights dtype: auto (bfloat16 on a GPU that has it, "
+                                        "else float32)", choices=("float32", "bfloat16", "float16", "auto"))
     max_batch_size: int = cfg_field(256, help="sequences decoded together by the transformers engine", min=1)
     merge_adapters: bool = cfg_field(True, help="transformers engine: run each loaded adapter as a base copy with "
                                                 "the LoRA merged in (faster decoding, one model copy of memory per "
                                                 "loaded adapter); false = PEFT's LoRA layers on the shared base")
+    compile_decode: str = cfg_field("auto", help="transformers engine: run the one-token decode step through "
+                                                 "torch.compile with CUDA graphs (auto = on for CUDA devices); the "
+                                                 "first decode compiles (~50 s for Qwen3-0.6B on an H100), a later "
+                                                 "batch or length bucket may compile once more",
+                                    choices=("auto", "on", "off"))
     gpu_memory_utilization: float = cfg_field(0.85, help="vLLM: fraction of GPU memory", min=0.05, max=1.0)
     max_loras: int = cfg_field(2, help="vLLM: adapters resident on the GPU at once (>=2 for swaps)", min=1)
+    max_lora_rank: int = cfg_field(64, help="vLLM: largest LoRA rank an adapter may have (vLLM sizes its LoRA "
+                                            "buffers for it; an adapter of a higher rank is refused at load)", min=1)
+    enable_lora: bool = cfg_field(True, help="vLLM: serve LoRA adapters (false frees their GPU buffers; adapter "
+                                             "loads are then refused with FAILED_PRECONDITION)")
+    vllm_dtype: str = cfg_field("auto", help="vLLM: weights dtype (auto = the checkpoint's, bfloat16 for Qwen3-8B); "
+                                             "`dtype` is the transformers engine's, whose float32 default suits CPUs",
+                                choices=("auto", "bfloat16", "float16", "float32"))
+    max_model_len: int = cfg_field(0, help="vLLM: longest prompt + generation in tokens (0 = the model's own "
+                                           "context length); lower it when the KV cache for it does not fit", min=0)
+    tensor_parallel_size: int = cfg_field(1, help="vLLM: GPUs one model copy is split over", min=1)
+    enable_prefix_caching: bool = cfg_field(True, help="vLLM: reuse the KV of shared prompt prefixes (a rollout's "
+                                                       "next prompt extends its previous one)")
     adapter_root: str = cfg_field("", help="the only directory adapters load from ('' = data/adapters/<world>)")
     retriever: str = cfg_field("127.0.0.1:50051", help="retriever service used by rollouts (host:port)")
     retriever_timeout_s: float = cfg_field(60.0, help="deadline of one retriever call", min=0.1)
@@ -88,11 +107,18 @@ def build_engine(cfg: PolicyConfig, model_path: Path):
     if cfg.engine == "vllm":
         from services.policy.vllm_engine import VLLMEngine
 
-        return VLLMEngine(str(model_path), max_loras=cfg.max_loras, gpu_memory_utilization=cfg.gpu_memory_utilization)
+        return VLLMEngine(str(model_path), dtype=cfg.vllm_dtype, max_model_len=cfg.max_model_len or None,
+                          tensor_parallel_size=cfg.tensor_parallel_size,
+                          gpu_memory_utilization=cfg.gpu_memory_utilization,
+                          enable_prefix_caching=cfg.enable_prefix_caching, enable_lora=cfg.enable_lora,
+                          max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank)
+    from prorag.training.devices import resolve
     from services.policy.engine import TransformersEngine
 
-    return TransformersEngine(model_path, device=cfg.device, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size,
-                              merge_adapters=cfg.merge_adapters)
+    placement = resolve(cfg)  # a GPU or dtype this host lacks is refused here, at start
+    return TransformersEngine(model_path, device=str(placement.device), dtype=placement.dtype,
+                              max_batch_size=cfg.max_batch_size, merge_adapters=cfg.merge_adapters,
+                              compile_decode=cfg.compile_decode)
 
 
 async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None) -> Started:

@@ -66,6 +66,9 @@ class VLLMEngine(GenerationEngine):
     """vLLM's ``AsyncLLM`` behind the synchronous interface; prompts go in as token ids, raw logprobs come back."""
 
     name = "vllm"
+    #: the policy service's batcher hands vLLM this many calls at once (different adapters and sampling settings
+    #: included) and vLLM's scheduler batches their requests continuously; 1 would make callers take turns again
+    concurrent_calls = 64
 
     def __init__(self, model_path: str | Path, max_loras: int = 2, max_lora_rank: int = 64,
                  gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,

@@ -345,3 +345,149 @@ def test_prefix_cache_is_per_adapter(tiny_policy, adapters, uncached, prompts):
     assert engine.stats["reused_tokens"] > before
     engine.unload_adapter("v1")
     assert engine.info()["prefix_cache_entries"] == len(prompts)  # only the base entries are left
+
+
+# --- compiled decoding (compile_decode) ------------------------------------------------------
+# torch.compile with the "aot_eager" backend: the same dynamo capture and graph as inductor, without the C++ codegen
+# that takes ~45 s on 2 cores for this model; the GPU's inductor + CUDA graphs path is the same engine code.
+
+COMPILED = {"compile_decode": "on", "compile_backend": "aot_eager"}
+
+
+def tokens(out):
+    return [[s.token_ids for s in r] for r in out]
+
+
+def assert_same(got, ref):
+    assert tokens(got) == tokens(ref)
+    for g, r in zip(got, ref):
+        for a, b in zip(g, r):
+            assert (a.finish_reason, a.stop_token_id) == (b.finish_reason, b.stop_token_id)
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def compiled_engine(tiny_policy, tiny_engine):
+    return TransformersEngine(tiny_policy[0], model=tiny_engine.base, tokenizer=tiny_policy[1], max_batch_size=16,
+                              **COMPILED)
+
+
+def test_compile_decode_option(tiny_policy, tiny_engine):
+    def make(**kw):
+        return TransformersEngine(tiny_policy[0], model=tiny_engine.base, tokenizer=tiny_policy[1], **kw)
+
+    assert make().compile_decode is False  # auto: on for CUDA devices only
+    assert make(compile_decode="on").compile_decode is True
+    assert make(compile_decode="off").compile_decode is False
+    assert make(compile_decode="on", cache="dynamic").compile_decode is False  # graphs need the static cache
+    with pytest.raises(InvalidArgument):
+        make(compile_decode="yes")
+    with pytest.raises(InvalidArgument):
+        make(stop_check_every=0)
+
+
+def test_batch_bucket():
+    from services.policy.engine import batch_bucket
+
+    assert [batch_bucket(n, 256) for n in (1, 2, 3, 5, 64, 65, 256)] == [1, 2, 4, 8, 64, 128, 256]
+    assert [batch_bucket(n, 100) for n in (60, 64, 65, 100)] == [64, 64, 100, 100]  # never past the chunk size
+    assert all(batch_bucket(n, cap) >= n for cap in (1, 7, 48) for n in range(1, cap + 1))
+
+
+@pytest.mark.parametrize("spec", [GREEDY, SamplingSpec(n=3, temperature=1.0, max_tokens=20, seed=3),
+                                  SamplingSpec(n=2, temperature=0.7, top_p=0.9, max_tokens=12, seed=9)],
+                         ids=["greedy", "seeded", "top-p"])
+def test_compiled_decode_matches_eager(tiny_engine, compiled_engine, prompts, spec):
+    before = compiled_engine.stats["compiled_steps"]
+    assert_same(compiled_engine.generate(prompts, spec), tiny_engine.generate(prompts, spec))
+    assert compiled_engine.stats["compiled_steps"] > before  # the compiled step ran, not a silent fallback
+    # explicit seeds: a row's samples still depend on its own seed only
+    if spec.temperature:
+        assert tokens(compiled_engine.generate(prompts[1:2], spec, seeds=[8])) == \
+               tokens(tiny_engine.generate(prompts[:2], spec, seeds=[7, 8]))[1:]
+
+
+@pytest.mark.parametrize("compact_below,check_every", [(0.0, 1), (0.75, 5), (1.0, 3)])
+def test_compiled_decode_stops_and_compaction(tiny_policy, tiny_engine, prompts, compact_below, check_every):
+    """Rows stopping at different steps, read back every few steps, compacted into smaller batch buckets."""
+    eng = TransformersEngine(tiny_policy[0], model=tiny_engine.base, tokenizer=tiny_policy[1],
+                             compact_below=compact_below, stop_check_every=check_every, **COMPILED)
+    free = SamplingSpec(n=2, temperature=1.0, max_tokens=24, seed=2)
+    ref = tokens(tiny_engine.generate(prompts, free))
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=24, seed=2, stop_token_ids=(ref[0][0][3], ref[2][1][9]))
+    got = eng.generate(prompts * 3, spec)
+    assert_same(got, tiny_engine.generate(prompts * 3, spec))
+    assert any(s.finish_reason == "stop" for r in got for s in r) and any(s.finish_reason == "length" for r in got
+                                                                          for s in r)
+
+
+def test_compiled_decode_reuses_prefixes_and_its_cache_memory(tiny_policy, tiny_engine, uncached, prompts):
+    tok = tiny_policy[1]
+    eng = TransformersEngine(tiny_policy[0], model=tiny_engine.base, tokenizer=tok, max_batch_size=8, **COMPILED)
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=12, seed=4)
+    first = eng.generate(prompts, spec)
+    assert_same(first, uncached.generate(prompts, spec))
+    pool = {key: t.data_ptr() for key, t in eng._kv_pool._flat.items()}
+    glue = tok.encode("\n<retrieval>\nDoc 1(Title: A) some text\n</retrieval>\n<step>\n", add_special_tokens=False)
+    nxt = [p + s.token_ids + glue for p, r in zip(prompts, first) for s in r]
+    before = eng.stats["reused_tokens"]
+    assert_same(eng.generate(nxt, spec), uncached.generate(nxt, spec))
+    assert eng.stats["reused_tokens"] - before >= sum(len(p) for p in prompts) * 2
+    # the same cache memory served both calls: a CUDA graph keeps replaying on the addresses it recorded
+    assert {key: t.data_ptr() for key, t in eng._kv_pool._flat.items()} == pool
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["peft-layers", "merged"])
+def test_compiled_decode_with_adapters(tiny_policy, adapters, prompts, merge):
+    eager = TransformersEngine(tiny_policy[0], max_batch_size=8, merge_adapters=merge)
+    comp = TransformersEngine(tiny_policy[0], max_batch_size=8, merge_adapters=merge, **COMPILED)
+    for eng in (eager, comp):
+        eng.load_adapter("v1", str(adapters["a1"][0]))
+        eng.load_adapter("v2", str(adapters["a2"][0]))
+    for adapter in ("v1", "v2", None, "v1"):
+        assert_same(comp.generate(prompts, GREEDY, adapter=adapter), eager.generate(prompts, GREEDY, adapter=adapter))
+    comp.unload_adapter("v2")
+    eager.unload_adapter("v2")
+    assert_same(comp.generate(prompts, GREEDY, adapter="v1"), eager.generate(prompts, GREEDY, adapter="v1"))
+    assert comp.stats["compiled_steps"] > 0
+    assert len(comp._compiled) == (2 if merge else 1)  # the unloaded copy's compiled step is gone
+
+
+def test_compiled_decode_failure_falls_back(tiny_policy, tiny_engine, prompts, caplog):
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no graphs today")
+
+    eng = TransformersEngine(tiny_policy[0], model=tiny_engine.base, tokenizer=tiny_policy[1],
+                             compile_decode="on", compile_backend=broken_backend)
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=10, seed=6)
+    with caplog.at_level("WARNING", logger="prorag.policy.engine"):
+        got = eng.generate(prompts, spec)
+    assert_same(got, tiny_engine.generate(prompts, spec))  # the request is served, by the eager step
+    assert "decoding uncompiled" in caplog.text and "no graphs today" in caplog.text
+    assert eng.stats["compiled_steps"] == 0 and eng._compiled[id(eng.base)][1] is None
+
+
+def test_gqa_decode_attention_matches_repeated_kv(tiny_policy):
+    """The one-token GQA attention that compile_decode switches sdpa models to, against transformers' eager attention
+    (K and V repeated to every query head), on a left-padded batch decoding from a static cache."""
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    from services.policy.engine import GQA_DECODE_ATTENTION, _use_gqa_decode_attention
+
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    logits = {}
+    for impl in ("eager", "sdpa"):
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_policy[0]), attn_implementation=impl).eval()
+        if impl == "sdpa":
+            _use_gqa_decode_attention(model)
+            assert model.config._attn_implementation == GQA_DECODE_ATTENTION
+        assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads: the case at issue
+        cache = StaticCache(config=model.config, max_cache_len=12)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+            full = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], -1)
+            logits[impl] = model(input_ids=torch.tensor([[3], [4]]), attention_mask=full, position_ids=pos[:, -1:] + 1,
+                                 past_key_values=cache).logits
+    assert torch.allclose(logits["eager"], logits["sdpa"], atol=1e-5)
