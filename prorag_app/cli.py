@@ -460,6 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--swaps", type=int, default=100, help="swap: adapter pushes")
     b.add_argument("--clients", type=int, default=4, help="swap: concurrent generating clients")
     b.add_argument("--seq-len", type=int, default=512, help="sft: tokens per training sequence")
+    b.add_argument("--device", default="auto", help="sft: auto (the first GPU, else cpu), cpu, cuda, cuda:N")
+    b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="sft: compute dtype under autocast (auto = bf16 on a GPU, float32 on the CPU)")
+    b.add_argument("--compile", action="store_true", help="sft: torch.compile each decoder block")
     b.add_argument("--reference-url", default="",
                    help="retriever: a Search-R1-compatible server (http://127.0.0.1:PORT/retrieve) measured at the "
                         "same load shapes; ratios ours / reference are reported")

@@ -57,3 +57,19 @@ def test_rl_step_split_gives_each_part_of_an_iteration_and_its_share():
     assert split["prorag"]["update_share"] == 0.5 and split["prorag"]["prm_scoring_share"] == 0.15
     assert split["outcome_grpo"]["prm_scoring_s"] == 0.0 and split["outcome_grpo"]["rollout_share"] == 0.5
     assert rl_step_split({"methods": {}}) == {} and rl_step_split({"stage34": None}) == {}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bench_sft_measures_mfu_against_the_peak_of_the_dtype_it_computes_in(tiny_policy, dtype):
+    import argparse
+
+    import torch
+
+    from prorag.training.flops import peak_matmul_flops
+    from prorag_app.bench import bench_sft
+
+    out = bench_sft(argparse.Namespace(world="tiny", model=str(tiny_policy[0]), batch=2, seq_len=32, iters=3,
+                                       repeats=1, device="cpu", dtype=dtype, compile=False))
+    assert out["dtype"] == dtype and out["device"] == "cpu" and out["steps_per_repeat"] == 3
+    assert out["tokens_per_s"] > 0 and out["mfu"] > 0
+    assert out["peak_matmul_flops"] == peak_matmul_flops("cpu", getattr(torch, dtype))
