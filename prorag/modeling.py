@@ -188,12 +188,17 @@ def _quiet() -> None:
     hf_logging.disable_progress_bar()
 
 
-def save_pretrained(model, tokenizer, out_dir: str | Path) -> Path:
-    """Write model (safetensors) and tokenizer under ``out_dir``; readers never see a partial directory."""
+def save_pretrained(model, tokenizer, out_dir: str | Path, state_dict: dict | None = None) -> Path:
+    """Write model (safetensors) and tokenizer under ``out_dir``; readers never see a partial directory.
+    state_dict: the weights to write instead of the model's own (a launch's full state dict gathered from the
+    processes' shards: prorag.training.distributed.full_state_dict)."""
     _quiet()
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
-        model.save_pretrained(tmp)
+        if state_dict is None:
+            model.save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
     return out_dir
 

@@ -193,6 +193,45 @@ class JobContext:
                        "resumed_from_step": step})
         return state
 
+    # -- checkpoints of a launch on several processes (every process calls these at the same point)
+    @property
+    def job_checkpoint_dir(self) -> Path:
+        """The job's checkpoint directory: a non-main process of a launch shares the main process's."""
+        return self.shared_checkpoint_dir or self.checkpoint_dir
+
+    def save_launch_checkpoint(self, accelerator, state: dict, step: int) -> Path:
+        """Every process of a launch: the model, optimizer and RNG states through accelerate, plus ``state`` (the
+        loop's own part), as the checkpoint of ``step`` (prorag.training.checkpoint.save_launch); the main process
+        reports it."""
+        from prorag.training import checkpoint
+
+        path = checkpoint.save_launch(self.job_checkpoint_dir, accelerator, state, step, keep=self.keep_checkpoints)
+        if accelerator.is_main_process:
+            self._emit_fn({"step": step, "total_steps": self._total, "message": f"checkpoint saved at step {step}",
+                           "checkpoint_step": step})
+        return path
+
+    def load_launch_checkpoint(self, accelerator) -> dict | None:
+        """Every process of a launch: the newest checkpoint restored into the prepared model and optimizer and
+        this process's RNG states; returns the loop's own part (with "step"), or None on a fresh start."""
+        from prorag.training import checkpoint
+
+        found = checkpoint.load_latest_launch(self.job_checkpoint_dir, accelerator)
+        if found is None:
+            if self._tracker is not None:
+                self._tracker.rewind(0)
+            return None
+        state, _ = found
+        step = int(state["step"])
+        self.resumed_from_step = step
+        if self._tracker is not None:
+            self._tracker.rewind(step)
+        self._origin = (time.monotonic(), step)
+        if accelerator.is_main_process:
+            self._emit_fn({"step": step, "total_steps": self._total, "message": f"resumed from step {step}",
+                           "resumed_from_step": step})
+        return state
+
     # -- artifacts
     def write_artifact(self, name: str, path: str | Path) -> dict:
         """Register a complete file or directory as an artifact (copied in atomically if outside the run dir)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -80,6 +81,13 @@ def build_optimizer(params, cfg: LoopConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
+class _EngineCall:
+    """What :func:`call_in_engine` sends through the wrapped module's forward: a function of the model."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
 class _LossModule(torch.nn.Module):
     """A stage's model and loss as one module, for accelerate to wrap.
 
@@ -93,7 +101,23 @@ class _LossModule(torch.nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, batch):
+        if isinstance(batch, _EngineCall):
+            return batch.fn(self.model)
         return self.loss_fn(self.model, batch)
+
+
+#: model -> its FSDP-wrapped _LossModule, for call_in_engine (weak: gone with the model)
+_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()
+
+
+def call_in_engine(model: torch.nn.Module, fn: Callable[[torch.nn.Module], Any]) -> Any:
+    """``fn(model)`` for a forward pass outside the loop's steps (a stage's evaluation, RL's old log-probs).
+
+    Under FSDP, after :func:`run_loop` prepared ``model``, the parameters outside its wrapped blocks (embeddings,
+    head) are gathered only inside the wrapper's forward, so ``fn`` runs there; every process must make the same
+    calls. Otherwise (one process, DDP's replicated weights) it is a plain call."""
+    engine = _ENGINES.get(model)
+    return engine(_EngineCall(fn)) if engine is not None else fn(model)
 
 
 def compile_blocks(model: torch.nn.Module) -> int:
@@ -106,6 +130,23 @@ def compile_blocks(model: torch.nn.Module) -> int:
     for block in blocks:
         block.compile(dynamic=None)
     return len(blocks)
+
+
+@contextlib.contextmanager
+def _micro_batch_rng(seed: int, i: int, device: torch.device):
+    """The RNG (dropout's) of micro-batch ``i`` seeded from (the run's seed, i), the stream outside left as it was.
+
+    Why: like its data, a micro-batch's random draws are then a function of i, so a launch that gives it to
+    another process, or a resumed run, draws exactly what one uninterrupted process draws (a PRM's classifier
+    dropout, LoRA dropout)."""
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        s = (seed * 1_000_003 + i) % (2 ** 63)
+        torch.default_generator.manual_seed(s)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(s)
+        yield
 
 
 def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], Any],
@@ -123,13 +164,17 @@ def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], 
 
     accelerator: an ``accelerate.Accelerator`` of a job launched on several processes
     (prorag.training.distributed): each process computes its share of every step's micro-batches
-    (``my_micro_batches``), gradients are averaged by accelerate's engine (DDP, FSDP2, ZeRO-3 by its config),
-    and only the main process writes checkpoints and progress events. The result equals one process's within
-    floating-point noise; grad_accum must be a multiple of the process count.
+    (``my_micro_batches``), gradients are averaged by accelerate's engine (DDP, or FSDP2 by its config), and only
+    the main process writes progress events. Checkpoints are the launch's (``JobContext.save_launch_checkpoint``:
+    every process saves its part through accelerate's ``save_state``, atomically), resumed by every process. The
+    result equals one process's within floating-point noise; grad_accum must be a multiple of the process count.
+    Every process must see the same ``batch_at(i)`` for each i it is given (a stage fetches data from the
+    services on the main process and hands it over: prorag.training.distributed.from_main).
     """
     from prorag.training.distributed import my_micro_batches
 
     accelerator = accelerator if accelerator is not None else getattr(ctx, "accelerator", None)
+    seed = torch.initial_seed()  # the stage's seed, taken before a checkpoint's RNG states are restored
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
     main = rank == 0
@@ -143,25 +188,36 @@ def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], 
     # the scheduler is never handed to accelerate: prepared, it would advance once per process per step
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step, cfg.steps, cfg.warmup_steps))
     start = 0
-    state = ctx.load_checkpoint()
-    if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        start = int(state["step"])
     trained = None
-    if accelerator is not None:
+    if accelerator is None:
+        state = ctx.load_checkpoint()
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            start = int(state["step"])
+    else:
+        from prorag.training.distributed import is_sharded
+
         trained, opt = accelerator.prepare(_LossModule(model, loss_fn), opt)
+        if is_sharded(accelerator):
+            _ENGINES[model] = trained
+        # restored after prepare: under FSDP each process loads into its own shard
+        state = ctx.load_launch_checkpoint(accelerator)
+        if state is not None:
+            sched.load_state_dict(state["scheduler"])
+            start = int(state["step"])
 
     def step_loss(batch):
         return trained(batch) if trained is not None else loss_fn(model, batch)
 
-    def snapshot(done: int) -> dict:
+    def save(done: int) -> None:
+        """The checkpoint of ``done`` steps; every process calls it (a launch's processes each save their part)."""
         if trained is None:
-            weights = model.state_dict()
-        else:  # gathered from every process's shard (FSDP), the wrapper's "model." prefix dropped
-            weights = {k.removeprefix("model."): v for k, v in accelerator.get_state_dict(trained).items()}
-        return {"model": weights, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": done}
+            ctx.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                 "scheduler": sched.state_dict(), "step": done})
+        else:
+            ctx.save_launch_checkpoint(accelerator, {"scheduler": sched.state_dict()}, done)
 
     def all_ranks_sum(*values: float) -> list[float]:
         if accelerator is None:
@@ -187,9 +243,7 @@ def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], 
         for step in range(start, cfg.steps):
             if should_stop():
                 if not ctx.cancelled():
-                    state = snapshot(step)  # every process takes part in gathering sharded weights
-                    if main:
-                        ctx.save_checkpoint(state)
+                    save(step)
                 return LoopResult(False, step, loss_v)
             metrics = {"lr": sched.get_last_lr()[0]}  # the rate this step uses
             opt.zero_grad(set_to_none=True)
@@ -201,7 +255,7 @@ def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], 
                     else contextlib.nullcontext()
                 batch = to_device(batch_at(i), placement.device)
                 try:
-                    with sync:
+                    with sync, _micro_batch_rng(seed, i, placement.device):
                         with placement.autocast():
                             loss, n = step_loss(batch)
                         # the mean of the step's k micro-batches' losses; the engine averages the processes'
@@ -248,11 +302,13 @@ def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], 
                                processes=world, dtype=placement.dtype_name)
                 ctx.emit(done, cfg.steps, loss=loss_v, tokens_per_s=rate, metrics=metrics)
             if done % cfg.checkpoint_every == 0 and done < cfg.steps:
-                state = snapshot(done)
-                if main:
-                    ctx.save_checkpoint(state)
+                save(done)
     finally:
         model.eval()
+        if accelerator is not None:
+            # accelerate's save_state saves every model and optimizer it prepared: a later loop in this process
+            # (the next stage of a test's launch) must not save this one's
+            accelerator.free_memory()
     return LoopResult(True, cfg.steps, loss_v)
 
 
@@ -274,4 +330,16 @@ def shuffled_epochs(items, batch_size: int, epochs: float, seed: int) -> tuple[i
     return total, batch_at
 
 
-__all__ = ["compile_blocks", "LoopConfig", "LoopResult", "NonFiniteLoss", "OPTIMIZERS", "build_optimizer", "run_loop", "shuffled_epochs"]
+def accumulated_epochs(items, batch_size: int, grad_accum: int, epochs: float,
+                       seed: int) -> tuple[int, Callable[[int], list]]:
+    """(optimizer steps, batch_at) for :func:`shuffled_epochs` with each step's ``batch_size`` items in
+    ``grad_accum`` micro-batches of ``batch_size // grad_accum``: the micro-batch is the unit drawn, so
+    grad_accum=1 is shuffled_epochs itself, and a launch on several processes (which needs grad_accum to be a
+    multiple of their count) splits each step without an empty share."""
+    if grad_accum < 1 or batch_size % grad_accum:
+        raise ValueError(f"grad_accum ({grad_accum}) must divide batch_size ({batch_size})")
+    micro, batch_at = shuffled_epochs(items, batch_size // grad_accum, epochs, seed)
+    return math.ceil(micro / grad_accum), batch_at
+
+
+__all__ = ["accumulated_epochs", "call_in_engine", "compile_blocks", "LoopConfig", "LoopResult", "NonFiniteLoss", "OPTIMIZERS", "build_optimizer", "run_loop", "shuffled_epochs"]

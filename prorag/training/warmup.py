@@ -66,6 +66,7 @@ class WarmupBatches:
         if cfg.paraphrase_steps and not self.phrasings:
             raise InvalidArgument("paraphrase_steps > 0 but no fact is asked more than one way: nothing to paraphrase")
         self.schedule = phases(cfg)
+        self._last: tuple[int, WarmupBatch] | None = None
 
     def _relation(self, did: str) -> str:
         return " ".join(self.by_doc[did][0].question.split()[:2])
@@ -87,6 +88,27 @@ class WarmupBatches:
             if self.cfg.copy_mix:  # measured: the reading phases alone erased the copy skill
                 parts.append(self._copy_rows(rng, self.cfg.copy_mix))
         return WarmupBatch([(x, m) for x, m, _ in parts], sum(n for _, _, n in parts))
+
+    def micro_batch(self, i: int, grad_accum: int) -> WarmupBatch:
+        """Micro-batch i of ``grad_accum`` per step: share i mod grad_accum of step i // grad_accum's rows (each
+        part's rows split evenly), so a launch on several processes can split a step; grad_accum=1 is the step's
+        batch itself."""
+        step, j = divmod(i, grad_accum)
+        if self._last is None or self._last[0] != step:
+            self._last = (step, self(step))  # the step's rows are drawn once, whichever share is asked first
+        batch = self._last[1]
+        if grad_accum == 1:
+            return batch
+        parts = []
+        for x, m in batch.parts:
+            if x.shape[0] % grad_accum:
+                raise InvalidArgument(f"warm-up step {step}: {x.shape[0]} rows do not split into grad_accum="
+                                      f"{grad_accum} equal micro-batches; make batch_size and copy_mix multiples "
+                                      "of it")
+            n = x.shape[0] // grad_accum
+            parts.append((x[j * n:(j + 1) * n], m[j * n:(j + 1) * n]))
+        pad = self.tokenizer.pad_token_id
+        return WarmupBatch(parts, sum(int((x != pad).sum()) for x, _ in parts))
 
     # -- rows
     def _copy_rows(self, rng: random.Random, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -159,23 +181,26 @@ def warmup_loss(model, batch: WarmupBatch) -> tuple[torch.Tensor, int]:
     return loss, batch.tokens
 
 
-def loop_config(cfg: WarmupConfig, checkpoint_every: int = 50, log_every: int = 10) -> LoopConfig:
+def loop_config(cfg: WarmupConfig, checkpoint_every: int = 50, log_every: int = 10,
+                grad_accum: int = 1) -> LoopConfig:
     """The warm-up's optimisation: AdamW (0.9, 0.95), weight decay 0.01, a constant rate after an optional
     linear ramp (lr_warmup_steps), gradients clipped at 1."""
     return LoopConfig(steps=cfg.total_steps, optimizer="adamw", lr=cfg.lr, beta1=0.9, beta2=0.95, weight_decay=0.01,
-                      schedule="constant", warmup_steps=cfg.lr_warmup_steps, grad_clip=1.0, grad_accum=1,
+                      schedule="constant", warmup_steps=cfg.lr_warmup_steps, grad_clip=1.0, grad_accum=grad_accum,
                       checkpoint_every=checkpoint_every, log_every=log_every)
 
 
 def warm_up(ctx: JobContext, model, tokenizer, docs: Mapping[str, str], facts: Sequence[Fact], cfg: WarmupConfig,
             seed: int = 0, checkpoint_every: int = 50, log_every: int = 10, placement=None,
-            compile: bool = False) -> LoopResult:
+            compile: bool = False, grad_accum: int = 1) -> LoopResult:
     """Run the warm-up on ``model`` in place through the one loop (resuming from ctx's last checkpoint);
-    placement: where it computes (prorag.training.devices; None = the model's device in float32)."""
+    placement: where it computes (prorag.training.devices; None = the model's device in float32); grad_accum:
+    micro-batches each step's rows are split into (:meth:`WarmupBatches.micro_batch`)."""
     batches = WarmupBatches(tokenizer, docs, facts, cfg, seed)
-    loop = loop_config(cfg, checkpoint_every, log_every)
+    loop = loop_config(cfg, checkpoint_every, log_every, grad_accum)
     loop.compile = compile
-    return run_loop(ctx, model, batches, warmup_loss, loop, placement=placement)
+    return run_loop(ctx, model, lambda i: batches.micro_batch(i, grad_accum), warmup_loss, loop,
+                    placement=placement)
 
 
 __all__ = ["WarmupBatch", "WarmupBatches", "loop_config", "phases", "warm_up", "warmup_loss"]

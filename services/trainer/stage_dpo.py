@@ -42,6 +42,8 @@ class DPOConfig(TrainRunConfig):
     beta: float = cfg_field(0.3, help="DPO beta (ReasonRAG: 0.3)", min=1e-4, max=100.0)
     epochs: float = cfg_field(1.0, help="passes over the pairs (ReasonRAG: 1)", min=0.01, max=100)
     batch_size: int = cfg_field(8, help="pairs per optimizer step", min=1, max=1024)
+    grad_accum: int = cfg_field(1, help="micro-batches each step's pairs are split into (a launch on several "
+                                        "processes needs a multiple of their count)", min=1, max=1024)
     lr: float = cfg_field(5e-4, help="peak learning rate of the LoRA weights (ReasonRAG: 1e-6, full fine-tuning "
                                      "of a 7B model; a LoRA on a small model takes more)", min=0.0, max=1.0)
     warmup_ratio: float = cfg_field(0.1, help="fraction of steps warming up (then cosine decay)", min=0.0, max=0.5)
@@ -53,6 +55,13 @@ class DPOConfig(TrainRunConfig):
     lora_targets: str = cfg_field(ALL_PROJECTIONS, help="comma-separated module names LoRA adapts")
     adapter_name: str = cfg_field("reasonrag", help="published as adapter_name@<job id> in the world's adapter "
                                                     "registry")
+
+    def validate(self) -> None:
+        from prorag.config import ConfigError
+
+        super().validate()
+        if self.batch_size % self.grad_accum:
+            raise ConfigError("grad_accum", f"must divide batch_size ({self.batch_size}), got {self.grad_accum}")
 
 
 def encode_preference(tokenizer, pair, choice: int) -> dict[str, list[int]]:
@@ -93,7 +102,8 @@ def run_dpo(ctx: JobContext) -> dict:
     from prorag.modeling import load_for_training
     from prorag.pairs import load_pairs
     from prorag.registry import ArtifactRef, registry, weights_sha256
-    from prorag.training.loop import run_loop, shuffled_epochs
+    from prorag.training.distributed import full_state_dict, gather_lists, sum_over_processes
+    from prorag.training.loop import accumulated_epochs, run_loop
     from services.trainer.stage_rl import build_lora, publish_adapter
 
     cfg: DPOConfig = ctx.config
@@ -120,16 +130,21 @@ def run_dpo(ctx: JobContext) -> dict:
                                  f"({len(pairs)} pairs read, {too_long} too long)")
     collator = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
     # the reference log-probs: the same weights with the adapter disabled, computed once (a function of the data,
-    # so a resumed job computes the same ones)
+    # so a resumed job computes the same ones). On a launch each process computes every world-th batch (the model
+    # is not sharded yet) and they exchange them: the same batches, so the same values, as one process.
+    acc = ctx.accelerator
+    rank, world = (acc.process_index, acc.num_processes) if acc is not None else (0, 1)
     model.eval()
+    mine = []
     with torch.no_grad(), model.disable_adapter(), placement.autocast():
-        for i in range(0, len(data), cfg.batch_size):
-            part = data[i:i + cfg.batch_size]
-            chosen, rejected = preference_logps(model, collator, part)
-            for d, rc, rr in zip(part, chosen.tolist(), rejected.tolist()):
-                d["ref"] = (rc, rr)
+        for i in range(rank * cfg.batch_size, len(data), world * cfg.batch_size):
+            chosen, rejected = preference_logps(model, collator, data[i:i + cfg.batch_size])
+            mine.append((i, list(zip(chosen.tolist(), rejected.tolist()))))
+    for i, refs in (x for part in gather_lists(acc, mine) for x in part):
+        for d, ref in zip(data[i:i + cfg.batch_size], refs):
+            d["ref"] = tuple(ref)
     model.train()
-    total, batch_at = shuffled_epochs(data, cfg.batch_size, cfg.epochs, cfg.seed)
+    total, batch_at = accumulated_epochs(data, cfg.batch_size, cfg.grad_accum, cfg.epochs, cfg.seed)
     stats_sum = {"reward_accuracy": 0.0, "margin": 0.0, "n": 0}
 
     def loss_fn(m, batch):
@@ -142,12 +157,20 @@ def run_dpo(ctx: JobContext) -> dict:
         stats_sum["n"] += n
         return loss, sum(2 * len(d["prompt_ids"]) + len(d["chosen_ids"]) + len(d["rejected_ids"]) for d in batch)
 
-    result = run_loop(ctx, model, batch_at, loss_fn, cfg.loop_config(total), placement=placement)
+    result = run_loop(ctx, model, batch_at, loss_fn, cfg.loop_config(total, grad_accum=cfg.grad_accum),
+                      placement=placement)
     if not result.completed:
+        return {}
+    # each process of a launch saw its share of the pairs
+    stats_sum["reward_accuracy"], stats_sum["margin"], stats_sum["n"] = sum_over_processes(
+        acc, [stats_sum["reward_accuracy"], stats_sum["margin"], float(stats_sum["n"])])
+    weights = full_state_dict(acc, model)  # every process of a launch takes part in the gather
+    if not ctx.is_main:  # the other processes of a launch publish nothing
         return {}
     version = publish_adapter(model, cfg.world, cfg.adapter_name, ctx.job_id, base=base,
                               base_sha=weights_sha256(base), scratch=ctx.checkpoint_dir / "adapter-scratch",
-                              config={"stage": "dpo", "job_id": ctx.job_id, **ctx.config_dict}, step=total)
+                              config={"stage": "dpo", "job_id": ctx.job_id, **ctx.config_dict}, step=total,
+                              state_dict=weights)
     ref = ArtifactRef(cfg.adapter_name, version)
     n = max(stats_sum["n"], 1)
     return {"adapter": ref.key, "adapter_path": str(registry("adapter", cfg.world).path(ref)),

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
-from prorag.training.loop import run_loop, shuffled_epochs
+from prorag.training.distributed import full_state_dict
+from prorag.training.loop import accumulated_epochs, call_in_engine, run_loop
 from prorag.training.run_config import TrainRunConfig
 from services.trainer.stages import register_stage, resolve_model
 
@@ -36,11 +37,20 @@ class PRMConfig(TrainRunConfig):
                                min=0.0, max=0.5)
     epochs: float = cfg_field(3.0, help="passes over the training pairs (ProRAG: 3)", min=0.01, max=100)
     batch_size: int = cfg_field(8, help="pairs per optimizer step", min=1, max=1024)
+    grad_accum: int = cfg_field(1, help="micro-batches each step's pairs are split into (a launch on several "
+                                        "processes needs a multiple of their count)", min=1, max=1024)
     lr: float = cfg_field(1e-4, help="peak learning rate (ProRAG: 2e-5 for an 8B model; small models take more)",
                           min=0.0, max=1.0)
     max_len: int = cfg_field(2048, help="longest input; longer ones are cut on the left, after the prompt",
                              min=16)
     publish_name: str = cfg_field("prm", help="publish as name@<job id> under data/prms/<world>")
+
+    def validate(self) -> None:
+        from prorag.config import ConfigError
+
+        super().validate()
+        if self.batch_size % self.grad_accum:
+            raise ConfigError("grad_accum", f"must divide batch_size ({self.batch_size}), got {self.grad_accum}")
 
 
 def _held_out(question_id: str, share: float) -> bool:
@@ -100,27 +110,33 @@ def run_prm(ctx: JobContext) -> dict:
         raise FailedPrecondition(f"no {cfg.label_source}-labelled pairs to train on in {cfg.pairs} "
                                  f"({len(pairs)} pairs read)")
     pad = tokenizer.pad_token_id
-    total, batch_at = shuffled_epochs(train, cfg.batch_size, cfg.epochs, cfg.seed)
+    total, batch_at = accumulated_epochs(train, cfg.batch_size, cfg.grad_accum, cfg.epochs, cfg.seed)
 
     def loss_fn(m, batch):
         chosen, rejected = pair_scores(m, batch, cfg.max_len, pad)
         return bradley_terry_loss(chosen, rejected), sum(len(b[0]) + len(b[2]) for b in batch)
 
-    result = run_loop(ctx, model, batch_at, loss_fn, cfg.loop_config(total), placement=placement)
+    result = run_loop(ctx, model, batch_at, loss_fn, cfg.loop_config(total, grad_accum=cfg.grad_accum),
+                      placement=placement)
     if not result.completed:
         return {}
     model.eval()
     metrics = {"final_loss": result.loss, "train_pairs": len(train), "heldout_pairs": len(held)}
     if held:
+        # every process of a launch scores all of them: under FSDP each forward is a collective
         with torch.no_grad(), placement.autocast():
             c, r = [], []
             for i in range(0, len(held), cfg.batch_size):
-                sc, sr = pair_scores(model, held[i:i + cfg.batch_size], cfg.max_len, pad)
+                sc, sr = call_in_engine(model, lambda m, part=held[i:i + cfg.batch_size]:
+                                        pair_scores(m, part, cfg.max_len, pad))
                 c += sc.tolist()
                 r += sr.tolist()
         metrics["heldout_pairwise_accuracy"] = pairwise_accuracy(c, r)
+    weights = full_state_dict(ctx.accelerator, model)  # every process of a launch takes part in the gather
+    if not ctx.is_main:  # the other processes of a launch publish nothing
+        return {}
     with ctx.artifact_dir("prm") as tmp:
-        save_pretrained(model, tokenizer, tmp / "m")
+        save_pretrained(model, tokenizer, tmp / "m", state_dict=weights)
         for f in (tmp / "m").iterdir():
             f.rename(tmp / f.name)
         (tmp / "m").rmdir()

@@ -207,6 +207,7 @@ def run_rft(ctx: JobContext) -> dict:
     from prorag.modeling import load_for_training
     from prorag.tokens import TokenTrajectory
     from prorag.training.checkpoint import load_weights_file
+    from prorag.training.distributed import from_main
 
     cfg: RFTConfig = ctx.config
     cfg.apply_threads()
@@ -216,10 +217,10 @@ def run_rft(ctx: JobContext) -> dict:
     # Sampled once and kept with the checkpoints, so a resumed job trains on the same trajectories (plain lists,
     # loaded weights-only).
     data_path = ctx.checkpoint_dir / "rft_data.pt"
-    if data_path.exists():
-        blob = load_weights_file(data_path)
-        samples, stats = [TokenTrajectory.from_dict(d) for d in blob["samples"]], blob["stats"]
-    else:
+
+    def data() -> dict:
+        if data_path.exists():
+            return load_weights_file(data_path)
         ctx.emit(0, 1, message=f"sampling {cfg.samples_per_question} trajectories per question through the policy "
                                f"at {cfg.policy}" + (f", steps scored by the PRM at {cfg.prm}" if cfg.prm else ""))
         samples, stats = sample_and_filter(cfg, tokenizer,
@@ -227,8 +228,14 @@ def run_rft(ctx: JobContext) -> dict:
         if cfg.replay > 0:
             replayed = replay_samples(cfg, base, tokenizer, round(cfg.replay * len(samples)))
             samples, stats = samples + replayed, {**stats, "replayed": len(replayed)}
+        blob = {"samples": [s.to_dict() for s in samples], "stats": stats}
         with atomic_path(data_path) as tmp:
-            torch.save({"samples": [s.to_dict() for s in samples], "stats": stats}, tmp)
+            torch.save(blob, tmp)
+        return blob
+
+    # on a launch of several processes only the main one samples through the services; the others get its data
+    blob = from_main(ctx.accelerator, data)
+    samples, stats = [TokenTrajectory.from_dict(d) for d in blob["samples"]], blob["stats"]
     ctx.emit(0, 1, message=f"data: {stats}")
     prm_version = stats.pop("prm_version", "")
     out = fit_and_publish(ctx, cfg, model, tokenizer, samples, stats, base=base, name=cfg.publish_name,

@@ -156,15 +156,22 @@ def build_lora(model, cfg: RLConfig):
 
 
 def publish_adapter(model, world: str, name: str, version: str, *, base: Path, base_sha: str, scratch: Path,
-                    config: dict, step: int) -> str:
+                    config: dict, step: int, state_dict: dict | None = None) -> str:
     """Save the LoRA weights and publish them as name@version (or name@version.r<k> when a killed attempt left
-    a different version under that name); returns the version published."""
+    a different version under that name); returns the version published.
+
+    state_dict: the PEFT model's full state dict gathered from a launch's shards (FSDP:
+    prorag.training.distributed.full_state_dict), from which PEFT's save takes the adapter's weights; None = the
+    model's own (one process, or DDP's replicated weights)."""
     from prorag.registry import ArtifactRef, registry
 
     adapters = registry("adapter", world)
     scratch.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=scratch) as tmp:
-        model.save_pretrained(tmp)
+        if state_dict is None:
+            model.save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp, state_dict=state_dict)
         candidate, k = version, 0
         while True:
             try:
@@ -409,7 +416,7 @@ def token_logprobs(model, ids, attn, mask):
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
     device = hf.get_output_embeddings().weight.device
     ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
-    hidden = hf.base_model(input_ids=ids, attention_mask=attn).last_hidden_state  # [B,T,H]
+    hidden = hf.base_model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # [B,T,H]
     sel = mask[:, 1:] > 0  # position t-1 predicts token t; position 0 is the prompt
     logits = hf.get_output_embeddings()(hidden[:, :-1][sel]).float()  # [N,V]
     lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1)
@@ -448,7 +455,8 @@ def run_rl(ctx: JobContext) -> dict:
     from prorag.data.loaders import load_split
     from prorag.modeling import load_for_training
     from prorag.registry import ArtifactRef, registry, weights_sha256
-    from prorag.training.loop import run_loop
+    from prorag.training.distributed import from_main, full_state_dict, sum_over_processes
+    from prorag.training.loop import call_in_engine, run_loop
 
     cfg: RLConfig = ctx.config
     cfg.apply_threads()
@@ -466,9 +474,13 @@ def run_rl(ctx: JobContext) -> dict:
     model, tokenizer = load_for_training(base, placement, frozen=True, gradient_checkpointing=cfg.gradient_checkpointing)
     model = build_lora(model, cfg)
     k, m_steps = cfg.grad_accum, cfg.mini_batches
+    # On a launch of several processes every process trains on each iteration's rollouts, but only the main one
+    # talks to the services (publishes, pushes, rolls out, asks the PRM) and keeps the journal; the others get
+    # the iteration's data from it (from_main) before its first micro-batch.
+    acc = ctx.accelerator
     journal = ctx.checkpoint_dir / "rl-iterations.jsonl"
-    policy = PolicyClient(cfg.policy, timeout=3600)
-    prm = PRMClient(cfg.prm, timeout=600) if cfg.prm and cfg.beta > 0 else None
+    policy = PolicyClient(cfg.policy, timeout=3600) if ctx.is_main else None
+    prm = PRMClient(cfg.prm, timeout=600) if cfg.prm and cfg.beta > 0 and ctx.is_main else None
     state: dict = {"iteration": -1, "micro": [], "stats": {}, "update": {}, "published": {}}
 
     def questions_at(iteration: int):
@@ -478,12 +490,17 @@ def run_rl(ctx: JobContext) -> dict:
         return [qs[int(x)] for x in order[j * cfg.questions_per_iteration:(j + 1) * cfg.questions_per_iteration]]
 
     def publish_and_push(iteration: int) -> tuple[str, dict]:
-        """Publish the adapter as it is now (``iteration`` updates done) and make every replica serve it."""
+        """Publish the adapter as it is now (``iteration`` updates done) and make every replica serve it. Every
+        process of a launch calls it (the weights are gathered from all); the main one publishes and pushes."""
         t0 = time.monotonic()
+        weights = full_state_dict(acc, model)
+        return from_main(acc, lambda: publish_on_main(iteration, weights, t0))
+
+    def publish_on_main(iteration: int, weights, t0: float) -> tuple[str, dict]:
         version = publish_adapter(model, cfg.world, cfg.adapter_name, adapter_version(ctx.job_id, iteration),
                                   base=base, base_sha=base_sha, scratch=ctx.checkpoint_dir / "adapter-scratch",
                                   config={"stage": "rl", "job_id": ctx.job_id, "iteration": iteration,
-                                          **ctx.config_dict}, step=iteration)
+                                          **ctx.config_dict}, step=iteration, state_dict=weights)
         acks = push_adapter(cfg.policy, cfg.adapter_name, version, timeout=cfg.push_timeout_s)
         ok = [a for a in acks if a.ok]
         if not ok:
@@ -504,23 +521,31 @@ def run_rl(ctx: JobContext) -> dict:
         iteration, after the weights that sampled it have changed: its data is kept with the checkpoints, so the
         resumed job trains on the same trajectories rather than new ones."""
         saved = ctx.checkpoint_dir / f"rl-iteration-{iteration}.pt"
-        if m_steps > 1 and saved.exists():
-            from prorag.training.checkpoint import load_weights_file
 
-            blob = load_weights_file(saved)
+        def kept_data():
+            if m_steps > 1 and saved.exists():
+                from prorag.training.checkpoint import load_weights_file
+
+                return load_weights_file(saved)
+            return None
+
+        blob = from_main(acc, kept_data)
+        if blob is not None:
             return blob["version"], blob["push"], IterationData([RLSample(**d) for d in blob["samples"]],
                                                                 blob["stats"])
         version, push = publish_and_push(iteration)
-        data = collect(cfg, questions_at(iteration), iteration, ctx.job_id, f"{cfg.adapter_name}@{version}",
-                       policy, prm)
+        data = from_main(acc, lambda: collect(cfg, questions_at(iteration), iteration, ctx.job_id,
+                                              f"{cfg.adapter_name}@{version}", policy, prm))
         if cfg.recompute_old_logprobs and data.samples:
+            # every process of a launch computes them all (under FSDP each forward is a collective)
             model.eval()
             with torch.no_grad(), placement.autocast():
                 for s_ in data.samples:
                     b = collate_rl([s_], tokenizer.pad_token_id)
-                    s_.old_logprobs = token_logprobs(model, b[0], b[1], b[3])[0].tolist()
+                    s_.old_logprobs = call_in_engine(model, lambda m, b=b: token_logprobs(m, b[0], b[1], b[3]))[0]\
+                        .tolist()
             model.train()
-        if m_steps > 1:
+        if m_steps > 1 and ctx.is_main:
             from prorag.io import atomic_path
 
             for old in ctx.checkpoint_dir.glob("rl-iteration-*.pt"):
@@ -561,6 +586,11 @@ def run_rl(ctx: JobContext) -> dict:
 
     def loss_fn(m, batch):
         if batch is None:
+            if acc is not None:
+                # on a launch the engine averages every adapter weight's gradient over the processes, so each must
+                # give one: a forward of one token, times 0 (after_backward drops a step with no data at all)
+                ids = torch.full((1, 2), tokenizer.pad_token_id, dtype=torch.long)
+                return token_logprobs(m, ids, torch.ones_like(ids), torch.tensor([[0.0, 1.0]])).sum() * 0.0, 0
             # nothing kept for this micro-batch: a loss with no path to the weights leaves their gradients None,
             # so AdamW skips them rather than stepping on stale momentum
             return torch.zeros((), requires_grad=True), 0
@@ -577,11 +607,21 @@ def run_rl(ctx: JobContext) -> dict:
         return loss * scale, int(sum(c[1].sum() for c in chunks))
 
     def after_backward(m) -> None:
+        mb = state["steps_done"] % m_steps
+        if acc is not None and all(x is None for x in state["micro"][mb]):
+            # a step with no data: its zero gradients dropped, so AdamW skips it as on one process
+            for p in m.parameters():
+                p.grad = None
         # once per iteration, after its last mini-batch's backward passes: record what the iteration did
         state["steps_done"] += 1
         if state["steps_done"] < m_steps:
             return
         u = state["update"]
+        # each process of a launch accumulated its share of the micro-batches
+        keys = ("clip_fraction", "approx_kl", "kl", "tokens")
+        u.update(zip(keys, sum_over_processes(acc, [u[key] for key in keys])))
+        if not ctx.is_main:
+            return
         n = max(u["tokens"], 1.0)
         it = state["iteration"]
         stats = {k_: v for k_, v in state["stats"].items() if isinstance(v, (int, float))}
@@ -604,15 +644,18 @@ def run_rl(ctx: JobContext) -> dict:
     try:
         # the loop restores the weights of a resumed job before its first batch, so the journal is trimmed to the
         # iterations those weights have seen here and re-read after the loop
-        result = run_loop(ctx, model, _Trimmed(batch_at, journal, k * m_steps), loss_fn, loop,
-                          grad_hook=after_backward, placement=placement)
+        result = run_loop(ctx, model, _Trimmed(batch_at, journal, k * m_steps) if ctx.is_main else batch_at,
+                          loss_fn, loop, grad_hook=after_backward, placement=placement)
         if not result.completed:
             return {}
         version, push = publish_and_push(total)
     finally:
-        policy.close()
+        if policy is not None:
+            policy.close()
         if prm is not None:
             prm.close()
+    if not ctx.is_main:  # the other processes of a launch publish nothing
+        return {}
     rows = [json.loads(line) for line in journal.read_text().splitlines()] if journal.exists() else []
     with ctx.artifact_file("iterations", "iterations.jsonl") as tmp:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))

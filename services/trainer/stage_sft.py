@@ -22,6 +22,7 @@ from prorag.errors import FailedPrecondition
 from prorag.methods import DOCS_PER_SEARCH, SFT_MODES
 from prorag.sft_data import length_grouped_batches
 from prorag.training.context import JobContext
+from prorag.training.distributed import from_main, full_state_dict
 from prorag.training.lm import weighted_lm_loss
 from prorag.training.loop import run_loop
 from prorag.training.run_config import TrainRunConfig
@@ -205,18 +206,24 @@ def run_sft(ctx: JobContext) -> dict:
     # Data is built once and kept with the checkpoints, so a resumed job trains on identical samples. Saved as
     # plain lists and loaded with weights_only: nothing in the job store is unpickled into code.
     data_path = ctx.checkpoint_dir / "sft_data.pt"
-    if data_path.exists():
-        from prorag.training.checkpoint import load_weights_file
 
-        blob = load_weights_file(data_path)
-        samples, stats = [TokenTrajectory.from_dict(d) for d in blob["samples"]], blob["stats"]
-    else:
+    def data() -> dict:
+        if data_path.exists():
+            from prorag.training.checkpoint import load_weights_file
+
+            return load_weights_file(data_path)
         ctx.emit(0, 1, message=f"building {cfg.mode} training data through the retriever at {cfg.retriever}")
         samples, stats = build_samples(cfg, tokenizer)
         from prorag.io import atomic_path
 
+        blob = {"samples": [s.to_dict() for s in samples], "stats": stats}
         with atomic_path(data_path) as tmp:
-            torch.save({"samples": [s.to_dict() for s in samples], "stats": stats}, tmp)
+            torch.save(blob, tmp)
+        return blob
+
+    # on a launch of several processes the main one asks the retriever and keeps the data; the others get it
+    blob = from_main(ctx.accelerator, data)
+    samples, stats = [TokenTrajectory.from_dict(d) for d in blob["samples"]], blob["stats"]
     ctx.emit(0, 1, message=f"data: {stats}")
 
     name = cfg.publish_name or ("sft" if cfg.mode == "agent" else cfg.mode)
@@ -254,11 +261,14 @@ def fit_and_publish(ctx: JobContext, cfg: TrainRunConfig, model, tokenizer, samp
 
     result = run_loop(ctx, model, batch_at, loss_fn, cfg.loop_config(total, grad_accum=cfg.grad_accum),
                       placement=cfg.placement())
-    if not result.completed or not ctx.is_main:  # the other processes of a launch publish nothing
+    if not result.completed:
+        return {}
+    weights = full_state_dict(ctx.accelerator, model)  # every process of a launch takes part in the gather
+    if not ctx.is_main:  # the other processes of a launch publish nothing
         return {}
     loss_v = result.loss
     with ctx.artifact_dir("model") as tmp:
-        save_pretrained(model, tokenizer, tmp / "m")
+        save_pretrained(model, tokenizer, tmp / "m", state_dict=weights)
         for f in (tmp / "m").iterdir():
             f.rename(tmp / f.name)
         (tmp / "m").rmdir()

@@ -33,6 +33,18 @@ class WarmupStageConfig(StageRunConfig):
     output: str = cfg_field("", help="also save the warmed model in this directory, atomically ('' = only the "
                                      "run's artifact)")
     checkpoint_every: int = cfg_field(50, help="steps between checkpoints", min=1)
+    grad_accum: int = cfg_field(1, help="micro-batches each step's rows are split into (a launch on several "
+                                        "processes needs a multiple of their count); must divide the warm-up's "
+                                        "batch_size and copy_mix", min=1, max=1024)
+
+    def validate(self) -> None:
+        from prorag.config import ConfigError
+
+        super().validate()
+        for name in ("batch_size", "copy_mix"):
+            if getattr(self.warmup, name) % self.grad_accum:
+                raise ConfigError("grad_accum", f"must divide warmup.{name} ({getattr(self.warmup, name)}), got "
+                                                f"{self.grad_accum}")
 
 
 def tokenizer_texts(world_dir) -> list[str]:
@@ -57,6 +69,7 @@ def run_warmup(ctx: JobContext) -> dict:
     from prorag.data.loaders import iter_corpus, load_split
     from prorag.modeling import (build_model, load_policy, num_parameters, prepare_for_training, save_pretrained,
                                  train_tokenizer)
+    from prorag.training.distributed import from_main, full_state_dict
     from prorag.training.warmup import warm_up
     from prorag.warmup_data import facts_from_questions
 
@@ -69,23 +82,30 @@ def run_warmup(ctx: JobContext) -> dict:
     else:
         # kept with the checkpoints, so a resumed job builds its model on the very same vocabulary
         saved = ctx.checkpoint_dir / "tokenizer"
-        if saved.is_dir():
-            tokenizer = AutoTokenizer.from_pretrained(str(saved))
-        else:
+
+        def trained_tokenizer():
+            if saved.is_dir():
+                return AutoTokenizer.from_pretrained(str(saved))
             ctx.emit(0, cfg.warmup.total_steps, message=f"training a {cfg.vocab_size}-token tokenizer on {wdir}")
-            tokenizer = train_tokenizer(tokenizer_texts(wdir), vocab_size=cfg.vocab_size, out_dir=saved)
+            return train_tokenizer(tokenizer_texts(wdir), vocab_size=cfg.vocab_size, out_dir=saved)
+
+        # on a launch of several processes the main one trains (or reloads) it and the others get the same one
+        tokenizer = from_main(ctx.accelerator, trained_tokenizer)
         model = build_model(cfg.preset, tokenizer, seed=cfg.seed)
     model = prepare_for_training(model, placement, gradient_checkpointing=cfg.gradient_checkpointing)
     docs = {d.id: d.contents for d in iter_corpus(wdir / "corpus.jsonl")}
     facts = facts_from_questions(load_split(wdir, "train"))
     result = warm_up(ctx, model, tokenizer, docs, facts, cfg.warmup, seed=cfg.seed,
                      checkpoint_every=cfg.checkpoint_every, log_every=cfg.log_every, placement=placement,
-                     compile=cfg.compile)
+                     compile=cfg.compile, grad_accum=cfg.grad_accum)
     if not result.completed:
         return {}
-    ctx.write_artifact("model", save_pretrained(model, tokenizer, ctx.run_dir / "model"))
+    weights = full_state_dict(ctx.accelerator, model)  # every process of a launch takes part in the gather
+    if not ctx.is_main:  # the other processes of a launch publish nothing
+        return {}
+    ctx.write_artifact("model", save_pretrained(model, tokenizer, ctx.run_dir / "model", state_dict=weights))
     if cfg.output:
-        save_pretrained(model, tokenizer, cfg.output)
+        save_pretrained(model, tokenizer, cfg.output, state_dict=weights)
     return {"final_loss": result.loss, "steps": result.step, "num_parameters": num_parameters(model)}
 
 

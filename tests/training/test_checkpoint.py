@@ -120,3 +120,28 @@ def test_a_checkpoint_that_would_run_code_is_refused_with_a_clear_error_and_not_
     with pytest.raises(checkpoint.UnsafeFile):
         checkpoint.load_latest(ck)
     assert not marker.exists()
+
+
+def test_a_launchs_checkpoint_directories_are_listed_only_when_complete_and_temp_ones_are_cleaned(tmp_path):
+    complete, incomplete = tmp_path / "step-000000004", tmp_path / "step-000000006"
+    complete.mkdir()
+    torch.save({"step": 4}, complete / checkpoint.LOOP_STATE)
+    incomplete.mkdir()  # a directory without the loop's state, written last, is not a checkpoint
+    (tmp_path / ".step-000000008.x1.tmp").mkdir()  # what a killed launch leaves
+    assert checkpoint.list_launch_checkpoints(tmp_path) == [(4, complete)]
+    assert checkpoint.cleanup_temp(tmp_path) == 1 and not (tmp_path / ".step-000000008.x1.tmp").exists()
+
+
+def test_one_process_and_a_launch_refuse_each_others_checkpoints_instead_of_starting_over(tmp_path):
+    from prorag.errors import FailedPrecondition
+
+    launch = tmp_path / "launch"
+    (launch / "step-000000004").mkdir(parents=True)
+    torch.save({"step": 4}, launch / "step-000000004" / checkpoint.LOOP_STATE)
+    with pytest.raises(FailedPrecondition, match="launch on several processes"):
+        checkpoint.load_latest(launch)
+    single = tmp_path / "single"
+    checkpoint.save(single, {"x": torch.zeros(1)}, step=3)
+    # the choice is the main process's (here the only one): refused before anything is loaded
+    with pytest.raises(FailedPrecondition, match="single-process run"):
+        checkpoint.load_latest_launch(single, None)

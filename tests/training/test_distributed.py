@@ -1,7 +1,8 @@
 """The one training loop under accelerate on 2 CPU processes (gloo, DDP through accelerate's engine, launched by
-torchrun) gives the
-same weights and loss as 1 process, within floating-point noise: each process computes half of every step's
-micro-batches and the engine averages the gradients."""
+torchrun) gives the same weights and loss as 1 process, within floating-point noise: each process computes half of
+every step's micro-batches and the engine averages the gradients. And so does every gradient stage launched
+through services/trainer/launch.py, the ones that sample through the services included (only the main process
+talks to them), stopped after a checkpoint and started again on the same work directory."""
 
 import os
 import subprocess
@@ -62,39 +63,212 @@ def _initial() -> dict:
     return m.state_dict()
 
 
-@pytest.mark.slow
-def test_a_trainer_stage_launched_on_two_processes_publishes_what_one_process_does(tmp_path):
-    """services.trainer.launch: the SFT stage (no-retrieval mode, on the tiny world) under torchrun with 2 gloo
-    processes publishes, from the main process only, the weights one process publishes."""
+# ---------------------------------------------------------------- every gradient stage through the launcher
+STAGES = ("warmup", "sft", "prm", "rft", "rl", "dpo")
+#: stages the 2-process launch stops after this step (a checkpoint is written on the way out); a second
+#: 2-process launch on the same work directories resumes them
+STOP_AT = {"warmup": 3, "sft": 2, "rl": 1}
+
+
+def _pairs_file(path: Path) -> Path:
+    """Sibling pairs labelled both ways (judge for the PRM, value for DPO): the document names the founder, the
+    chosen subanswer reads it, the rejected one guesses."""
+    import json
+    import random
+
+    from prorag.data.loaders import Document
+    from prorag.pairs import StepPair
+    from prorag.trajectory import Step
+
+    rng = random.Random(0)
+    names = ["Tova Lunn", "Kora Vell", "Arn Pell", "Mira Dost", "Sel Varn", "Oda Kree"]
+    rows = []
+    for i in range(24):
+        good, bad = rng.sample(names, 2)
+        doc = Document(id=f"d{i}", title="Mai Brewery", text=f"Mai Brewery was founded by {good}.",
+                       contents=f'"Mai Brewery"\nMai Brewery was founded by {good}.')
+        ctx = [Step("subquery", thought="First the founder.", content="Who founded Mai Brewery?", docs=[doc])]
+        steps = (Step("subanswer", thought="The document names the founder.", content=good),
+                 Step("subanswer", thought="I will guess.", content=bad))
+        flip = rng.random() < 0.5
+        rows.append(StepPair(f"q{i}", "Who founded Mai Brewery?", ctx, steps[::-1] if flip else steps,
+                             judge_choice=int(flip), values=(0.0, 0.9) if flip else (0.9, 0.0),
+                             value_choice=int(flip)).to_dict())
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _configs(stack, pairs: Path) -> dict:
+    """Tiny configs of every gradient stage: 2 micro-batches per step, so 2 processes take one each."""
+    common = {"world": "tiny", "threads": 1, "log_every": 1, "grad_accum": 2}
+    lora = {"lora_r": 4, "lora_alpha": 8}
+    return {
+        "warmup": {**common, "preset": "tiny", "vocab_size": 2048, "checkpoint_every": 2,
+                   "warmup": {"copy_steps": 2, "sentence_steps": 1, "document_steps": 1, "batch_size": 4}},
+        "sft": {**common, "mode": "agent", "retriever": stack["retriever"], "base_model": stack["base"],
+                "max_questions": 8, "max_steps": 4, "batch_size": 4, "lr": 3e-3, "checkpoint_every": 2,
+                "publish_name": "sft-launch"},
+        "prm": {**common, "pairs": str(pairs), "policy_model": stack["base"], "holdout": 0.25, "epochs": 1,
+                "batch_size": 4, "lr": 2e-3, "max_len": 512, "checkpoint_every": 2},
+        "rft": {**common, "max_questions": 4, "base_model": stack["base"], "policy": stack["policy"],
+                "prm": stack["prm"], "samples_per_question": 4, "max_step_tokens": 48, "max_steps": 6,
+                "questions_per_request": 4, "max_train_steps": 2, "batch_size": 4, "prm_threshold": -1e9,
+                "seed": 3, "publish_name": "rft-launch"},
+        "rl": {**common, **lora, "max_questions": 4, "base_model": stack["base"], "policy": stack["policy"],
+               "prm": stack["prm"], "group_size": 4, "questions_per_iteration": 2, "iterations": 3,
+               "max_step_tokens": 48, "max_steps": 6, "lr": 1e-3, "seed": 3, "checkpoint_every": 1,
+               "rollout_adapter": "pinned"},
+        "dpo": {**common, **lora, "pairs": str(pairs), "base_model": stack["base"], "batch_size": 4,
+                "max_len": 512, "checkpoint_every": 2},
+    }
+
+
+def _launch(prefix: list[str], plan: list[dict], path: Path) -> None:
     import json
 
-    data = tmp_path / "data"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PRORAG_DATA": str(data),
-           "PRORAG_TRACKING": "local"}
+    path.write_text(json.dumps(plan))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     env.pop("WORLD_SIZE", None)
-    base = subprocess.run([sys.executable, "-c", "from prorag_app.embedded import ensure_policy_model; "
-                                                 "print(ensure_policy_model('tiny'))"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert base.returncode == 0, base.stderr[-2000:]
-    config = tmp_path / "sft.json"
-    config.write_text(json.dumps({"mode": "no_retrieval", "world": "tiny", "base_model": base.stdout.strip().splitlines()[-1],
-                                  "max_questions": 32, "max_steps": 4, "batch_size": 4, "grad_accum": 2,
-                                  "lr": 3e-3, "checkpoint_every": 2, "log_every": 1, "publish_name": "launched"}))
-    port = 29500 + (os.getpid() + 7) % 1000
-    runs = {}
-    for name, prefix in (("one", [sys.executable]),
-                         ("two", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                  "--master_addr", "127.0.0.1", "--master_port", str(port)])):
-        proc = subprocess.run(prefix + ["-m", "services.trainer.launch", "sft", str(config), str(tmp_path / name),
-                                        "--cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        runs[name] = json.loads((tmp_path / name / "result.json").read_text())
-    assert runs["one"]["model"] == "launched@one" and runs["two"]["model"] == "launched@two"
+    proc = subprocess.run(prefix + [str(WORKER.with_name("stage_worker.py")), str(path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def _published(stage: str, result: dict, work: Path) -> dict:
+    """The weights the stage published: a model's or an adapter's safetensors."""
     from safetensors.torch import load_file
 
-    one = load_file(data / "models" / "tiny" / "launched" / "one" / "model.safetensors")
-    two = load_file(data / "models" / "tiny" / "launched" / "two" / "model.safetensors")
-    assert one.keys() == two.keys()
-    for k in one:
-        assert torch.allclose(one[k], two[k], atol=1e-5, rtol=1e-4), k
-    assert abs(runs["one"]["final_loss"] - runs["two"]["final_loss"]) < 1e-5
+    from prorag.registry import registry
+
+    if stage == "warmup":
+        path = work / "run" / "model" / "model.safetensors"
+    elif stage in ("sft", "rft"):
+        path = registry("model", "tiny").resolve(result["model"]) / "model.safetensors"
+    elif stage == "prm":
+        path = registry("prm", "tiny").resolve(result["prm"]) / "model.safetensors"
+    else:
+        path = Path(result["adapter_path"]) / "adapter_model.safetensors"
+    return load_file(str(path))
+
+
+def _counting_engine():
+    """The RL test's scripted policy engine, counting the sequences it generates (what RFT and RL sample; the
+    policy's batcher may merge requests into fewer calls, so calls are not what is counted)."""
+    from tests.services.trainer.test_rl_stage import RecordingGoldWalk
+
+    class Counting(RecordingGoldWalk):
+        sequences = 0
+
+        def generate(self, prompts, params, adapter=None, seeds=None):
+            before = len(self.calls)
+            out = super().generate(prompts, params, adapter, seeds)
+            if len(self.calls) > before:  # not the adapter manager's warm-up
+                type(self).sequences += len(prompts) * params.n
+            return out
+
+    return Counting
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every gradient stage launched on 1 process, and on 2 (the STOP_AT ones stopped, then resumed by a second
+    launch), against real retriever, policy (scripted engine) and PRM servers on loopback."""
+    import json
+
+    from tests.services.trainer.scripted_stack import scripted_stack
+
+    root = tmp_path_factory.mktemp("launched")
+    with scripted_stack(root / "data", _counting_engine()) as stack:
+        configs = _configs(stack, _pairs_file(root / "data" / "pairs.jsonl"))
+        work = {(run, s): root / f"{run}-{s}" for run in ("one", "two") for s in STAGES}
+        port = 29500 + (os.getpid() + 11) % 1000
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                    "127.0.0.1"]
+        calls = [stack["engine"].sequences]  # sequences the policy generated (RFT's samples, RL's rollouts)
+        _launch([sys.executable], [{"stage": s, "config": configs[s], "work_dir": str(work["one", s])}
+                                   for s in STAGES], root / "plan-one.json")
+        calls.append(stack["engine"].sequences)
+        _launch(torchrun + ["--master_port", str(port)],
+                [{"stage": s, "config": configs[s], "work_dir": str(work["two", s]), "stop_at": STOP_AT.get(s)}
+                 for s in STAGES], root / "plan-two.json")
+        stopped = {s: {"result": json.loads((work["two", s] / "result.json").read_text()),
+                       "checkpoints": sorted(p.name for p in (work["two", s] / "checkpoints").glob("step-*")),
+                       "files": sorted(p.name for p in next((work["two", s] / "checkpoints").glob("step-*"),
+                                                            root).iterdir())}
+                   for s in STOP_AT}
+        # and, last, an SFT job whose questions file is not JSON: the main process fails building the data
+        bad = root / "data" / "broken.jsonl"
+        bad.write_text("this is not a question\n")
+        failing = {"stage": "sft", "config": {**configs["sft"], "questions": str(bad)}, "expect_error": True,
+                   "work_dir": str(root / "two-sft-fails")}
+        _launch(torchrun + ["--master_port", str(port + 1)],
+                [{"stage": s, "config": configs[s], "work_dir": str(work["two", s])} for s in STOP_AT] + [failing],
+                root / "plan-resume.json")
+        calls.append(stack["engine"].sequences)
+        out = {"policy_calls": {"one": calls[1] - calls[0], "two": calls[2] - calls[1]},
+               "errors": {r: (root / "two-sft-fails" / f"error-{r}.txt").read_text() for r in (0, 1)}}
+        for s in STAGES:
+            runs = {run: json.loads((work[run, s] / "result.json").read_text()) for run in ("one", "two")}
+            out[s] = {**{run: r for run, r in runs.items()},
+                      "weights": {run: _published(s, runs[run], work[run, s]) for run in runs},
+                      "events": json.loads((work["two", s] / "events.json").read_text()),
+                      "stopped": stopped.get(s), "base": stack["base"]}
+        yield out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_gradient_stage_launched_on_two_processes_publishes_what_one_process_does(launched, stage):
+    """The stage on 2 gloo processes (each computing one of a step's 2 micro-batches, the main process alone
+    fetching data through the services and publishing) ends where 1 process does: the same published weights and
+    loss within floating-point noise. A stage stopped after a checkpoint and launched again resumes to them too."""
+    got = launched[stage]
+    one, two = got["one"], got["two"]
+    # the second run really was two processes: its progress events say so
+    assert {e["metrics"]["processes"] for e in got["events"] if e.get("loss") is not None} == {2}
+    assert one and two and abs(one["final_loss"] - two["final_loss"]) < 1e-4, (one, two)
+    a, b = got["weights"]["one"], got["weights"]["two"]
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=2e-5, rtol=1e-4, msg=k)
+    # the run trained: a no-op on both sides would match trivially
+    if stage in ("rl", "dpo"):
+        assert any(float(v.abs().max()) > 0 for k, v in a.items() if "lora_B" in k)  # B starts at zero
+    elif stage != "warmup":
+        from safetensors.torch import load_file
+
+        start = load_file(str(Path(got["base"]) / "model.safetensors"))
+        shared = [k for k in a if k in start and a[k].shape == start[k].shape]
+        assert shared and max(float((a[k] - start[k]).abs().max()) for k in shared) > 1e-4
+    same = {"prm": ("train_pairs", "heldout_pairs", "heldout_pairwise_accuracy"),
+            "rft": ("data_sampled", "data_correct", "data_kept", "steps"),
+            "rl": ("total_sampled", "total_kept", "iterations"),
+            "dpo": ("train_pairs", "steps", "reward_accuracy", "mean_margin")}.get(stage, ("steps",))
+    for key in same:
+        assert one[key] == pytest.approx(two[key], abs=1e-4), key
+    if got["stopped"] is not None:
+        stopped = got["stopped"]
+        assert stopped["result"] == {}  # the first launch stopped before the end
+        step = STOP_AT[stage]
+        assert f"step-{step:09d}" in stopped["checkpoints"]
+        # every process's part (its RNG states) and the loop's own, written as one directory
+        assert {"random_states_0.pkl", "random_states_1.pkl", "loop.pt"} <= set(stopped["files"])
+        assert any(e.get("resumed_from_step") == step for e in got["events"])
+
+
+@pytest.mark.slow
+def test_only_the_main_process_of_a_launch_samples_through_the_policy(launched):
+    """RFT's samples and RL's rollouts are asked for once per launch, however many processes train on them: the
+    2-process launches (RL stopped and resumed, without rolling an iteration out twice) made exactly the
+    1-process run's generations."""
+    calls = launched["policy_calls"]
+    assert calls["one"] > 0 and calls["two"] == calls["one"]
+
+
+@pytest.mark.slow
+def test_an_error_on_the_main_process_reaches_every_process_of_the_launch(launched):
+    """The main process fails building an SFT job's data (its questions file is not JSON): it raises that error,
+    and the other process, instead of waiting for data that never comes, raises one naming it."""
+    main, other = launched["errors"][0], launched["errors"][1]
+    assert "MainProcessFailed" not in main and "broken.jsonl" in main, main
+    assert other.startswith("MainProcessFailed: the main process failed: ") and main in other, other

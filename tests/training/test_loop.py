@@ -194,3 +194,38 @@ def test_shuffled_epochs_cover_every_item_once_per_epoch_as_a_function_of_seed_a
     again = shuffled_epochs(items, 4, 2.5, seed=3)[1]
     assert [again(i) for i in range(total)] == [batch_at(i) for i in range(total)]  # a resumed job's batches
     assert shuffled_epochs(items, 4, 1, seed=4)[1](0) != batch_at(0)
+
+
+def test_accumulated_epochs_split_each_step_into_equal_micro_batches():
+    from prorag.training.loop import accumulated_epochs, shuffled_epochs
+
+    items = list(range(22))
+    one = accumulated_epochs(items, 4, 1, 2.0, seed=5)
+    plain = shuffled_epochs(items, 4, 2.0, seed=5)
+    assert one[0] == plain[0] and all(one[1](i) == plain[1](i) for i in range(one[0]))  # grad_accum 1: unchanged
+    steps, batch_at = accumulated_epochs(items, 4, 2, 2.0, seed=5)
+    micro, _ = shuffled_epochs(items, 2, 2.0, seed=5)
+    assert steps == math.ceil(micro / 2) and all(len(batch_at(i)) == 2 for i in range(2 * steps))
+    # each epoch's micro-batches cover every item once
+    per_epoch = math.ceil(len(items) / 2)
+    assert sorted(x for i in range(per_epoch) for x in batch_at(i)) == items
+    with pytest.raises(ValueError, match="divide"):
+        accumulated_epochs(items, 5, 2, 1.0, seed=0)
+
+
+def test_a_micro_batch_s_dropout_is_a_function_of_the_seed_and_its_index(tmp_path):
+    """What lets a launch give micro-batch i to any process: its random draws do not depend on what the process
+    drew before (here the global stream is advanced before the loop; the weights come out the same), only on the
+    run's seed (another seed draws other masks)."""
+    def train(work, seed: int, advance: int):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+        torch.manual_seed(seed)  # the stage's seed
+        torch.rand(advance)  # another consumer of the RNG before the loop
+        cfg = LoopConfig(steps=4, optimizer="sgd", lr=0.1, schedule="constant", grad_accum=2, log_every=1)
+        run_loop(local_context(work, cfg), model, _batches(8), mse, cfg)
+        return model
+
+    a = train(tmp_path / "a", 3, 0)
+    assert _same_weights(a, train(tmp_path / "b", 3, 7))
+    assert not _same_weights(a, train(tmp_path / "c", 4, 0))

@@ -64,3 +64,21 @@ def test_nothing_to_read_or_paraphrase_is_refused(tiny_policy):
         WarmupBatches(tok, {}, FACTS, CFG)
     with pytest.raises(InvalidArgument, match="nothing to paraphrase"):
         WarmupBatches(tok, DOCS, FACTS[:2], CFG)
+
+
+def test_a_step_s_rows_split_evenly_into_micro_batches(tiny_policy):
+    """grad_accum > 1 (a launch on several processes): micro-batch i is a share of step i // k's rows, the shares
+    together the step's batch; 1 is the batch itself; rows that do not split evenly are refused."""
+    _, tok = tiny_policy
+    cfg = WarmupConfig(**{**CFG.__dict__, "batch_size": 4})
+    batches = WarmupBatches(tok, DOCS, FACTS, cfg)
+    for step in (0, 2):
+        whole = WarmupBatches(tok, DOCS, FACTS, cfg)(step)
+        assert _same(batches.micro_batch(step, 1), whole)
+        shares = [batches.micro_batch(step * 2 + j, 2) for j in range(2)]
+        for p, (x, m) in enumerate(whole.parts):
+            assert torch.equal(torch.cat([s.parts[p][0] for s in shares]), x)
+            assert torch.equal(torch.cat([s.parts[p][1] for s in shares]), m)
+        assert sum(s.tokens for s in shares) == whole.tokens
+    with pytest.raises(InvalidArgument, match="grad_accum=3"):
+        batches.micro_batch(0, 3)
