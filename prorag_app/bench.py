@@ -761,7 +761,7 @@ def rl_step_split(results: dict) -> dict:
 def bench_rl(args) -> dict:
     """One RL update (the clipped loss's forward and backward through a LoRA policy) over a GRPO iteration's
     trajectories (--questions x --samples): one padded pass against length-sorted chunks of at most the stage's
-    chunk_tokens padded tokens (services.trainer.stage_rl.length_chunks; the same gradient). Lengths are drawn from
+    chunk_tokens padded tokens (prorag.training.lora.length_chunks; the same gradient). Lengths are drawn from
     the agent's saved test trajectories (uniform 200-1,000 tokens without them); token ids are random. Also the
     last `prorag run`'s RL iterations split into rollout, PRM scoring, reward, update and adapter sync
     (rl_step_split)."""
@@ -771,7 +771,8 @@ def bench_rl(args) -> dict:
 
     from prorag.config import from_dict
     from prorag.modeling import load_policy
-    from services.trainer.stage_rl import RLConfig, RLSample, build_lora, collate_rl, length_chunks, rl_loss
+    from prorag.training.lora import RLSample, build_lora, collate_rl, length_chunks, rl_loss
+    from services.trainer.stage_rl import RLConfig
 
     model_dir = _bench_model(args.world, args.model)
     model, tok = load_policy(model_dir)

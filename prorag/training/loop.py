@@ -13,6 +13,9 @@ learning-rate schedule by name, gradient accumulation and clipping, a checkpoint
 scheduler, step; RNG states through the context) every ``checkpoint_every`` steps with exact resume,
 progress events with loss, tokens/s and model-FLOPs utilisation, and a prompt return when the job is
 cancelled or the trainer stops (after a checkpoint unless cancelled).
+
+:func:`run_loop` runs every step; a stage that has work between its steps (RL rolls out through the services)
+drives a :class:`TrainingLoop` itself, step by step, with the same state, checkpoints and events.
 """
 
 from __future__ import annotations
@@ -149,11 +152,205 @@ def _micro_batch_rng(seed: int, i: int, device: torch.device):
         yield
 
 
+@dataclass
+class StepResult:
+    loss: float               # the step's loss (the mean of its micro-batches', over every process)
+    stats: dict[str, float]   # the loss_fn's optional stats, summed over this process's micro-batches of the step
+
+
+class TrainingLoop:
+    """The loop's state (optimizer, schedule, a launch's engine, the steps done) held across calls, for a stage
+    that drives its steps itself: RL rolls out between its optimizer steps (services/trainer/stage_rl.py), so
+    its ``batch_at`` stays a pure function of i. :func:`run_loop` is :meth:`run` to the last step.
+
+    Constructing it builds the optimizer, prepares a launch's engine once and restores the context's last
+    checkpoint (``step`` is then the steps it holds); :meth:`close` (or leaving a ``with`` block) puts the model
+    in eval mode and releases the engine. Arguments are :func:`run_loop`'s."""
+
+    def __init__(self, ctx: JobContext, model: torch.nn.Module,
+                 loss_fn: Callable[[torch.nn.Module, Any], tuple], cfg: LoopConfig,
+                 grad_hook: Callable[[torch.nn.Module], None] | None = None, accelerator=None,
+                 placement: Placement | None = None):
+        accelerator = accelerator if accelerator is not None else getattr(ctx, "accelerator", None)
+        self.ctx, self.model, self.loss_fn, self.cfg, self.grad_hook = ctx, model, loss_fn, cfg, grad_hook
+        self.accelerator = accelerator
+        self.seed = torch.initial_seed()  # the stage's seed, taken before a checkpoint's RNG states are restored
+        self.world = accelerator.num_processes if accelerator is not None else 1
+        self.rank = accelerator.process_index if accelerator is not None else 0
+        if cfg.grad_accum % self.world:
+            raise FailedPrecondition(f"grad_accum ({cfg.grad_accum}) must be a multiple of the {self.world} training "
+                                     "processes, so each step's micro-batches split evenly over them")
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = build_optimizer(self.params, cfg)
+        schedule = get_schedule(cfg.schedule)
+        # the scheduler is never handed to accelerate: prepared, it would advance once per process per step
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt,
+                                                       lambda step: schedule(step, cfg.steps, cfg.warmup_steps))
+        self.step = 0  # optimizer steps done
+        self.trained = None
+        if accelerator is None:
+            state = ctx.load_checkpoint()
+            if state is not None:
+                model.load_state_dict(state["model"])
+                self.opt.load_state_dict(state["optimizer"])
+                self.sched.load_state_dict(state["scheduler"])
+                self.step = int(state["step"])
+        else:
+            from prorag.training.distributed import is_sharded
+
+            self.trained, self.opt = accelerator.prepare(_LossModule(model, loss_fn), self.opt)
+            if is_sharded(accelerator):
+                _ENGINES[model] = self.trained
+            # restored after prepare: under FSDP each process loads into its own shard
+            state = ctx.load_launch_checkpoint(accelerator)
+            if state is not None:
+                self.sched.load_state_dict(state["scheduler"])
+                self.step = int(state["step"])
+        self.placement = placement if placement is not None \
+            else Placement(next(model.parameters()).device, torch.float32, "sdpa")
+        if cfg.compile:
+            compile_blocks(model)
+        # the peak of the dtype the step computes in, measured before the first window starts
+        self.peak = peak_matmul_flops(self.placement.device, self.placement.dtype)
+        self.n_params = num_parameters(model)
+        model.train()
+        self.loss = math.nan  # the last step's loss
+        self._t_last, self._tokens = time.monotonic(), 0  # the progress window: since the last event
+
+    def __enter__(self) -> "TrainingLoop":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.model.eval()
+        if self.accelerator is not None:
+            # accelerate's save_state saves every model and optimizer it prepared: a later loop in this process
+            # (the next stage of a test's launch) must not save this one's
+            self.accelerator.free_memory()
+
+    def _all_ranks_sum(self, *values: float) -> list[float]:
+        if self.accelerator is None:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
+        return self.accelerator.reduce(t, reduction="sum").tolist()
+
+    def save(self) -> None:
+        """The checkpoint of the steps done; every process calls it (a launch's processes each save their part)."""
+        if self.trained is None:
+            self.ctx.save_checkpoint({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                                      "scheduler": self.sched.state_dict(), "step": self.step})
+        else:
+            self.ctx.save_launch_checkpoint(self.accelerator, {"scheduler": self.sched.state_dict()}, self.step)
+
+    def save_if_due(self) -> None:
+        """The checkpoint every ``checkpoint_every`` steps (none after the last: the stage publishes then)."""
+        if self.step and self.step % self.cfg.checkpoint_every == 0 and self.step < self.cfg.steps:
+            self.save()
+
+    def stop_requested(self) -> bool:
+        """Whether the job is cancelled or the trainer is stopping, saving the checkpoint first unless cancelled.
+        The main process decides for all (a collective), so every process of a launch stops at the same step."""
+        flag = float(self.ctx.should_stop()) if self.rank == 0 else 0.0
+        if self._all_ranks_sum(flag)[0] <= 0:
+            return False
+        if not self.ctx.cancelled():
+            self.save()
+        return True
+
+    def train_step(self, batch_at: Callable[[int], Any],
+                   grad_hook: Callable[[torch.nn.Module], None] | None = None) -> StepResult:
+        """Optimizer step ``self.step`` on micro-batches ``batch_at(i)`` (i = step * grad_accum + j, this process's
+        share), a progress event when due; no checkpoint (:meth:`save_if_due`). grad_hook: this step's, instead of
+        the loop's."""
+        from prorag.training.distributed import my_micro_batches
+
+        cfg, accelerator, trained, placement = self.cfg, self.accelerator, self.trained, self.placement
+        step, k, world = self.step, cfg.grad_accum, self.world
+        metrics = {"lr": self.sched.get_last_lr()[0]}  # the rate this step uses
+        self.opt.zero_grad(set_to_none=True)
+        mine = my_micro_batches(step, k, self.rank, world)
+        loss_v, n_tok, stats = 0.0, 0, {}
+        for j, i in enumerate(mine):
+            # gradients are synchronised once per step, on this process's last micro-batch
+            sync = accelerator.no_sync(trained) if trained is not None and j < len(mine) - 1 \
+                else contextlib.nullcontext()
+            batch = to_device(batch_at(i), placement.device)
+            try:
+                with sync, _micro_batch_rng(self.seed, i, placement.device):
+                    with placement.autocast():
+                        out = trained(batch) if trained is not None else self.loss_fn(self.model, batch)
+                    loss, n = out[0], out[1]
+                    # the mean of the step's k micro-batches' losses; the engine averages the processes'
+                    # sums, so each scales its share by world / k
+                    scaled = loss * world / k
+                    if accelerator is not None:
+                        accelerator.backward(scaled)
+                    else:
+                        scaled.backward()
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                # the step was not applied: the weights and the last checkpoint are as they were
+                raise out_of_memory(exc, f"at step {step + 1}/{cfg.steps}, micro-batch {i} ({batch_shape(batch)})",
+                                    "lower batch_size or raise grad_accum, turn gradient_checkpointing on, or "
+                                    "lower max_len; the job's last checkpoint is intact and a resubmitted job "
+                                    "resumes from it") from None
+            loss_v += float(loss.detach()) / k
+            n_tok += int(n)
+            for key, v in (out[2] if len(out) > 2 else {}).items():
+                stats[key] = stats.get(key, 0.0) + v
+        loss_v, n_tok = self._all_ranks_sum(loss_v, float(n_tok))
+        self._tokens += int(n_tok)
+        hook = grad_hook if grad_hook is not None else self.grad_hook
+        if hook is not None:
+            hook(self.model)
+        if cfg.grad_clip:
+            norm = accelerator.clip_grad_norm_(trained.parameters(), cfg.grad_clip) if trained is not None \
+                else torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+            metrics["grad_norm"] = float(norm)
+        bad = [name for name, v in (("loss", loss_v), ("gradient norm", metrics.get("grad_norm", 0.0)))
+               if not math.isfinite(v)]
+        if bad:
+            # stop before the optimizer writes NaN into the weights: what was saved (and published) stays good
+            raise NonFiniteLoss(
+                f"step {step + 1}/{cfg.steps}: the {' and the '.join(bad)} is not finite (loss {loss_v}); the "
+                "step was not applied, the checkpoints and anything published so far are unchanged; lower the "
+                "learning rate, check this step's data, or clip gradients (grad_clip)")
+        self.opt.step()
+        self.sched.step()
+        self.step = done = step + 1
+        self.loss = loss_v
+        if self.rank == 0 and (done % cfg.log_every == 0 or done == cfg.steps):
+            now = time.monotonic()
+            rate = self._tokens / max(now - self._t_last, 1e-9)
+            self._t_last, self._tokens = now, 0
+            metrics.update(mfu=model_flops_utilisation(rate / world, self.n_params, self.peak),
+                           peak_flops=self.peak, processes=world, dtype=placement.dtype_name)
+            self.ctx.emit(done, cfg.steps, loss=loss_v, tokens_per_s=rate, metrics=metrics)
+        return StepResult(loss_v, stats)
+
+    def run(self, batch_at: Callable[[int], Any], until: int | None = None) -> LoopResult:
+        """Steps up to ``until`` (default: the last), each after a stop check and followed by its checkpoint when
+        due; completed = reached ``until``."""
+        until = self.cfg.steps if until is None else until
+        while self.step < until:
+            if self.stop_requested():
+                return LoopResult(False, self.step, self.loss)
+            self.train_step(batch_at)
+            self.save_if_due()
+        return LoopResult(True, self.step, self.loss)
+
+
 def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], Any],
-             loss_fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, int]], cfg: LoopConfig,
+             loss_fn: Callable[[torch.nn.Module, Any], tuple], cfg: LoopConfig,
              grad_hook: Callable[[torch.nn.Module], None] | None = None, accelerator=None,
              placement: Placement | None = None) -> LoopResult:
     """Train ``model`` in place for ``cfg.steps`` optimizer steps, resuming from the context's last checkpoint.
+
+    loss_fn(model, batch) -> (loss, tokens) or (loss, tokens, stats): stats, {name: float}, are summed over a
+    step's micro-batches and returned by :meth:`TrainingLoop.train_step` (run_loop drops them).
 
     placement: where the step computes (prorag.training.devices): each micro-batch is moved to its device and the
     loss runs under autocast to its dtype, the weights and optimizer state staying as the stage built them
@@ -171,145 +368,9 @@ def run_loop(ctx: JobContext, model: torch.nn.Module, batch_at: Callable[[int], 
     Every process must see the same ``batch_at(i)`` for each i it is given (a stage fetches data from the
     services on the main process and hands it over: prorag.training.distributed.from_main).
     """
-    from prorag.training.distributed import my_micro_batches
-
-    accelerator = accelerator if accelerator is not None else getattr(ctx, "accelerator", None)
-    seed = torch.initial_seed()  # the stage's seed, taken before a checkpoint's RNG states are restored
-    world = accelerator.num_processes if accelerator is not None else 1
-    rank = accelerator.process_index if accelerator is not None else 0
-    main = rank == 0
-    k = cfg.grad_accum
-    if k % world:
-        raise FailedPrecondition(f"grad_accum ({k}) must be a multiple of the {world} training processes, so each "
-                                 "step's micro-batches split evenly over them")
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(params, cfg)
-    schedule = get_schedule(cfg.schedule)
-    # the scheduler is never handed to accelerate: prepared, it would advance once per process per step
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step, cfg.steps, cfg.warmup_steps))
-    start = 0
-    trained = None
-    if accelerator is None:
-        state = ctx.load_checkpoint()
-        if state is not None:
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
-            sched.load_state_dict(state["scheduler"])
-            start = int(state["step"])
-    else:
-        from prorag.training.distributed import is_sharded
-
-        trained, opt = accelerator.prepare(_LossModule(model, loss_fn), opt)
-        if is_sharded(accelerator):
-            _ENGINES[model] = trained
-        # restored after prepare: under FSDP each process loads into its own shard
-        state = ctx.load_launch_checkpoint(accelerator)
-        if state is not None:
-            sched.load_state_dict(state["scheduler"])
-            start = int(state["step"])
-
-    def step_loss(batch):
-        return trained(batch) if trained is not None else loss_fn(model, batch)
-
-    def save(done: int) -> None:
-        """The checkpoint of ``done`` steps; every process calls it (a launch's processes each save their part)."""
-        if trained is None:
-            ctx.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                 "scheduler": sched.state_dict(), "step": done})
-        else:
-            ctx.save_launch_checkpoint(accelerator, {"scheduler": sched.state_dict()}, done)
-
-    def all_ranks_sum(*values: float) -> list[float]:
-        if accelerator is None:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
-        return accelerator.reduce(t, reduction="sum").tolist()
-
-    def should_stop() -> bool:
-        # the main process decides for all, so every process leaves the loop at the same step
-        flag = float(ctx.should_stop()) if main else 0.0
-        return all_ranks_sum(flag)[0] > 0
-
-    if placement is None:
-        placement = Placement(next(model.parameters()).device, torch.float32, "sdpa")
-    if cfg.compile:
-        compile_blocks(model)
-    # the peak of the dtype the step computes in, measured before the first window starts
-    peak = peak_matmul_flops(placement.device, placement.dtype)
-    n_params = num_parameters(model)
-    model.train()
-    try:
-        t_last, tokens, loss_v = time.monotonic(), 0, math.nan
-        for step in range(start, cfg.steps):
-            if should_stop():
-                if not ctx.cancelled():
-                    save(step)
-                return LoopResult(False, step, loss_v)
-            metrics = {"lr": sched.get_last_lr()[0]}  # the rate this step uses
-            opt.zero_grad(set_to_none=True)
-            mine = my_micro_batches(step, k, rank, world)
-            loss_v, n_tok = 0.0, 0
-            for j, i in enumerate(mine):
-                # gradients are synchronised once per step, on this process's last micro-batch
-                sync = accelerator.no_sync(trained) if trained is not None and j < len(mine) - 1 \
-                    else contextlib.nullcontext()
-                batch = to_device(batch_at(i), placement.device)
-                try:
-                    with sync, _micro_batch_rng(seed, i, placement.device):
-                        with placement.autocast():
-                            loss, n = step_loss(batch)
-                        # the mean of the step's k micro-batches' losses; the engine averages the processes'
-                        # sums, so each scales its share by world / k
-                        scaled = loss * world / k
-                        if accelerator is not None:
-                            accelerator.backward(scaled)
-                        else:
-                            scaled.backward()
-                except Exception as exc:
-                    if not is_out_of_memory(exc):
-                        raise
-                    # the step was not applied: the weights and the last checkpoint are as they were
-                    raise out_of_memory(exc, f"at step {step + 1}/{cfg.steps}, micro-batch {i} ({batch_shape(batch)})",
-                                        "lower batch_size or raise grad_accum, turn gradient_checkpointing on, or "
-                                        "lower max_len; the job's last checkpoint is intact and a resubmitted job "
-                                        "resumes from it") from None
-                loss_v += float(loss.detach()) / k
-                n_tok += int(n)
-            loss_v, n_tok = all_ranks_sum(loss_v, float(n_tok))
-            tokens += int(n_tok)
-            if grad_hook is not None:
-                grad_hook(model)
-            if cfg.grad_clip:
-                norm = accelerator.clip_grad_norm_(trained.parameters(), cfg.grad_clip) if trained is not None \
-                    else torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                metrics["grad_norm"] = float(norm)
-            bad = [name for name, v in (("loss", loss_v), ("gradient norm", metrics.get("grad_norm", 0.0)))
-                   if not math.isfinite(v)]
-            if bad:
-                # stop before the optimizer writes NaN into the weights: what was saved (and published) stays good
-                raise NonFiniteLoss(
-                    f"step {step + 1}/{cfg.steps}: the {' and the '.join(bad)} is not finite (loss {loss_v}); the "
-                    "step was not applied, the checkpoints and anything published so far are unchanged; lower the "
-                    "learning rate, check this step's data, or clip gradients (grad_clip)")
-            opt.step()
-            sched.step()
-            done = step + 1
-            if main and (done % cfg.log_every == 0 or done == cfg.steps):
-                now = time.monotonic()
-                rate = tokens / max(now - t_last, 1e-9)
-                t_last, tokens = now, 0
-                metrics.update(mfu=model_flops_utilisation(rate / world, n_params, peak), peak_flops=peak,
-                               processes=world, dtype=placement.dtype_name)
-                ctx.emit(done, cfg.steps, loss=loss_v, tokens_per_s=rate, metrics=metrics)
-            if done % cfg.checkpoint_every == 0 and done < cfg.steps:
-                save(done)
-    finally:
-        model.eval()
-        if accelerator is not None:
-            # accelerate's save_state saves every model and optimizer it prepared: a later loop in this process
-            # (the next stage of a test's launch) must not save this one's
-            accelerator.free_memory()
-    return LoopResult(True, cfg.steps, loss_v)
+    loop = TrainingLoop(ctx, model, loss_fn, cfg, grad_hook=grad_hook, accelerator=accelerator, placement=placement)
+    with loop:
+        return loop.run(batch_at)
 
 
 def shuffled_epochs(items, batch_size: int, epochs: float, seed: int) -> tuple[int, Callable[[int], list]]:
@@ -342,4 +403,5 @@ def accumulated_epochs(items, batch_size: int, grad_accum: int, epochs: float,
     return math.ceil(micro / grad_accum), batch_at
 
 
-__all__ = ["accumulated_epochs", "call_in_engine", "compile_blocks", "LoopConfig", "LoopResult", "NonFiniteLoss", "OPTIMIZERS", "build_optimizer", "run_loop", "shuffled_epochs"]
+__all__ = ["accumulated_epochs", "call_in_engine", "compile_blocks", "LoopConfig", "LoopResult", "NonFiniteLoss",
+           "OPTIMIZERS", "StepResult", "TrainingLoop", "build_optimizer", "run_loop", "shuffled_epochs"]

@@ -22,8 +22,8 @@ from pathlib import Path
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
+from prorag.training.lora import ALL_PROJECTIONS
 from prorag.training.run_config import TrainRunConfig
-from services.trainer.stage_rl import ALL_PROJECTIONS
 from services.trainer.stages import register_stage, resolve_model
 
 
@@ -86,7 +86,7 @@ def encode_preference(tokenizer, pair, choice: int) -> dict[str, list[int]]:
 def preference_logps(model, collator, examples: list[dict]):
     """([B] chosen, [B] rejected) summed log-probabilities of each example's completion, in one padded forward pass
     over the batch TRL's collator makes (chosen rows first, then rejected)."""
-    from services.trainer.stage_rl import token_logprobs
+    from prorag.training.lora import token_logprobs
 
     batch = collator([{k: e[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for e in examples])
     mask = batch["completion_mask"].float()
@@ -104,7 +104,7 @@ def run_dpo(ctx: JobContext) -> dict:
     from prorag.registry import ArtifactRef, registry, weights_sha256
     from prorag.training.distributed import full_state_dict, gather_lists, sum_over_processes
     from prorag.training.loop import accumulated_epochs, run_loop
-    from services.trainer.stage_rl import build_lora, publish_adapter
+    from prorag.training.lora import build_lora, publish_adapter
 
     cfg: DPOConfig = ctx.config
     cfg.apply_threads()

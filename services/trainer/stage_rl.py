@@ -1,19 +1,25 @@
 """Stage 4: process-supervised RL (ProRAG's dual-granularity GRPO) on LoRA adapters.
 
-Each iteration is one step of the house training loop (prorag.training.loop.run_loop), so checkpoints, resume
-and progress events are the loop's:
+Each iteration runs these steps in order (run_rl); its optimizer steps are those of the house training loop
+(prorag.training.loop.TrainingLoop), so checkpoints, resume, stop and progress events are the loop's:
 
-1. the current LoRA adapter (version ``<job id>-<iteration>``) is saved, published into the world's adapter
-   registry (the policy's adapter root) and pushed to every policy replica, which load and activate it;
-2. a batch of train questions is rolled out G times each through the policy service (live retrieval); every
-   trajectory names the adapter version that produced it, and one older than ``max_policy_lag`` iterations
-   (or from another adapter) is dropped;
-3. outcome reward per trajectory (OUTCOME_REWARDS on token F1 and format), step scores from the PRM service in
-   one batched call for the whole iteration, and per step A = group_normalized(R) + beta * process advantage
-   (algorithms.rl.group_step_advantages), broadcast to the step's generated tokens only;
-4. the loss is the clipped surrogate (algorithms.rl.clipped_policy_loss) with the sampling log-probs the policy
-   service returned as the old policy, recomputed log-probs from the local LoRA model, and an optional k3 KL to
-   the base (the same model with the adapter disabled).
+1. publish and push: the current LoRA adapter (version ``<job id>-<iteration>``) is saved, published into the
+   world's adapter registry (the policy's adapter root) and pushed to every policy replica, which load and
+   activate it (the last update's weights are published the same way when the job ends);
+2. collect rollouts (:func:`roll_out`): a batch of train questions is rolled out G times each through the policy
+   service (live retrieval); every trajectory names the adapter version that produced it, and one older than
+   ``max_policy_lag`` iterations (or from another adapter) is dropped;
+3. score steps (:func:`score_steps`): the PRM service's logits for every step of the iteration, in one call;
+4. advantages (:func:`advantages`): outcome reward per trajectory (OUTCOME_REWARDS on token F1 and format), and
+   per step A = group_normalized(R) + beta * process advantage (algorithms.rl.group_step_advantages), broadcast
+   to the step's generated tokens only;
+5. update: ``mini_batches`` optimizer steps of the clipped surrogate (prorag.training.lora.rl_loss) with the
+   sampling log-probs the policy service returned as the old policy, recomputed log-probs from the local LoRA
+   model, and an optional k3 KL to the base (the same model with the adapter disabled); then the iteration's
+   journal row.
+
+Steps 1-4 talk to the services: on a launch of several processes the main process alone does them and hands the
+data to the others (prorag.training.distributed.from_main), which all take part in step 5.
 
 beta = 0 or prm = '' is outcome-only GRPO (the Search-R1-style baseline) through the same code. One update per
 rollout batch (GRPO's mu = 1, as ProRAG's TRL setup): the ratio departs from 1 only by the lag between the
@@ -26,7 +32,6 @@ import json
 import math
 import re
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,12 +39,13 @@ from pathlib import Path
 from prorag import paths
 from prorag.algorithms.rl import OUTCOME_REWARDS, credit_counts
 from prorag.config import cfg_field
-from prorag.errors import AlreadyExists, FailedPrecondition
+from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
+from prorag.training.lora import (ALL_PROJECTIONS, RLSample, build_lora, collate_rl, length_chunks,
+                                  publish_adapter, rl_loss, token_logprobs)
 from prorag.training.run_config import TrainRunConfig
 from services.trainer.stages import register_stage, resolve_model
 
-ALL_PROJECTIONS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 #: bumped when what the PRM is asked to score changes (2, 3: empty and blank steps left out), so a caller that names jobs by
 #: their settings (the pipeline) does not reuse a job that ran, or failed, under the old behaviour
 PRM_SCORING_VERSION = 3
@@ -147,57 +153,7 @@ def policy_lag(version_key: str, name: str, job_id: str, iteration: int) -> int 
     return iteration - int(m.group(1)) if m else None
 
 
-def build_lora(model, cfg: RLConfig):
-    from peft import LoraConfig, get_peft_model
-
-    targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
-    return get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                            target_modules=targets, task_type="CAUSAL_LM"))
-
-
-def publish_adapter(model, world: str, name: str, version: str, *, base: Path, base_sha: str, scratch: Path,
-                    config: dict, step: int, state_dict: dict | None = None) -> str:
-    """Save the LoRA weights and publish them as name@version (or name@version.r<k> when a killed attempt left
-    a different version under that name); returns the version published.
-
-    state_dict: the PEFT model's full state dict gathered from a launch's shards (FSDP:
-    prorag.training.distributed.full_state_dict), from which PEFT's save takes the adapter's weights; None = the
-    model's own (one process, or DDP's replicated weights)."""
-    from prorag.registry import ArtifactRef, registry
-
-    adapters = registry("adapter", world)
-    scratch.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
-        if state_dict is None:
-            model.save_pretrained(tmp)
-        else:
-            model.save_pretrained(tmp, state_dict=state_dict)
-        candidate, k = version, 0
-        while True:
-            try:
-                adapters.publish(tmp, ArtifactRef(name, candidate), base_model=str(base), base_model_sha256=base_sha,
-                                 config=config, step=step)
-                return candidate
-            except AlreadyExists:
-                k += 1
-                candidate = f"{version}.r{k}"
-
-
 # ---------------------------------------------------------------- rollouts -> a batch
-@dataclass
-class RLSample:
-    """One kept trajectory, ready for the loss; the per-token lists are aligned, each [T]."""
-
-    token_ids: list[int]
-    generated_mask: list[int]
-    advantages: list[float]
-    loss_mask: list[float]
-    old_logprobs: list[float]
-    question_id: str = ""
-    reward: float = 0.0
-    lag: int = 0
-
-
 @dataclass
 class IterationData:
     samples: list[RLSample] = field(default_factory=list)
@@ -230,18 +186,26 @@ def call_with_service_wait(fn, target: str, what: str, wait_s: float, stats: dic
 
 
 def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: str, policy, prm) -> IterationData:
-    """Roll out ``questions`` G times each, drop stale trajectories, score and compute advantages.
+    """An iteration's data, on the main process: :func:`roll_out` ``questions`` G times each (stale trajectories
+    dropped), :func:`score_steps` with the PRM, then :func:`advantages`.
 
     version_key: the adapter version being trained (pinned requests name it). One PRM call for the whole
     iteration, every step of every kept trajectory in it."""
-    from prorag.algorithms.rl import group_step_advantages, step_score_reference, token_advantages
-    from prorag.metrics import f1_score
-    from prorag.pbconv import step_from_pb, token_trace_from_pb
+    from prorag.pbconv import step_from_pb
 
-    reward_fn = OUTCOME_REWARDS[cfg.reward]
-    by_id = {q.id: q for q in questions}
     stats = {"questions": len(questions), "sampled": 0, "kept": 0, "dropped_stale": 0, "dropped_foreign": 0,
              "dropped_too_long": 0, "prm_scored": 0, "service_retries": 0}
+    kept, lags = roll_out(cfg, questions, iteration, job_id, version_key, policy, stats)
+    steps = [[step_from_pb(s) for s in t.steps] for t in kept]
+    logits = score_steps(cfg, kept, steps, prm, stats)
+    return advantages(cfg, questions, iteration, kept, lags, steps, logits, stats)
+
+
+def roll_out(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: str, policy,
+             stats: dict) -> tuple[list, list[int]]:
+    """Step 1: ``questions`` [Q] rolled out G times each through the policy service, in requests of
+    questions_per_request; returns the kept trajectories (pb) [N] and their policy lags [N], counting what was
+    sampled and dropped (foreign, stale, too long) into ``stats``."""
     kept, lags = [], []
     t0 = time.monotonic()
     for start in range(0, len(questions), cfg.questions_per_request):
@@ -279,12 +243,18 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
             kept.append(t)
             lags.append(lag)
     stats["rollout_s"] = time.monotonic() - t0
+    return kept, lags
 
-    steps = [[step_from_pb(s) for s in t.steps] for t in kept]
-    use_prm = bool(cfg.prm) and cfg.beta > 0 and prm is not None
+
+def score_steps(cfg: RLConfig, kept: list, steps: list[list], prm, stats: dict) -> list[list[float]] | None:
+    """Step 2: the PRM's logit of every step, [N][steps of trajectory i], in one call; None for outcome-only GRPO
+    (beta = 0 or no PRM)."""
+    if not (cfg.prm and cfg.beta > 0 and prm is not None):
+        stats["prm_s"] = 0.0
+        return None
     logits: list[list[float]] = [[] for _ in kept]
     t1 = time.monotonic()
-    if use_prm and kept:
+    if kept:
         # a sampled step can be empty or blank (Step.empty): nothing for the PRM to read,
         # so it is left out of the scored trajectory and gets a neutral logit; the step score's invalid-step term
         # (step_score_reference) is what marks it
@@ -302,7 +272,23 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
         stats["empty_steps"] = sum(len(ss) - len(idx) for ss, idx in zip(steps, scored))
         stats["prm_scored"] = len(asked)
     stats["prm_s"] = time.monotonic() - t1
+    return logits
 
+
+def advantages(cfg: RLConfig, questions, iteration: int, kept: list, lags: list[int], steps: list[list],
+               logits: list[list[float]] | None, stats: dict) -> IterationData:
+    """Step 3: outcome rewards [N], per-step advantages within each question's group (outcome, plus beta x the
+    process advantage when ``logits`` are given), broadcast to each trajectory's generated tokens [T_i]; the
+    iteration's samples and statistics."""
+    from prorag.algorithms.rl import group_step_advantages, step_score_reference, token_advantages
+    from prorag.metrics import f1_score
+    from prorag.pbconv import token_trace_from_pb
+
+    reward_fn = OUTCOME_REWARDS[cfg.reward]
+    by_id = {q.id: q for q in questions}
+    use_prm = logits is not None
+    if logits is None:
+        logits = [[] for _ in kept]
     t2 = time.monotonic()
     f1s, valid, rewards = [], [], []
     for t in kept:
@@ -315,7 +301,7 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
     for i, t in enumerate(kept):
         groups.setdefault(t.question_id, []).append(i)
     traces = [token_trace_from_pb(t.trace, t.prompt_length) for t in kept]
-    advantages: list[list[float]] = [[] for _ in kept]
+    step_adv: list[list[float]] = [[] for _ in kept]
     for members in groups.values():
         tokens = [[s.generated_end - s.start for s in traces[i].spans] for i in members]
         scores = None
@@ -329,9 +315,9 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
                 scores.append([step_score_reference(x, s.kind != "invalid") for x, s in zip(logits[i], steps[i])])
         for i, a in zip(members, group_step_advantages([rewards[i] for i in members], scores, tokens, cfg.beta,
                                                        cfg.normalization)):
-            advantages[i] = a
+            step_adv[i] = a
 
-    for i, a in enumerate(advantages):
+    for i, a in enumerate(step_adv):
         if not all(math.isfinite(x) for x in a):
             # a PRM that returns NaN (or a reward that overflows) would train on garbage: stop with the culprit
             raise FailedPrecondition(
@@ -341,7 +327,7 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
     stats["reward_s"] = time.monotonic() - t2  # outcome rewards, PRM step scores into advantages
     samples = []
     for i, (t, tr) in enumerate(zip(kept, traces)):
-        adv, mask = token_advantages(advantages[i], tr.spans, len(tr.token_ids))
+        adv, mask = token_advantages(step_adv[i], tr.spans, len(tr.token_ids))
         samples.append(RLSample(tr.token_ids, tr.generated_mask, adv.tolist(), mask.tolist(), list(tr.logprobs),
                                 t.question_id, rewards[i], lags[i]))
     stats["kept"] = len(samples)
@@ -367,79 +353,6 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-# ---------------------------------------------------------------- the loss
-def collate_rl(samples: list[RLSample], pad_id: int):
-    """[B] samples -> ids [B,T] (long), attention [B,T] (long), advantages, loss mask, old log-probs [B,T]."""
-    import torch
-
-    T = max(len(s.token_ids) for s in samples)
-    B = len(samples)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, T), dtype=torch.long)
-    adv, mask, old = (torch.zeros((B, T)) for _ in range(3))
-    for i, s in enumerate(samples):
-        n = len(s.token_ids)
-        ids[i, :n] = torch.tensor(s.token_ids)
-        attn[i, :n] = 1
-        adv[i, :n] = torch.tensor(s.advantages)
-        mask[i, :n] = torch.tensor(s.loss_mask)
-        old[i, :n] = torch.tensor(s.old_logprobs)
-    return ids, attn, adv, mask, old
-
-
-def length_chunks(lengths: list[int], max_padded: int) -> list[list[int]]:
-    """Indices [N] grouped into chunks, shortest first, each padding to at most ``max_padded`` tokens
-    (len(chunk) x its longest); a sequence longer than that is a chunk of its own; 0 = one chunk.
-
-    Why: one forward pass over a whole iteration pads every trajectory to the longest (~200 to ~1,000 tokens);
-    a token-weighted sum over length-sorted chunks is the same loss with a fraction of the padding."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    if not max_padded:
-        return [order] if order else []
-    chunks: list[list[int]] = []
-    for i in order:
-        if chunks and (len(chunks[-1]) + 1) * lengths[i] <= max_padded:
-            chunks[-1].append(i)
-        else:
-            chunks.append([i])
-    return chunks
-
-
-def token_logprobs(model, ids, attn, mask):
-    """log pi(ids[t] | ids[<t]) at the positions where mask [B,T] is set, 0 elsewhere -> [B,T].
-
-    The LM head runs on the masked positions only (the generated tokens, a fraction of a trajectory), as the SFT
-    loss does. Raw log-probs (temperature 1), as the policy engines return them (services/policy/engine.py), so
-    the ratio to the sampling log-probs compares like with like."""
-    import torch
-
-    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-    device = hf.get_output_embeddings().weight.device
-    ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
-    hidden = hf.base_model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # [B,T,H]
-    sel = mask[:, 1:] > 0  # position t-1 predicts token t; position 0 is the prompt
-    logits = hf.get_output_embeddings()(hidden[:, :-1][sel]).float()  # [N,V]
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1)
-    out = torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device)
-    out[:, 1:][sel] = lp
-    return out
-
-
-def rl_loss(model, batch, cfg: RLConfig):
-    """The clipped surrogate (plus k3 KL to the base when kl_coef > 0) of one collated batch; (loss, stats)."""
-    import torch
-
-    from prorag.algorithms.rl import clipped_policy_loss
-
-    ids, attn, adv, mask, old = batch
-    lp = token_logprobs(model, ids, attn, mask)
-    ref = None
-    if cfg.kl_coef > 0:
-        with torch.no_grad(), model.disable_adapter():
-            ref = token_logprobs(model, ids, attn, mask)
-    return clipped_policy_loss(lp, old, adv, mask, clip=cfg.clip, kl_coef=cfg.kl_coef, ref_logprobs=ref)
-
-
 # ---------------------------------------------------------------- the stage
 def select_questions(questions: list, min_hops: int = 0, max_questions: int = 0) -> list:
     """The RL questions: those of at least ``min_hops`` hops (0 = all), then the first ``max_questions`` (0 = all),
@@ -456,7 +369,7 @@ def run_rl(ctx: JobContext) -> dict:
     from prorag.modeling import load_for_training
     from prorag.registry import ArtifactRef, registry, weights_sha256
     from prorag.training.distributed import from_main, full_state_dict, sum_over_processes
-    from prorag.training.loop import call_in_engine, run_loop
+    from prorag.training.loop import TrainingLoop, call_in_engine
 
     cfg: RLConfig = ctx.config
     cfg.apply_threads()
@@ -476,12 +389,11 @@ def run_rl(ctx: JobContext) -> dict:
     k, m_steps = cfg.grad_accum, cfg.mini_batches
     # On a launch of several processes every process trains on each iteration's rollouts, but only the main one
     # talks to the services (publishes, pushes, rolls out, asks the PRM) and keeps the journal; the others get
-    # the iteration's data from it (from_main) before its first micro-batch.
+    # the iteration's data from it (from_main) before its first step.
     acc = ctx.accelerator
     journal = ctx.checkpoint_dir / "rl-iterations.jsonl"
     policy = PolicyClient(cfg.policy, timeout=3600) if ctx.is_main else None
     prm = PRMClient(cfg.prm, timeout=600) if cfg.prm and cfg.beta > 0 and ctx.is_main else None
-    state: dict = {"iteration": -1, "micro": [], "stats": {}, "update": {}, "published": {}}
 
     def questions_at(iteration: int):
         # the order is a function of (seed, epoch) only, so a resumed job rolls out the same questions
@@ -507,7 +419,6 @@ def run_rl(ctx: JobContext) -> dict:
             raise FailedPrecondition(f"no policy replica at {cfg.policy} took adapter {cfg.adapter_name}@{version}: "
                                      + "; ".join(f"{a.replica}: {a.error}" for a in acks))
         unloaded = _unload_old(cfg, ctx.job_id, iteration, [a.replica for a in ok])
-        state["published"][iteration] = version
         ctx.emit(iteration, total, message=f"pushed {cfg.adapter_name}@{version} to {len(ok)}/{len(acks)} "
                                            f"replica(s)" + "".join(f"; {a.replica} failed: {a.error}"
                                                                     for a in acks if not a.ok))
@@ -517,9 +428,10 @@ def run_rl(ctx: JobContext) -> dict:
                                    "latency_s": round(a.latency_s, 4)} for a in acks]}
 
     def iteration_data(iteration: int) -> tuple[str, dict, IterationData]:
-        """Publish, push and roll out iteration ``iteration``. With several mini-batches a stop can land inside an
-        iteration, after the weights that sampled it have changed: its data is kept with the checkpoints, so the
-        resumed job trains on the same trajectories rather than new ones."""
+        """Publish and push the weights as they are, then collect the iteration's data with them (rollouts, PRM
+        scores, advantages: the main process, handed to the others). With several mini-batches a stop can land
+        inside an iteration, after the weights that sampled it have changed: its data is kept with the
+        checkpoints, so the resumed job trains on the same trajectories rather than new ones."""
         saved = ctx.checkpoint_dir / f"rl-iteration-{iteration}.pt"
 
         def kept_data():
@@ -555,11 +467,9 @@ def run_rl(ctx: JobContext) -> dict:
                             "samples": [asdict(x) for x in data.samples]}, tmp)
         return version, push, data
 
-    def build_iteration(iteration: int) -> None:
-        version, push, data = iteration_data(iteration)
-        samples = data.samples
-        # m mini-batches (optimizer steps) of k micro-batches each; each micro-batch is scaled so that a step's
-        # gradient is that of the token mean over its mini-batch
+    def micro_batches(samples: list[RLSample]) -> list[list]:
+        """[m mini-batches (optimizer steps)][k micro-batches]: each (collated length chunks, scale), or None when
+        it holds no trained token; the scale makes a step's gradient that of the token mean over its mini-batch."""
         steps = []
         for mb in range(m_steps):
             share = samples[mb::m_steps]
@@ -572,23 +482,14 @@ def run_rl(ctx: JobContext) -> dict:
                           for c in length_chunks([len(x.token_ids) for x in part], cfg.chunk_tokens)]
                 micro.append((chunks, k * n / n_share) if part and n else None)
             steps.append(micro)
-        state.update(iteration=iteration, micro=steps, version=version, push=push, stats=data.stats,
-                     update={"clip_fraction": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0},
-                     t_update=time.monotonic(), steps_done=0)
-
-    def batch_at(i: int):
-        step, j = divmod(i, k)
-        iteration, mb = divmod(step, m_steps)
-        if state["iteration"] != iteration:
-            build_iteration(iteration)
-            state["steps_done"] = mb  # a job resumed inside an iteration has done its first mb steps
-        return state["micro"][mb][j]
+        return steps
 
     def loss_fn(m, batch):
+        """(scaled loss, tokens, stats) of one micro-batch; stats are token-weighted sums for the journal."""
         if batch is None:
             if acc is not None:
                 # on a launch the engine averages every adapter weight's gradient over the processes, so each must
-                # give one: a forward of one token, times 0 (after_backward drops a step with no data at all)
+                # give one: a forward of one token, times 0 (drop_grads drops a step with no data at all)
                 ids = torch.full((1, 2), tokenizer.pad_token_id, dtype=torch.long)
                 return token_logprobs(m, ids, torch.ones_like(ids), torch.tensor([[0.0, 1.0]])).sum() * 0.0, 0
             # nothing kept for this micro-batch: a loss with no path to the weights leaves their gradients None,
@@ -599,55 +500,75 @@ def run_rl(ctx: JobContext) -> dict:
         results = [rl_loss(m, c, cfg) for c in chunks]
         n = sum(st["tokens"] for _, st in results)
         loss = sum(l * (st["tokens"] / n) for l, st in results)
-        u = state["update"]
-        for _, st in results:
-            for key in ("clip_fraction", "approx_kl", "kl"):
-                u[key] += st[key] * st["tokens"]
-            u["tokens"] += st["tokens"]
-        return loss * scale, int(sum(c[1].sum() for c in chunks))
+        stats = {key: sum(st[key] * st["tokens"] for _, st in results) for key in ("clip_fraction", "approx_kl", "kl")}
+        stats["tokens"] = n
+        return loss * scale, int(sum(c[1].sum() for c in chunks)), stats
 
-    def after_backward(m) -> None:
-        mb = state["steps_done"] % m_steps
-        if acc is not None and all(x is None for x in state["micro"][mb]):
-            # a step with no data: its zero gradients dropped, so AdamW skips it as on one process
-            for p in m.parameters():
-                p.grad = None
-        # once per iteration, after its last mini-batch's backward passes: record what the iteration did
-        state["steps_done"] += 1
-        if state["steps_done"] < m_steps:
-            return
-        u = state["update"]
-        # each process of a launch accumulated its share of the micro-batches
+    def drop_grads(m) -> None:
+        # a step with no data on a launch: its zero gradients dropped, so AdamW skips it as on one process
+        for p in m.parameters():
+            p.grad = None
+
+    def update(iteration: int, data: IterationData) -> dict | None:
+        """The iteration's optimizer steps (its m mini-batches; a job resumed inside it does those left), summed
+        statistics over every process; None when the job stops part-way (the loop saved its checkpoint)."""
+        micro = micro_batches(data.samples)
+        t0 = time.monotonic()
+        first = loop.step - iteration * m_steps
         keys = ("clip_fraction", "approx_kl", "kl", "tokens")
-        u.update(zip(keys, sum_over_processes(acc, [u[key] for key in keys])))
+        sums = dict.fromkeys(keys, 0.0)
+        for mb in range(first, m_steps):
+            # the stop check before the iteration's first step was made before its rollouts
+            if mb > first and loop.stop_requested():
+                return None
+            empty = acc is not None and all(x is None for x in micro[mb])
+            # micro-batch i of this step is micro[mb][i % k]: a pure function of i, as the loop needs
+            got = loop.train_step(lambda i, mb=mb: micro[mb][i % k], grad_hook=drop_grads if empty else None)
+            for key in keys:
+                sums[key] += got.stats.get(key, 0.0)
+        # each process of a launch accumulated its share of the micro-batches
+        sums = dict(zip(keys, sum_over_processes(acc, [sums[key] for key in keys])))
+        n = max(sums["tokens"], 1.0)
+        return {"clip_fraction": sums["clip_fraction"] / n, "approx_kl": sums["approx_kl"] / n, "kl": sums["kl"] / n,
+                "update_s": time.monotonic() - t0}
+
+    def record(iteration: int, version: str, push: dict, stats: dict, done: dict) -> None:
+        """The iteration's journal row, metrics and progress message (the main process)."""
         if not ctx.is_main:
             return
-        n = max(u["tokens"], 1.0)
-        it = state["iteration"]
-        stats = {k_: v for k_, v in state["stats"].items() if isinstance(v, (int, float))}
-        push = {k_: v for k_, v in state["push"].items() if k_ != "acks"}
-        row = {**stats, **push, "clip_fraction": u["clip_fraction"] / n, "approx_kl": u["approx_kl"] / n,
-               "kl": u["kl"] / n, "update_s": time.monotonic() - state["t_update"]}
-        ctx.log_metrics(it + 1, row)
+        numbers = {k_: v for k_, v in stats.items() if isinstance(v, (int, float))}
+        row = {**numbers, **{k_: v for k_, v in push.items() if k_ != "acks"}, **done}
+        ctx.log_metrics(iteration + 1, row)
         with open(journal, "a") as f:
-            f.write(json.dumps({"iteration": it, "adapter": f"{cfg.adapter_name}@{state['version']}",
-                                "acks": state["push"]["acks"], "prm_version": state["stats"].get("prm_version", ""),
-                                **row}) + "\n")
-        ctx.emit(it + 1, total, message=f"iteration {it + 1}/{total}: kept {stats['kept']}/{stats['sampled']}, "
-                                        f"reward {stats['reward_mean']:.3f}, F1 {stats['f1_mean']:.3f}, "
-                                        f"stale {stats['dropped_stale']}")
+            f.write(json.dumps({"iteration": iteration, "adapter": f"{cfg.adapter_name}@{version}",
+                                "acks": push["acks"], "prm_version": stats.get("prm_version", ""), **row}) + "\n")
+        ctx.emit(iteration + 1, total, message=f"iteration {iteration + 1}/{total}: kept {numbers['kept']}/"
+                                               f"{numbers['sampled']}, reward {numbers['reward_mean']:.3f}, "
+                                               f"F1 {numbers['f1_mean']:.3f}, stale {numbers['dropped_stale']}")
 
-    loop = cfg.loop_config(total * m_steps, schedule="constant", beta2=0.999, grad_accum=k,
-                           checkpoint_every=cfg.checkpoint_every * m_steps, log_every=cfg.log_every * m_steps)
-    # batch_at(i) is the loop's "pure function of i" as far as RL allows: the questions and sampling seeds are
-    # functions of i, and the weights that sample them are the ones the loop's checkpoint restores.
+    loop_cfg = cfg.loop_config(total * m_steps, schedule="constant", beta2=0.999, grad_accum=k,
+                               checkpoint_every=cfg.checkpoint_every * m_steps, log_every=cfg.log_every * m_steps)
     try:
-        # the loop restores the weights of a resumed job before its first batch, so the journal is trimmed to the
-        # iterations those weights have seen here and re-read after the loop
-        result = run_loop(ctx, model, _Trimmed(batch_at, journal, k * m_steps) if ctx.is_main else batch_at,
-                          loss_fn, loop, grad_hook=after_backward, placement=placement)
-        if not result.completed:
-            return {}
+        # the loop restores a resumed job's checkpoint: ``loop.step`` optimizer steps are done
+        with TrainingLoop(ctx, model, loss_fn, loop_cfg, placement=placement) as loop:
+            first = loop.step // m_steps
+            if ctx.is_main:
+                _trim_journal(journal, first)
+            for iteration in range(first, total):
+                if loop.stop_requested():
+                    return {}
+                # 1-3: publish and push the weights, roll out with them, score the steps, advantages
+                version, push, data = iteration_data(iteration)
+                # 4: the update
+                done = update(iteration, data)
+                if done is None:
+                    return {}
+                record(iteration, version, push, data.stats, done)
+                # after the row: checkpoints fall on iteration boundaries (checkpoint_every counts iterations), so
+                # a resumed job never lacks the row of an iteration its weights have seen
+                loop.save_if_due()
+            final_loss = loop.loss
+        # 5: the last update's weights (each iteration's own are published as the next one starts)
         version, push = publish_and_push(total)
     finally:
         if policy is not None:
@@ -660,7 +581,7 @@ def run_rl(ctx: JobContext) -> dict:
     with ctx.artifact_file("iterations", "iterations.jsonl") as tmp:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ref = ArtifactRef(cfg.adapter_name, version)
-    out = {"adapter": ref.key, "iterations": total, "final_loss": result.loss,
+    out = {"adapter": ref.key, "iterations": total, "final_loss": final_loss,
            "push_acked": push["push_acked"], "push_acks": push["push_acks"],
            "adapter_path": str(registry("adapter", cfg.world).path(ref))}
     for key in ("sampled", "kept", "dropped_stale", "dropped_foreign", "dropped_too_long", "trained_tokens"):
@@ -672,20 +593,12 @@ def run_rl(ctx: JobContext) -> dict:
     return out
 
 
-class _Trimmed:
-    """batch_at that, on its first call, drops journal rows of iterations the (resumed) weights have not seen."""
-
-    def __init__(self, batch_at, journal: Path, k: int):
-        self.batch_at, self.journal, self.k, self.first = batch_at, journal, k, True
-
-    def __call__(self, i: int):
-        if self.first:
-            self.first = False
-            if self.journal.exists():
-                keep = [line for line in self.journal.read_text().splitlines()
-                        if json.loads(line)["iteration"] < i // self.k]
-                self.journal.write_text("".join(line + "\n" for line in keep))
-        return self.batch_at(i)
+def _trim_journal(journal: Path, iterations: int) -> None:
+    """Drop the journal's rows of iterations >= ``iterations``: a killed job may have written rows its last
+    checkpoint's weights have not seen; the resumed job runs those iterations again."""
+    if journal.exists():
+        keep = [line for line in journal.read_text().splitlines() if json.loads(line)["iteration"] < iterations]
+        journal.write_text("".join(line + "\n" for line in keep))
 
 
 def _unload_old(cfg: RLConfig, job_id: str, iteration: int, replicas: list[str]) -> int:

@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from services.trainer.stage_rl import RLSample, length_chunks
+from prorag.training.lora import RLSample, length_chunks
 
 
 def test_length_chunks_sort_by_length_and_bound_the_padding():
@@ -22,7 +22,8 @@ def test_length_chunks_sort_by_length_and_bound_the_padding():
 def test_chunked_update_has_the_loss_and_gradient_of_one_pass(tiny_policy):
     from prorag.config import from_dict
     from prorag.modeling import load_policy
-    from services.trainer.stage_rl import RLConfig, build_lora, collate_rl, rl_loss
+    from prorag.training.lora import build_lora, collate_rl, rl_loss
+    from services.trainer.stage_rl import RLConfig
 
     model_dir, tok = tiny_policy
     torch.manual_seed(0)
