@@ -46,6 +46,19 @@ def check_device(cfg: Any, accelerator) -> None:
                          "process computes on the device accelerate gives it; set device to auto")
 
 
+def check_processes(cfg: Any, accelerator) -> None:
+    """Refuse a launch whose process count does not divide the config's grad_accum, before any model is loaded or
+    sample drawn: the loop would refuse it only at its first step (prorag.training.loop.run_loop), after a
+    multi-node job had loaded Qwen3-8B on every node and, for RFT, sampled for hours."""
+    if accelerator is None:
+        return
+    k, world = int(getattr(cfg, "grad_accum", 1) or 1), accelerator.num_processes
+    if k % world:
+        raise SystemExit(f"config grad_accum ({k}) is not a multiple of the {world} launched processes (nodes x "
+                         f"processes per node): each step's micro-batches are split evenly over them; launch "
+                         f"{', '.join(str(n) for n in range(1, k + 1) if k % n == 0)} processes, or raise grad_accum")
+
+
 def run_stage(stage_name: str, raw: dict, work_dir: str | Path, accelerator, *,
               emit: Callable[[dict], None] | None = None, stop: threading.Event | None = None) -> dict:
     """Run ``stage_name`` with config ``raw`` in ``work_dir`` on this process (one of a launch's processes when
@@ -68,6 +81,7 @@ def run_stage(stage_name: str, raw: dict, work_dir: str | Path, accelerator, *,
     if accelerator is not None and stage_name not in MULTI_PROCESS_STAGES:
         raise SystemExit(f"stage {stage_name!r} runs on one process (it trains nothing); launched on several: "
                          f"{', '.join(MULTI_PROCESS_STAGES)}")
+    check_processes(cfg, accelerator)
     check_engine(accelerator)
     work = Path(work_dir)
     main = accelerator is None or accelerator.is_main_process

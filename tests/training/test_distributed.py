@@ -272,3 +272,15 @@ def test_an_error_on_the_main_process_reaches_every_process_of_the_launch(launch
     main, other = launched["errors"][0], launched["errors"][1]
     assert "MainProcessFailed" not in main and "broken.jsonl" in main, main
     assert other.startswith("MainProcessFailed: the main process failed: ") and main in other, other
+
+
+def test_a_launch_whose_process_count_does_not_divide_grad_accum_is_refused_before_anything_loads():
+    from types import SimpleNamespace
+
+    from services.trainer.launch import check_processes
+
+    cfg = SimpleNamespace(grad_accum=8)
+    check_processes(cfg, None)  # one process: nothing to split
+    check_processes(cfg, SimpleNamespace(num_processes=4))
+    with pytest.raises(SystemExit, match=r"grad_accum \(8\) is not a multiple of the 6 launched processes.*1, 2, 4, 8"):
+        check_processes(cfg, SimpleNamespace(num_processes=6))
