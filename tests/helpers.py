@@ -52,3 +52,36 @@ def scripted_engine_base():
         def info(self): return {"engine": self.name}
 
     return ScriptedEngine
+
+
+#: the founders the sibling-pair fixtures draw from
+FOUNDERS = ["Tova Lunn", "Kora Vell", "Arn Pell", "Mira Dost", "Sel Varn", "Oda Kree", "Bram Tull", "Ina Rook"]
+
+
+def founder_pairs(n: int, seed: int = 0, *, names=FOUNDERS, judge: bool = True, value: bool = True) -> list:
+    """Sibling pairs whose contrast is reading: the document names the founder, the chosen subanswer reads it, the
+    rejected one guesses another name. Sibling order is shuffled; judge=True labels the reading by the judge,
+    value=True by value (SPRE margin: values 0.9 / 0.0)."""
+    import random
+
+    from prorag.data.loaders import Document
+    from prorag.pairs import StepPair
+    from prorag.trajectory import Step
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        good, bad = rng.sample(names, 2)
+        doc = Document(id=f"d{i}", title="Mai Brewery", text=f"Mai Brewery was founded by {good}.",
+                       contents=f'"Mai Brewery"\nMai Brewery was founded by {good}.')
+        ctx = [Step("subquery", thought="First the founder.", content="Who founded Mai Brewery?", docs=[doc])]
+        steps = (Step("subanswer", thought="The document names the founder.", content=good),
+                 Step("subanswer", thought="I will guess.", content=bad))
+        flip = rng.random() < 0.5
+        labels = {}
+        if judge:
+            labels["judge_choice"] = int(flip)
+        if value:
+            labels.update(values=(0.0, 0.9) if flip else (0.9, 0.0), value_choice=int(flip))
+        out.append(StepPair(f"q{i}", "Who founded Mai Brewery?", ctx, steps[::-1] if flip else steps, **labels))
+    return out

@@ -71,29 +71,13 @@ STOP_AT = {"warmup": 3, "sft": 2, "rl": 1}
 
 
 def _pairs_file(path: Path) -> Path:
-    """Sibling pairs labelled both ways (judge for the PRM, value for DPO): the document names the founder, the
-    chosen subanswer reads it, the rejected one guesses."""
+    """Sibling pairs labelled both ways (judge for the PRM, value for DPO)."""
     import json
-    import random
 
-    from prorag.data.loaders import Document
-    from prorag.pairs import StepPair
-    from prorag.trajectory import Step
+    from tests.helpers import founder_pairs
 
-    rng = random.Random(0)
-    names = ["Tova Lunn", "Kora Vell", "Arn Pell", "Mira Dost", "Sel Varn", "Oda Kree"]
-    rows = []
-    for i in range(24):
-        good, bad = rng.sample(names, 2)
-        doc = Document(id=f"d{i}", title="Mai Brewery", text=f"Mai Brewery was founded by {good}.",
-                       contents=f'"Mai Brewery"\nMai Brewery was founded by {good}.')
-        ctx = [Step("subquery", thought="First the founder.", content="Who founded Mai Brewery?", docs=[doc])]
-        steps = (Step("subanswer", thought="The document names the founder.", content=good),
-                 Step("subanswer", thought="I will guess.", content=bad))
-        flip = rng.random() < 0.5
-        rows.append(StepPair(f"q{i}", "Who founded Mai Brewery?", ctx, steps[::-1] if flip else steps,
-                             judge_choice=int(flip), values=(0.0, 0.9) if flip else (0.9, 0.0),
-                             value_choice=int(flip)).to_dict())
+    rows = [p.to_dict() for p in founder_pairs(24, 0, names=["Tova Lunn", "Kora Vell", "Arn Pell", "Mira Dost",
+                                                             "Sel Varn", "Oda Kree"])]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 

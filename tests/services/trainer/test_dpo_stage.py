@@ -3,39 +3,21 @@ log-probability over the rejected one's relative to the reference, trains only t
 an adapter, and refuses what it cannot train on."""
 
 import json
-import random
 
 import pytest
 import torch
 
 from prorag.config import from_dict
-from prorag.data.loaders import Document
 from prorag.errors import FailedPrecondition, InvalidArgument
-from prorag.pairs import StepPair
 from prorag.registry import registry
 from prorag.training.context import local_context
-from prorag.trajectory import Step
 from services.trainer.stage_dpo import DPOConfig, encode_preference, preference_logps, run_dpo
-
-NAMES = ["Tova Lunn", "Kora Vell", "Arn Pell", "Mira Dost", "Sel Varn", "Oda Kree", "Bram Tull", "Ina Rook"]
-
+from tests.helpers import founder_pairs
 
 def _pairs(n, seed=0):
-    """The document names the founder; the chosen subanswer reads it, the rejected one guesses someone else.
-    Sibling order is shuffled, value_choice points at the reading (judge label absent, as ReasonRAG has none)."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        good, bad = rng.sample(NAMES, 2)
-        doc = Document(id=f"d{i}", title="Mai Brewery", text=f"Mai Brewery was founded by {good}.",
-                       contents=f'"Mai Brewery"\nMai Brewery was founded by {good}.')
-        ctx = [Step("subquery", thought="First the founder.", content="Who founded Mai Brewery?", docs=[doc])]
-        steps = (Step("subanswer", thought="The document names the founder.", content=good),
-                 Step("subanswer", thought="I will guess.", content=bad))
-        flip = rng.random() < 0.5
-        out.append(StepPair(f"q{i}", "Who founded Mai Brewery?", ctx, steps[::-1] if flip else steps,
-                            values=(0.0, 0.9) if flip else (0.9, 0.0), value_choice=1 if flip else 0))
-    return out
+    """The chosen subanswer reads the founder from the document, the rejected one guesses (value-labelled only: ReasonRAG
+    has no judge)."""
+    return founder_pairs(n, seed, judge=False)
 
 
 def test_a_preference_is_trls_example_of_the_shared_context_and_each_siblings_generated_tokens(tiny_policy):

@@ -2,38 +2,21 @@
 publishes to the PRM registry, and refuses what it cannot train on."""
 
 import json
-import random
 
 import pytest
 import torch
 
 from prorag.config import from_dict
-from prorag.data.loaders import Document
 from prorag.errors import FailedPrecondition, InvalidArgument
-from prorag.pairs import StepPair, prm_inputs
+from prorag.pairs import prm_inputs
 from prorag.prm_model import load_prm, score_batch
 from prorag.registry import registry
 from prorag.training.context import local_context
-from prorag.trajectory import Step
 from services.trainer.stage_prm import PRMConfig, run_prm
-
-NAMES = ["Tova Lunn", "Kora Vell", "Arn Pell", "Mira Dost", "Sel Varn", "Oda Kree", "Bram Tull", "Ina Rook"]
-
+from tests.helpers import founder_pairs
 
 def _pairs(n, seed=0):
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        good, bad = rng.sample(NAMES, 2)
-        doc = Document(id=f"d{i}", title="Mai Brewery", text=f"Mai Brewery was founded by {good}.",
-                       contents=f'"Mai Brewery"\nMai Brewery was founded by {good}.')
-        ctx = [Step("subquery", thought="First the founder.", content="Who founded Mai Brewery?", docs=[doc])]
-        steps = (Step("subanswer", thought="The document names the founder.", content=good),
-                 Step("subanswer", thought="I will guess.", content=bad))
-        flip = rng.random() < 0.5
-        out.append(StepPair(f"q{i}", "Who founded Mai Brewery?", ctx, steps[::-1] if flip else steps,
-                            judge_choice=1 if flip else 0, value_choice=None))
-    return out
+    return founder_pairs(n, seed, value=False)
 
 
 def test_prm_stage_learns_publishes_and_scores(tiny_policy, tmp_path, monkeypatch):
