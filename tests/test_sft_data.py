@@ -155,7 +155,8 @@ def test_weighted_lm_loss_matches_a_hand_computation():
             self.emb = torch.nn.Embedding(11, 4)
             self.head = torch.nn.Linear(4, 11, bias=False)
 
-        def base_model(self, input_ids, attention_mask):
+        def base_model(self, input_ids, attention_mask, use_cache=None):
+            assert use_cache is False  # a training forward builds no KV cache
             return type("O", (), {"last_hidden_state": self.emb(input_ids)})
 
         def get_output_embeddings(self):
