@@ -52,9 +52,75 @@ def cmd_index(args) -> int:
 
     meta = ensure_indexes(args.world, faiss_type=args.faiss, encoder=args.encoder, pooling=args.pooling,
                           query_prefix=args.query_prefix, doc_prefix=args.doc_prefix, corpus=args.corpus,
-                          out=args.out)
+                          out=args.out, fp16=args.fp16)
     print(json.dumps(meta, indent=2, sort_keys=True, default=str))
     return 0
+
+
+def cmd_setup(args) -> int:
+    """The containers' one-shot setup (compose's setup services, the k8s setup Job): prorag_app.deploy_setup."""
+    from prorag_app.deploy_setup import run
+
+    return run(args.mode)
+
+
+def cmd_prepare_model(args) -> int:
+    from prorag_app.deploy_setup import SetupError, prepare_policy_model
+
+    try:
+        print(json.dumps(prepare_policy_model(args.src, args.out), indent=2))
+    except SetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.code
+    return 0
+
+
+def _job_record(job) -> dict:
+    from prorag.clients_trainer import state_name
+
+    return {"job_id": job.job_id, "stage": job.stage, "state": state_name(job.state), "step": job.step,
+            "total_steps": job.total_steps, "outputs": dict(job.outputs), "error": job.error, "run_dir": job.run_dir}
+
+
+def cmd_job(args) -> int:
+    """Trainer jobs from a shell: a job config file (or '-': stdin, e.g. piped into `docker compose exec -T trainer`)
+    with --set overrides, submitted to the trainer; --wait follows it to the end (exit 0 only if it SUCCEEDED)."""
+    import grpc
+
+    from prorag.clients_trainer import TrainerClient
+
+    try:
+        return _job(args, TrainerClient(args.trainer, timeout=60))
+    except grpc.RpcError as e:  # the trainer's refusal (a bad config, an unknown job) or no trainer: said plainly
+        print(f"error: trainer {args.trainer}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2
+
+
+def _job(args, client) -> int:
+    with client as tc:
+        if args.job_cmd == "start":
+            text = sys.stdin.read() if args.config == "-" else Path(args.config).read_text()
+            try:
+                config = json.loads(text)
+            except json.JSONDecodeError as e:
+                print(f"error: {args.config} is not a JSON job config ({e})", file=sys.stderr)
+                return 2
+            if not isinstance(config, dict):
+                print(f"error: {args.config} is not a JSON object", file=sys.stderr)
+                return 2
+            config.update(_parse_sets(args.set))
+            left = sorted(k for k, v in config.items() if isinstance(v, str) and "REPLACE_WITH_" in v)
+            if left:  # configs/paper's placeholders for earlier jobs' outputs
+                print(f"error: fill in {', '.join(left)} (--set {left[0]}=...): still {config[left[0]]!r}",
+                      file=sys.stderr)
+                return 2
+            job = tc.start(args.stage, config, job_id=args.job_id)
+        else:
+            job = tc.get(args.job_id)
+        if args.wait:
+            job = tc.wait(job.job_id, timeout=args.timeout or None)
+        print(json.dumps(_job_record(job)))
+    return 0 if not args.wait or _job_record(job)["state"] == "SUCCEEDED" else 1
 
 
 def cmd_base(args) -> int:
@@ -399,7 +465,37 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--pooling", default="mean", choices=["mean", "cls"])
     i.add_argument("--query-prefix", default="", help="e.g. 'query: ' for e5")
     i.add_argument("--doc-prefix", default="", help="e.g. 'passage: ' for e5")
+    i.add_argument("--fp16", action="store_true", help="encode in half precision on a GPU (ignored on a CPU)")
     i.set_defaults(fn=cmd_index)
+
+    st = sub.add_parser("setup", help="the containers' one-shot setup: world, models, the corpus imported into the "
+                                      "data volume and indexed; nothing when all is present (docs/DEPLOY.md)")
+    st.add_argument("mode", choices=["cpu", "gpu"])
+    st.set_defaults(fn=cmd_setup)
+
+    pm = sub.add_parser("prepare-model", help="a stock causal LM with the step format's tags as tokens, so vLLM can "
+                                              "serve it before SFT (weights linked unchanged when the embeddings "
+                                              "have spare rows)")
+    pm.add_argument("src", help="the model directory (e.g. .../models/hub/Qwen3-8B)")
+    pm.add_argument("out", help="where the prepared model goes (e.g. .../models/hub/Qwen3-8B-prorag)")
+    pm.set_defaults(fn=cmd_prepare_model)
+
+    jb = sub.add_parser("job", help="start or follow a trainer job (prints the job as JSON)")
+    jb_sub = jb.add_subparsers(dest="job_cmd", required=True)
+    js = jb_sub.add_parser("start", help="submit STAGE with a JSON job config")
+    js.add_argument("stage", help="sft, mcts, prm, rft, rl, dpo, ...")
+    js.add_argument("config", help="the job config (JSON file, e.g. configs/paper/sft.json; '-' = stdin)")
+    js.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one field (JSON or text), e.g. base_model=sft@<job id>")
+    js.add_argument("--job-id", default="", help="a job id of your own (resubmitting it returns the same job)")
+    jg = jb_sub.add_parser("get", help="one job's state")
+    jg.add_argument("job_id")
+    for sp in (js, jg):
+        sp.add_argument("--trainer", default=f"127.0.0.1:{paths.GRPC_PORTS['trainer']}",
+                        help="the trainer's address (TLS and token from PRORAG_TLS_CA / PRORAG_TOKEN_FILE)")
+        sp.add_argument("--wait", action="store_true", help="follow the job to its end; exit 1 unless it succeeded")
+        sp.add_argument("--timeout", type=float, default=0, help="seconds --wait waits at most (0 = no limit)")
+    jb.set_defaults(fn=cmd_job)
 
     bp = sub.add_parser("base", help="build the embedded base policy of a world (resumes if interrupted); "
                                      "prints its directory")

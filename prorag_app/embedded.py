@@ -40,7 +40,8 @@ def ensure_world(name: str = "default", size: str | None = None, seed: int | Non
 
 def ensure_indexes(world: str = "default", size: str | None = None, faiss_type: str = "flat",
                    encoder: str = "minilm", pooling: str = "mean", query_prefix: str = "",
-                   doc_prefix: str = "", corpus: str | None = None, out: str | None = None) -> dict:
+                   doc_prefix: str = "", corpus: str | None = None, out: str | None = None,
+                   fp16: bool = False) -> dict:
     """Build dense + BM25 indexes (+ docstore) for a corpus; resumes an interrupted build."""
     from services.retriever.encoders import EncoderConfig
     from services.retriever.indexing import BM25Config, DenseIndexConfig, build_all
@@ -54,7 +55,7 @@ def ensure_indexes(world: str = "default", size: str | None = None, faiss_type: 
             raise SystemExit(f"corpus not found: {corpus_path}")
     index_root = Path(out) if out else paths.index_dir(world)
     dense_cfg = DenseIndexConfig(encoder=EncoderConfig(model=encoder, pooling=pooling, query_prefix=query_prefix,
-                                                       doc_prefix=doc_prefix), faiss_type=faiss_type)
+                                                       doc_prefix=doc_prefix, fp16=fp16), faiss_type=faiss_type)
     with progress_bars() as progress:
         return build_all(corpus_path, index_root, dense_cfg, BM25Config(), progress=progress)
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# make smoke-containers: build the CPU images, bring up compose's `cpu` profile, answer one question end to end
-# through the containers (a client in the trainer's container -> policy:50052 Rollout -> retriever:50051),
-# then tear everything down (containers, network and the smoke's own volumes).
+# make smoke-containers: build the CPU images (the Dockerfile's five targets), import a tiny corpus into the data
+# volume exactly as wiki-18 is imported on a GPU host (`compose run -v FILE:/import/... -e WIKI18_IMPORT=... setup`),
+# bring up compose's `cpu` profile (its setup runs again and must do nothing), answer one question end to end through
+# the containers (a client in the trainer's container -> prorag-policy:50052 Rollout -> prorag-retriever:50051, the
+# names that resolve in Kubernetes too), then tear everything down (containers, network and the smoke's volumes).
 #
 # Where no Docker engine can be had it says exactly why and exits 0, unless STRICT=1 (then 1).
 #
@@ -48,6 +50,9 @@ if ! docker info >/dev/null 2>&1; then
   fi
 fi
 say "engine: $(docker version --format '{{.Server.Version}}' 2>/dev/null)"
+# a Docker CLI >= 23 without the buildx plugin would refuse to build (BuildKit is its default): the classic
+# builder then (the Dockerfile is plain syntax)
+docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
 
 if docker compose version >/dev/null 2>&1; then COMPOSE=(docker compose)
 elif command -v docker-compose >/dev/null; then COMPOSE=(docker-compose)
@@ -81,9 +86,9 @@ if [ -n "$WHEEL" ] && [ -f "$WHEEL" ]; then
 fi
 
 # ---------------------------------------------------------------- build
-build() {  # $1 service, $2 tag
+build() {  # $1 service (the Dockerfile's target), $2 tag
   local t=$(date +%s)
-  docker build --network host -f "services/$1/Dockerfile" -t "$2" \
+  docker build --network host -f Dockerfile --target "$1" -t "$2" \
     --build-arg BASE="$BASE" --build-arg FLAVOR=cpu --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL" \
     --build-arg TRANSFORMERS_VERSION="${CPU_TRANSFORMERS_VERSION:-5.24.0}" . >"$LOG_DIR/build-$1.log" 2>&1 \
     || fail "docker build of $1 (last lines of $LOG_DIR/build-$1.log): $(tail -5 "$LOG_DIR/build-$1.log")"
@@ -95,10 +100,23 @@ build policy prorag-policy-cpu:smoke
 build prm prorag-prm-cpu:smoke
 build trainer prorag-trainer-cpu:smoke
 
+# ---------------------------------------------------------------- a corpus to import, in the wiki-18 layout
+# The tiny world's passages ({"id", "contents"} per line, gzipped like Search-R1's wiki-18.jsonl.gz), written by a
+# throwaway container from the image just built, so the host needs nothing but Docker.
+IMPORT_DIR="$LOG_DIR/import"
+rm -rf "$IMPORT_DIR" && mkdir -p "$IMPORT_DIR" && chmod 777 "$IMPORT_DIR"
+docker run --rm --network none -u 10001:10001 -e PRORAG_HOME=/out -v "$IMPORT_DIR:/out" --entrypoint prorag \
+  prorag-retriever:smoke world --name "$WORLD" >"$LOG_DIR/import-world.log" 2>&1 \
+  || fail "writing the corpus to import: $(tail -5 "$LOG_DIR/import-world.log")"
+gzip -c "$IMPORT_DIR/data/worlds/$WORLD/corpus.jsonl" >"$IMPORT_DIR/wiki-18.jsonl.gz"
+say "corpus to import: $IMPORT_DIR/wiki-18.jsonl.gz ($(gzip -dc "$IMPORT_DIR/wiki-18.jsonl.gz" | wc -l) passages)"
+
 # ---------------------------------------------------------------- up
 export PRORAG_TAG=smoke PRORAG_VOLUMES="$PROJECT" PRORAG_WORLD="$WORLD"
 export POLICY_MODEL_CPU="/data/data/models/$WORLD/policy-base"
 export PRORAG_BIND=127.0.0.1
+# the retriever serves the imported corpus's index, where the setup builds it (as wiki-18 on a GPU host)
+export RETRIEVER_INDEX_ROOT=/data/data/indexes/wiki-18
 FILES=(-f compose.yaml)
 if [ "${SMOKE_SECURE:-0}" = 1 ]; then
   [ -f secrets/tokens.yaml ] || bash scripts/make_secrets.sh >"$LOG_DIR/secrets.log" 2>&1 || fail "make_secrets.sh"
@@ -113,8 +131,13 @@ teardown() {
 }
 trap teardown EXIT
 "${DC[@]}" down -v --remove-orphans >/dev/null 2>&1
-say "up: ${DC[*]} up -d --no-build (world $WORLD)"
 T_UP=$(date +%s)
+say "import: ${DC[*]} run --rm -v .../wiki-18.jsonl.gz:/import/wiki-18.jsonl.gz:ro -e WIKI18_IMPORT=... setup-cpu"
+"${DC[@]}" run --rm -v "$IMPORT_DIR/wiki-18.jsonl.gz:/import/wiki-18.jsonl.gz:ro" \
+  -e WIKI18_IMPORT=/import/wiki-18.jsonl.gz setup-cpu >"$LOG_DIR/setup-import.log" 2>&1 \
+  || fail "the setup with the import: $(grep -v '^[a-z0-9-]*: [0-9]*/[0-9]*$' "$LOG_DIR/setup-import.log" | tail -8)"
+grep '^\[prorag setup\]' "$LOG_DIR/setup-import.log" | while read -r line; do say "  $line"; done
+say "up: ${DC[*]} up -d --no-build (world $WORLD; setup-cpu runs again with the defaults)"
 "${DC[@]}" up -d --no-build >"$LOG_DIR/up.log" 2>&1 || fail "compose up: $(tail -5 "$LOG_DIR/up.log")"
 
 container() { "${DC[@]}" ps -q "$1" 2>/dev/null | head -1; }
@@ -137,13 +160,17 @@ while :; do
   [ "$(date +%s)" -lt "$deadline" ] || fail "not healthy after ${SMOKE_TIMEOUT:-1800}s:$line"
   sleep 5
 done
-say "all five services healthy in $(( $(date +%s) - T_UP ))s after up (setup-cpu included)"
+say "all five services healthy in $(( $(date +%s) - T_UP ))s after the import (setup-cpu included)"
+# the second setup (the `up`, without WIKI18_IMPORT) must have found everything and done nothing
+"${DC[@]}" logs --no-color setup-cpu 2>/dev/null | grep -q "nothing to do" \
+  || fail "setup-cpu did work again on up: $("${DC[@]}" logs --no-color --tail 10 setup-cpu)"
+say "setup-cpu on up: nothing to do (the imported corpus and its index were found in the volume)"
 
 # ---------------------------------------------------------------- train an agent through the trainer
 # The embedded base only warms up on text: it does not write the step format yet, so its first step is invalid and
 # the policy never searches. The tiny profile's SFT job (SMOKE_SFT_STEPS=200 steps, a few minutes on 2 cores) runs
 # in the trainer container,
-# reads the retriever by service name and publishes a model the policy is then restarted on.
+# reads the retriever by its Service name and publishes a model the policy is then restarted on.
 if [ "${SMOKE_TRAIN:-1}" = 1 ]; then
   T_SFT=$(date +%s)
   MODEL="$("${DC[@]}" exec -T trainer-cpu python - "$WORLD" "${SMOKE_SFT_STEPS:-200}" <<'PYEOF' 2>"$LOG_DIR/sft.err"
@@ -152,9 +179,9 @@ from prorag.clients_trainer import TrainerClient, state_name
 from prorag_app.pipeline import PROFILES
 
 world = sys.argv[1]
-config = {"world": world, "base_model": f"/data/data/models/{world}/policy-base", "retriever": "retriever:50051",
+config = {"world": world, "base_model": f"/data/data/models/{world}/policy-base", "retriever": "prorag-retriever:50051",
           "publish_name": "sft", **PROFILES["tiny"].sft_for("sft"), "max_steps": int(sys.argv[2])}
-with TrainerClient("trainer:50055", timeout=60) as tc:
+with TrainerClient("prorag-trainer:50055", timeout=60) as tc:
     job = tc.start("sft", config)
     job = tc.wait(job.job_id, timeout=1800)
     if state_name(job.state) != "SUCCEEDED":
@@ -186,10 +213,10 @@ from prorag.data.loaders import load_split
 
 world = sys.argv[1]
 qs = load_split(paths.world_dir(world), "test")[:4]
-with RetrieverClient("retriever:50051") as r:
+with RetrieverClient("prorag-retriever:50051") as r:
     docs = r.search([qs[0].question], topk=1)[0]
 t = time.time()
-with PolicyClient("policy:50052", timeout=600) as p:
+with PolicyClient("prorag-policy:50052", timeout=600) as p:
     events = list(p.rollout([(q.id, q.question) for q in qs], sampling=p.sampling(n=1, temperature=0.0), topk=1))
 trajs = {e.question_id: e for e in events if hasattr(e, "steps")}
 others = [{"q": q.question, "gold": q.golden_answers, "answer": trajs[q.id].answer,
@@ -209,4 +236,4 @@ rc=$?
 say "answered in $(( $(date +%s) - T_Q ))s: $ANSWER"
 echo "$ANSWER" >"$LOG_DIR/answer.json"
 docs_in="$(echo "$ANSWER" | python3 -c 'import json,sys; print(json.load(sys.stdin)["documents_inserted_all"])')"
-say "PASSED: CPU images built, compose cpu profile healthy, one question answered through the policy's Rollout (4 questions, $docs_in documents from the retriever inserted)"
+say "PASSED: CPU images built, a corpus imported into the volume, compose cpu profile healthy, setup idempotent, one question answered through the policy's Rollout (4 questions, $docs_in documents from the retriever inserted)"

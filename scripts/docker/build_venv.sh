@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs inside the builder stage of every services/*/Dockerfile (never on a host).
+# Runs inside the builder stage of the Dockerfile (never on a host).
 #   build_venv.sh deps     the virtual environment /opt/venv with torch and the project's third-party
 #                          dependencies (a cached layer while pyproject.toml is unchanged)
 #   build_venv.sh project  the gRPC stubs and the project itself into that venv (no dependencies)
@@ -9,8 +9,9 @@
 # FLAVOR=gpu  a venv over the base image's own site-packages (--system-site-packages): torch, and in
 #             the vLLM image vllm, come from the base and are never re-installed; what the base ships
 #             is pinned as a constraint, so a dependency cannot pull another torch.
-# TRANSFORMERS_VERSION, FLASH_ATTN_VERSION (built with --no-build-isolation against the venv's torch) and
-# EXTRA_PIP (extra requirement specs) apply to both.
+# TRANSFORMERS_VERSION, FAISS (the faiss requirement: faiss-cpu, or faiss-gpu-cu12==X in its place for the GPU
+# retriever), FLASH_ATTN_VERSION (built with --no-build-isolation against the venv's torch) and EXTRA_PIP (extra
+# requirement specs) apply to both.
 # A venv, not the system pip: Ubuntu 24.04 bases refuse system installs (PEP 668).
 set -eu
 VENV=/opt/venv
@@ -53,13 +54,19 @@ PYEOF
   fi
   [ -n "${TRANSFORMERS_VERSION:-}" ] && echo "transformers==${TRANSFORMERS_VERSION}" >> /tmp/constraints.txt
   echo "constraints:"; cat /tmp/constraints.txt
-  # the project's dependencies from pyproject.toml, torch left to the step above / the base image
-  "$PY" - <<'PYEOF' > /tmp/requirements.txt
-import re, tomllib
+  # the project's dependencies from pyproject.toml, torch left to the step above / the base image, faiss-cpu
+  # replaced by FAISS when that names another build (both install the module `faiss`: never both)
+  FAISS="${FAISS:-faiss-cpu}" "$PY" - <<'PYEOF' > /tmp/requirements.txt
+import os, re, tomllib
 deps = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]["dependencies"]
+faiss = os.environ["FAISS"]
 for d in deps:
-    if re.split(r"[<>=!~ \[;]", d, maxsplit=1)[0].strip().lower() != "torch":
-        print(d)
+    name = re.split(r"[<>=!~ \[;]", d, maxsplit=1)[0].strip().lower()
+    if name == "torch":
+        continue
+    if name == "faiss-cpu" and re.split(r"[<>=!~ \[;]", faiss, maxsplit=1)[0].strip().lower() != "faiss-cpu":
+        d = faiss
+    print(d)
 PYEOF
   # shellcheck disable=SC2086
   pip_install -c /tmp/constraints.txt -r /tmp/requirements.txt ${EXTRA_PIP:-}
@@ -83,7 +90,10 @@ for line in open("/opt/venv/constraints.txt"):
     if name and md.version(name) != want:
         raise SystemExit(f"{name} changed from {want} to {md.version(name)} while installing the project")
 import prorag.pb, prorag_app.cli  # noqa: F401  the stubs and the entry point import
-print("venv ok:", ", ".join(l.strip() for l in open("/opt/venv/constraints.txt")))
+import os, faiss
+if "gpu" in os.environ.get("FAISS", "") and not hasattr(faiss, "StandardGpuResources"):
+    raise SystemExit(f"FAISS={os.environ['FAISS']} installed a faiss without GPU support")
+print("venv ok:", ", ".join(l.strip() for l in open("/opt/venv/constraints.txt")), "faiss", faiss.__version__)
 PYEOF
   "$PY" -m pip check || true
 }

@@ -35,9 +35,10 @@ def check_format_tags(tokenizer, model_path: str | Path, model_vocab_size: int |
     embeddings (prorag.modeling.add_format_tokens); vLLM serves the checkpoint's weights as they are, so a
     model without them (stock Qwen3-8B) would start healthy and then fail every Rollout.
     """
-    fix = (f"run SFT from it first (the `prorag` trainer stage `sft` with base_model={model_path}, which adds the "
-           "tags and trains them) and serve the SFT model, or serve it with engine=transformers, which adds the "
-           "tags by resizing the embeddings (vLLM cannot)")
+    fix = (f"serve the SFT model (the trainer stage `sft` with base_model={model_path} adds the tags and trains "
+           f"them), or a prepared copy (`prorag prepare-model {model_path} OUT` adds the tags as tokens; the "
+           "containers' setup writes models/hub/Qwen3-8B-prorag), or serve it with engine=transformers, which adds "
+           "the tags by resizing the embeddings (vLLM cannot)")
     encoded = {t: tokenizer.encode(t, add_special_tokens=False) for t in TAGS}
     split = {t: ids for t, ids in encoded.items() if len(ids) != 1}
     if split:

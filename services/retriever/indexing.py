@@ -165,7 +165,7 @@ class DocStore:
         if meta is None or meta.get("kind") != "docstore":
             raise FailedPrecondition(f"{self.path} is not a finished doc store (no meta.json); run `prorag index`")
         self.meta = meta
-        self.corpus_path = Path(corpus_path or meta["corpus_path"])
+        self.corpus_path = Path(corpus_path) if corpus_path else _recorded_corpus(self.path, meta)
         if not self.corpus_path.is_file():
             raise FailedPrecondition(
                 f"doc store {self.path} reads its corpus {self.corpus_path}, which is missing; "
@@ -222,14 +222,32 @@ class DocStore:
         return self.get(self.index_of(doc_id))
 
 
+def _corpus_relpath(corpus: Path, docstore_dir: Path) -> str:
+    """The corpus as seen from the doc store's directory: what still finds it when the tree both live in (a data
+    volume, PRORAG_HOME) is mounted or copied somewhere else."""
+    return os.path.relpath(corpus, Path(docstore_dir).resolve())
+
+
+def _recorded_corpus(docstore_dir: Path, meta: dict) -> Path:
+    """The corpus a doc store reads: the absolute path it recorded, else (that path gone, e.g. the volume is mounted
+    elsewhere now) the same file relative to the doc store, as recorded next to it."""
+    recorded = Path(meta["corpus_path"])
+    rel = meta.get("corpus_relpath")
+    if not recorded.is_file() and rel and (docstore_dir / rel).is_file():
+        return (docstore_dir / rel).resolve()
+    return recorded
+
+
 def build_docstore(corpus_path: str | Path, out_dir: str | Path, progress: Progress | None = None) -> dict:
     """Write ``out_dir`` (offsets + ids); a no-op when it already matches the corpus."""
     out_dir = Path(out_dir)
     scan = scan_corpus(corpus_path, progress)
     meta = read_meta(out_dir)
     if meta and meta.get("corpus_sha256") == scan.sha256 and meta.get("format_version") == FORMAT_VERSION:
-        if meta.get("corpus_path") != str(scan.path):  # same bytes, moved file: only the pointer changes
-            meta["corpus_path"] = str(scan.path)
+        rel = _corpus_relpath(scan.path, out_dir)
+        if meta.get("corpus_path") != str(scan.path) or meta.get("corpus_relpath") != rel:
+            # same bytes, moved file: only the pointers change
+            meta["corpus_path"], meta["corpus_relpath"] = str(scan.path), rel
             write_json(out_dir / "meta.json", meta)
         return meta
     if scan.n_docs == 0:
@@ -249,8 +267,8 @@ def build_docstore(corpus_path: str | Path, out_dir: str | Path, progress: Progr
         first = sorted_ids[dup[0]].decode()
         raise InvalidArgument(f"corpus {corpus_path} repeats document id {first!r}; ids must be unique")
     meta = {"kind": "docstore", "format_version": FORMAT_VERSION, "n_docs": scan.n_docs,
-            "corpus_path": str(scan.path), "corpus_size": scan.size, "corpus_sha256": scan.sha256,
-            "build_seconds": round(time.time() - t0, 3), "created_at": _now()}
+            "corpus_path": str(scan.path), "corpus_relpath": _corpus_relpath(scan.path, out_dir),
+            "corpus_size": scan.size, "corpus_sha256": scan.sha256, "build_seconds": round(time.time() - t0, 3), "created_at": _now()}
     with atomic_dir(out_dir) as tmp:
         np.save(tmp / "offsets.npy", scan.offsets)
         np.save(tmp / "ids.npy", arr)

@@ -232,16 +232,38 @@ def _gpu_devices(svc: dict) -> list:
     return (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
 
 
+#: the GPUs each gpu-profile service is pinned to by default, and the variable that moves it
+GPU_PINS = {"policy": ("POLICY_GPUS", "0"), "prm": ("PRM_GPUS", "1"), "retriever": ("RETRIEVER_GPUS", "1"),
+            "trainer": ("TRAINER_GPUS", "2,3,4,5,6,7"), "setup": ("SETUP_GPUS", "0")}
+
+
 def test_compose_gpus_only_in_the_gpu_profile(compose):
     for name, svc in compose["services"].items():
         text = json.dumps(svc)
         if "cpu" in svc["profiles"]:
             assert not _gpu_devices(svc) and "nvidia" not in text and "runtime" not in svc, f"{name} asks a GPU"
     gpu = profile_services(compose, "gpu")
-    for name in (*GPU_SERVICES, "setup"):
-        devices = _gpu_devices(gpu[name])
-        assert devices and devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"], name
-    assert not _gpu_devices(gpu["retriever"]) and not _gpu_devices(gpu["judge"])
+    assert {n for n, s in gpu.items() if _gpu_devices(s)} == set(GPU_PINS)
+    for name in GPU_PINS:
+        (device,) = _gpu_devices(gpu[name])
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"], name
+
+
+def test_compose_pins_each_gpu_service_to_its_own_devices(compose):
+    """`count: 1` gave every service device 0: the policy's vLLM reservation collided with the PRM and trainer.
+    Each service names its devices (Docker refuses count together with device_ids), from a variable."""
+    gpu = profile_services(compose, "gpu")
+    for name, (var, default) in GPU_PINS.items():
+        (device,) = _gpu_devices(gpu[name])
+        assert "count" not in device, name
+        assert device["device_ids"] == [default], (name, device)
+        # comma-separated ids, as Docker hands them to the NVIDIA runtime (NVIDIA_VISIBLE_DEVICES)
+        assert re.fullmatch(r"\d+(,\d+)*", default)
+        moved = load_compose("compose.yaml", env={var: "5,6"})
+        assert _gpu_devices(moved["services"][name])[0]["device_ids"] == ["5,6"], var
+    ids = {n: set(_gpu_devices(gpu[n])[0]["device_ids"][0].split(",")) for n in GPU_PINS}
+    # the long-running GPU holders apart by default: vLLM reserves POLICY_GPU_MEMORY of its GPU
+    assert not ids["policy"] & ids["prm"] and not ids["policy"] & ids["trainer"] and not ids["prm"] & ids["trainer"]
 
 
 def test_compose_grace_periods_outlast_the_trainers_shutdown(compose):
@@ -260,19 +282,64 @@ def test_compose_health_checks_use_prorag_health_on_each_port(compose):
         assert test == want, f"{name}: {test}"
 
 
+#: what the trainer gives jobs that leave an address unset, in compose (both profiles) and in k8s alike
+SERVICE_ADDRESSES = {"retriever": "prorag-retriever:50051", "policy": "dns:///prorag-policy-headless:50052",
+                     "prm": "prorag-prm:50053", "judge": "prorag-judge:50054"}
+
+
+def _sets(cmd: list[str]) -> dict[str, str]:
+    return dict(cmd[i + 1].split("=", 1) for i in range(0, len(cmd) - 1) if cmd[i] == "--set")
+
+
 def test_compose_services_reach_each_other_by_name(compose):
-    for name, svc in compose["services"].items():
-        if name.endswith("-cpu") and base_name(name) in SERVICES:
-            assert svc["networks"]["default"]["aliases"] == [base_name(name)], name
+    for name, svc in long_running(compose).items():
+        svc_name = base_name(name)
+        aliases = svc["networks"]["default"]["aliases"]
+        # the Kubernetes Service names resolve in compose too; the cpu services also carry the short names
+        want = ([svc_name] if name.endswith("-cpu") else []) + [f"prorag-{svc_name}"]
+        want += ["prorag-policy-headless"] if svc_name == "policy" else []
+        assert aliases == want, (name, aliases)
     for name in ("policy", "policy-cpu"):
-        cmd = compose["services"][name]["command"]
-        sets = dict(cmd[i + 1].split("=", 1) for i in range(0, len(cmd), 2) if cmd[i] == "--set")
-        assert sets["retriever"] == f"retriever:{paths.GRPC_PORTS['retriever']}", name
+        sets = _sets(compose["services"][name]["command"])
+        assert sets["retriever"] == f"prorag-retriever:{paths.GRPC_PORTS['retriever']}", name
         assert sets["model"], f"{name} must be given a model"
-    gpu_policy = dict(c.split("=", 1) for c in compose["services"]["policy"]["command"] if "=" in c)
+    for name in ("trainer", "trainer-cpu"):
+        assert json.loads(_sets(compose["services"][name]["command"])["service_addresses"]) == SERVICE_ADDRESSES
+    gpu_policy = _sets(compose["services"]["policy"]["command"])
     assert gpu_policy["engine"] == "vllm"
-    cpu_policy = dict(c.split("=", 1) for c in compose["services"]["policy-cpu"]["command"] if "=" in c)
+    cpu_policy = _sets(compose["services"]["policy-cpu"]["command"])
     assert cpu_policy["engine"] == "transformers" and cpu_policy["device"] == "cpu"
+
+
+def test_compose_policy_starts_on_the_model_the_setup_prepares(compose):
+    """vLLM refuses stock Qwen3-8B (no step tags): the gpu policy's default model is the setup's prepared copy."""
+    setup = compose["services"]["setup"]
+    model = _sets(compose["services"]["policy"]["command"])["model"]
+    assert model == setup["environment"]["POLICY_PREPARED_MODEL"] != setup["environment"]["POLICY_BASE_MODEL"]
+    assert model.startswith("/data/data/models/")
+    assert _sets(load_compose("compose.yaml", env={"POLICY_MODEL": "sft@job-1"})["services"]["policy"]["command"]
+                 )["model"] == "sft@job-1"
+
+
+def test_compose_setup_reads_what_it_writes_where_the_services_read_it(compose):
+    gpu, cpu = compose["services"]["setup"], compose["services"]["setup-cpu"]
+    assert gpu["entrypoint"] == ["prorag-setup", "gpu"] and cpu["entrypoint"] == ["prorag-setup", "cpu"]
+    for setup in (gpu, cpu):
+        env = setup["environment"]
+        for var in ("PRORAG_DOWNLOAD", "PRORAG_MODELS_FROM", "WIKI18_IMPORT", "WIKI18_CORPUS", "RETRIEVER_INDEX_ROOT"):
+            assert var in env, var
+        assert env["WIKI18_CORPUS"].startswith("/data/data/"), "the corpus lives in the data volume"
+        assert env["PRORAG_DOWNLOAD"] == "0", "nothing is fetched unless asked"
+    # the index the setup builds is the one the retriever serves, in both profiles and when moved
+    for env in ({}, {"RETRIEVER_INDEX_ROOT": "/data/data/indexes/other"}):
+        c = load_compose("compose.yaml", env=env)
+        for setup, retriever in (("setup", "retriever"), ("setup-cpu", "retriever-cpu")):
+            assert c["services"][setup]["environment"]["RETRIEVER_INDEX_ROOT"] == \
+                _sets(c["services"][retriever]["command"])["index_root"]
+    assert _sets(compose["services"]["retriever-cpu"]["command"])["index_root"] == "", "the world's index by default"
+    # the gpu setup runs in the GPU retriever image (CUDA torch, faiss-gpu): e5 in fp16 and IVF-PQ training on GPU
+    assert gpu["image"] == compose["services"]["retriever"]["image"]
+    assert compose["services"]["retriever"]["build"]["args"]["FAISS"].startswith("faiss-gpu-cu12==")
 
 
 def test_compose_volumes_follow_prorag_home(compose):
@@ -290,13 +357,22 @@ def test_compose_volumes_follow_prorag_home(compose):
 def test_compose_images_and_builds(compose):
     for name, svc in compose["services"].items():
         if "build" in svc:
-            assert (ROOT / svc["build"]["dockerfile"]).is_file(), name
-            args = svc["build"].get("args", {})
-            assert args.get("FLAVOR") == ("cpu" if "cpu" in svc["profiles"] or base_name(name) in
-                                          ("retriever", "judge") else "gpu"), name
+            build = svc["build"]
+            # the setup runs in the retriever's image (its build is the retriever's)
+            target = "retriever" if base_name(name) == "setup" else base_name(name)
+            assert build["dockerfile"] == "Dockerfile" and build["target"] == target, name
+            args = build.get("args", {})
+            gpu = "gpu" in svc["profiles"] and base_name(name) != "judge"
+            assert args.get("FLAVOR") == ("gpu" if gpu else "cpu"), name
+            assert (args.get("FAISS", "faiss-cpu").startswith("faiss-gpu")) == (name == "retriever"), name
         if "cpu" in svc["profiles"] and "build" in svc:
             assert svc["build"]["args"]["BASE"] == "python:3.11-slim", name
     assert compose["services"]["policy"]["build"]["args"]["BASE"].startswith("vllm/vllm-openai:v")
+    # every image a service runs is built by some service of its profile
+    for profile in ("cpu", "gpu"):
+        services = profile_services(compose, profile)
+        built = {s["image"] for s in services.values() if "build" in s}
+        assert {s["image"] for s in services.values()} <= built, profile
 
 
 def test_compose_secure_wires_tls_and_tokens_into_every_service(compose_secure):
@@ -314,41 +390,70 @@ def test_compose_secure_wires_tls_and_tokens_into_every_service(compose_secure):
         assert ("token_admin" in svc["secrets"]) == admin, f"{name}: only the trainer holds the admin token"
 
 
-# ====================================================================== Dockerfiles
+# ====================================================================== the Dockerfile
+def dockerfile_stages() -> dict[str, str]:
+    """The Dockerfile's stages by name (the text from each FROM to the next)."""
+    text = (ROOT / "Dockerfile").read_text()
+    parts = re.split(r"^(?=FROM )", text, flags=re.M)
+    stages = {}
+    for part in parts[1:]:
+        m = re.match(r"FROM (\S+)(?: AS (\S+))?$", part.splitlines()[0])
+        assert m and m.group(2), f"every stage is named: {part.splitlines()[0]}"
+        stages[m.group(2)] = part
+    return stages
+
+
+def test_one_dockerfile_for_the_five_services():
+    assert not list((ROOT / "services").glob("*/Dockerfile")), "the per-service Dockerfiles are gone"
+    text = (ROOT / "Dockerfile").read_text()
+    stages = dockerfile_stages()
+    assert list(stages) == ["builder", "runtime", *SERVICES]
+    assert re.search(r"^ARG BASE=python:3.11-slim$", text, re.M), "the base image is a build argument (CPU default)"
+    assert stages["builder"].startswith("FROM ${BUILDER_BASE} AS builder")
+    assert stages["runtime"].startswith("FROM ${BASE} AS runtime")
+    for arg in ("FLAVOR=cpu", "TORCH_VERSION=", "TRANSFORMERS_VERSION=", "FAISS=faiss-cpu", "EXTRA_PIP=",
+                "FLASH_ATTN_VERSION="):
+        assert re.search(rf"^ARG {arg}", stages["builder"], re.M), arg
+    assert "COPY --from=builder /opt/venv /opt/venv" in stages["runtime"], "the runtime stage copies the venv"
+    assert re.search(r"^USER 10001:10001$", stages["runtime"], re.M), "runs as uid 10001"
+    for service in SERVICES:  # the service stages only add ports, a health check and the entrypoint
+        assert stages[service].startswith(f"FROM runtime AS {service}")
+        assert not re.search(r"^(USER|RUN|COPY) ", stages[service], re.M), service
+
+
 @pytest.mark.parametrize("service", SERVICES)
-def test_dockerfile(service):
-    text = (ROOT / "services" / service / "Dockerfile").read_text()
-    port = paths.GRPC_PORTS[service]
-    assert re.search(r"^ARG BASE=\S+", text, re.M), "the base image is a build argument"
-    assert re.search(r"^FROM \$\{BUILDER_BASE\} AS builder$", text, re.M), "a builder stage"
-    assert "COPY --from=builder /opt/venv /opt/venv" in text, "the runtime stage copies the venv"
-    assert re.search(r"^USER 10001:10001$", text, re.M), "runs as uid 10001"
-    assert text.rindex("USER 10001") > text.rindex("FROM "), "the last stage runs as 10001"
-    assert re.search(rf"^EXPOSE {port}\b", text, re.M)
-    health = re.search(r'CMD \["prorag", "health", "--target", "127.0.0.1:(\d+)"(.*)\]', text)
-    assert health and int(health.group(1)) == port
+def test_dockerfile_target(service):
+    stage = dockerfile_stages()[service]
+    ports = {paths.GRPC_PORTS[service]} | ({paths.HTTP_PORTS[service]} if service in paths.HTTP_PORTS else set())
+    (expose,) = re.findall(r"^EXPOSE (.+)$", stage, re.M)
+    assert {int(p) for p in expose.split()} == ports
+    health = re.search(r'CMD \["prorag", "health", "--target", "127.0.0.1:(\d+)"(.*)\]', stage)
+    assert health and int(health.group(1)) == paths.GRPC_PORTS[service]
     assert (READINESS[service] in health.group(2)) if READINESS[service] else not health.group(2)
-    assert f'ENTRYPOINT ["prorag", "serve", "{service}", "--host", "0.0.0.0"]' in text
-    for arg in ("TORCH_VERSION", "TRANSFORMERS_VERSION", "FLAVOR", "EXTRA_PIP"):
-        assert re.search(rf"^ARG {arg}=", text, re.M), arg
-    base = re.search(r"^ARG BASE=(\S+)", text, re.M).group(1)
-    if service == "policy":
-        assert re.fullmatch(r"vllm/vllm-openai:v\d+\.\d+\.\d+", base), base
-    elif service in GPU_SERVICES:
-        assert re.fullmatch(r"pytorch/pytorch:\d+\.\d+\.\d+-cuda\d+\.\d+-cudnn\d+-runtime", base), base
-    else:
-        assert base == "python:3.11-slim"
+    assert f'ENTRYPOINT ["prorag", "serve", "{service}", "--host", "0.0.0.0"]' in stage
 
 
-def test_gpu_images_agree_on_torch_and_transformers():
-    texts = {s: (ROOT / "services" / s / "Dockerfile").read_text() for s in GPU_SERVICES}
-    transformers = {re.search(r"^ARG TRANSFORMERS_VERSION=(\S+)", t, re.M).group(1) for t in texts.values()}
-    assert len(transformers) == 1, transformers
-    torch_tags = {re.search(r"^ARG BASE=pytorch/pytorch:(\d+\.\d+\.\d+)", texts[s], re.M).group(1)
-                  for s in ("prm", "trainer")}
-    assert len(torch_tags) == 1, torch_tags
-    # what the policy's header says vLLM pins is what the PyTorch images carry
-    assert f"pins torch {torch_tags.pop()}" in texts["policy"]
+def test_gpu_images_agree_on_torch_and_transformers(compose):
+    gpu = {n: s["build"]["args"] for n, s in profile_services(compose, "gpu").items()
+           if "build" in s and s["build"]["args"]["FLAVOR"] == "gpu"}
+    assert set(gpu) == {"retriever", "policy", "prm", "trainer"}
+    assert len({a["TRANSFORMERS_VERSION"] for a in gpu.values()}) == 1, "what the trainer saves the policy loads"
+    assert re.fullmatch(r"vllm/vllm-openai:v\d+\.\d+\.\d+", gpu["policy"]["BASE"])
+    torch_bases = {a["BASE"] for n, a in gpu.items() if n != "policy"}
+    (torch_base,) = torch_bases
+    m = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda\d+\.\d+-cudnn\d+-runtime", torch_base)
+    assert m, torch_base
+    # what the Dockerfile says vLLM pins is what the PyTorch images carry
+    vllm = gpu["policy"]["BASE"].split(":v")[1]
+    assert re.search(rf"vLLM {re.escape(vllm)} pins\s+#?\s*torch {re.escape(m.group(1))}",
+                     (ROOT / "Dockerfile").read_text())
+
+
+def test_the_smoke_script_builds_the_dockerfile_targets():
+    text = (ROOT / "scripts" / "smoke_containers.sh").read_text()
+    targets = set(re.findall(r"^build (\w+) ", text, re.M))
+    assert targets == set(SERVICES), targets
+    assert '-f Dockerfile --target "$1"' in text
 
 
 def test_dockerignore_keeps_the_context_small():
@@ -398,27 +503,18 @@ def render(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(r.stdout) if d]
 
 
-@pytest.fixture(scope="session")
-def secure_tree(tmp_path_factory) -> Path:
-    """k8s/ copied with placeholder secret files, as scripts/make_secrets.sh --k8s would leave them."""
-    dest = tmp_path_factory.mktemp("k8s") / "k8s"
-    shutil.copytree(ROOT / "k8s", dest)
-    for f in SECRET_FILES:
-        (dest / "components" / "secure" / "secrets" / f).write_text(f"placeholder {f}\n")
-    return dest
-
-
-KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu", "overlays/gpu-secure")
-
-
-@pytest.fixture(scope="session")
-def rendered(secure_tree) -> dict[str, list[dict]]:
-    return {k: render((secure_tree if k.endswith("secure") else ROOT / "k8s") / k) for k in KUSTOMIZATIONS}
+KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu", "overlays/gpu-one-node", "overlays/gpu-secure")
+#: the ReadWriteOnce layout (every pod on one node); the others share ReadWriteMany claims across nodes
+ONE_NODE = ("overlays/cpu", "overlays/gpu-one-node")
+#: the ReadWriteMany overlays, which take the storage class parameter (k8s/components/storage-class)
+WITH_STORAGE_CLASS = ("overlays/gpu", "overlays/gpu-secure")
 
 
 def test_every_kustomization_directory_is_rendered():
     found = {str(p.parent.relative_to(ROOT / "k8s")) for p in (ROOT / "k8s").rglob("kustomization.yaml")}
-    assert found - {"components/secure"} == set(KUSTOMIZATIONS), found
+    # components are rendered through the overlays; k8s/training (the multi-node training workload) has its own
+    # test against its operator's CRD
+    assert {f for f in found if not f.startswith(("components/", "training"))} == set(KUSTOMIZATIONS), found
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
@@ -584,8 +680,12 @@ def test_volumes_claims_and_configuration(rendered, name):
     objs = rendered[name]
     claims = _by_kind(objs, "PersistentVolumeClaim")
     assert set(claims) == {"prorag-data", "prorag-indexes", "prorag-models", "prorag-adapters", "prorag-runs"}
-    for rwx in ("prorag-models", "prorag-adapters", "prorag-indexes", "prorag-data"):
-        assert claims[rwx]["spec"]["accessModes"] == ["ReadWriteMany"], rwx
+    for shared in ("prorag-models", "prorag-adapters", "prorag-indexes", "prorag-data"):
+        want = "ReadWriteOnce" if name in ONE_NODE else "ReadWriteMany"
+        assert claims[shared]["spec"]["accessModes"] == [want], (name, shared)
+    classes = {c["spec"].get("storageClassName") for c in claims.values()}
+    # the RWX layout names its class (the parameter); the RWO layouts take the cluster's default class
+    assert classes == ({STORAGE_CLASS_PLACEHOLDER} if name in WITH_STORAGE_CLASS else {None}), (name, classes)
     configmaps = _by_kind(objs, "ConfigMap")
     secrets = _by_kind(objs, "Secret")
     (env_name,) = [n for n in configmaps if n.startswith("prorag-env")]
@@ -640,6 +740,157 @@ def test_the_secure_overlay_wires_tls_and_tokens(rendered):
         assert ("/etc/prorag/admin" in mounts) == admin, dname
     for name in ("base", "overlays/cpu", "overlays/gpu"):
         assert not _by_kind(rendered[name], "Secret"), f"{name} ships a Secret"
+
+
+STORAGE_CLASS_PLACEHOLDER = "set-a-readwritemany-class-in-k8s-components-storage-class"
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_one_node_layout_schedules_every_pod_together(rendered, name):
+    """ReadWriteOnce volumes are mounted on one node at a time: in that layout every prorag pod carries a required
+    affinity to the node of the other prorag pods, which its own labels satisfy (so the first one schedules)."""
+    workloads = {**_by_kind(rendered[name], "Deployment"), **_by_kind(rendered[name], "Job")}
+    for wname, w in workloads.items():
+        affinity = w["spec"]["template"]["spec"].get("affinity")
+        if name not in ONE_NODE:
+            assert affinity is None, (name, wname)
+            continue
+        (term,) = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        assert term["labelSelector"]["matchLabels"].items() <= labels.items(), (wname, term)
+        assert term["labelSelector"]["matchLabels"] == {"app.kubernetes.io/part-of": "prorag"}
+
+
+def test_the_storage_class_is_one_parameter(tmp_path):
+    """k8s/components/storage-class/storage-class.env names the class of every claim of the RWX layout; the parameter
+    itself (a local-config ConfigMap) is not applied to the cluster."""
+    tree = tmp_path / "k8s"
+    shutil.copytree(ROOT / "k8s", tree)
+    (tree / "components" / "storage-class" / "storage-class.env").write_text("storageClassName=nfs-rwx\n")
+    objs = render(tree / "overlays" / "gpu")
+    claims = _by_kind(objs, "PersistentVolumeClaim")
+    assert {c["spec"]["storageClassName"] for c in claims.values()} == {"nfs-rwx"} and len(claims) == 5
+    assert "prorag-storage" not in _by_kind(objs, "ConfigMap")
+    # and the shipped value is the placeholder the README tells to replace (an unknown class keeps claims Pending,
+    # naming it)
+    shipped = (ROOT / "k8s" / "components" / "storage-class" / "storage-class.env").read_text().strip()
+    assert shipped == f"storageClassName={STORAGE_CLASS_PLACEHOLDER}"
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_setup_job_fails_once_on_missing_inputs_and_says_why(rendered, name):
+    from prorag_app.deploy_setup import EXIT_BAD_INPUT, EXIT_FETCH, EXIT_MISSING
+
+    job = _by_kind(rendered[name], "Job")["prorag-setup"]
+    spec = job["spec"]
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"  # what podFailurePolicy requires
+    rules = spec["podFailurePolicy"]["rules"]
+    fail_job = [r for r in rules if r["action"] == "FailJob"]
+    assert [r["onExitCodes"] for r in fail_job] == [
+        {"containerName": "setup", "operator": "In", "values": [EXIT_BAD_INPUT, EXIT_MISSING]}]
+    assert EXIT_FETCH not in fail_job[0]["onExitCodes"]["values"], "a failed download is retried"
+    assert spec["backoffLimit"] >= 1
+    mode = "gpu" if "gpu" in name else "cpu"
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"] == ["$(PRORAG_SETUP)"]
+    # the init containers wait for the done marker and stop on the failed one, both where the setup writes them
+    done, failed = "/data/data/.prorag-setup-done-$PRORAG_SETUP", "/data/data/.prorag-setup-failed-$PRORAG_SETUP"
+    for dname, dep in _by_kind(rendered[name], "Deployment").items():
+        (init,) = dep["spec"]["template"]["spec"]["initContainers"]
+        script = init["command"][-1]
+        assert f"until [ -f {done} ]" in script and f"if [ -f {failed} ]" in script and "exit 1" in script, dname
+    env = {k: v for cm in _by_kind(rendered[name], "ConfigMap").values() for k, v in cm.get("data", {}).items()}
+    assert env["PRORAG_SETUP"] == mode
+
+
+def test_the_setup_markers_are_where_the_init_containers_look(monkeypatch):
+    from prorag_app.deploy_setup import Settings
+
+    monkeypatch.setenv("PRORAG_HOME", "/data")
+    monkeypatch.delenv("PRORAG_DATA", raising=False)
+    for mode in ("cpu", "gpu"):
+        s = Settings.from_env(mode)
+        assert (str(s.done_marker), str(s.failed_marker)) == \
+            (f"/data/data/.prorag-setup-done-{mode}", f"/data/data/.prorag-setup-failed-{mode}")
+
+
+def test_the_gpu_overlays_match_compose_and_the_setup(rendered, compose):
+    """The k8s gpu configuration names the same models, corpus and index as compose's gpu profile, the policy serves
+    the prepared model, and the setup Job runs in the GPU retriever image."""
+    compose_setup = compose["services"]["setup"]["environment"]
+    for name in ("overlays/gpu", "overlays/gpu-one-node", "overlays/gpu-secure"):
+        objs = rendered[name]
+        env = {k: v for cm in _by_kind(objs, "ConfigMap").values() for k, v in cm.get("data", {}).items()}
+        for var in ("POLICY_BASE_MODEL", "POLICY_PREPARED_MODEL", "E5_ENCODER", "WIKI18_CORPUS",
+                    "RETRIEVER_INDEX_ROOT", "PRORAG_FAISS", "PRORAG_DOWNLOAD"):
+            assert env[var] == compose_setup[var], (name, var)
+        assert env["POLICY_MODEL"] == env["POLICY_PREPARED_MODEL"]
+        job = _by_kind(objs, "Job")["prorag-setup"]["spec"]["template"]["spec"]["containers"][0]
+        assert job["image"].startswith("prorag-retriever-gpu:")
+
+
+def _quantity(q) -> float:
+    """A Kubernetes quantity in bytes (memory) or cores (cpu)."""
+    units = {"Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "k": 1e3, "M": 1e6, "G": 1e9, "m": 1e-3}
+    m = re.fullmatch(r"([\d.]+)([A-Za-z]*)", str(q))
+    assert m, q
+    return float(m.group(1)) * units.get(m.group(2), 1)
+
+
+QWEN3_8B_BF16_BYTES = 8.19e9 * 2  # 16.4 GB of weights
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_requests_and_limits_are_sized_from_what_the_pods_hold(rendered, name):
+    workloads = {**_by_kind(rendered[name], "Deployment"), **_by_kind(rendered[name], "Job")}
+    for wname, w in workloads.items():
+        pod = w["spec"]["template"]["spec"]
+        shm = sum(_quantity(v["emptyDir"].get("sizeLimit", 0)) for v in pod["volumes"]
+                  if v.get("emptyDir", {}).get("medium") == "Memory")
+        for c in _containers(w):
+            req, lim = c["resources"]["requests"], c["resources"]["limits"]
+            for k in ("cpu", "memory"):
+                assert _quantity(req[k]) <= _quantity(lim[k]), (wname, c["name"], k)
+        main = pod["containers"][0]["resources"]
+        # a memory-backed /dev/shm counts against the container's memory limit
+        assert _quantity(main["limits"]["memory"]) >= _quantity(main["requests"]["memory"]) + shm or not shm, wname
+    if "gpu" not in name:
+        return
+    mem = {n: _quantity(w["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"])
+           for n, w in workloads.items()}
+    # the PRM and the trainer load Qwen3-8B on the CPU before moving it to the GPU: the request holds the weights
+    for holder in ("prorag-prm", "prorag-trainer"):
+        assert mem[holder] >= 1.2 * QWEN3_8B_BF16_BYTES, (holder, mem[holder])
+    assert mem["prorag-policy"] >= QWEN3_8B_BF16_BYTES  # vLLM's safetensors pass through the page cache
+
+
+def test_the_readmes_cluster_overlay_renders_and_validates(tmp_path):
+    """README "On a cluster" step 3 writes a user overlay over the shipped ones: it renders, every object validates,
+    and it does what the README says (images from the registry, the namespace, downloads on, the dataset's volume
+    mounted on the setup Job). Every k8s/ path the README names exists."""
+    import textwrap
+
+    import kubernetes_validate
+
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"cat > my-cluster/kustomization.yaml <<'EOF'\n(.*?)\n\s*EOF\n", readme, re.S)
+    assert m, "README's cluster overlay"
+    shutil.copytree(ROOT / "k8s", tmp_path / "k8s")
+    (tmp_path / "my-cluster").mkdir()
+    (tmp_path / "my-cluster" / "kustomization.yaml").write_text(textwrap.dedent(m.group(1)))
+    objs = render(tmp_path / "my-cluster")
+    for obj in objs:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    assert {o["metadata"].get("namespace") for o in objs} == {"prorag"}
+    workloads = {**_by_kind(objs, "Deployment"), **_by_kind(objs, "Job")}
+    images = {c["image"] for w in workloads.values() for c in _containers(w)}
+    assert images and all(i.startswith("REGISTRY/") for i in images), images
+    (env,) = [cm["data"] for n, cm in _by_kind(objs, "ConfigMap").items() if n.startswith("prorag-env")]
+    assert env["PRORAG_DOWNLOAD"] == "1" and env["WORLD_IMPORT"].startswith("/import/")
+    job = workloads["prorag-setup"]["spec"]["template"]["spec"]
+    assert {"name": "import", "mountPath": "/import", "readOnly": True} in job["containers"][0]["volumeMounts"]
+    for path in set(re.findall(r"\bk8s/[\w./-]*\w", readme)):
+        assert (ROOT / path).exists(), f"README names {path}, which does not exist"
 
 
 def test_no_key_material_is_committed():

@@ -1,6 +1,7 @@
 import copy
 import json
 import os
+import shutil
 
 import faiss
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 
 from prorag.config import ConfigError, from_dict
 from prorag.data.loaders import parse_contents
-from prorag.errors import InvalidArgument, NotFound
+from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.retriever.indexing import (BM25Config, DenseIndexConfig, DocStore, build_bm25_index, build_dense_index,
                                          build_docstore, scan_corpus)
 
@@ -81,6 +82,24 @@ def test_docstore_follows_a_moved_corpus(tmp_path):
     m2 = build_docstore(b, tmp_path / "ds")
     assert m2["corpus_path"] == str(b.resolve()) and m2["created_at"] == m1["created_at"]
     assert DocStore(tmp_path / "ds").get(0).id == rows[0]["id"]
+
+
+def test_docstore_finds_its_corpus_when_the_whole_tree_moves(tmp_path):
+    # a data volume mounted at another path (or PRORAG_HOME copied elsewhere): the absolute path recorded at build
+    # time is gone, the corpus next to the doc store is still where it was relative to it
+    rows = make_rows(n_filler=3)
+    old = tmp_path / "old"
+    (old / "data" / "corpora").mkdir(parents=True)
+    corpus = write_corpus(old / "data" / "corpora" / "c.jsonl", rows)
+    meta = build_docstore(corpus, old / "data" / "indexes" / "c" / "docstore")
+    assert meta["corpus_relpath"] == "../../../corpora/c.jsonl"
+    shutil.move(old, tmp_path / "new")
+    store = DocStore(tmp_path / "new" / "data" / "indexes" / "c" / "docstore")
+    assert store.corpus_path == (tmp_path / "new" / "data" / "corpora" / "c.jsonl").resolve()
+    assert store.get(0).id == rows[0]["id"]
+    (tmp_path / "new" / "data" / "corpora" / "c.jsonl").unlink()  # gone from both places: the error names it
+    with pytest.raises(FailedPrecondition, match="which is missing"):
+        DocStore(tmp_path / "new" / "data" / "indexes" / "c" / "docstore")
 
 
 # ----------------------------------------------------------------------------- dense
