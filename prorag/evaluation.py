@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-from prorag.metrics import bootstrap_ci, cover_exact_match, summarize
+from prorag.metrics import bootstrap_ci, cover_exact_match, seed_question_bootstrap_ci, summarize
 
 
 def recall_at_k(ranked: Sequence[Sequence[str]], gold: Sequence[set[str]], k: int) -> list[float]:
@@ -115,9 +115,13 @@ def paired_difference(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]
     bootstrap CI.
 
     a, b: [n_seeds][n_questions] scores (e.g. F1), question j of every seed and of both methods being the same
-    question. Each question's difference is first averaged over the seeds, then the questions are resampled,
-    so the interval reflects which questions were asked, and the seeds only reduce the per-question noise.
-    Returns {"f1_diff", "ci": [lo, hi], "n" (questions), "seeds", "a_mean", "b_mean", "wins", "losses", "ties"}.
+    question. ``ci``: each question's difference is first averaged over the seeds, then the questions are
+    resampled, so the interval reflects which questions were asked, and the seeds only reduce the per-question
+    noise (``ci_includes_seeds`` False). ``ci_seeds_questions``: seeds resampled, then questions
+    (prorag.metrics.seed_question_bootstrap_ci), so training noise is in the interval too; None with one seed,
+    where there is no seed variance to measure.
+    Returns {"f1_diff", "ci": [lo, hi], "ci_includes_seeds", "ci_seeds_questions", "n" (questions), "seeds",
+    "a_mean", "b_mean", "wins", "losses", "ties"}.
 
     >>> r = paired_difference([[1.0, 0.5, 0.0]], [[0.5, 0.5, 0.0]])
     >>> round(r["f1_diff"], 4), r["n"], r["wins"], r["ties"]
@@ -132,7 +136,11 @@ def paired_difference(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]
         raise ValueError("no seeds or no questions to compare")
     diff = (xa - xb).mean(axis=0)  # [n_questions]
     lo, hi = bootstrap_ci(diff, n_resamples=n_resamples, alpha=alpha, seed=seed)
-    return {"f1_diff": float(diff.mean()), "ci": [lo, hi], "n": int(diff.size), "seeds": int(xa.shape[0]),
+    both = None
+    if xa.shape[0] > 1:
+        both = list(seed_question_bootstrap_ci(xa - xb, n_resamples=n_resamples, alpha=alpha, seed=seed))
+    return {"f1_diff": float(diff.mean()), "ci": [lo, hi], "ci_includes_seeds": False, "ci_seeds_questions": both,
+            "n": int(diff.size), "seeds": int(xa.shape[0]),
             "a_mean": float(xa.mean()), "b_mean": float(xb.mean()), "wins": int((diff > 1e-12).sum()),
             "losses": int((diff < -1e-12).sum()), "ties": int((np.abs(diff) <= 1e-12).sum())}
 

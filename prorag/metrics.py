@@ -47,6 +47,7 @@ __all__ = [
     "substring_match",
     "qa_scores",
     "bootstrap_ci",
+    "seed_question_bootstrap_ci",
     "summarize",
 ]
 
@@ -143,6 +144,36 @@ def qa_scores(pred: str, golds: str | Iterable[str]) -> dict[str, float]:
         "cover_em": cover_exact_match(pred, golds),
         "acc": substring_match(pred, golds),
     }
+
+
+def seed_question_bootstrap_ci(diffs, n_resamples: int = 2000, alpha: float = 0.05,
+                               seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean of ``diffs`` [n_seeds][n_questions] resampling seeds, then questions.
+
+    Each resample draws n_seeds seeds and n_questions questions with replacement and takes the mean over that
+    seeds x questions grid, so the interval carries training noise (which seed's run) as well as which questions
+    were asked; averaging the seeds first and resampling questions alone (``bootstrap_ci`` of the seed means)
+    leaves the seed variance out. A question keeps its pairing across seeds (the same question ids in every row).
+    One seed: the question bootstrap alone.
+    """
+    x = np.asarray(diffs, dtype=np.float64)
+    if x.ndim != 2 or x.size == 0:
+        raise ValueError(f"diffs must be a non-empty [n_seeds][n_questions] array, got shape {x.shape}")
+    n_seeds, n_q = x.shape
+    if n_seeds == 1:
+        return bootstrap_ci(x[0], n_resamples=n_resamples, alpha=alpha, seed=seed)
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    rng = np.random.default_rng(seed)
+    means = np.empty(n_resamples, dtype=np.float64)
+    rows = max(1, min(n_resamples, 4_000_000 // (n_seeds * n_q)))  # resamples per chunk: bounded memory
+    for start in range(0, n_resamples, rows):
+        stop = min(n_resamples, start + rows)
+        s_idx = rng.integers(0, n_seeds, size=(stop - start, n_seeds))
+        q_idx = rng.integers(0, n_q, size=(stop - start, n_q))
+        means[start:stop] = x[s_idx[:, :, None], q_idx[:, None, :]].mean(axis=(1, 2))
+    lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
+    return (float(lo), float(hi))
 
 
 def bootstrap_ci(values: Sequence[float], n_resamples: int = 1000, alpha: float = 0.05,

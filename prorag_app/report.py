@@ -243,10 +243,16 @@ def markdown(report: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
     if report["comparisons"]:
         lines += ["", "## Paired comparisons (A minus B per question, pooled seeds)", "",
-                  "| A vs B | group | A | B | A - B | 95% CI | n | seeds |", "|---|---|---|---|---|---|---|---|"]
+                  "95% CI over questions of the seed-averaged differences; and, with 2+ seeds, resampling seeds then "
+                  "questions, which puts training noise in the interval too.", "",
+                  "| A vs B | group | A | B | A - B | 95% CI, questions | 95% CI, seeds and questions | n | seeds |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+
+        def ci(bounds) -> str:
+            return f"[{100 * bounds[0]:+.1f}, {100 * bounds[1]:+.1f}]" if bounds else "- (one seed)"
         for name, c in report["comparisons"].items():
             lines.append(f"| {name} | {c['group']} | {_pct(c['a_mean'])} | {_pct(c['b_mean'])} | "
-                         f"{100 * c['f1_diff']:+.1f} | [{100 * c['ci'][0]:+.1f}, {100 * c['ci'][1]:+.1f}] | "
+                         f"{100 * c['f1_diff']:+.1f} | {ci(c['ci'])} | {ci(c.get('ci_seeds_questions'))} | "
                          f"{c['n']} | {c['seeds']} |")
     if report["beta"]:
         lines += ["", "## ProRAG's F1 on 3+ hop questions against beta", "",

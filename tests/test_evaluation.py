@@ -103,3 +103,35 @@ def test_compare_methods_keeps_the_group_and_the_questions_every_run_answered():
     c = out["prorag_vs_sft"]
     assert c["group"] == "3+ hops" and c["n"] == 2 and c["f1_diff"] == pytest.approx(0.5)
     assert (c["a"], c["b"]) == ("prorag", "sft")
+
+
+def test_the_seed_and_question_interval_carries_training_noise_that_the_question_interval_leaves_out():
+    from prorag.evaluation import paired_difference
+
+    # two seeds of one comparison that disagree: A wins every question by 0.5 in seed 0 and loses every one by
+    # 0.4 in seed 1 (training noise); averaged over the seeds each question differs by +0.05
+    a = [[0.5] * 40, [0.0] * 40]
+    b = [[0.0] * 40, [0.4] * 40]
+    r = paired_difference(a, b, n_resamples=4000)
+    assert r["f1_diff"] == pytest.approx(0.05) and r["ci_includes_seeds"] is False
+    assert r["ci"] == pytest.approx([0.05, 0.05])  # the question bootstrap sees no spread at all
+    lo, hi = r["ci_seeds_questions"]
+    # resampled seeds: both seed 0 twice (+0.5) and seed 1 twice (-0.4) occur, so the interval spans them
+    assert lo == pytest.approx(-0.4) and hi == pytest.approx(0.5)
+    one_seed = paired_difference([[0.5, 0.0]], [[0.0, 0.0]])
+    assert one_seed["ci_seeds_questions"] is None
+
+
+def test_seed_question_bootstrap_matches_the_question_bootstrap_when_seeds_agree():
+    import numpy as np
+
+    from prorag.metrics import bootstrap_ci, seed_question_bootstrap_ci
+
+    rng = np.random.default_rng(3)
+    per_question = rng.normal(0.1, 0.3, size=200)
+    same = np.stack([per_question, per_question, per_question])  # three seeds, identical runs
+    lo, hi = seed_question_bootstrap_ci(same, n_resamples=3000, seed=1)
+    qlo, qhi = bootstrap_ci(per_question, n_resamples=3000, seed=1)
+    assert abs(lo - qlo) < 0.02 and abs(hi - qhi) < 0.02
+    with pytest.raises(ValueError, match="non-empty"):
+        seed_question_bootstrap_ci(np.zeros((2, 0)))
