@@ -308,9 +308,11 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
             return _finish(report, check, t_start)
         dev = str(placement.device)
         serve_stack = ServiceStack(world="tiny", services=("policy", "prm"), port_offset=offset, log_dir=str(logs),
+                                   # compile_decode off: each new rollout shape would pay a ~45 s compile,
+                                   # over the check's 5 minutes; the decode phase measures the compiled step
                                    overrides={"policy": {"model": sft["model_dir"], "device": dev,
                                                          "dtype": placement.dtype_name, "retriever": retr,
-                                                         "restore_active": "false"},
+                                                         "restore_active": "false", "compile_decode": "off"},
                                               "prm": {"model": prm["dir"], "world": "tiny", "device": dev}})
         stacks.append(serve_stack)
 
