@@ -10,6 +10,12 @@ sigma the mean and standard deviation of s over the group: token-weighted as the
 them (every generated token of a step counts once, so long steps weigh more), or per step (each step counts
 once; ANCHORS.md "Process advantage normalized per step"). beta = 0 is outcome-only GRPO (Search-R1 style).
 Only generated tokens carry an advantage: retrieval and glue tokens the environment inserted are masked.
+
+Two optional calibrations of the process term (both off by default, which is the reference's computation):
+the PRM logits centred per step kind before they become step scores (:func:`center_per_kind`, as
+:func:`reference_step_scores` does), because a Bradley-Terry PRM leaves each kind of step at its own offset and
+normalising all kinds together pushes a low-offset kind down in every group; and a floor under sigma
+(``std_floor``), so a group whose steps all score alike does not blow tiny differences up to unit scale.
 """
 
 from __future__ import annotations
@@ -112,6 +118,78 @@ def rft_threshold(weakest_steps: Sequence[float], keep_fraction: float) -> float
     return float(xs[k])
 
 
+def rft_kept_steps(correct: bool, format_valid: bool, step_scores: Sequence[float], threshold: float = 0.0
+                   ) -> list[bool]:
+    """ProRAG's RFT filter per step: of a correct trajectory in a valid format, the steps whose PRM score is at or
+    above ``threshold`` are trained on (the others stay in the context, out of the loss); of any other trajectory,
+    none.
+
+    step_scores [S] (PRM logits, possibly centred per kind) -> [S].
+
+    >>> rft_kept_steps(True, True, [0.3, -0.1, 1.0]), rft_kept_steps(False, True, [2.0])
+    ([True, False, True], [False])
+    """
+    ok = bool(correct and format_valid)
+    return [ok and s >= threshold for s in step_scores]
+
+
+def step_loss_mask(kept: Sequence[bool], spans: Sequence[StepSpan], length: int) -> list[int]:
+    """A token mask that puts the loss on the generated tokens of the kept steps only.
+
+    kept [S] (one flag per step); spans [S] (token positions of each step in a sequence of ``length`` tokens).
+    Returns [T]: 1 on a kept step's generated tokens; 0 on the prompt, inserted documents and glue, and on every
+    token of a step that is not kept (it stays in the sequence as context for the steps after it).
+
+    >>> step_loss_mask([False, True], [StepSpan(2, 4, 6), StepSpan(6, 8, 8)], 9)
+    [0, 0, 0, 0, 0, 0, 1, 1, 0]
+    """
+    if len(kept) != len(spans):
+        raise ValueError(f"{len(kept)} kept-step flags for {len(spans)} steps")
+    mask = [0] * length
+    for k, span in zip(kept, spans):
+        if not 0 <= span.start <= span.generated_end <= span.end <= length:
+            raise ValueError(f"step span {span} does not fit a sequence of {length} tokens")
+        if k:
+            mask[span.start:span.generated_end] = [1] * (span.generated_end - span.start)
+    return mask
+
+
+def hop_balanced_sample(hops: Sequence[int], n: int, seed: int) -> list[int]:
+    """Draw ``n`` questions evenly over hop counts: each of the H hop counts present gets n / H of them (counts
+    differ by at most one; the extra ones go to the hop counts with fewest questions first), and the share a hop
+    count cannot fill is spread over the others.
+
+    Why: a policy answers shallow questions correctly far more often, so drawing in the split's order fills a
+    correctness filter's output with them (RFT then teaches stopping early).
+
+    hops [N] (each question's hop count); n (0 or >= N: every question); seed fixes which questions of a hop
+    count are drawn. Returns the drawn indices into ``hops``, ascending (the split's order).
+
+    >>> hops = [1, 1, 1, 1, 2, 2, 3]
+    >>> [hops[i] for i in hop_balanced_sample(hops, 5, seed=0)]  # 3 hops has one question: 1 and 2 share its share
+    [1, 1, 2, 2, 3]
+    """
+    import random
+
+    if n <= 0 or n >= len(hops):
+        return list(range(len(hops)))
+    by_hops: dict[int, list[int]] = {}
+    for i, h in enumerate(hops):
+        by_hops.setdefault(int(h), []).append(i)
+    rng = random.Random(seed)
+    for h in sorted(by_hops):
+        rng.shuffle(by_hops[h])
+    # fill the hop counts with fewest questions first, so what one cannot take is shared by those after it
+    order = sorted(by_hops, key=lambda h: (len(by_hops[h]), h))
+    drawn: list[int] = []
+    left = n
+    for j, h in enumerate(order):
+        take = min(len(by_hops[h]), math.ceil(left / (len(order) - j)))
+        drawn += by_hops[h][:take]
+        left -= take
+    return sorted(drawn)
+
+
 # ---------------------------------------------------------------- advantages
 def group_normalized(rewards: Sequence[float], eps: float = EPS) -> list[float]:
     """GRPO's outcome advantage: (R_i - mean) / (std + eps) within one group.
@@ -148,22 +226,96 @@ def step_score_stats(step_scores: Sequence[Sequence[float]], step_weights: Seque
     return mean, math.sqrt(var)
 
 
+def step_weights(step_tokens: Sequence[Sequence[int]], normalization: str = "token") -> list[list[float]]:
+    """Each step's weight in a group's statistics: its number of generated tokens ("token", the reference: every
+    generated token of the group counts once) or 1 per step that generated anything ("step").
+
+    step_tokens [G][S_i] -> [G][S_i].
+
+    >>> step_weights([[3, 0], [2]], "token"), step_weights([[3, 0], [2]], "step")
+    ([[3.0, 0.0], [2.0]], [[1.0, 0.0], [1.0]])
+    """
+    if normalization == "token":
+        return [[float(n) for n in ns] for ns in step_tokens]
+    if normalization == "step":
+        return [[1.0 if n > 0 else 0.0 for n in ns] for ns in step_tokens]
+    raise ValueError(f"normalization must be 'token' or 'step', got {normalization!r}")
+
+
+def center_per_kind(values: Sequence[Sequence[float]], kinds: Sequence[Sequence[str]],
+                    weights: Sequence[Sequence[float]]) -> list[list[float]]:
+    """Each step's value minus the weighted mean of the values of its kind's steps in the group.
+
+    values [G][S_i] (e.g. PRM logits); kinds [G][S_i] (Step.kind: "subquery", "subanswer", "answer", "invalid");
+    weights [G][S_i] (:func:`step_weights`, the same weighting as the process normalisation that follows). A step
+    of weight 0 does not move its kind's mean but is shifted by it; a kind with no weight at all is left as it is.
+    Returns [G][S_i].
+
+    >>> center_per_kind([[1.0, 3.0], [2.0, 5.0]], [["subquery", "answer"], ["subquery", "answer"]],
+    ...                 [[1, 1], [1, 1]])
+    [[-0.5, -1.0], [0.5, 1.0]]
+    """
+    if not [len(v) for v in values] == [len(k) for k in kinds] == [len(w) for w in weights]:
+        raise ValueError("values, kinds and weights must have one entry per step of each rollout")
+    total: dict[str, float] = {}
+    weighted_sum: dict[str, float] = {}
+    for vs, ks, ws in zip(values, kinds, weights):
+        for v, k, w in zip(vs, ks, ws):
+            total[k] = total.get(k, 0.0) + w
+            weighted_sum[k] = weighted_sum.get(k, 0.0) + w * v
+    means = {k: weighted_sum[k] / t for k, t in total.items() if t > 0}
+    return [[v - means.get(k, 0.0) for v, k in zip(vs, ks)] for vs, ks in zip(values, kinds)]
+
+
+#: prm_centering options: the reference's raw PRM logits, or logits centred per step kind within the group
+PRM_CENTERINGS = ("none", "per_kind")
+
+
+def reference_step_scores(prm_logits: Sequence[Sequence[float]], step_kinds: Sequence[Sequence[str]],
+                          step_tokens: Sequence[Sequence[int]], centering: str = "none",
+                          normalization: str = "token") -> list[list[float]]:
+    """One group's step scores s = step_score_reference(logit, kind != "invalid"), the PRM logits first centred
+    per step kind over the group when ``centering`` is "per_kind" (:func:`center_per_kind`, each step weighted as
+    ``normalization`` weighs it in the process statistics: token- or step-weighted).
+
+    The logits are centred, not s: a Bradley-Terry PRM's per-kind offset is additive in logit space, and s's
+    format term (+1 valid / -2 invalid) must survive, which centring s per kind would cancel.
+
+    prm_logits [G][S_i]; step_kinds [G][S_i]; step_tokens [G][S_i]: generated tokens of each step.
+    Returns [G][S_i].
+
+    >>> [[round(x, 3) for x in ss] for ss in reference_step_scores(
+    ...     [[2.0, 4.0], [0.0]], [["subquery", "answer"], ["subquery"]], [[1, 1], [1]], "per_kind", "step")]
+    [[1.731, 1.5], [1.269]]
+    """
+    if centering not in PRM_CENTERINGS:
+        raise ValueError(f"centering must be one of {PRM_CENTERINGS}, got {centering!r}")
+    if centering == "per_kind":
+        prm_logits = center_per_kind(prm_logits, step_kinds, step_weights(step_tokens, normalization))
+    return [[step_score_reference(x, k != "invalid") for x, k in zip(xs, ks)]
+            for xs, ks in zip(prm_logits, step_kinds)]
+
+
 def process_advantages(step_scores: Sequence[Sequence[float]], step_tokens: Sequence[Sequence[int]],
-                       normalization: str = "token", eps: float = EPS) -> list[list[float]]:
-    """Each step's normalised score (s - mu) / (sigma + eps) within the group.
+                       normalization: str = "token", eps: float = EPS, std_floor: float = 0.0
+                       ) -> list[list[float]]:
+    """Each step's normalised score (s - mu) / (max(sigma, std_floor) + eps) within the group.
 
     step_scores [G][S_i]; step_tokens [G][S_i]: generated tokens of each step. normalization: "token" (the
     reference: statistics over every generated token of the group) or "step" (each step counts once).
-    Returns [G][S_i]."""
-    if normalization == "token":
-        weights = [[float(n) for n in ns] for ns in step_tokens]
-    elif normalization == "step":
-        weights = [[1.0 if n > 0 else 0.0 for n in ns] for ns in step_tokens]
-    else:
-        raise ValueError(f"normalization must be 'token' or 'step', got {normalization!r}")
+    std_floor: the least spread a group's scores are divided by (0 = the reference), so a group whose steps all
+    score alike keeps its small differences small. Returns [G][S_i].
+
+    >>> [round(a, 3) for a in process_advantages([[1.0, 1.2]], [[1, 1]], "step", std_floor=1.0)[0]]
+    [-0.1, 0.1]
+
+    (sigma is 0.1 here: without the floor the two steps would get -1 and +1.)
+    """
+    weights = step_weights(step_tokens, normalization)
     if [len(s) for s in step_scores] != [len(t) for t in step_tokens]:
         raise ValueError("step_scores and step_tokens must have one entry per step of each rollout")
     mu, sigma = step_score_stats(step_scores, weights)
+    sigma = max(sigma, std_floor)
     return [[(s - mu) / (sigma + eps) for s in ss] for ss in step_scores]
 
 
@@ -178,13 +330,14 @@ def dual_granularity_advantages(outcome: Sequence[float], process: Sequence[Sequ
 
 def group_step_advantages(rewards: Sequence[float], step_scores: Sequence[Sequence[float]] | None,
                           step_tokens: Sequence[Sequence[int]], beta: float, normalization: str = "token",
-                          eps: float = EPS) -> list[list[float]]:
+                          eps: float = EPS, std_floor: float = 0.0) -> list[list[float]]:
     """One group's per-step advantages: group_normalized(rewards) + beta * process_advantages(step_scores).
 
-    rewards [G]; step_scores [G][S_i] (step scores s_k, e.g. step_score_reference of the PRM logits), or None
-    when there are none; step_tokens [G][S_i]: generated tokens of each step. Returns [G][S_i]. With beta = 0
-    or no step scores the process term is dropped entirely (outcome-only GRPO): every step of rollout i gets
-    rollout i's normalised outcome.
+    rewards [G]; step_scores [G][S_i] (step scores s_k, e.g. :func:`reference_step_scores` of the PRM logits),
+    or None when there are none; step_tokens [G][S_i]: generated tokens of each step; std_floor: the process
+    normalisation's floor under sigma (:func:`process_advantages`). Returns [G][S_i]. With beta = 0 or no step
+    scores the process term is dropped entirely (outcome-only GRPO): every step of rollout i gets rollout i's
+    normalised outcome.
 
     >>> [[round(a, 3) for a in ss] for ss in group_step_advantages([1.0, 0.0], None, [[3, 2], [4]], beta=0.3)]
     [[0.707, 0.707], [-0.707]]
@@ -193,7 +346,7 @@ def group_step_advantages(rewards: Sequence[float], step_scores: Sequence[Sequen
     if beta == 0 or step_scores is None:
         process = [[0.0] * len(ns) for ns in step_tokens]
     else:
-        process = process_advantages(step_scores, step_tokens, normalization, eps)
+        process = process_advantages(step_scores, step_tokens, normalization, eps, std_floor)
     return dual_granularity_advantages(outcome, process, beta)
 
 
@@ -262,6 +415,8 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
     return loss, stats
 
 
-__all__ = ["ANSWER_CREDIT_F1", "EPS", "OUTCOME_REWARDS", "credit_counts", "rft_keep", "clipped_policy_loss", "dpo_loss", "dual_granularity_advantages",
-           "group_normalized", "group_step_advantages", "outcome_reward_paper", "outcome_reward_reference", "process_advantages",
-           "step_score_reference", "step_score_stats", "token_advantages"]
+__all__ = ["ANSWER_CREDIT_F1", "EPS", "OUTCOME_REWARDS", "PRM_CENTERINGS", "center_per_kind", "clipped_policy_loss",
+           "credit_counts", "dpo_loss", "dual_granularity_advantages", "group_normalized", "group_step_advantages",
+           "hop_balanced_sample", "outcome_reward_paper", "outcome_reward_reference", "process_advantages",
+           "reference_step_scores", "rft_keep", "rft_kept_steps", "rft_threshold", "step_loss_mask",
+           "step_score_reference", "step_score_stats", "step_weights", "token_advantages"]

@@ -140,3 +140,130 @@ def test_credit_counts_find_the_groups_only_a_process_term_can_teach():
         "groups_uncredited": 2, "deep_groups": 2, "deep_groups_uncredited": 1}
     assert credit_counts(groups, f1s, {"q1": 1, "q3": 3, "q4": 4}, threshold=0.15) == {
         "groups_uncredited": 1, "deep_groups": 2, "deep_groups_uncredited": 1}  # q4's best is 0.1
+
+
+# ---------------------------------------------------------------- calibrated process term (issue 30, item 2)
+KINDS = [["subquery", "subanswer", "answer"], ["subquery", "subanswer"]]
+
+
+def test_center_per_kind_by_hand_step_and_token_weighted():
+    from prorag.algorithms.rl import center_per_kind, step_weights
+
+    logits = [[1.0, 3.0, 0.0], [2.0, 5.0]]
+    tokens = [[2, 1, 1], [1, 3]]
+    # per step: subquery mean (1 + 2) / 2 = 1.5, subanswer (3 + 5) / 2 = 4, answer 0
+    step = center_per_kind(logits, KINDS, step_weights(tokens, "step"))
+    assert step[0] == pytest.approx([-0.5, -1.0, 0.0]) and step[1] == pytest.approx([0.5, 1.0])
+    # per token: subquery (1 x 2 + 2 x 1) / 3 = 4/3, subanswer (3 x 1 + 5 x 3) / 4 = 4.5
+    tok = center_per_kind(logits, KINDS, step_weights(tokens, "token"))
+    assert tok[0] == pytest.approx([-1 / 3, -1.5, 0.0]) and tok[1] == pytest.approx([2 / 3, 0.5])
+    # a step with no generated token is shifted by its kind's mean without moving it
+    assert center_per_kind([[1.0, 9.0]], [["subquery", "subquery"]], [[1.0, 0.0]]) == [[0.0, 8.0]]
+    with pytest.raises(ValueError, match="one entry per step"):
+        center_per_kind(logits, [["subquery"], ["answer"]], step_weights(tokens, "step"))
+
+
+def test_per_kind_centring_stops_a_low_offset_kind_from_being_pushed_down():
+    """The issue's offsets: subqueries near +1.7, sub-answers near +2.0 (logits). Normalised together, every
+    subquery sits below every sub-answer; centred per kind, each kind's better step gets the positive advantage."""
+    from prorag.algorithms.rl import process_advantages, reference_step_scores
+
+    logits = [[1.6, 1.9], [1.8, 2.1]]
+    kinds = [["subquery", "subanswer"], ["subquery", "subanswer"]]
+    tokens = [[1, 1], [1, 1]]
+    raw = process_advantages(reference_step_scores(logits, kinds, tokens, "none", "step"), tokens, "step")
+    assert raw[1][0] < 0  # the better subquery is pushed down by the sub-answers' offset
+    centred = reference_step_scores(logits, kinds, tokens, "per_kind", "step")
+    # each kind's logits become -0.1 and +0.1: s = sigmoid(+-0.1) + 1 (valid steps)
+    lo, hi = 1 / (1 + math.exp(0.1)) + 1, 1 / (1 + math.exp(-0.1)) + 1
+    assert centred == [pytest.approx([lo, lo]), pytest.approx([hi, hi])]
+    adv = process_advantages(centred, tokens, "step")
+    d = (hi - lo) / 2  # mean (lo + hi) / 2, population std d
+    assert adv == [pytest.approx([-d / (d + 1e-4)] * 2), pytest.approx([d / (d + 1e-4)] * 2)]
+    # "none" is the reference's score exactly
+    assert reference_step_scores(logits, kinds, tokens) == [[step_score_reference(x, True) for x in xs]
+                                                            for xs in logits]
+    with pytest.raises(ValueError, match="centering"):
+        reference_step_scores(logits, kinds, tokens, "per_question")
+
+
+def test_per_kind_centring_keeps_the_format_penalty_of_invalid_steps():
+    from prorag.algorithms.rl import reference_step_scores
+
+    # invalid steps are a kind of their own, centred among themselves; their -2 format term stays
+    scores = reference_step_scores([[0.5, 3.0], [1.5]], [["subquery", "invalid"], ["subquery"]], [[1, 1], [1]],
+                                   "per_kind", "step")
+    assert scores[0][1] == pytest.approx(0.5 - 2)  # its logit centred to 0: sigmoid 0.5, then -2
+    # the subqueries' logits 0.5 and 1.5 centred to -0.5 and +0.5
+    assert scores[0][0] == pytest.approx(1 / (1 + math.exp(0.5)) + 1)
+    assert scores[1][0] == pytest.approx(1 / (1 + math.exp(-0.5)) + 1)
+
+
+def test_std_floor_keeps_the_small_differences_of_an_alike_group_small():
+    scores, tokens = [[1.0, 1.02], [1.01]], [[1, 1], [1]]
+    # per step: mean 1.01, population std sqrt((0.01^2 + 0.01^2 + 0) / 3) = 0.008165
+    sigma = math.sqrt(2e-4 / 3)
+    free = process_advantages(scores, tokens, "step")
+    assert free[0] == pytest.approx([-0.01 / (sigma + 1e-4), 0.01 / (sigma + 1e-4)])  # blown up to ~ +-1.2
+    floored = process_advantages(scores, tokens, "step", std_floor=0.5)
+    assert floored[0] == pytest.approx([-0.01 / 0.5001, 0.01 / 0.5001]) and floored[1] == pytest.approx([0.0])
+    # a floor under the group's spread changes nothing
+    assert process_advantages(scores, tokens, "step", std_floor=0.001) == free
+    # and group_step_advantages passes it through to the process term
+    full = group_step_advantages([1.0, 0.0], scores, tokens, beta=0.3, normalization="step", std_floor=0.5)
+    outcome = group_normalized([1.0, 0.0])
+    assert full[0] == pytest.approx([outcome[0] + 0.3 * p for p in floored[0]])
+
+
+# ---------------------------------------------------------------- RFT per step
+def test_rft_kept_steps_keeps_steps_at_or_above_the_threshold_of_correct_valid_trajectories():
+    from prorag.algorithms.rl import rft_kept_steps
+
+    assert rft_kept_steps(True, True, [0.0, -0.01, 2.0]) == [True, False, True]  # at the threshold passes
+    assert rft_kept_steps(True, True, [0.4, 0.6], threshold=0.5) == [False, True]
+    assert rft_kept_steps(False, True, [2.0, 3.0]) == [False, False]
+    assert rft_kept_steps(True, False, [2.0]) == [False]
+
+
+def test_step_loss_mask_puts_the_loss_on_kept_steps_generated_tokens_only():
+    from prorag.algorithms.rl import step_loss_mask
+
+    # prompt 0-3; step 0 generated 3-6, documents 6-9; step 1 generated 9-11, glue 11; step 2 generated 12-14
+    spans = [StepSpan(3, 6, 9), StepSpan(9, 11, 12), StepSpan(12, 14, 14)]
+    assert step_loss_mask([True, False, True], spans, 14) == [0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1]
+    assert step_loss_mask([False, True, False], spans, 15) == [0] * 9 + [1, 1] + [0] * 4
+    assert step_loss_mask([False] * 3, spans, 14) == [0] * 14
+    with pytest.raises(ValueError, match="3 steps"):
+        step_loss_mask([True], spans, 14)
+    with pytest.raises(ValueError, match="does not fit"):
+        step_loss_mask([True, True, True], spans, 13)
+
+
+# ---------------------------------------------------------------- hop-balanced question draw
+def test_hop_balanced_sample_draws_evenly_over_hop_counts_where_available():
+    from collections import Counter
+
+    from prorag.algorithms.rl import hop_balanced_sample
+
+    hops = [1] * 40 + [2] * 30 + [3] * 5 + [4] * 25
+    drawn = hop_balanced_sample(hops, 40, seed=1)
+    assert drawn == sorted(set(drawn)) and len(drawn) == 40
+    # 4 hop counts, 10 each; 3 hops has only 5: its other 5 are shared by the rest (counts differ by at most one)
+    counts = Counter(hops[i] for i in drawn)
+    assert counts[3] == 5 and sorted(counts[h] for h in (1, 2, 4)) == [11, 12, 12]
+    assert hop_balanced_sample(hops, 40, seed=1) == drawn  # the seed fixes the draw
+    assert hop_balanced_sample(hops, 40, seed=2) != drawn
+    even = Counter(hops[i] for i in hop_balanced_sample(hops, 16, seed=0))
+    assert even == {1: 4, 2: 4, 3: 4, 4: 4}
+    # n = 0 or at least every question: all of them, in order
+    assert hop_balanced_sample(hops, 0, seed=1) == hop_balanced_sample(hops, 500, seed=1) == list(range(100))
+
+
+def test_all_lists_every_public_function_and_constant():
+    import inspect
+
+    import prorag.algorithms.rl as rl
+
+    public = {n for n, v in vars(rl).items() if not n.startswith("_") and (
+        (inspect.isfunction(v) and v.__module__ == rl.__name__) or n.isupper())}
+    assert set(rl.__all__) == public
