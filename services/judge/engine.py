@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Sequence
 
 from prorag.data.loaders import Question, load_split
-from prorag.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted,
-                           Unavailable)
+from prorag.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ProragError,
+                           ResourceExhausted, Unavailable)
 from prorag.judging import judge_step
 from prorag.metrics import normalize_answer
 from prorag.trajectory import Step
@@ -101,8 +101,12 @@ class JudgeCache:
         self.path = Path(path)
         self._rows: dict[str, dict] = {}
         self._lock = threading.Lock()
+        # a torn last line has no newline: the next row must start on a line of its own, or it is lost with it
+        self._torn = False
         if self.path.is_file():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
+            text = self.path.read_text(encoding="utf-8", errors="replace")
+            self._torn = bool(text) and not text.endswith("\n")
+            for line in text.splitlines():
                 try:
                     row = json.loads(line)
                     self._rows[row["key"]] = row
@@ -121,9 +125,10 @@ class JudgeCache:
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.write(("\n" if self._torn else "") + json.dumps(row, ensure_ascii=False) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
+            self._torn = False
             self._rows[key] = row
 
 
@@ -165,47 +170,124 @@ class OpenAIJudge:
     """ProRAG's LLM judge over an OpenAI-compatible chat endpoint: one request per sibling pair, the reply parsed
     by prorag.judging.parse_pair_reply (the judge may decline), cached by content, within a call/cost budget.
 
-    Transport failures are retried by the openai client (exponential backoff on connection errors, 408/409/429
-    and 5xx, up to ``max_retries``); a reply that is not a usable choice is asked again up to ``malformed_retries``
-    times, then the request fails with UNAVAILABLE (a bad upstream, never a label)."""
+    Transport failures are retried here, not inside the openai client, so each one is counted and logged: timeouts,
+    refused or dropped connections, 408/409/429 and 5xx, and a 200 whose body is not a chat completion, up to
+    ``max_retries`` times with exponential backoff, or after the endpoint's Retry-After when it sends one (a
+    Retry-After beyond ``max_retry_after_s`` fails at once: waiting that long would hold the caller's RPC). A
+    reply that is not a usable choice is asked again up to ``malformed_retries`` times. What is still failing
+    then fails the request with the reason (UNAVAILABLE, or DEADLINE_EXCEEDED after timeouts): a bad upstream,
+    never a label. ``info()["counters"]`` holds the counts."""
+
+    RETRY_STATUS = frozenset({408, 409, 429})  # and every 5xx
 
     backend = "openai"
 
     def __init__(self, base_url: str, model: str, cache: JudgeCache, budget: Budget, api_key: str = "",
                  timeout_s: float = 60.0, max_retries: int = 4, malformed_retries: int = 2,
-                 temperature: float = 0.0, max_tokens: int = 128, concurrency: int = 8):
+                 temperature: float = 0.0, max_tokens: int = 128, concurrency: int = 8,
+                 backoff_s: float = 0.5, max_backoff_s: float = 8.0, max_retry_after_s: float = 30.0):
         import openai
 
         self.model = model
         self.cache, self.budget = cache, budget
         self.params = {"temperature": temperature, "max_tokens": max_tokens}
-        self.malformed_retries = malformed_retries
+        self.max_retries, self.malformed_retries = max_retries, malformed_retries
+        self.backoff_s, self.max_backoff_s, self.max_retry_after_s = backoff_s, max_backoff_s, max_retry_after_s
+        # max_retries=0: the client's own retries would be invisible (uncounted) and honour a Retry-After of up
+        # to a minute; _ask retries instead
         self.client = openai.OpenAI(base_url=base_url or None, api_key=api_key or "none", timeout=timeout_s,
-                                    max_retries=max_retries)
+                                    max_retries=0)
         self.cached_hits = 0
         self.concurrency = concurrency
+        self.counters: dict[str, int] = {}
+        self._counters_lock = threading.Lock()
 
-    def _ask(self, messages: list[dict]) -> tuple[str, dict]:
+    def _count(self, name: str) -> None:
+        with self._counters_lock:
+            self.counters[name] = self.counters.get(name, 0) + 1
+
+    def _retry_after(self, headers) -> float | None:
+        """Seconds the endpoint asked us to wait (Retry-After-Ms, Retry-After as seconds or an HTTP date)."""
+        import email.utils
+        import time
+
+        if headers is None:
+            return None
+        for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+            value = headers.get(name)
+            if value is None:
+                continue
+            try:
+                return max(0.0, float(value) * scale)
+            except ValueError:
+                when = email.utils.parsedate_to_datetime(value) if name == "retry-after" else None
+                if when is not None:
+                    return max(0.0, when.timestamp() - time.time())
+        return None
+
+    def _attempt(self, messages: list[dict]) -> tuple[str, dict]:
+        """One HTTP request; raises _Retry for what a later attempt may cure, a ProragError for what it cannot."""
         import openai
 
         try:
             resp = self.client.chat.completions.create(model=self.model, messages=messages, **self.params)
         except openai.APITimeoutError as e:
-            raise DeadlineExceeded(f"judge endpoint timed out after retries: {e}") from None
+            raise _Retry("timeout", DeadlineExceeded(f"judge endpoint timed out: {e}")) from None
         except openai.APIConnectionError as e:
-            raise Unavailable(f"judge endpoint unreachable after retries: {e}") from None
-        except openai.RateLimitError as e:
-            raise Unavailable(f"judge endpoint rate-limited us after retries: {e}") from None
+            raise _Retry("connection", Unavailable(f"judge endpoint unreachable: {e}")) from None
         except (openai.AuthenticationError, openai.PermissionDeniedError) as e:
             raise FailedPrecondition(f"the judge endpoint refused this server's API key: {e}") from None
         except openai.BadRequestError as e:
             raise FailedPrecondition(f"the judge endpoint refused the request (model {self.model!r}?): {e}") from None
         except openai.APIStatusError as e:
-            raise Unavailable(f"judge endpoint failed with HTTP {e.status_code} after retries") from None
-        usage = resp.usage
+            code = e.status_code
+            err = Unavailable(f"judge endpoint failed with HTTP {code}"
+                              + (" (rate-limited)" if code == 429 else "") + f": {str(e)[:200]}")
+            if code in self.RETRY_STATUS or code >= 500:
+                raise _Retry(f"http_{code}", err, self._retry_after(e.response.headers)) from None
+            raise err from None
+        except (openai.APIError, ValueError) as e:  # a 200 whose body does not parse (JSON or schema)
+            raise _Retry("bad_response", Unavailable(f"judge endpoint sent an unreadable reply: {e}")) from None
+        try:
+            text = resp.choices[0].message.content or ""
+            usage = resp.usage
+        except (AttributeError, IndexError, TypeError, KeyError) as e:  # e.g. {"choices": []}, or a bare string
+            raise _Retry("bad_response", Unavailable(f"judge endpoint sent a reply that is no chat completion "
+                                                     f"({type(e).__name__}: {e}): {str(resp)[:200]!r}")) from None
         tokens = {"prompt_tokens": getattr(usage, "prompt_tokens", 0) or 0,
                   "completion_tokens": getattr(usage, "completion_tokens", 0) or 0}
-        return resp.choices[0].message.content or "", tokens
+        return text, tokens
+
+    def _ask(self, messages: list[dict]) -> tuple[str, dict]:
+        import random
+        import time
+
+        for attempt in range(1 + self.max_retries):
+            self._count("requests")
+            try:
+                return self._attempt(messages)
+            except _Retry as r:
+                self._count(f"errors.{r.reason}")
+                last = r
+            except Exception:
+                self._count("failed")
+                raise
+            if attempt == self.max_retries:
+                break
+            if last.retry_after is not None and last.retry_after > self.max_retry_after_s:
+                self._count("failed")
+                raise Unavailable(f"{last.error} (the endpoint asks to retry after {last.retry_after:.0f} s, more than "
+                                  f"max_retry_after_s={self.max_retry_after_s:.0f}; not retried)") from None
+            wait = last.retry_after if last.retry_after is not None else \
+                min(self.max_backoff_s, self.backoff_s * 2 ** attempt) * random.uniform(0.75, 1.0)
+            self._count("retries")
+            log.warning("judge endpoint: %s (attempt %d of %d); retrying in %.2f s", last.error, attempt + 1,
+                        1 + self.max_retries, wait)
+            time.sleep(wait)
+        self._count("failed")
+        err = last.error
+        log.error("judge endpoint: giving up after %d attempt(s): %s", 1 + self.max_retries, err)
+        raise type(err)(f"{err} (after {1 + self.max_retries} attempt(s))") from None
 
     def judge_one(self, item: PairRequest) -> Judgement:
         from prorag.judging import MalformedJudgeReply, pair_messages, parse_pair_reply, request_key
@@ -221,6 +303,7 @@ class OpenAIJudge:
         hit = self.cache.get(key)
         if hit is not None:
             self.cached_hits += 1
+            self._count("cache_hits")
             return Judgement(item.id, hit["chosen"], hit["rejected"], hit["reason"], cached=True)
         last = None
         for _ in range(1 + self.malformed_retries):
@@ -230,13 +313,17 @@ class OpenAIJudge:
             try:
                 pj = parse_pair_reply(text)
             except MalformedJudgeReply as e:
+                self._count("malformed_replies")
+                log.warning("judge endpoint: item %r: %s", item.id, e)
                 last = e
                 continue
-            chosen = -1 if pj.chosen is None else pj.chosen
-            rejected = -1 if pj.rejected is None else pj.rejected
+            chosen = -1 if pj.chosen is None else int(pj.chosen)
+            rejected = -1 if pj.rejected is None else int(pj.rejected)
             self.cache.put(key, {"chosen": chosen, "rejected": rejected, "reason": pj.reason, "model": self.model,
                                  "usage": usage})
+            self._count("labelled")
             return Judgement(item.id, chosen, rejected, pj.reason)
+        self._count("failed")
         raise MalformedJudgeReply(f"item {item.id!r}: no usable choice in {1 + self.malformed_retries} replies "
                                   f"from {self.model!r}; last: {last}")
 
@@ -252,5 +339,17 @@ class OpenAIJudge:
 
     def info(self) -> dict:
         left = self.budget.left_usd()
+        with self._counters_lock:
+            counters = dict(self.counters)
         return {"cache_entries": len(self.cache), "calls_made": self.budget.calls,
-                "budget_left_usd": left if left != float("inf") else -1.0, "cost_usd": self.budget.cost_usd}
+                "budget_left_usd": left if left != float("inf") else -1.0, "cost_usd": self.budget.cost_usd,
+                "counters": counters}
+
+
+class _Retry(Exception):
+    """A failed attempt a later one may cure: ``reason`` names its counter, ``error`` is what the caller gets
+    when no attempt is left, ``retry_after`` the wait the endpoint asked for (seconds), if any."""
+
+    def __init__(self, reason: str, error: ProragError, retry_after: float | None = None):
+        super().__init__(reason)
+        self.reason, self.error, self.retry_after = reason, error, retry_after
