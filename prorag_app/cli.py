@@ -303,33 +303,11 @@ def cmd_bench(args) -> int:
 
 
 def cmd_eval_prm(args) -> int:
-    """`prorag eval prm`: gold steps against corrupted ones on a split (prorag.prm_eval), AUC per kind and a PNG."""
-    from prorag.data.loaders import load_corpus, load_split
-    from prorag.io import write_json
-    from prorag.registry import MANIFEST, Manifest, registry
-    from prorag.runs import new_run_dir, point_latest
-    from prorag_app.pipeline import PROFILES
-    from prorag_app.stage2 import print_prm_table, validate_prm
+    """`prorag eval prm`: gold steps against corrupted ones on a split, every corruption family (prorag.prm_eval),
+    AUC per family and pooled, the gate's verdict and a PNG (prorag_app.eval.eval_prm)."""
+    from prorag_app.eval import eval_prm
 
-    prm_dir = registry("prm", args.world).resolve(args.model or "prm")
-    world_dir = paths.world_dir(args.world)
-    qs = load_split(world_dir, args.split)
-    qs = qs[:args.limit] if args.limit else qs
-    docs = {d.id: d for d in load_corpus(world_dir / "corpus.jsonl")}
-    out = Path(args.out) if args.out else new_run_dir("eval-prm")
-    validation = validate_prm(str(prm_dir), qs, docs, PROFILES[args.profile].sft_for("sft"), seed=args.seed,
-                              png=out / "prm" / "scores.png")
-    manifest = prm_dir / MANIFEST
-    metrics = Manifest.read(manifest).metrics if manifest.is_file() else {}
-    prm = {"model": validation["version"], "split": args.split,
-           "auc_gold_vs_corrupted": {k: validation[k] for k in ("overall", "by_kind", "n")},
-           "pairwise_accuracy": metrics.get("heldout_pairwise_accuracy"), "png": validation["png"]}
-    write_json(out / "results.json", {"prm": prm})
-    if not args.out:
-        point_latest(out)
-    print_prm_table(prm)
-    print(json.dumps({"prm": prm}))
-    return 0
+    return eval_prm(args)
 
 
 def cmd_eval(args) -> int:

@@ -5,6 +5,9 @@ rft, rl...), ``no_retrieval`` (question -> answer), ``standard_rag`` (the questi
 documents, then the answer) and ``single_search`` (an agent's model held to one search made with the
 question). Every prediction and trajectory is saved; scores are EM/F1 with
 95% bootstrap CIs overall, per hop count and per question type.
+
+`prorag eval prm` (:func:`eval_prm`): a published PRM on gold steps against corrupted ones, per corruption
+family, in-distribution and held out (prorag.prm_eval), with the gate before PRM-guided stages.
 """
 
 from __future__ import annotations
@@ -208,3 +211,164 @@ def format_table(methods: dict[str, dict], split: str = "test") -> "object":
 
 def dumps(obj) -> str:
     return json.dumps(obj, indent=2, sort_keys=True)
+
+
+# ---------------------------------------------------------------- `prorag eval prm`
+def score_cases(prm_dir: str, cases) -> tuple[list[float], list[float], str]:
+    """(gold scores [N], corrupted scores [N], the PRM's version) of ``cases`` [N] (prorag.prm_eval.ProbeCase):
+    each step scored after its case's context by the PRM of ``prm_dir`` in process, in batched passes."""
+    from services.prm.engine import PRMEngine, ScoringItem
+
+    engine = PRMEngine(prm_dir)
+    items = [ScoringItem(c.question, [*c.context, step], last_step_only=True) for c in cases
+             for step in (c.gold, c.corrupted)]
+    scored: list[float] = []
+    for i in range(0, len(items), 256):
+        scored += [s[0] for _, s in engine.score(items[i:i + 256])]
+    return scored[0::2], scored[1::2], engine.version
+
+
+def validate_prm_families(prm_dir: str, questions, docs_by_id: dict, sft_settings: dict, seed: int = 0,
+                          png: Path | None = None, families=None, trajectories=None) -> dict:
+    """The PRM of ``prm_dir`` on gold (or given correct) steps against corrupted ones, in-distribution and
+    held-out families (prorag.prm_eval.validation_cases): auc_by_kind's report, plus ``questions``, ``version``,
+    ``dropped`` (per family, cases that were no contrast) and ``png`` when one is drawn.
+
+    trajectories: one correct trajectory (list of Steps) per question, e.g. the agent's own; None = each
+    question's gold trajectory written as the SFT agent was trained to write it (``sft_settings``)."""
+    from prorag.prm_eval import FAMILIES, auc_by_kind, validation_cases
+    from prorag_app.stage2 import gold_trajectories
+
+    if trajectories is None:
+        questions = [q for q in questions if any(s.doc_id for s in q.decomposition)
+                     and all(s.doc_id in docs_by_id for s in q.decomposition if s.doc_id)]
+        trajectories = gold_trajectories(questions, docs_by_id, sft_settings)
+    cases, dropped = validation_cases(questions, trajectories, seed=seed, families=families or FAMILIES)
+    if not cases:
+        from prorag.errors import FailedPrecondition
+
+        raise FailedPrecondition(f"no validation case from {len(questions)} questions: the PRM is validated on "
+                                 "questions with a gold decomposition whose documents are in the corpus")
+    gold, bad, version = score_cases(prm_dir, cases)
+    out = auc_by_kind(cases, gold, bad)
+    out.update(questions=len(questions), version=version, dropped=dropped)
+    if png is not None:
+        plot_family_scores(cases, gold, bad, out, png)
+        out["png"] = str(png)
+    return out
+
+
+def plot_family_scores(cases, gold, bad, report: dict, png: Path) -> None:
+    """Histograms of gold against corrupted scores per family: in-distribution families on the first row,
+    held-out ones on the second."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from prorag.prm_eval import CORRUPTIONS, HELD_OUT
+
+    rows = [[k for k in group if k in report["by_kind"]] for group in (CORRUPTIONS, HELD_OUT)]
+    rows = [r for r in rows if r]
+    width = max(len(r) for r in rows)
+    fig, axes = plt.subplots(len(rows), width, figsize=(3.6 * width, 3.0 * len(rows)), squeeze=False)
+    for r, kinds in enumerate(rows):
+        for c in range(width):
+            ax = axes[r][c]
+            if c >= len(kinds):
+                ax.axis("off")
+                continue
+            kind = kinds[c]
+            idx = [i for i, x in enumerate(cases) if x.kind == kind]
+            ax.hist([gold[i] for i in idx], bins=30, alpha=0.6, label="gold step")
+            ax.hist([bad[i] for i in idx], bins=30, alpha=0.6, label="corrupted")
+            ax.set_title(f"{kind}\nAUC {report['by_kind'][kind]['auc']:.3f} (n={len(idx)})", fontsize=9)
+            ax.set_xlabel("PRM score")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    tmp = png.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(png)
+
+
+def gate_verdict(auc_report: dict, **thresholds) -> dict:
+    """results.json's ``gate``: prorag.prm_eval.prm_gate's verdict with the thresholds it applied."""
+    import inspect
+
+    from prorag.prm_eval import prm_gate
+
+    passed, reasons = prm_gate(auc_report, **thresholds)
+    applied = {name: p.default for name, p in inspect.signature(prm_gate).parameters.items()
+               if p.default is not inspect.Parameter.empty}
+    applied.update(thresholds)
+    applied["unsupported_families"] = list(applied["unsupported_families"])
+    return {"passed": passed, "reasons": reasons, **applied}
+
+
+def print_prm_families(prm: dict) -> None:
+    """The validation table: AUC and cases per family with its group, the pooled groups, and the gate."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from prorag.prm_eval import HELD_OUT
+
+    auc = prm["auc_gold_vs_corrupted"]
+    table = Table(title=f"PRM validation: gold steps against corrupted ones ({prm.get('split', 'test')} split)")
+    for col in ("family", "group", "AUC", "cases"):
+        table.add_column(col, justify="left" if col in ("family", "group") else "right")
+    for kind, v in auc["by_kind"].items():
+        table.add_row(kind, "held out" if kind in HELD_OUT else "in distribution", f"{v['auc']:.3f}", str(v["n"]))
+    for group in ("in_distribution", "held_out"):
+        v = auc.get(group) or {}
+        table.add_row(f"[b]{group.replace('_', ' ')}[/b]", "pooled",
+                      "-" if v.get("auc") is None else f"{v['auc']:.3f}", str(v.get("n", 0)))
+    table.add_row("[b]overall[/b]", "every family", f"{auc['overall']:.3f}", str(auc["n"]))
+    console = Console()
+    console.print(table)
+    pa = prm.get("pairwise_accuracy")
+    console.print(f"held-out pairwise accuracy: {pa:.3f}" if pa is not None else "held-out pairwise accuracy: -")
+    gate = prm.get("gate")
+    if gate:
+        console.print(f"gate for PRM-guided stages (unsupported sub-answer AUC >= {gate['min_unsupported']}, "
+                      f"overall >= {gate['min_overall']}): " + ("[green]passed[/green]" if gate["passed"] else
+                                                               "[red]not passed[/red]"))
+        for reason in gate["reasons"]:
+            console.print(f"  - {reason}")
+
+
+def eval_prm(args) -> int:
+    """`prorag eval prm`: a published PRM on gold steps against corrupted ones of a split (``--split dev`` where
+    settings are chosen), every corruption family (prorag.prm_eval), AUC per family and pooled, the gate's
+    verdict and a PNG; results.json's ``prm``."""
+    from prorag import paths
+    from prorag.data.loaders import load_corpus, load_split
+    from prorag.io import write_json
+    from prorag.registry import MANIFEST, Manifest, registry
+    from prorag.runs import new_run_dir, point_latest
+    from prorag_app.pipeline import PROFILES
+
+    prm_dir = registry("prm", args.world).resolve(args.model or "prm")
+    world_dir = paths.world_dir(args.world)
+    qs = load_split(world_dir, args.split)
+    qs = qs[:args.limit] if args.limit else qs
+    docs = {d.id: d for d in load_corpus(world_dir / "corpus.jsonl")}
+    out = Path(args.out) if args.out else new_run_dir("eval-prm")
+    validation = validate_prm_families(str(prm_dir), qs, docs, PROFILES[args.profile].sft_for("sft"),
+                                       seed=args.seed, png=out / "prm" / "scores.png")
+    manifest = prm_dir / MANIFEST
+    metrics = Manifest.read(manifest).metrics if manifest.is_file() else {}
+    prm = {"model": validation["version"], "split": args.split,
+           "auc_gold_vs_corrupted": {k: validation[k] for k in ("overall", "by_kind", "n", "in_distribution",
+                                                                  "held_out")},
+           "pairwise_accuracy": metrics.get("heldout_pairwise_accuracy"), "png": validation["png"],
+           # additive: the verdict before any PRM-guided stage, and what the validation left out
+           "gate": gate_verdict(validation), "cases_dropped": validation["dropped"],
+           "questions": validation["questions"]}
+    write_json(out / "results.json", {"prm": prm})
+    if not args.out:
+        point_latest(out)
+    print_prm_families(prm)
+    print(json.dumps({"prm": prm}))
+    return 0

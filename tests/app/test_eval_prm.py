@@ -1,5 +1,7 @@
-"""`prorag eval prm` on the tiny world: a published PRM validated on gold against corrupted test steps, AUC per
-kind in the run's results.json, the PNG written; an unknown PRM is a clear error, not a traceback."""
+"""`prorag eval prm` on the tiny world: a published PRM validated on gold against corrupted steps of a split (test,
+or dev where settings are chosen), AUC per family (in distribution and held out) and pooled, the gate's verdict
+with its reasons, in the run's results.json and the printed JSON; the PNG written; an unknown PRM is a clear
+error, not a traceback."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ def test_eval_prm_writes_auc_per_kind_and_a_png(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("PRORAG_DATA", raising=False)
     monkeypatch.delenv("PRORAG_RUNS", raising=False)
     from prorag.modeling import save_pretrained
+    from prorag.prm_eval import CORRUPTIONS, FAMILIES, HELD_OUT, prm_gate
     from prorag.prm_model import prm_from_policy
     from prorag.registry import ArtifactRef, registry
     from prorag_app.cli import main
@@ -26,12 +29,32 @@ def test_eval_prm_writes_auc_per_kind_and_a_png(tmp_path, monkeypatch, capsys):
                  str(tmp_path / "out")]) == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())["prm"]
     auc = results["auc_gold_vs_corrupted"]
-    assert results["model"] == "prm@v1" and results["pairwise_accuracy"] == 0.75
+    # the keys outside tools read, as they were
+    assert results["model"] == "prm@v1" and results["pairwise_accuracy"] == 0.75 and results["split"] == "test"
     assert auc["n"] == sum(v["n"] for v in auc["by_kind"].values()) > 0
-    assert set(auc["by_kind"]) == {"swapped_entity", "unsupported_subanswer", "redundant_search", "premature_answer"}
-    assert all(0.0 <= v["auc"] <= 1.0 for v in auc["by_kind"].values())
+    assert set(CORRUPTIONS) <= set(auc["by_kind"]) and all(0.0 <= v["auc"] <= 1.0 for v in auc["by_kind"].values())
+    assert 0.0 <= auc["overall"] <= 1.0
+    # additive: the held-out families beside them, pooled per group, the gate's verdict and what was dropped
+    assert set(auc["by_kind"]) == set(FAMILIES)
+    assert auc["in_distribution"]["kinds"] == list(CORRUPTIONS) and auc["held_out"]["kinds"] == list(HELD_OUT)
+    assert auc["in_distribution"]["n"] + auc["held_out"]["n"] == auc["n"]
+    assert auc["held_out"]["n"] == sum(auc["by_kind"][k]["n"] for k in HELD_OUT)
+    gate = results["gate"]
+    assert (gate["passed"], gate["reasons"]) == prm_gate(auc)
+    assert gate["min_unsupported"] == 0.8 and gate["min_overall"] == 0.9
+    assert gate["unsupported_families"] == ["unsupported_subanswer", "in_document_distractor"]
+    assert set(results["cases_dropped"]) == set(FAMILIES) and results["questions"] == 30
     assert (tmp_path / "out" / "prm" / "scores.png").read_bytes()[:4] == b"\x89PNG"
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prm"]["model"] == "prm@v1"
+    printed = capsys.readouterr().out
+    assert json.loads(printed.strip().splitlines()[-1])["prm"] == results
+    assert "held out" in printed and "gate for PRM-guided stages" in printed
+
+    # on dev (where settings are chosen), a different set of questions
+    assert main(["eval", "prm", "--world", "tiny", "--limit", "30", "--profile", "tiny", "--split", "dev", "--out",
+                 str(tmp_path / "dev")]) == 0
+    dev = json.loads((tmp_path / "dev" / "results.json").read_text())["prm"]
+    assert dev["split"] == "dev" and dev["auc_gold_vs_corrupted"]["held_out"]["n"] > 0 and "gate" in dev
+    capsys.readouterr()
 
     assert main(["eval", "prm", "--world", "tiny", "--model", "prm@nope", "--out", str(tmp_path / "o2")]) == 2
     assert "prm@nope" in capsys.readouterr().err
