@@ -3,9 +3,9 @@ callables (the MCTS stage passes functions that call the policy and retriever se
 deterministic environment). The decisions themselves are pure functions in prorag.algorithms.mcts.
 
 One simulation: descend by PUCT while the node is fully widened; widen (sample ``expansions`` steps, drop
-near-duplicates of existing siblings) where progressive widening allows; pick the new or least-visited child;
-estimate its value by ``rollouts`` completions (mean terminal reward), or by its own reward when it ends the
-trajectory; back the value up the path, discounted per level.
+copies of existing siblings: same kind, same normalised content) where progressive widening allows; pick the new
+or least-visited child; estimate its value by ``rollouts`` completions (mean terminal reward), or by its own reward
+when it ends the trajectory; back the value up the path, discounted per level.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ class MCTSConfig:
     c_puct: float = cfg_field(alg.PUCT_C, help="PUCT exploration constant (ProRAG: 2.5)", min=0.0)
     gamma: float = cfg_field(alg.DISCOUNT, help="discount per level in the backup (ProRAG: 0.99)", min=0.0, max=1.0)
     rollouts: int = cfg_field(1, help="completions averaged per simulation (ProRAG: 1)", min=1, max=64)
-    dedupe_threshold: float = cfg_field(0.9, help="word-set Jaccard at or above which a sampled step is a "
-                                                  "near-duplicate of a sibling (> 1 keeps all)", min=0.0, max=1.1)
     max_tokens: int = cfg_field(0, help="budget: generated tokens per question (0 = no limit)", min=0)
     max_seconds: float = cfg_field(0.0, help="budget: wall seconds per question (0 = no limit)", min=0.0)
 
@@ -89,6 +87,19 @@ def _ends(step: Step) -> bool:
     return step.kind in ("answer", "invalid")
 
 
+def step_key(step: Step) -> tuple[str, str]:
+    """A step's sibling key (prorag.algorithms.mcts.sibling_key): an invalid step has no content, so its
+    generated text stands in (two different malformed samples are two siblings, as the reference keeps them)."""
+    return alg.sibling_key(step.kind, step.content if step.valid else step.text)
+
+
+def pairable(steps: Sequence[Step]) -> list[int]:
+    """Indices of the siblings ``steps`` that may make pairs: format-valid, not empty, and the first of each
+    sibling key (a copy teaches nothing; an invalid step is no contrast the judge or the PRM should learn)."""
+    ok = [i for i, s in enumerate(steps) if s.valid and not s.empty]
+    return [ok[k] for k in alg.dedupe_by_key([step_key(steps[i]) for i in ok])]
+
+
 def search(expand: Expand, rollout: Rollout, reward: Reward, cfg: MCTSConfig,
            clock: Callable[[], float] = time.monotonic) -> tuple[Node, SearchStats]:
     """Run one question's search within its budget; returns (root, stats)."""
@@ -115,8 +126,8 @@ def search(expand: Expand, rollout: Rollout, reward: Reward, cfg: MCTSConfig,
             if not node.pending:
                 sampled, tokens = expand(node.history(), cfg.expansions)
                 stats.tokens += tokens
-                keep = alg.dedupe_siblings([s.text or s.content for s in sampled], cfg.dedupe_threshold,
-                                           existing=[c.step.text or c.step.content for c in node.children])
+                keep = alg.dedupe_by_key([step_key(s) for s in sampled],
+                                         existing=[step_key(c.step) for c in node.children])
                 node.pending = [sampled[k] for k in keep]
             room = alg.children_allowed(node.visits, cfg.max_children, cfg.widen_alpha) - len(node.children)
             added, node.pending = node.pending[:room], node.pending[room:]
@@ -160,19 +171,23 @@ def sibling_sets(root: Node, min_visits: int = 1):
 
 
 def extract_pairs(root: Node, question_id: str, question: str, min_margin: float = 0.01, min_visits: int = 1):
-    """One StepPair per sibling set: its best against its worst sibling by mean value, labelled by the value
-    margin when it reaches min_margin (else unlabelled, left to the judge)."""
+    """Every pair of visited (>= min_visits), format-valid, content-distinct siblings of every sibling set (the
+    reference's rule: its judge picks among all of them), in child order (i < j). Each is labelled by the value
+    margin when it reaches min_margin either way (else unlabelled, left to the judge); meta says the pair's step
+    kind (prorag.algorithms.mcts.pair_kind) and that it came from the search."""
     from prorag.pairs import StepPair
 
     pairs = []
     for parent, kids in sibling_sets(root, min_visits):
-        order = sorted(range(len(kids)), key=lambda i: (-kids[i].value, i))
-        best, worst = kids[order[0]], kids[order[-1]]
-        margin = best.value - worst.value
-        pairs.append(StepPair(question_id, question, parent.history(), (best.step, worst.step),
-                              values=(best.value, worst.value), visits=(best.visits, worst.visits),
-                              value_choice=0 if margin >= min_margin else None))
+        kids = [kids[i] for i in pairable([k.step for k in kids])]
+        context = parent.history()
+        for i, j in alg.sibling_pairs(len(kids)):
+            a, b = kids[i], kids[j]
+            pairs.append(StepPair(question_id, question, list(context), (a.step, b.step),
+                                  values=(a.value, b.value), visits=(a.visits, b.visits),
+                                  value_choice=alg.margin_choice(a.value, b.value, min_margin),
+                                  meta={"step_kind": alg.pair_kind(a.step.kind, b.step.kind), "source": "mcts"}))
     return pairs
 
 
-__all__ = ["MCTSConfig", "Node", "SearchStats", "extract_pairs", "search", "sibling_sets"]
+__all__ = ["MCTSConfig", "Node", "SearchStats", "extract_pairs", "pairable", "search", "sibling_sets", "step_key"]

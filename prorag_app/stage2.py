@@ -1,9 +1,11 @@
 """Stage 2 of the pipeline: MCTS over the SFT agent's steps, judging, the PRM, and its validation.
 
 Runs through the services of a ServiceStack: the trainer's ``mcts`` job searches train questions with the policy
-service (serving the SFT agent) and the retriever, and labels the sibling pairs through the judge service; its
-``prm`` job trains the PRM on them; the validation scores gold test steps against corrupted ones
-(prorag.prm_eval) with the PRM in process and writes a PNG of the score distributions.
+service (serving the SFT agent) and the retriever, and labels the sibling pairs through the judge service; when the
+settings ask for it, its ``siblings`` job samples more judged pairs along the agent's own trajectories, without a
+tree (services.trainer.stage_siblings); its ``prm`` job trains the PRM on the MCTS pairs, the sibling pairs or both;
+the validation scores gold test steps against corrupted ones (prorag.prm_eval) with the PRM in process and writes a
+PNG of the score distributions.
 """
 
 from __future__ import annotations
@@ -27,9 +29,25 @@ class Stage2Settings:
     """What a profile asks of stage 2 (the trainer's mcts and prm jobs take the rest from their defaults)."""
 
     mcts: dict = cfg_field(help="mcts job settings (services.trainer.stage_mcts.MCTSStageConfig)", factory=dict)
+    siblings: dict = cfg_field(help="siblings job settings (services.trainer.stage_siblings.SiblingsStageConfig): "
+                                    "judged pairs sampled along the agent's trajectories; empty = no siblings job",
+                               factory=dict)
+    prm_pairs: str = cfg_field("all", help="the pairs the PRM trains on: all (the MCTS pairs, and the siblings "
+                                           "job's when it runs), mcts, or siblings (the MCTS job still runs: its "
+                                           "value-labelled pairs are ReasonRAG's DPO data)",
+                               choices=("all", "mcts", "siblings"))
     prm: dict = cfg_field(help="prm job settings (services.trainer.stage_prm.PRMConfig)", factory=dict)
     eval_questions: int = cfg_field(0, help="test questions whose gold steps validate the PRM (0 = all)", min=0)
     seed: int = cfg_field(0, help="seed of the corruptions", min=0)
+
+    def validate(self) -> None:
+        from prorag.config import ConfigError, check_fields
+        from services.trainer.stage_siblings import SiblingsStageConfig
+
+        check_fields(SiblingsStageConfig, self.siblings, prefix="siblings.")
+        if self.prm_pairs == "siblings" and not self.siblings:
+            raise ConfigError("prm_pairs", "'siblings' needs a siblings job: set siblings (e.g. "
+                                           "{\"max_questions\": 2000})")
 
 
 def run_job(stack, stage: str, config: dict, job_id: str) -> dict:
@@ -69,6 +87,23 @@ def settings_job_id(prefix: str, stage: str, cfg: dict, extra: dict | None = Non
 
     key = {**{k: v for k, v in cfg.items() if k not in ADDRESS_KEYS}, **(extra or {})}
     return f"{prefix}-{stage}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]}"
+
+
+def counts_by_kind(metrics: dict, prefix: str = "pairs_by_kind") -> dict[str, dict[str, int]]:
+    """A job's flat per-kind counts ("<prefix>.<kind>.<count>", services.trainer.stage_mcts.flat_counts) back as
+    {kind: {count: n}}."""
+    out: dict[str, dict[str, int]] = {}
+    for key, value in metrics.items():
+        if key.startswith(prefix + "."):
+            kind, _, name = key[len(prefix) + 1:].rpartition(".")
+            out.setdefault(kind, {})[name] = int(value)
+    return dict(sorted(out.items()))
+
+
+def _labelled(m: dict, source: str) -> int:
+    """Pairs a job's metrics say carry the label the PRM trains on (judge, value or both: where they agree)."""
+    return {"judge": int(m.get("judge_labelled", 0)), "value": int(m.get("value_labelled", 0)),
+            "both": round(m.get("both_labelled", 0) * m.get("judge_value_agreement", 0.0))}[source]
 
 
 def gold_trajectories(questions, docs_by_id: dict, sft_settings: dict) -> list[list]:
@@ -162,30 +197,62 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
     from prorag.data.loaders import load_split
     from prorag.registry import registry, weights_sha256
     from prorag_app import memo
+    from services.trainer.stage_mcts import PAIRS_VERSION
+    from services.trainer.stage_siblings import SIBLINGS_VERSION
 
     t = time.monotonic()
-    mcts_cfg = {"world": world, "policy": policy_target, "policy_model": sft_model,
+    services = {"world": world, "policy": policy_target, "policy_model": sft_model,
                 "retriever": stack.grpc_target("retriever"), "judge": stack.grpc_target("judge"),
-                "topk": int(sft_settings.get("topk", 1)), **settings.mcts}
-    mcts = run_job(stack, "mcts", mcts_cfg, settings_job_id(job_prefix, "mcts", mcts_cfg))
+                "topk": int(sft_settings.get("topk", 1))}
+    mcts_cfg = {**services, **settings.mcts}
+    # the version: a finished job whose pairs were made by another rule is not reused
+    mcts = run_job(stack, "mcts", mcts_cfg, settings_job_id(job_prefix, "mcts", mcts_cfg, {"pairs": PAIRS_VERSION}))
     timings["stage2_mcts_s"] = time.monotonic() - t
     m = mcts["metrics"]
     summary = {k: m.get(k) for k in ("questions", "simulations", "pairs", "pairs_per_question", "value_labelled",
                                      "judge_labelled", "both_labelled", "judge_value_agreement",
                                      "retrieval_cache_hit_rate", "simulations_per_s", "wall_s", "policy_wait_s",
                                      "retriever_wait_s", "generated_tokens")}
+    jobs = {"mcts": mcts["job_id"]}
+    by_kind = {"mcts": counts_by_kind(m)}
+    siblings = sib_summary = None
+    if settings.siblings:
+        t = time.monotonic()
+        sib_cfg = {**services, **settings.siblings}
+        siblings = run_job(stack, "siblings", sib_cfg,
+                           settings_job_id(job_prefix, "siblings", sib_cfg, {"siblings": SIBLINGS_VERSION}))
+        timings["stage2_siblings_s"] = time.monotonic() - t
+        jobs["siblings"] = siblings["job_id"]
+        sm = siblings["metrics"]
+        sib_summary = {k: sm.get(k) for k in ("questions", "prefixes", "pairs", "pairs_per_question", "judge_labelled",
+                                              "siblings_sampled", "siblings_invalid", "siblings_duplicate",
+                                              "trajectory_f1_mean", "wall_s", "policy_wait_s", "judge_wait_s",
+                                              "generated_tokens")}
+        by_kind["siblings"] = counts_by_kind(sm)
+    # the jobs whose pairs the PRM trains on: (name, finished job)
+    use = [("mcts", mcts)] if settings.prm_pairs in ("all", "mcts") else []
+    if siblings is not None and settings.prm_pairs in ("all", "siblings"):
+        use.append(("siblings", siblings))
     source = settings.prm.get("label_source", "judge")
-    labelled = {"judge": m.get("judge_labelled", 0), "value": m.get("value_labelled", 0),
-                "both": round(m.get("both_labelled", 0) * m.get("judge_value_agreement", 0.0))}[source]
+    labelled = sum(_labelled(job["metrics"], source) for _, job in use)
+    common = {"mcts": summary, **({"siblings": sib_summary} if sib_summary else {}), "pairs_by_kind": by_kind,
+              "settings": asdict(settings),
+              # the sibling pairs of the trees, also ReasonRAG's DPO data (its value labels) in stage 3-4
+              "pairs_path": mcts["outputs"]["pairs_path"]}
     if not labelled:
-        reason = (f"the search found no {source}-labelled sibling pairs ({int(m.get('pairs', 0))} pairs from "
-                  f"{int(m.get('questions', 0))} questions): no PRM to train")
+        pairs = sum(int(job["metrics"].get("pairs", 0)) for _, job in use)
+        reason = (f"stage 2 found no {source}-labelled sibling pairs ({pairs} pairs from the "
+                  f"{' and '.join(name for name, _ in use)} job): no PRM to train")
         console.print(f"[yellow]stage 2: {reason}[/yellow]")
-        return {"skipped": reason, "mcts": summary, "jobs": {"mcts": mcts["job_id"]}, "settings": asdict(settings),
-                "pairs_path": mcts["outputs"]["pairs_path"]}
+        return {"skipped": reason, "jobs": jobs, **common}
     t = time.monotonic()
-    prm_cfg = {"world": world, "pairs": mcts["outputs"]["pairs_path"], "policy_model": sft_model, **settings.prm}
-    prm = run_job(stack, "prm", prm_cfg, settings_job_id(job_prefix, "prm", prm_cfg, {"pairs": mcts["job_id"]}))
+    prm_cfg = {"world": world, "pairs": use[0][1]["outputs"]["pairs_path"], "policy_model": sft_model, **settings.prm}
+    extra = {"pairs": use[0][1]["job_id"]}
+    if len(use) > 1:
+        prm_cfg["extra_pairs"] = use[1][1]["outputs"]["pairs_path"]
+        extra["extra_pairs"] = use[1][1]["job_id"]
+    prm = run_job(stack, "prm", prm_cfg, settings_job_id(job_prefix, "prm", prm_cfg, extra))
+    jobs["prm"] = prm["job_id"]
     timings["stage2_prm_s"] = time.monotonic() - t
     t = time.monotonic()
     # validated on the run's evaluation split: a dev run (settings being chosen) never looks at test
@@ -212,12 +279,10 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
         "pairwise_accuracy": prm["metrics"].get("heldout_pairwise_accuracy"),
         "png": validation["png"],
         "validation_split": split,
-        "mcts": summary,
-        "jobs": {"mcts": mcts["job_id"], "prm": prm["job_id"]},
-        "settings": asdict(settings),
-        # the sibling pairs, also ReasonRAG's DPO data (its value labels) in stage 3-4
-        "pairs_path": mcts["outputs"]["pairs_path"],
+        "jobs": jobs,
+        "prm_train_pairs": prm["metrics"].get("train_pairs"),
+        **common,
     }
 
 
-__all__ = ["ADDRESS_KEYS", "Stage2Settings", "settings_job_id", "gold_trajectories", "plot_scores", "print_prm_table", "run_stage2", "validate_prm"]
+__all__ = ["ADDRESS_KEYS", "Stage2Settings", "counts_by_kind", "settings_job_id", "gold_trajectories", "plot_scores", "print_prm_table", "run_stage2", "validate_prm"]

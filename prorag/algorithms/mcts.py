@@ -2,16 +2,17 @@
 
 The search loop (which calls the policy and the retriever) lives in the trainer's MCTS stage; these are the
 decisions it takes: which child to descend into (PUCT), whether a node may grow another child (progressive
-widening), which sampled steps are near-duplicates of their siblings, how a simulation's reward is backed up
-the path (discounted), how ReasonRAG's shortest-path reward estimation values a tree, and which siblings form
-a contrastive pair. Nodes are plain sequences of numbers here; the caller keeps the tree.
+widening), which sampled steps copy a sibling (same kind, same normalised content), how a simulation's reward is
+backed up the path (discounted), how ReasonRAG's shortest-path reward estimation values a tree, and which siblings
+form contrastive pairs. Nodes are plain sequences of numbers here; the caller keeps the tree.
 """
 
 from __future__ import annotations
 
 import math
-import re
-from typing import Sequence
+from typing import Hashable, Sequence
+
+from prorag.metrics import normalize_answer
 
 # ProRAG's reference settings (ANCHORS.md): c = 2.5, uniform prior, gamma = 0.99
 PUCT_C = 2.5
@@ -86,35 +87,49 @@ def mean_reward(rewards: Sequence[float]) -> float:
     return sum(rewards) / len(rewards)
 
 
-_WORD = re.compile(r"\w+")
+def sibling_key(kind: str, content: str) -> tuple[str, str]:
+    """What makes two sibling steps the same step: (kind, the project's one answer normalisation of content).
+
+    Only exact copies up to case, punctuation and articles collide (the reference drops exact copies), so two
+    sub-answers that differ in one name stay two siblings: that difference is the reading a PRM must learn."""
+    return kind, normalize_answer(content)
 
 
-def step_tokens(text: str) -> frozenset[str]:
-    """Lower-cased word set of a step, what near-duplicate detection compares."""
-    return frozenset(_WORD.findall(text.lower()))
-
-
-def jaccard(a: frozenset[str], b: frozenset[str]) -> float:
-    """|a & b| / |a | b|; two empty sets are identical (1.0)."""
-    if not a and not b:
-        return 1.0
-    return len(a & b) / len(a | b)
-
-
-def dedupe_siblings(texts: Sequence[str], threshold: float = 0.9,
-                    existing: Sequence[str] = ()) -> list[int]:
-    """Indices of ``texts`` to keep as new siblings: a text is dropped when its word-set Jaccard similarity
-    to an existing sibling or to an earlier kept text is >= threshold (the reference only drops exact
-    copies; sampled steps often differ by a word of filler). threshold > 1 keeps everything."""
-    kept_sets = [step_tokens(t) for t in existing]
+def dedupe_by_key(keys: Sequence[Hashable], existing: Sequence[Hashable] = ()) -> list[int]:
+    """Indices of ``keys`` [K] to keep: the first of each key, and none whose key is among ``existing`` (the
+    siblings already kept). Order is kept, so the earliest sample of a step is the one that stays."""
+    seen = set(existing)
     keep = []
-    for i, text in enumerate(texts):
-        s = step_tokens(text)
-        if any(jaccard(s, o) >= threshold for o in kept_sets):
+    for i, key in enumerate(keys):
+        if key in seen:
             continue
-        kept_sets.append(s)
+        seen.add(key)
         keep.append(i)
     return keep
+
+
+def sibling_pairs(n: int) -> list[tuple[int, int]]:
+    """Every unordered pair (i, j), i < j, of ``n`` siblings, in order: n * (n - 1) / 2 pairs (the reference lets
+    its judge pick among all visited siblings, so every pair is a candidate contrast)."""
+    if n < 0:
+        raise ValueError("n must be >= 0")
+    return [(i, j) for i in range(n) for j in range(i + 1, n)]
+
+
+def margin_choice(value_a: float, value_b: float, min_margin: float = 0.01) -> int | None:
+    """The value label of a pair: 0 when a's value exceeds b's by at least min_margin, 1 the other way round,
+    None when the margin is smaller (no evidence either way; ReasonRAG's |dr| >= 0.01 rule)."""
+    if value_a - value_b >= min_margin:
+        return 0
+    if value_b - value_a >= min_margin:
+        return 1
+    return None
+
+
+def pair_kind(kind_a: str, kind_b: str) -> str:
+    """The step kind a pair is counted under: the kind both siblings share, else both kinds sorted and joined by
+    '|' (e.g. "answer|subquery": answering now against searching once more)."""
+    return kind_a if kind_a == kind_b else "|".join(sorted((kind_a, kind_b)))
 
 
 def spre_leaf_value(f1: float, steps: int, decay: float = 0.9) -> float:
@@ -134,7 +149,7 @@ def spre_internal_value(child_values: Sequence[float], child_visits: Sequence[in
 
 def value_margin_pairs(values: Sequence[float], visits: Sequence[int], min_margin: float = 0.01,
                        min_visits: int = 1) -> list[tuple[int, int, float]]:
-    """Contrastive pairs among siblings by value margin (ReasonRAG's labels; ProRAG's pairs before judging).
+    """Ordered contrastive pairs among siblings by value margin (ReasonRAG's labels).
 
     values [K] mean values, visits [K]; only siblings visited at least min_visits times count (an estimate
     from no rollout is no evidence). Returns (chosen, rejected, margin) for every ordered pair with margin
@@ -146,14 +161,6 @@ def value_margin_pairs(values: Sequence[float], visits: Sequence[int], min_margi
     return sorted(pairs, key=lambda p: (-p[2], p[0], p[1]))
 
 
-def best_worst_pair(values: Sequence[float], visits: Sequence[int], min_margin: float = 0.01,
-                    min_visits: int = 1) -> tuple[int, int, float] | None:
-    """The one pair ProRAG keeps per sibling set for the judge: the best against the worst sibling, or None
-    when fewer than two qualify or their margin is below min_margin."""
-    pairs = value_margin_pairs(values, visits, min_margin, min_visits)
-    return pairs[0] if pairs else None
-
-
-__all__ = ["DISCOUNT", "PUCT_C", "backup", "best_worst_pair", "children_allowed", "dedupe_siblings", "discounted_returns", "jaccard",
-           "may_widen", "mean_reward", "puct_scores", "select_child", "spre_internal_value", "spre_leaf_value",
-           "step_tokens", "value_margin_pairs"]
+__all__ = ["DISCOUNT", "PUCT_C", "backup", "children_allowed", "dedupe_by_key", "discounted_returns",
+           "margin_choice", "may_widen", "mean_reward", "pair_kind", "puct_scores", "select_child", "sibling_key",
+           "sibling_pairs", "spre_internal_value", "spre_leaf_value", "value_margin_pairs"]

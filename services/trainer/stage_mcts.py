@@ -1,6 +1,7 @@
 """Stage "mcts": search over reasoning steps for train questions through the policy and retriever services,
-saving the trees and the sibling pairs the PRM trains on (labelled by value margin, and by the judge service
-when one is given).
+saving the trees and the sibling pairs the PRM trains on: every pair of visited, format-valid, content-distinct
+siblings (prorag.mcts.extract_pairs), labelled by value margin, and by the judge service when one is given; the
+metrics count them per step kind (``pairs_by_kind.<kind>.<pairs|value_labelled|judge_labelled>``).
 
 Many questions are searched at once (``concurrency`` threads), so the policy service merges their step
 requests into shared engine calls; retrieval goes through one cache for the whole run. Each finished question
@@ -24,6 +25,11 @@ from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag.mcts import MCTSConfig
 from prorag.training.context import JobContext
 from services.trainer.stages import register_stage, resolve_model
+
+
+#: what the pairs of a tree are, for job reuse (prorag_app.stage2): 2 = every pair of visited, valid, distinct
+#: siblings (1 was the best against the worst sibling by value, invalid ones included, near-duplicates merged)
+PAIRS_VERSION = 2
 
 
 @dataclass
@@ -92,6 +98,24 @@ def judge_pairs(client, questions: dict, pairs: list) -> None:
         for p, v in zip(chunk, verdicts):
             p.judge_choice = v.chosen if v.chosen in (0, 1) and v.rejected == 1 - v.chosen else None
             p.judge_reason = v.rationale
+
+
+def pair_counts(pairs: list) -> dict[str, dict[str, int]]:
+    """{step kind: {"pairs", "value_labelled", "judge_labelled"}} of ``pairs`` (StepPair), by meta["step_kind"]
+    (pairs written before pairs carried it: "?")."""
+    out: dict[str, dict[str, int]] = {}
+    for p in pairs:
+        c = out.setdefault(p.meta.get("step_kind", "?"), {"pairs": 0, "value_labelled": 0, "judge_labelled": 0})
+        c["pairs"] += 1
+        c["value_labelled"] += p.value_choice is not None
+        c["judge_labelled"] += p.judge_choice is not None
+    return dict(sorted(out.items()))
+
+
+def flat_counts(by_kind: dict[str, dict[str, int]], prefix: str = "pairs_by_kind") -> dict[str, int]:
+    """A nested count dict as job metrics (numbers only): {"<prefix>.<kind>.<count>": n}; what
+    prorag_app.stage2.counts_by_kind reads back."""
+    return {f"{prefix}.{kind}.{name}": n for kind, counts in by_kind.items() for name, n in counts.items()}
 
 
 def run_mcts(ctx: JobContext) -> dict:
@@ -169,6 +193,7 @@ def run_mcts(ctx: JobContext) -> dict:
     sims = sum(r["stats"]["simulations"] for r in rows)
     tokens = sum(r["stats"]["tokens"] for r in rows)
     agreement = label_agreement(pairs)
+    by_kind = pair_counts(pairs)
     metrics = {
         "questions": len(rows), "simulations": sims, "generated_tokens": tokens, "pairs": len(pairs),
         "pairs_per_question": len(pairs) / len(rows),
@@ -179,6 +204,8 @@ def run_mcts(ctx: JobContext) -> dict:
         "simulations_per_s": sims_here[0] / wall if wall > 0 else 0.0, "wall_s": wall,
         "policy_wait_s": times.generate_s, "retriever_wait_s": times.search_s, "policy_calls": times.generate_calls,
         "stopped_by_budget": sum(r["stats"]["stopped_by"] != "simulations" for r in rows),
+        # the nested counts reach the manifest; a job's metrics over the API are numbers, so they also go flat
+        "pairs_by_kind": by_kind, **flat_counts(by_kind),
     }
     if agreement["both_labelled"]:
         metrics["judge_value_agreement"] = agreement["agreement"]

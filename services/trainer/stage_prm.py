@@ -28,6 +28,8 @@ class PRMConfig(TrainRunConfig):
     world: str = cfg_field("default", help="embedded world whose registry receives the PRM")
     pairs: str = cfg_field("", help="required: JSONL of sibling pairs (prorag.pairs.StepPair rows), e.g. the "
                                     "MCTS stage's output")
+    extra_pairs: str = cfg_field("", help="a second JSONL of pairs trained on together with ``pairs`` (e.g. the "
+                                          "siblings stage's beside the MCTS stage's; '' = none)")
     policy_model: str = cfg_field("", help="required: the policy directory (or published name@version in the "
                                            "world's model registry) whose trunk the PRM starts from (ProRAG: the "
                                            "SFT model)")
@@ -99,7 +101,7 @@ def run_prm(ctx: JobContext) -> dict:
     cfg: PRMConfig = ctx.config
     cfg.apply_threads()
     placement = cfg.placement()
-    pairs = load_pairs(cfg.pairs)
+    pairs = load_pairs(cfg.pairs) + (load_pairs(cfg.extra_pairs) if cfg.extra_pairs else [])
     policy = resolve_model(cfg.world, cfg.policy_model, "policy_model")
     ctx.seed_everything(cfg.seed)
     model, tokenizer = prm_from_policy(policy, seed=cfg.seed, attn_implementation=placement.attn_implementation)
@@ -107,7 +109,8 @@ def run_prm(ctx: JobContext) -> dict:
     train = encode_pairs(tokenizer, [p for p in pairs if not _held_out(p.question_id, cfg.holdout)], cfg.label_source)
     held = encode_pairs(tokenizer, [p for p in pairs if _held_out(p.question_id, cfg.holdout)], cfg.label_source)
     if not train:
-        raise FailedPrecondition(f"no {cfg.label_source}-labelled pairs to train on in {cfg.pairs} "
+        raise FailedPrecondition(f"no {cfg.label_source}-labelled pairs to train on in "
+                                 f"{' and '.join(p for p in (cfg.pairs, cfg.extra_pairs) if p)} "
                                  f"({len(pairs)} pairs read)")
     pad = tokenizer.pad_token_id
     total, batch_at = accumulated_epochs(train, cfg.batch_size, cfg.grad_accum, cfg.epochs, cfg.seed)
@@ -148,6 +151,6 @@ def run_prm(ctx: JobContext) -> dict:
     return {**metrics, "steps": total, "prm": ref.key}
 
 
-register_stage("prm", PRMConfig, run_prm,
+register_stage("prm", PRMConfig, run_prm, checks={"extra_pairs": "path"},
                description="process reward model: Bradley-Terry on labelled sibling pairs, scored at each step's "
                            "last token; published to the PRM registry")

@@ -55,13 +55,42 @@ def test_mean_reward():
         mcts.mean_reward([])
 
 
-def test_dedupe_siblings_drops_near_duplicates():
-    texts = ["Who founded Acme Corp?", "who founded acme corp", "Where was Bob born?", "Who founded Acme Corp ?"]
-    assert mcts.dedupe_siblings(texts) == [0, 2]
-    # against siblings already in the tree
-    assert mcts.dedupe_siblings(["Where was Bob born?"], existing=["where was bob born"]) == []
-    assert mcts.dedupe_siblings(texts, threshold=1.1) == [0, 1, 2, 3]
-    assert mcts.jaccard(frozenset({"a", "b"}), frozenset({"b", "c"})) == pytest.approx(1 / 3)
+def test_sibling_key_collides_only_on_copies():
+    # case, punctuation and articles do not make a different step
+    assert (mcts.sibling_key("subquery", "Who founded Acme Corp?")
+            == mcts.sibling_key("subquery", "who founded acme corp"))
+    assert mcts.sibling_key("answer", "The Red Harbour") == ("answer", "red harbour")
+    # one name differs: two steps (the reading contrast), as does the same content under another kind
+    assert mcts.sibling_key("subanswer", "Tova Lunn") != mcts.sibling_key("subanswer", "Tova Lind")
+    assert mcts.sibling_key("subanswer", "Edraand") != mcts.sibling_key("answer", "Edraand")
+
+
+def test_dedupe_by_key_keeps_the_first_of_each_key():
+    keys = [("q", "a"), ("q", "b"), ("q", "a"), ("a", "a"), ("q", "b")]
+    assert mcts.dedupe_by_key(keys) == [0, 1, 3]
+    # against siblings already kept
+    assert mcts.dedupe_by_key(keys, existing=[("q", "b")]) == [0, 3]
+    assert mcts.dedupe_by_key([]) == []
+
+
+def test_sibling_pairs_are_every_unordered_pair():
+    assert mcts.sibling_pairs(3) == [(0, 1), (0, 2), (1, 2)]
+    assert len(mcts.sibling_pairs(5)) == 10
+    assert mcts.sibling_pairs(1) == [] and mcts.sibling_pairs(0) == []
+    with pytest.raises(ValueError):
+        mcts.sibling_pairs(-1)
+
+
+def test_margin_choice_either_way():
+    assert mcts.margin_choice(0.9, 0.2) == 0
+    assert mcts.margin_choice(0.2, 0.9) == 1
+    assert mcts.margin_choice(0.5, 0.505) is None
+    assert mcts.margin_choice(0.5, 0.505, min_margin=0.001) == 1
+
+
+def test_pair_kind():
+    assert mcts.pair_kind("subanswer", "subanswer") == "subanswer"
+    assert mcts.pair_kind("subquery", "answer") == mcts.pair_kind("answer", "subquery") == "answer|subquery"
 
 
 def test_spre_values():
@@ -70,12 +99,10 @@ def test_spre_values():
     assert mcts.spre_internal_value([1.0], [0]) == 0.0
 
 
-def test_value_margin_pairs_and_best_worst():
+def test_value_margin_pairs():
     pairs = mcts.value_margin_pairs([0.9, 0.2, 0.5, 0.95], [3, 2, 1, 0], min_margin=0.1)
     # sibling 3 was never visited and does not count
     assert [(c, r) for c, r, _ in pairs] == [(0, 1), (0, 2), (2, 1)]
     assert pairs[0][2] == pytest.approx(0.7)
-    assert mcts.best_worst_pair([0.9, 0.2, 0.5], [1, 1, 1])[:2] == (0, 1)
-    assert mcts.best_worst_pair([0.5, 0.505], [1, 1]) is None
-    assert mcts.best_worst_pair([0.5], [1]) is None
-    assert math.isclose(mcts.best_worst_pair([0.0, 1.0], [1, 1])[2], 1.0)
+    assert mcts.value_margin_pairs([0.5, 0.505], [1, 1]) == []
+    assert math.isclose(mcts.value_margin_pairs([0.0, 1.0], [1, 1])[0][2], 1.0)

@@ -16,6 +16,7 @@ import pytest
 
 from prorag.config import from_dict
 from prorag.io import read_jsonl
+from prorag.mcts import step_key
 from prorag.pairs import StepPair
 from prorag.training.context import local_context
 from prorag.engine import GeneratedSeq
@@ -107,9 +108,22 @@ def test_mcts_stage_writes_trees_and_sibling_pairs_through_the_services(services
     assert metrics["pairs"] > 0 and metrics["value_labelled"] > 0
     for p in pairs:
         assert p.steps[0] is not p.steps[1] and p.visits[0] >= 1 and p.visits[1] >= 1
-        assert p.values[0] >= p.values[1]  # best sibling first
-        if p.value_choice is not None:
-            assert p.value_choice == 0 and p.values[0] - p.values[1] >= cfg.min_margin
+        # every pair of valid, distinct siblings, labelled by the value margin either way
+        assert p.steps[0].valid and p.steps[1].valid and step_key(p.steps[0]) != step_key(p.steps[1])
+        margin = p.values[0] - p.values[1]
+        assert p.value_choice == (0 if margin >= cfg.min_margin else 1 if -margin >= cfg.min_margin else None)
+        assert p.meta["source"] == "mcts"
+    # counted per step kind, in the metrics as numbers too
+    by_kind = metrics["pairs_by_kind"]
+    assert sum(c["pairs"] for c in by_kind.values()) == len(pairs)
+    for kind, counts in by_kind.items():
+        mine = [p for p in pairs if p.meta["step_kind"] == kind]
+        assert counts == {"pairs": len(mine), "value_labelled": sum(p.value_choice is not None for p in mine),
+                          "judge_labelled": sum(p.judge_choice is not None for p in mine)}
+        assert metrics[f"pairs_by_kind.{kind}.judge_labelled"] == counts["judge_labelled"]
+    # two siblings under one context make one pair at most
+    seen = [(p.question_id, tuple(step_key(s) for s in p.context), frozenset(map(step_key, p.steps))) for p in pairs]
+    assert len(seen) == len(set(seen))
     # the judge service labelled the pairs it could decide
     assert 0 < metrics["judge_labelled"] == sum(p.judge_choice is not None for p in pairs)
     both = [p for p in pairs if p.judge_choice is not None and p.value_choice is not None]

@@ -1,0 +1,224 @@
+"""Stage "siblings": judged sibling pairs without a tree search, sampled along the policy's own trajectories.
+
+The reference judge labels a step on its own (right entity for the open hop, a sub-answer the documents
+support, no repeated search), so a pair needs no value estimate, only two alternatives under one context. For
+each train question this stage samples one on-policy trajectory step by step through the policy service and, at
+each of its prefixes, ``samples`` more next steps (one call of ``samples + 1`` completions: the first continues the
+trajectory, and is a sibling too). Subqueries are searched as the agent would (prorag.mcts_env.ServiceEnv).
+Invalid siblings are dropped and copies (same kind, same normalised content) removed (prorag.mcts.pairable); every
+pair of the rest is a StepPair (no values or visits, no value label, ``meta = {"step_kind", "source":
+"siblings"}``) that the judge service labels. The output is the MCTS stage's ``pairs.jsonl`` format, so the PRM
+stage trains on it as it is (alone, or with the MCTS pairs through its ``extra_pairs``).
+
+Many questions run at once (``concurrency`` threads) so the policy service merges their step requests; each
+question's pairs are judged and appended (fsynced) to a journal in the checkpoint directory as soon as the question
+is done, so a stopped or killed job resumes with the questions it has not finished and never judges a pair twice.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from prorag import paths
+from prorag.config import cfg_field
+from prorag.errors import FailedPrecondition
+from prorag.training.context import JobContext
+from services.trainer.stage_mcts import _append, _read_journal, flat_counts, hash_id, judge_pairs, pair_counts
+from services.trainer.stages import register_stage, resolve_model
+
+
+#: what the stage samples and pairs, for job reuse (prorag_app.stage2): a change that makes other pairs from the
+#: same settings bumps it
+SIBLINGS_VERSION = 1
+
+
+@dataclass
+class SiblingsStageConfig:
+    """Sample sibling steps at each prefix of on-policy trajectories; pair them and label the pairs by the judge."""
+
+    world: str = cfg_field("default", help="embedded world whose questions are sampled")
+    split: str = cfg_field("train", help="split of the world to sample (never test: these are training data)")
+    max_questions: int = cfg_field(1000, help="questions sampled, the split's first ones (0 = all)", min=0)
+    policy: str = cfg_field("127.0.0.1:50052", help="policy service that samples steps")
+    policy_model: str = cfg_field("", help="required: the model the policy serves (directory, or name@version in "
+                                           "the world's model registry), for its tokenizer")
+    adapter: str = cfg_field("", help="policy adapter name@version ('' = the active one)")
+    retriever: str = cfg_field("127.0.0.1:50051", help="retriever service")
+    retriever_index: str = cfg_field("", help="retriever index ('' = its default)")
+    topk: int = cfg_field(1, help="documents per subquery, as the policy was trained (the embedded agent: 1; "
+                                  "ProRAG: 3)", min=1, max=20)
+    judge: str = cfg_field("", help="required: judge service that labels every pair (the pairs have no value "
+                                    "label, so without a judge nothing could train on them)")
+    samples: int = cfg_field(4, help="next steps sampled at each prefix beside the trajectory's own", min=1, max=63)
+    temperature: float = cfg_field(1.0, help="sampling temperature of the trajectory and of its siblings",
+                                   min=0.0, max=5.0)
+    max_step_tokens: int = cfg_field(128, help="most tokens of one generated step", min=8, max=4096)
+    max_steps: int = cfg_field(10, help="deepest step of a trajectory (its prefixes: 0 .. max_steps - 1 steps)",
+                               min=1, max=64)
+    max_len: int = cfg_field(2048, help="longest prefix sent to the policy (tokens)", min=64)
+    concurrency: int = cfg_field(16, help="questions sampled at once", min=1, max=512)
+    seed: int = cfg_field(0, help="base of the per-question sampling seeds (0 = unseeded)", min=0, max=2 ** 31 - 1)
+    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
+
+    def validate(self) -> None:
+        from prorag.config import ConfigError
+
+        if not self.policy_model:
+            raise ConfigError("policy_model", "required: the policy's model directory or name@version")
+        if not self.judge:
+            raise ConfigError("judge", "required: the judge service (host:port) that labels the sibling pairs; "
+                                       "they carry no value label")
+        if self.split == "test":
+            raise ConfigError("split", "'test' is held out for evaluation; sample the train (or dev) split")
+
+
+def sample_question(env, question_id: str, question: str, samples: int, max_steps: int):
+    """One question's pairs: walk one trajectory through ``env`` (a prorag.mcts_env.ServiceEnv, or anything with
+    its ``expand(history, n) -> (steps, tokens)`` and ``reward(steps)``), and at each prefix pair the trajectory's
+    own step with ``samples`` more, keeping valid, distinct siblings (prorag.mcts.pairable). Returns (pairs
+    [StepPair], stats {"prefixes", "sampled", "invalid", "duplicates", "tokens", "steps", "f1"})."""
+    from prorag.algorithms.mcts import pair_kind, sibling_pairs
+    from prorag.mcts import pairable
+    from prorag.pairs import StepPair
+
+    history, pairs = [], []
+    stats = {"prefixes": 0, "sampled": 0, "invalid": 0, "duplicates": 0, "tokens": 0}
+    while len(history) < max_steps:
+        # one call: the first completion continues the trajectory, the others are its siblings (i.i.d. samples)
+        steps, tokens = env.expand(history, samples + 1)
+        stats["tokens"] += tokens
+        if not steps:  # the prefix reached the policy's length limit
+            break
+        stats["prefixes"] += 1
+        stats["sampled"] += len(steps)
+        valid = [s for s in steps if s.valid and not s.empty]
+        keep = pairable(steps)
+        stats["invalid"] += len(steps) - len(valid)
+        stats["duplicates"] += len(valid) - len(keep)
+        for i, j in sibling_pairs(len(keep)):
+            a, b = steps[keep[i]], steps[keep[j]]
+            pairs.append(StepPair(question_id, question, list(history), (a, b),
+                                  meta={"step_kind": pair_kind(a.kind, b.kind), "source": "siblings"}))
+        history.append(steps[0])
+        if steps[0].kind in ("answer", "invalid"):
+            break
+    stats["steps"] = len(history)
+    stats["f1"] = env.reward(history) if history else 0.0
+    return pairs, stats
+
+
+def reason_counts(pairs: list, top: int = 8) -> dict[str, dict[str, int]]:
+    """{step kind: {reason: pairs}} of judged ``pairs``, the ``top`` commonest per kind: "rejected: <why>" for a
+    labelled pair (the judge service's words on the rejected candidate, "candidate <i>: <why>"; an LLM judge's free
+    text as it is), "declined: <why>" for the others (the text before its first " ("), cut to 80 characters."""
+    import re
+
+    by_kind: dict[str, Counter] = {}
+    for p in pairs:
+        text = p.judge_reason or ""
+        if p.judge_choice is not None:
+            said = re.search(rf"candidate {1 - p.judge_choice}: ([^;]*)", text)
+            reason = f"rejected: {(said.group(1) if said else text).strip()}"
+        else:
+            reason = f"declined: {text.split(' (')[0].strip() or '-'}"
+        by_kind.setdefault(p.meta.get("step_kind", "?"), Counter())[reason[:80]] += 1
+    return {k: dict(c.most_common(top)) for k, c in sorted(by_kind.items())}
+
+
+def run_siblings(ctx: JobContext) -> dict:
+    from transformers import AutoTokenizer
+
+    from prorag.clients import JudgeClient, PolicyClient, RetrieverClient
+    from prorag.data.loaders import load_split
+    from prorag.io import write_jsonl
+    from prorag.mcts_env import CachedSearch, EnvTimes, ServiceEnv
+    from prorag.pairs import StepPair
+
+    cfg: SiblingsStageConfig = ctx.config
+    qs = load_split(paths.world_dir(cfg.world), cfg.split)
+    if cfg.max_questions:
+        qs = qs[:cfg.max_questions]
+    if not qs:
+        raise FailedPrecondition(f"no questions in split {cfg.split!r} of world {cfg.world!r}")
+    by_id = {q.id: q for q in qs}
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(cfg.world, cfg.policy_model, "policy_model")))
+    journal = ctx.checkpoint_dir / "siblings-journal.jsonl"
+    ctx.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    done = {k: v for k, v in _read_journal(journal).items() if k in by_id}
+    todo = [q for q in qs if q.id not in done]
+    ctx.emit(len(done), len(qs), message=f"{len(qs)} questions, {len(done)} already sampled, "
+                                         f"{cfg.concurrency} at a time")
+
+    policy = PolicyClient(cfg.policy, timeout=600)
+    retriever = RetrieverClient(cfg.retriever, timeout=300)
+    judge = JudgeClient(cfg.judge, timeout=600)
+    cache = CachedSearch(retriever, topk=cfg.topk, index=cfg.retriever_index)
+    times = EnvTimes()
+    lock = threading.Lock()
+    started = time.monotonic()
+    judge_s = [0.0]
+
+    def one(q) -> None:
+        if ctx.should_stop():
+            return
+        env = ServiceEnv(policy, cache, tokenizer, q.question, q.golden_answers, temperature=cfg.temperature,
+                         max_step_tokens=cfg.max_step_tokens, max_steps=cfg.max_steps, max_len=cfg.max_len,
+                         adapter=cfg.adapter, seed=(cfg.seed * 7919 + hash_id(q.id)) if cfg.seed else 0,
+                         times=times)
+        pairs, stats = sample_question(env, q.id, q.question, cfg.samples, cfg.max_steps)
+        # judged before the question is journalled: a resumed job never pays for a verdict twice
+        t = time.monotonic()
+        judge_pairs(judge, by_id, pairs)
+        stats["judge_s"] = time.monotonic() - t
+        row = {"question_id": q.id, "pairs": [p.to_dict() for p in pairs], "stats": stats}
+        with lock:
+            _append(journal, row)
+            done[q.id] = row
+            judge_s[0] += stats["judge_s"]
+            ctx.emit(len(done), len(qs), message="")
+
+    try:
+        with ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="siblings") as pool:
+            for fut in [pool.submit(one, q) for q in todo]:
+                fut.result()
+        ctx.check_stop()
+    finally:
+        policy.close()
+        retriever.close()
+        judge.close()
+    wall = time.monotonic() - started
+    rows = [done[q.id] for q in qs]
+    pairs = [StepPair.from_dict(p) for r in rows for p in r["pairs"]]
+    with ctx.artifact_file("pairs", "pairs.jsonl") as tmp:
+        write_jsonl(tmp, (p.to_dict() for p in pairs))
+
+    def total(key: str):
+        return sum(r["stats"][key] for r in rows)
+
+    by_kind = pair_counts(pairs)
+    metrics = {
+        "questions": len(rows), "pairs": len(pairs), "pairs_per_question": len(pairs) / len(rows),
+        "judge_labelled": sum(p.judge_choice is not None for p in pairs),
+        "prefixes": total("prefixes"), "siblings_sampled": total("sampled"), "siblings_invalid": total("invalid"),
+        "siblings_duplicate": total("duplicates"), "generated_tokens": total("tokens"),
+        "trajectory_steps_mean": total("steps") / len(rows), "trajectory_f1_mean": total("f1") / len(rows),
+        "retrieval_cache_hit_rate": cache.hit_rate, "retrieval_searches": cache.misses, "wall_s": wall,
+        "policy_wait_s": times.generate_s, "retriever_wait_s": times.search_s, "policy_calls": times.generate_calls,
+        "judge_wait_s": judge_s[0],
+        # the nested counts reach the manifest; a job's metrics over the API are numbers, so they also go flat
+        "pairs_by_kind": by_kind, **flat_counts(by_kind), "judge_reasons_by_kind": reason_counts(pairs),
+    }
+    ctx.emit(len(qs), len(qs), message=f"{len(pairs)} pairs ({metrics['judge_labelled']} judge-labelled) from "
+                                       f"{len(rows)} questions; " + ", ".join(
+                                           f"{k}: {c['judge_labelled']}/{c['pairs']}" for k, c in by_kind.items()))
+    return {**metrics, "pairs_path": str(ctx.run_dir / "pairs.jsonl")}
+
+
+register_stage("siblings", SiblingsStageConfig, run_siblings,
+               description="judged sibling pairs without tree search: n next steps sampled at each prefix of "
+                           "on-policy trajectories through the policy and retriever services, every valid distinct "
+                           "pair labelled by the judge service")

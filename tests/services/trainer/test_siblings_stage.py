@@ -1,0 +1,224 @@
+"""The siblings stage against real retriever, policy and judge servers on loopback, on the tiny world: at each prefix
+of one on-policy trajectory per question, the trajectory's step and its sampled siblings paired (invalid ones and
+copies left out, one-name variants of a sub-answer kept), every pair labelled by the judge service, counts per step
+kind, the PRM stage's pair format, and a stopped job resuming without sampling or judging finished questions again.
+
+The policy server runs the MCTS test's scripted engine, made to write a malformed step or a copy of the right step
+now and then (JunkyWalkEngine), since the stage must drop both; everything else is real."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from prorag.config import ConfigError, from_dict
+from prorag.io import read_jsonl
+from prorag.mcts import step_key
+from prorag.pairs import StepPair, load_pairs
+from prorag.trajectory import Step
+from prorag.training.context import StageStopped, local_context
+from tests.services.trainer.test_mcts_stage import GoldWalkEngine
+
+
+class JunkyWalkEngine(GoldWalkEngine):
+    """GoldWalkEngine's steps; one in five a malformed step, one in five the gold-walk step written in capitals with
+    extra punctuation (a copy of a sibling under the answer normaliser)."""
+
+    name = "junky-walk"
+
+    def _next(self, q, generated: str, rng) -> str:
+        step = super()._next(q, generated, rng)
+        r = rng.random()
+        if r < 0.2:
+            return "I am not sure what to do next"  # no tags: an invalid step
+        if r < 0.4:
+            head, tag, rest = step.partition("</step>\n<")
+            kind, _, body = rest.partition(">\n")
+            content, _, close = body.partition("</")
+            return f"{head}{tag}{kind}>\n{content.upper()}!!</{close}"
+        return step
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    from tests.services.trainer.scripted_stack import scripted_stack
+
+    with scripted_stack(tmp_path_factory.mktemp("siblings") / "data", JunkyWalkEngine, judge=True) as stack:
+        yield stack
+
+
+def _config(services, **kw):
+    from services.trainer.stage_siblings import SiblingsStageConfig
+
+    return from_dict(SiblingsStageConfig, {
+        "world": "tiny", "split": "train", "max_questions": 6, "policy": services["policy"],
+        "policy_model": services["base"], "retriever": services["retriever"], "judge": services["judge"],
+        "topk": 1, "samples": 4, "concurrency": 3, "seed": 3, "max_step_tokens": 48, "max_steps": 6,
+        "tracking": "local", **kw})
+
+
+def test_siblings_stage_pairs_every_valid_distinct_sibling_and_the_judge_labels_them(services, tmp_path, one_thread):
+    from services.trainer.stage_siblings import run_siblings
+
+    metrics = run_siblings(local_context(tmp_path / "job", _config(services), stage="siblings"))
+    pairs = load_pairs(metrics["pairs_path"])  # the PRM stage's reader
+    assert metrics["questions"] == 6 and metrics["pairs"] == len(pairs) > 0
+    assert metrics["prefixes"] > 6  # trajectories of more than one step
+    # every prefix sampled the trajectory's step and 4 siblings
+    assert metrics["siblings_sampled"] == 5 * metrics["prefixes"]
+    # the engine's malformed steps and copies were sampled, and dropped
+    assert metrics["siblings_invalid"] > 0 and metrics["siblings_duplicate"] > 0
+    for p in pairs:
+        assert p.steps[0].valid and p.steps[1].valid and step_key(p.steps[0]) != step_key(p.steps[1])
+        assert p.values == (0.0, 0.0) and p.visits == (0, 0) and p.value_choice is None
+        assert p.meta["source"] == "siblings"
+    # a pair's two siblings share a context, and a question's contexts are the prefixes of one trajectory
+    by_q: dict[str, list] = {}
+    for p in pairs:
+        by_q.setdefault(p.question_id, []).append([step_key(s) for s in p.context])
+    for contexts in by_q.values():
+        longest = max(contexts, key=len)
+        assert all(c == longest[:len(c)] for c in contexts)
+    # no pair twice under one context
+    seen = [(p.question_id, len(p.context), frozenset(map(step_key, p.steps))) for p in pairs]
+    assert len(seen) == len(set(seen))
+    # the reading contrast: sub-answers that differ in the name they state are both kept, and the judge tells them
+    # apart (the scripted policy writes the gold hop answer or a wrong one)
+    reading = [p for p in pairs if p.meta["step_kind"] == "subanswer"]
+    assert reading and any(p.judge_choice is not None for p in reading)
+    # the judge labelled what it could decide, counted per kind, with its reasons
+    assert 0 < metrics["judge_labelled"] == sum(p.judge_choice is not None for p in pairs)
+    by_kind = metrics["pairs_by_kind"]
+    for kind, counts in by_kind.items():
+        mine = [p for p in pairs if p.meta["step_kind"] == kind]
+        assert counts["pairs"] == len(mine) and counts["value_labelled"] == 0
+        assert counts["judge_labelled"] == metrics[f"pairs_by_kind.{kind}.judge_labelled"] == sum(
+            p.judge_choice is not None for p in mine)
+        assert sum(metrics["judge_reasons_by_kind"][kind].values()) <= len(mine)
+    # the reference judge's reasons: a wrong sub-answer rejected against the gold one, or no contrast
+    assert metrics["judge_reasons_by_kind"]["subanswer"].get("rejected: wrong answer", 0) > 0
+    assert all(r.startswith(("rejected: ", "declined: ")) for c in metrics["judge_reasons_by_kind"].values()
+               for r in c)
+
+
+def test_a_seeded_job_samples_the_same_pairs_again(services, tmp_path, one_thread):
+    from services.trainer.stage_siblings import run_siblings
+
+    cfg = _config(services, max_questions=2, concurrency=2)
+    a = run_siblings(local_context(tmp_path / "a", cfg, stage="siblings"))
+    b = run_siblings(local_context(tmp_path / "b", cfg, stage="siblings"))
+    rows = [sorted((r["question_id"], len(r["context"]), str(r["steps"])) for r in read_jsonl(m["pairs_path"]))
+            for m in (a, b)]
+    assert rows[0] == rows[1] and rows[0]
+
+
+def test_stopped_siblings_job_resumes_without_sampling_or_judging_finished_questions(services, tmp_path, one_thread):
+    from services.trainer.stage_siblings import run_siblings
+
+    cfg = _config(services, max_questions=4, concurrency=1)
+    stop = threading.Event()
+
+    def emit(ev):
+        if ev.get("step", 0) >= 2:
+            stop.set()  # stop after two questions are journalled
+
+    with pytest.raises(StageStopped):
+        run_siblings(local_context(tmp_path / "job", cfg, emit=emit, stop=stop, stage="siblings"))
+    journal = list(read_jsonl(tmp_path / "job" / "checkpoints" / "siblings-journal.jsonl"))
+    assert 2 <= len(journal) < 4
+    # the journal holds judged pairs: a resumed job does not ask the judge again
+    assert any(p["judge_choice"] is not None for r in journal for p in r["pairs"])
+    first = {r["question_id"]: r["pairs"] for r in journal}
+    # a kill can tear the last line: that question is sampled again
+    with open(tmp_path / "job" / "checkpoints" / "siblings-journal.jsonl", "a") as f:
+        f.write('{"question_id": "torn"')
+    metrics = run_siblings(local_context(tmp_path / "job", cfg, stage="siblings"))
+    pairs = list(read_jsonl(metrics["pairs_path"]))
+    assert metrics["questions"] == 4
+    for qid, rows in first.items():  # finished questions kept as they were
+        assert [r for r in pairs if r["question_id"] == qid] == rows
+    assert {r["question_id"] for r in pairs} - set(first)  # the unfinished ones were sampled now
+    assert metrics["policy_calls"] > 0
+
+
+def test_config_requires_a_judge_and_refuses_the_test_split(services):
+    from services.trainer.stage_siblings import SiblingsStageConfig
+
+    with pytest.raises(ConfigError, match="judge"):
+        _config(services, judge="")
+    with pytest.raises(ConfigError, match="split"):
+        _config(services, split="test")
+    with pytest.raises(ConfigError, match="policy_model"):
+        from_dict(SiblingsStageConfig, {"judge": services["judge"]})
+
+
+def test_the_trainer_knows_the_stage_and_refuses_a_bad_config():
+    from prorag.errors import InvalidArgument
+    from services.trainer.stages import get_stage, load_stage_modules, validate_config
+
+    load_stage_modules()
+    stage = get_stage("siblings")
+    with pytest.raises(InvalidArgument, match="config.judge"):
+        validate_config(stage, {"policy_model": "sft"})
+
+
+class _ScriptedEnv:
+    """expand/reward of prorag.mcts_env.ServiceEnv over a fixed script: at depth d, the steps of script[d]."""
+
+    def __init__(self, script):
+        self.script, self.calls = script, []
+
+    def expand(self, history, n):
+        self.calls.append((len(history), n))
+        return list(self.script[len(history)][:n]), 3 * n
+
+    def reward(self, steps):
+        return 1.0 if steps[-1].content == "Edraand" else 0.0
+
+
+def test_sample_question_pairs_the_trajectory_step_with_its_distinct_valid_siblings():
+    from services.trainer.stage_siblings import sample_question
+
+    q1, q2 = Step("subquery", content="Who founded Mai Brewery?", docs=[]), Step("subquery", content="Who is Kora?",
+                                                                                 docs=[])
+    a1, a2 = Step("subanswer", content="Tova Lunn"), Step("subanswer", content="Tova Lind")
+    script = [
+        [q1, Step("invalid", text="junk"), Step("subquery", content="who founded the mai brewery", docs=[]), q2],
+        [a1, a2, Step("subanswer", content="TOVA LUNN."), a2],
+        [Step("answer", content="Edraand"), Step("subquery", content="Who founded Tova Lunn?", docs=[])],
+        [Step("answer", content="never reached")],
+    ]
+    env = _ScriptedEnv(script)
+    pairs, stats = sample_question(env, "q1", "Q?", samples=3, max_steps=6)
+    # each prefix: one call of samples + 1; the walk ends at the trajectory's answer
+    assert env.calls == [(0, 4), (1, 4), (2, 4)]
+    assert [(len(p.context), p.steps[0].content, p.steps[1].content) for p in pairs] == [
+        (0, "Who founded Mai Brewery?", "Who is Kora?"),          # the invalid step and the copy are not paired
+        (1, "Tova Lunn", "Tova Lind"),                            # one name apart: kept, once
+        (2, "Edraand", "Who founded Tova Lunn?")]
+    assert [p.meta["step_kind"] for p in pairs] == ["subquery", "subanswer", "answer|subquery"]
+    assert pairs[2].context == [q1, a1]  # the trajectory continues with each prefix's first sample
+    assert stats == {"prefixes": 3, "sampled": 10, "invalid": 1, "duplicates": 3, "tokens": 36, "steps": 3,
+                     "f1": 1.0}
+    # the depth limit
+    pairs, stats = sample_question(_ScriptedEnv(script), "q1", "Q?", samples=3, max_steps=1)
+    assert stats["steps"] == 1 and len(pairs) == 1
+
+
+def test_reason_counts_name_the_rejected_candidates_flaw():
+    from services.trainer.stage_siblings import reason_counts
+
+    def pair(choice, reason, kind="subanswer"):
+        return StepPair("q", "Q?", [], (Step(kind, content="a"), Step(kind, content="b")), judge_choice=choice,
+                        judge_reason=reason, meta={"step_kind": kind})
+
+    pairs = [pair(0, "candidate 0: answers hop 1 from the retrieved documents; candidate 1: unsupported claim"),
+             pair(1, "candidate 1: answers hop 1 from the retrieved documents; candidate 0: unsupported claim"),
+             pair(None, "no contrast (candidate 0: wrong answer; candidate 1: wrong answer)"),
+             pair(0, "Step 1 names the right director.", kind="subquery"),  # an LLM judge's free text
+             pair(None, "", kind="subquery")]
+    assert reason_counts(pairs) == {
+        "subanswer": {"rejected: unsupported claim": 2, "declined: no contrast": 1},
+        "subquery": {"rejected: Step 1 names the right director.": 1, "declined: -": 1}}
+    assert reason_counts(pairs, top=1)["subanswer"] == {"rejected: unsupported claim": 2}
