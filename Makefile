@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE ?= offline
 
-.PHONY: run test install proto bench clean-data deploy-tools smoke-containers gpu-check
+.PHONY: run test install proto bench clean-data deploy-tools browser smoke-containers gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,7 @@ proto: $(STAMP)
 run: install
 	$(VENV)/bin/prorag run
 
-test: install deploy-tools
+test: install deploy-tools browser
 	$(PY) -m pytest -q
 
 # tests/deploy renders k8s/ with kustomize v5: kubectl on PATH when it has one, else a pinned kubectl 1.30.0
@@ -35,6 +35,16 @@ test: install deploy-tools
 deploy-tools:
 	@if command -v kubectl >/dev/null && kubectl version --client -o json 2>/dev/null | grep -q '"kustomizeVersion": "v[5-9]'; then \
 	  :; else bash scripts/get_kubectl.sh >/dev/null || echo "deploy-tools: no kustomize v5 (tests/deploy will say so)"; fi
+
+# tests/app/test_report_html.py opens the HTML report in headless Chromium: Debian's chromium, from apt when it is
+# missing (as root, or through passwordless sudo). Never fatal here: the test says what is missing.
+browser:
+	@command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then run=; elif command -v sudo >/dev/null; then run="sudo -n"; else run=no; fi; \
+	  if [ "$$run" != no ] && command -v apt-get >/dev/null; then \
+	    $$run apt-get update -qq && $$run env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends chromium >/dev/null; fi; \
+	  command -v chromium >/dev/null || echo "browser: no chromium (tests/app/test_report_html.py will say so)"; }
 
 # Builds the CPU images, brings up compose's cpu profile, answers one question through the containers, tears
 # down. Without a Docker engine it says why and exits 0 (STRICT=1: fails).

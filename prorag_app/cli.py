@@ -398,12 +398,13 @@ def cmd_report(args) -> int:
 
     runs = args.runs or [str(paths.runs_dir() / "latest")]
     out = Path(args.out) if args.out else new_run_dir("report")
-    report = build_report(runs, out)
+    report = build_report(runs, out, args.html)
     if args.json:
-        print(json.dumps({k: report[k] for k in ("runs", "world", "seeds", "comparisons", "beta", "plots")}))
+        print(json.dumps({k: report[k] for k in ("runs", "world", "seeds", "comparisons", "beta", "plots", "html")}))
     else:
         print((out / "report.md").read_text())
         print(f"report: {out / 'report.md'}")
+        print(f"html report: {report['html']}")
     return 0
 
 
@@ -596,11 +597,13 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--quick", action="store_true", help="fewer steps (the CPU test's setting)")
     ck.set_defaults(fn=cmd_check)
 
-    rep = sub.add_parser("report", help="one report (Markdown, JSON, PNG) over `prorag run` directories of the same "
-                                        "world: their seeds pooled, paired comparisons, RL curves, beta")
+    rep = sub.add_parser("report", help="one report (Markdown, JSON, PNG, HTML) over `prorag run` directories of the "
+                                        "same world: their seeds pooled, paired comparisons, RL curves, beta")
     rep.add_argument("runs", nargs="*", help="run directories (default: runs/latest)")
     rep.add_argument("--out", default=None, help="output directory (default: a new runs/<time>-report)")
     rep.add_argument("--json", action="store_true", help="print the comparisons as JSON")
+    rep.add_argument("--html", default=None, help="folder of the HTML report, index.html (default: the first run's "
+                                                  "report/, e.g. runs/latest/report); opens from disk, no server")
     rep.set_defaults(fn=cmd_report)
     return p
 

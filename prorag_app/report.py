@@ -9,7 +9,8 @@ stages 3-4 used different betas also give ProRAG's F1 against beta; the RL jobs'
 training rollouts' F1 against the number of RL questions seen (on train questions), and RL adapters evaluated
 after some of their iterations give the test F1 against RL questions seen (data efficiency).
 
-Written to the output directory: report.md, report.json and PNG plots (per hop count, RL curves, data efficiency, beta).
+Written to the output directory: report.md, report.json and PNG plots (per hop count, RL curves, data efficiency, beta);
+and an HTML page (prorag_app.report_html) to the first run's report/index.html unless told where.
 """
 
 from __future__ import annotations
@@ -159,8 +160,10 @@ def name_by_beta(runs: list[dict]) -> None:
             r[part] = {(f"{m}[beta={b}]" if base_method(m) in BETA_METHODS else m): v for m, v in r[part].items()}
 
 
-def build_report(run_dirs, out_dir: str | Path) -> dict:
-    """Pool ``run_dirs`` (seeds) into one report under ``out_dir``; returns what report.json holds."""
+def build_report(run_dirs, out_dir: str | Path, html_dir: str | Path | None = None) -> dict:
+    """Pool ``run_dirs`` (seeds) into one report under ``out_dir``, and its HTML page under ``html_dir`` (default:
+    the first run's ``report/``, so `runs/latest/report/index.html` is the latest run's); returns what report.json
+    holds (``html``: the page's path)."""
     from prorag.evaluation import COMPARISON_MIN_HOPS, compare_methods, score_records
     from prorag_app.stage34 import COMPARISONS
 
@@ -215,8 +218,13 @@ def build_report(run_dirs, out_dir: str | Path) -> dict:
               "data_efficiency": efficiency}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    pngs = write_plots(report, out_dir)
+    svgs: dict[str, str] = {}
+    pngs = write_plots(report, out_dir, svgs)
     report["plots"] = pngs
+    from prorag_app.report_html import write_html
+
+    report["html"] = str(write_html(report, runs, Path(html_dir) if html_dir else Path(runs[0]["dir"]) / "report",
+                                    svgs))
     from prorag.io import write_json
 
     write_json(out_dir / "report.json", report)
@@ -294,7 +302,9 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_plots(report: dict, out_dir: Path) -> dict[str, str]:
+def write_plots(report: dict, out_dir: Path, svgs: dict[str, str] | None = None) -> dict[str, str]:
+    """The PNGs (name -> path); ``svgs``, when given, also gets each plot as an inline SVG element (the HTML
+    report's copy of the same figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -306,6 +316,10 @@ def write_plots(report: dict, out_dir: Path) -> dict[str, str]:
         tmp = out_dir / f"{name}.tmp.png"
         fig.tight_layout()
         fig.savefig(tmp, dpi=100)
+        if svgs is not None:
+            from prorag_app.report_html import svg_of
+
+            svgs[name] = svg_of(fig)
         plt.close(fig)
         tmp.replace(out_dir / f"{name}.png")
         out[name] = str(out_dir / f"{name}.png")
