@@ -864,17 +864,18 @@ def test_requests_and_limits_are_sized_from_what_the_pods_hold(rendered, name):
     assert mem["prorag-policy"] >= QWEN3_8B_BF16_BYTES  # vLLM's safetensors pass through the page cache
 
 
-def test_the_readmes_cluster_overlay_renders_and_validates(tmp_path):
-    """README "On a cluster" step 3 writes a user overlay over the shipped ones: it renders, every object validates,
-    and it does what the README says (images from the registry, the namespace, downloads on, the dataset's volume
-    mounted on the setup Job). Every k8s/ path the README names exists."""
+def test_the_deploy_guides_cluster_overlay_renders_and_validates(tmp_path):
+    """docs/DEPLOY.md "Step by step: on a cluster" (linked from the README) step 3 writes a user overlay over the
+    shipped ones: it renders, every object validates, and it does what the page says (images from the registry, the
+    namespace, downloads on, the dataset's volume mounted on the setup Job). Every k8s/ path the README or
+    docs/DEPLOY.md names exists."""
     import textwrap
 
     import kubernetes_validate
 
-    readme = (ROOT / "README.md").read_text()
-    m = re.search(r"cat > my-cluster/kustomization.yaml <<'EOF'\n(.*?)\n\s*EOF\n", readme, re.S)
-    assert m, "README's cluster overlay"
+    deploy = (ROOT / "docs" / "DEPLOY.md").read_text()
+    m = re.search(r"cat > my-cluster/kustomization.yaml <<'EOF'\n(.*?)\n\s*EOF\n", deploy, re.S)
+    assert m, "docs/DEPLOY.md's cluster overlay"
     shutil.copytree(ROOT / "k8s", tmp_path / "k8s")
     (tmp_path / "my-cluster").mkdir()
     (tmp_path / "my-cluster" / "kustomization.yaml").write_text(textwrap.dedent(m.group(1)))
@@ -889,8 +890,9 @@ def test_the_readmes_cluster_overlay_renders_and_validates(tmp_path):
     assert env["PRORAG_DOWNLOAD"] == "1" and env["WORLD_IMPORT"].startswith("/import/")
     job = workloads["prorag-setup"]["spec"]["template"]["spec"]
     assert {"name": "import", "mountPath": "/import", "readOnly": True} in job["containers"][0]["volumeMounts"]
-    for path in set(re.findall(r"\bk8s/[\w./-]*\w", readme)):
-        assert (ROOT / path).exists(), f"README names {path}, which does not exist"
+    for doc in ("README.md", "docs/DEPLOY.md"):
+        for path in set(re.findall(r"\bk8s/[\w./-]*\w", (ROOT / doc).read_text())):
+            assert (ROOT / path).exists(), f"{doc} names {path}, which does not exist"
 
 
 def test_no_key_material_is_committed():
