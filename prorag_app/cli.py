@@ -255,11 +255,44 @@ def served_policy(world: str, model: str | None) -> str:
         return str(ensure_policy_model(world))
 
 
+def served_prm(world: str, prm: str | None) -> tuple[str | None, str]:
+    """What `prorag up`'s PRM service loads, and a line saying why: ``prm`` when given (name@version, a bare name
+    = its newest version, or a directory; "none" = start empty), else the newest PRM published for the world under
+    any name (what `make run`'s stage 2 trained), else nothing: the service starts empty (FAILED_PRECONDITION)."""
+    from prorag.errors import NotFound
+    from prorag.registry import registry
+
+    prms = registry("prm", world)
+    if prm is not None and prm.strip().lower() == "none":
+        return None, "prm starts empty (--prm none): ScoreSteps answers FAILED_PRECONDITION until one is loaded"
+    if prm:
+        try:
+            path = prms.resolve(prm)
+        except NotFound as e:
+            published = ", ".join(r.key for r in prms.list()) or "none"
+            raise NotFound(f"--prm {prm}: {e}. Published for world {world!r}: {published}; "
+                           f"or --prm none to start the PRM service empty") from None
+        # a directory travels as an absolute path; a registry name is looked up by the service in the world's registry
+        model = str(path.resolve()) if Path(prm).is_dir() else prm
+        return model, f"prm serves {prm} (--prm)"
+    published = prms.list()
+    if not published:
+        return None, (f"prm starts empty: no PRM is published for world {world!r} under {prms.root} (`make run`'s "
+                      f"stage 2 trains one, or the trainer stage `prm`); ScoreSteps answers FAILED_PRECONDITION "
+                      f"until then. `prorag up --prm name@version` serves a given one")
+    # created_at has one-second resolution; the version (a job id) only breaks ties deterministically
+    newest = max(published, key=lambda r: (prms.manifest(r).created_at, r.version, r.name))
+    return newest.key, (f"prm serves {newest.key}, the newest of {len(published)} PRM(s) published for world "
+                        f"{world!r} (--prm name@version picks another, --prm none starts it empty)")
+
+
 def cmd_up(args) -> int:
     """Start all five services as local processes; Ctrl-C or SIGTERM stops them all."""
     from prorag_app.embedded import ensure_indexes
     from prorag_app.stack import ServiceStack
 
+    prm_model, prm_why = served_prm(args.world, args.prm)  # a --prm that is not published fails before any build
+    print(prm_why, flush=True)
     ensure_indexes(args.world, size=args.size)  # build what is missing before any service starts
     policy_model = served_policy(args.world, args.model)
     stopping = False
@@ -271,7 +304,9 @@ def cmd_up(args) -> int:
     signal.signal(signal.SIGTERM, stop_all)
     signal.signal(signal.SIGINT, stop_all)
     stack = ServiceStack(host=args.host, port_offset=args.port_offset, world=args.world,
-                         start_timeout=args.start_timeout, overrides={"policy": {"model": policy_model}})
+                         start_timeout=args.start_timeout,
+                         overrides={"policy": {"model": policy_model},
+                                    **({"prm": {"model": prm_model}} if prm_model else {})})
     with stack:
         print(f"all services up (policy serves {policy_model}):")
         for svc in paths.SERVICES:
@@ -519,6 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--start-timeout", type=float, default=180.0)
     u.add_argument("--model", default=None, help="policy model: a directory or a published name[@version] (default: "
                                                  "the newest agent `prorag run` trained for the world, else its base)")
+    u.add_argument("--prm", default=None, help="PRM model: a published name@version (a bare name: its newest "
+                                               "version) or a directory; 'none' starts the PRM service empty "
+                                               "(default: the newest PRM published for the world, else empty)")
     u.set_defaults(fn=cmd_up)
 
     b = sub.add_parser("bench", help="benchmarks; --json prints one JSON object as the last line")

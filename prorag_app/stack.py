@@ -53,7 +53,7 @@ class ServiceStack:
                    "--port", str(paths.GRPC_PORTS[svc] + self.port_offset), "--port-offset", str(self.port_offset)]
             if svc in paths.HTTP_PORTS:
                 cmd += ["--http-port", str(paths.HTTP_PORTS[svc] + self.port_offset)]
-            if svc in ("retriever", "policy", "judge"):
+            if svc in ("retriever", "policy", "judge", "prm"):  # the prm: where a name@version is looked up
                 cmd += ["--set", f"world={self.world}"]
             for k, v in self.overrides.get(svc, {}).items():
                 cmd += ["--set", f"{k}={v}"]
