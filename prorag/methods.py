@@ -76,6 +76,14 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("prorag_no_rft", "agent", stage="rl", description="ablation: ProRAG's RL (PRM step advantage) from the SFT "
                                                              "model, without RFT",
            evaluate={"max_steps": AGENT_MAX_STEPS}),
+    # issue 30's oracle ceiling: it reads the gold decomposition, so it bounds what any PRM could add at this
+    # budget and is never reported as a result of its own
+    Method("prorag_oracle", "agent", stage="rl", description="diagnostic, never a headline: ProRAG's RL from the SFT "
+                                                             "model with each step scored by the reference judge "
+                                                             "on the gold decomposition (right entity, supported "
+                                                             "sub-answer, no repeated search) instead of the PRM: "
+                                                             "the ceiling of the process term",
+           evaluate={"max_steps": AGENT_MAX_STEPS}),
     Method("reasonrag", "agent", stage="dpo", description="ReasonRAG: DPO (LoRA) on the SFT model with sibling-step "
                                                           "pairs from the same MCTS trees, ordered by shortest-path "
                                                           "reward estimation",

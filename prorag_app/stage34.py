@@ -9,12 +9,16 @@ Through the services of a ServiceStack (the trainer runs every job; the policy a
 - ``outcome_grpo``: the same RL code from the SFT model with beta 0 and no PRM (Search-R1-style outcome-only
   GRPO), on the same questions with the same rollout budget;
 - ``prorag_no_rft`` (ablation): ProRAG's RL with the PRM from the SFT model, without RFT;
+- ``prorag_oracle`` (diagnostic): the same RL from the SFT model with each step scored by the reference judge on
+  the gold decomposition instead of the PRM (RLConfig.step_scorer=oracle): the ceiling of the process term; it
+  needs no PRM, so it runs where stage 2 trained none;
 - ``reasonrag``: ReasonRAG's path from the same MCTS trees as the PRM: the sibling pairs ordered by shortest-path
   reward estimation (value margins), DPO with LoRA on the SFT model (trainer stage ``dpo``).
 
 Each RL job publishes an adapter version per iteration and pushes it to its policy service; the final adapter is
-what gets evaluated. Without a PRM (stage 2 found no labelled pairs) only the outcome-only baseline can run; the
-others are reported as skipped with the reason.
+what gets evaluated. Without a PRM (stage 2 found no labelled pairs) only the outcome-only baseline and the oracle
+can run; the others are reported as skipped with the reason. With ``pool`` settings, a trainer ``rlpool`` job first
+samples the SFT model on the RL's candidate questions and every RL job draws from its learnable questions only.
 """
 
 from __future__ import annotations
@@ -33,7 +37,15 @@ console = Console()
 
 #: the comparisons results.json reports (A minus B on 3+ hop questions); issue 19 names the first three
 COMPARISONS = (("prorag", "outcome_grpo"), ("outcome_grpo", "sft"), ("prorag", "sft"), ("rft", "sft"),
-               ("prorag", "rft"), ("prorag", "reasonrag"), ("reasonrag", "sft"), ("prorag", "prorag_no_rft"))
+               ("prorag", "rft"), ("prorag", "reasonrag"), ("reasonrag", "sft"), ("prorag", "prorag_no_rft"),
+               # issue 30: the oracle ceiling and the same-start headline
+               ("prorag_oracle", "outcome_grpo"), ("prorag_no_rft", "outcome_grpo"))
+#: the stage 3-4 methods trained by the RL stage
+RL_METHODS = ("prorag", "outcome_grpo", "prorag_no_rft", "prorag_oracle")
+#: RL settings a question pool takes from the RL's shared ones, so it samples the candidates the RL draws from as
+#: the RL samples them
+POOL_FROM_RL = ("split", "min_hops", "max_questions", "temperature", "max_step_tokens", "max_steps",
+                "questions_per_request", "reward", "retriever_index")
 
 
 @dataclass
@@ -41,38 +53,87 @@ class Stage34Settings:
     """What a profile asks of stages 3-4 (the trainer's rft and rl jobs take the rest from their defaults)."""
 
     methods: tuple = cfg_field(("rft", "prorag", "outcome_grpo", "reasonrag"),
-                               help="which of rft, prorag, outcome_grpo, reasonrag and prorag_no_rft to train and "
-                                    "evaluate")
+                               help="which of rft, prorag, outcome_grpo, reasonrag, prorag_no_rft and prorag_oracle "
+                                    "to train and evaluate")
     eval_iterations: tuple = cfg_field((), help="RL iterations whose adapters are also evaluated, as "
                                                 "<method>@it<i> (F1 against RL questions: data efficiency)")
     rft: dict = cfg_field(help="rft job settings (services.trainer.stage_rft.RFTConfig)", factory=dict)
-    rl: dict = cfg_field(help="rl job settings shared by prorag and outcome_grpo (services.trainer.stage_rl."
-                              "RLConfig): the same questions, iterations, group size and learning rate for both",
+    rl: dict = cfg_field(help="rl job settings shared by every RL method (prorag, outcome_grpo, prorag_no_rft, "
+                              "prorag_oracle; services.trainer.stage_rl.RLConfig): the same questions, iterations, "
+                              "group size and learning rate for all",
                          factory=dict)
     dpo: dict = cfg_field(help="reasonrag's dpo job settings (services.trainer.stage_dpo.DPOConfig)", factory=dict)
+    pool: dict = cfg_field(help="settings of an rlpool job (services.trainer.stage_rlpool.RLPoolConfig, e.g. "
+                                "{\"samples\": 8}) run once from the SFT model before any RL job; every RL method then "
+                                "draws its questions from its learnable ones (empty = off: the whole split)",
+                           factory=dict)
     beta: float = cfg_field(0.3, help="ProRAG's weight of the process advantage (outcome_grpo: 0)", min=0.0,
                             max=10.0)
 
 
-def _job_id(prefix: str, stage: str, cfg: dict, prm_sha256: str = "") -> str:
+def _job_id(prefix: str, stage: str, cfg: dict, prm_sha256: str = "", pool_sha256: str = "") -> str:
     """The job id of one stage 3-4 job (prorag_app.stage2.settings_job_id): whether it uses a PRM counts, which PRM
     (its weights: the config names only the service's address, so a retrained PRM must not reuse the jobs its
-    predecessor filtered or scored), and for RL with a PRM the version of what the PRM is asked to score."""
+    predecessor filtered or scored), and for RL with a PRM the version of what the PRM is asked to score; for the
+    oracle the version of what it scores; for a job drawing from a question pool, the pool's content."""
     from prorag_app.stage2 import settings_job_id
 
     extra = {"uses_prm": bool(cfg.get("prm"))}
+    if cfg.get("step_scorer") == "oracle":  # the config says oracle; the version says which rules
+        from services.trainer.stage_rl import ORACLE_SCORING_VERSION
+
+        extra["oracle_scoring"] = ORACLE_SCORING_VERSION
+    if cfg.get("question_pool"):  # the path names a job's artifact; its content is what the RL draws from
+        extra["question_pool_sha256"] = pool_sha256
+    if stage == "rlpool":
+        from services.trainer.stage_rlpool import POOL_VERSION
+
+        extra["pool_version"] = POOL_VERSION
     if extra["uses_prm"]:
         extra["prm_sha256"] = prm_sha256
     if stage != "rft" and extra["uses_prm"]:
         from services.trainer.stage_rl import PRM_SCORING_VERSION
 
         extra["prm_scoring"] = PRM_SCORING_VERSION
-    return settings_job_id(prefix, stage, cfg, extra)
+    # the pool by its content alone, so a runs directory moved elsewhere still reuses the jobs
+    return settings_job_id(prefix, stage, {k: v for k, v in cfg.items() if k != "question_pool"}, extra)
+
+
+def rl_job_config(method: str, common: dict, base_model: str, policy: str, prm: str, beta: float,
+                  question_pool: str = "") -> dict:
+    """The rl job config of one RL method: ``common`` (world, topk and the profile's shared rl settings) with the
+    method's start model, policy, PRM and beta; keys a method leaves at the stage's default are left out, so the
+    job ids of methods that predate them do not change.
+
+    outcome_grpo: no PRM, beta 0; prorag / prorag_no_rft: the PRM at ``prm``, ``beta``; prorag_oracle: ``beta`` with
+    the reference judge's step verdicts (step_scorer=oracle) and no PRM. question_pool: every method's the same."""
+    if method not in RL_METHODS:
+        raise ValueError(f"{method!r} is not an RL method ({', '.join(RL_METHODS)})")
+    if "step_scorer" in common:  # shared settings would turn ProRAG itself into the oracle
+        raise ValueError("stage34.rl.step_scorer: the step scorer is the method's (prorag_oracle), not a shared setting")
+    cfg = {**common, "base_model": base_model, "policy": policy, "adapter_name": method}
+    if method == "outcome_grpo":
+        cfg.update(prm="", beta=0.0)
+    elif method == "prorag_oracle":
+        cfg.update(prm="", beta=beta, step_scorer="oracle")
+    else:
+        cfg.update(prm=prm, beta=beta)
+    if question_pool:
+        cfg["question_pool"] = question_pool
+    return cfg
+
+
+def pool_job_config(world: str, policy_model: str, policy: str, topk: int, rl: dict, pool: dict) -> dict:
+    """The rlpool job config: the candidates and sampling settings of the RL's shared settings ``rl``
+    (POOL_FROM_RL), then the profile's ``pool`` settings over them."""
+    return {"world": world, "policy_model": policy_model, "policy": policy, "topk": topk,
+            **{k: rl[k] for k in POOL_FROM_RL if k in rl}, **pool}
 
 
 def rl_summary(iterations_path: str | Path) -> dict:
     """Where an RL job's time went, per iteration (medians), from its iterations.jsonl: rollout, PRM scoring,
-    update and adapter push (sync); plus its last reward and the policy lag it saw."""
+    update and adapter push (sync); plus its last reward and the policy lag it saw, and ``per_iteration``: each
+    iteration's share of zero-variance groups and its rollouts' mean reward and F1."""
     import statistics
 
     rows = [json.loads(line) for line in Path(iterations_path).read_text().splitlines() if line.strip()]
@@ -93,6 +154,12 @@ def rl_summary(iterations_path: str | Path) -> dict:
         return sum(float(r.get(part, 0)) for r in rows) / max(1.0, sum(float(r.get(whole, 0)) for r in rows))
 
     out["groups_flat_fraction"] = fraction("groups_flat", "groups")
+    # per iteration: the share of groups whose rollouts all earned one reward (zero variance: no outcome signal)
+    # and the rollouts' mean reward, what shows whether RL is learning at all
+    out["per_iteration"] = [{"iteration": int(r.get("iteration", i)),
+                             "groups_flat_fraction": float(r.get("groups_flat", 0)) / max(1.0, float(r.get("groups", 0))),
+                             "reward_mean": float(r.get("reward_mean", 0.0)), "f1_mean": float(r.get("f1_mean", 0.0))}
+                            for i, r in enumerate(rows)]
     if any("groups_uncredited" in r for r in rows):  # jobs from before these counts have none
         out["groups_uncredited_fraction"] = fraction("groups_uncredited", "groups")
         out["deep_groups_uncredited_fraction"] = fraction("deep_groups_uncredited", "deep_groups")
@@ -105,7 +172,8 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
     """Train what ``settings.methods`` asks through the stack's trainer (``pairs_path``: stage 2's sibling pairs,
     reasonrag's data). Returns {"models": {method: {"model":
     directory, "adapter": name@version or ""}}, "jobs", "rl": {method: rl_summary}, "skipped": {method: why},
-    "settings"}."""
+    "settings", and "pool" ({"job", "path", "size", "samples", "counts"}) when ``settings.pool`` asked for one}."""
+    from prorag.io import sha256_file
     from prorag.registry import registry, weights_sha256
     from prorag_app.stack import ServiceStack
     from prorag_app.stage2 import run_job
@@ -129,7 +197,7 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
     with sft_serving:
         prm_target = sft_serving.grpc_target("prm") if prm_dir else ""
         sft_policy = sft_serving.grpc_target("policy")
-        rl_common = {"world": world, "topk": topk, **settings.rl}
+        rl_common = {"world": world, "topk": topk, **{k: v for k, v in settings.rl.items() if k != "question_pool"}}
         rft = None
         # RFT first: it samples from what the policy serves, which must still be the SFT model, not an RL adapter
         if prm_dir and ("rft" in wanted or "prorag" in wanted):
@@ -145,24 +213,44 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
                     if m in wanted:
                         out["skipped"][m] = f"the RFT job failed: {e}"
             timings["stage34_rft_s"] = time.monotonic() - t
-        if "outcome_grpo" in wanted:
+        # the question pool next, while the policy still serves the SFT model itself: every RL method draws from it
+        pool_path = settings.rl.get("question_pool", "")
+        if settings.pool and any(m in wanted for m in RL_METHODS):
             t = time.monotonic()
-            cfg = {**rl_common, "base_model": sft_ref, "policy": sft_policy, "prm": "", "beta": 0.0,
-                   "adapter_name": "outcome_grpo"}
-            job = run_job(stack, "rl", cfg, _job_id(prefix, "outcome_grpo", cfg))
-            out["jobs"]["outcome_grpo"] = job["job_id"]
-            out["models"]["outcome_grpo"] = {"model": sft_dir, "adapter": job["outputs"]["adapter"]}
-            out["rl"]["outcome_grpo"] = rl_summary(Path(job["run_dir"]) / "iterations.jsonl")
-            timings["stage34_outcome_grpo_s"] = time.monotonic() - t
-        if "prorag_no_rft" in wanted and prm_dir:
+            cfg = pool_job_config(world, sft_ref, sft_policy, topk, settings.rl, settings.pool)
+            job = run_job(stack, "rlpool", cfg, _job_id(prefix, "rlpool", cfg))
+            pool_path = job["outputs"]["pool_path"]
+            artifact = json.loads(Path(pool_path).read_text())
+            out["pool"] = {"job": job["job_id"], "path": pool_path, "size": len(artifact["pool"]),
+                           "samples": artifact["samples"], "counts": artifact["counts"]}
+            timings["stage34_pool_s"] = time.monotonic() - t
+            if not artifact["pool"]:
+                for m in RL_METHODS:
+                    if m in wanted:
+                        out["skipped"].setdefault(m, f"the question pool ({job['job_id']}) has no learnable "
+                                                     "question: the SFT model's samples were all right or all wrong "
+                                                     "on every candidate")
+        pool_sha = sha256_file(pool_path) if pool_path else ""
+
+        def train_rl(method: str, base_model: str, policy: str, model_dir: str) -> None:
+            """One RL method's job (or its finished one), its final adapter and its iterations' summary."""
             t = time.monotonic()
-            cfg = {**rl_common, "base_model": sft_ref, "policy": sft_policy, "prm": prm_target,
-                   "beta": settings.beta, "adapter_name": "prorag_no_rft"}
-            job = run_job(stack, "rl", cfg, _job_id(prefix, "prorag_no_rft", cfg, prm_sha))
-            out["jobs"]["prorag_no_rft"] = job["job_id"]
-            out["models"]["prorag_no_rft"] = {"model": sft_dir, "adapter": job["outputs"]["adapter"]}
-            out["rl"]["prorag_no_rft"] = rl_summary(Path(job["run_dir"]) / "iterations.jsonl")
-            timings["stage34_prorag_no_rft_s"] = time.monotonic() - t
+            cfg = rl_job_config(method, rl_common, base_model, policy, prm_target, settings.beta, pool_path)
+            job = run_job(stack, "rl", cfg, _job_id(prefix, method, cfg, prm_sha if cfg["prm"] else "", pool_sha))
+            out["jobs"][method] = job["job_id"]
+            out["models"][method] = {"model": model_dir, "adapter": job["outputs"]["adapter"]}
+            out["rl"][method] = rl_summary(Path(job["run_dir"]) / "iterations.jsonl")
+            timings[f"stage34_{method}_s"] = time.monotonic() - t
+
+        def runs(method: str) -> bool:
+            return method in wanted and method not in out["skipped"]
+
+        if runs("outcome_grpo"):
+            train_rl("outcome_grpo", sft_ref, sft_policy, sft_dir)
+        if runs("prorag_no_rft") and prm_dir:
+            train_rl("prorag_no_rft", sft_ref, sft_policy, sft_dir)
+        if runs("prorag_oracle"):  # no PRM needed: it runs where stage 2 trained none
+            train_rl("prorag_oracle", sft_ref, sft_policy, sft_dir)
         if rft is not None:
             out["jobs"]["rft"] = rft["job_id"]
             rft_ref = rft["outputs"]["model"]
@@ -173,20 +261,13 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
                           if f"data_{k}" in rft["metrics"]}
             if "rft" in wanted:
                 out["models"]["rft"] = {"model": rft_dir, "adapter": ""}
-            if "prorag" in wanted:
-                t = time.monotonic()
+            if runs("prorag"):
                 rft_serving = ServiceStack(port_offset=port_offset + 10, world=world, services=("policy",),
                                            overrides={"policy": {"model": rft_dir, "restore_active": False,
                                                                  "retriever": stack.grpc_target("retriever")}},
                                            log_dir=str(run_dir / "logs" / "stage34-rft-policy"))
                 with rft_serving:
-                    cfg = {**rl_common, "base_model": rft_ref, "policy": rft_serving.grpc_target("policy"),
-                           "prm": prm_target, "beta": settings.beta, "adapter_name": "prorag"}
-                    job = run_job(stack, "rl", cfg, _job_id(prefix, "prorag", cfg, prm_sha))
-                out["jobs"]["prorag"] = job["job_id"]
-                out["models"]["prorag"] = {"model": rft_dir, "adapter": job["outputs"]["adapter"]}
-                out["rl"]["prorag"] = rl_summary(Path(job["run_dir"]) / "iterations.jsonl")
-                timings["stage34_prorag_s"] = time.monotonic() - t
+                    train_rl("prorag", rft_ref, rft_serving.grpc_target("policy"), rft_dir)
         if "reasonrag" in wanted:
             if not pairs_path:
                 out["skipped"]["reasonrag"] = "stage 2 wrote no sibling pairs, ReasonRAG's DPO data"
@@ -207,7 +288,7 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
     # the RL adapters after fewer iterations, evaluated like the final ones (every iteration published one)
     from services.trainer.stage_rl import adapter_version
 
-    for m in [m for m in ("prorag", "outcome_grpo", "prorag_no_rft") if m in out["jobs"]]:
+    for m in [m for m in RL_METHODS if m in out["jobs"]]:
         final = out["rl"][m].get("iterations", 0)
         for i in settings.eval_iterations:
             if 0 < int(i) < final:
@@ -259,5 +340,5 @@ def print_rl(rl: dict) -> None:
     console.print(table)
 
 
-__all__ = ["COMPARISONS", "Stage34Settings", "per_question_f1", "print_comparisons", "print_rl", "rl_summary",
-           "run_stage34"]
+__all__ = ["COMPARISONS", "POOL_FROM_RL", "RL_METHODS", "Stage34Settings", "per_question_f1", "pool_job_config",
+           "print_comparisons", "print_rl", "rl_job_config", "rl_summary", "run_stage34"]

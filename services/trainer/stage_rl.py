@@ -9,10 +9,13 @@ Each iteration runs these steps in order (run_rl); its optimizer steps are those
 2. collect rollouts (:func:`roll_out`): a batch of train questions is rolled out G times each through the policy
    service (live retrieval); every trajectory names the adapter version that produced it, and one older than
    ``max_policy_lag`` iterations (or from another adapter) is dropped;
-3. score steps (:func:`score_steps`): the PRM service's logits for every step of the iteration, in one call;
+3. score steps (:func:`score_steps`): the PRM service's logits for every step of the iteration, in one call; or,
+   with step_scorer=oracle (:func:`oracle_scores`), the reference judge's verdict on the gold decomposition as a
+   logit (a diagnostic ceiling: what a PRM that is always right would give);
 4. advantages (:func:`advantages`): outcome reward per trajectory (OUTCOME_REWARDS on token F1 and format), and
-   per step A = group_normalized(R) + beta * process advantage (algorithms.rl.group_step_advantages), broadcast
-   to the step's generated tokens only;
+   per step A = group_normalized(R) + beta * process advantage (algorithms.rl.group_step_advantages; the PRM
+   logits optionally centred per step kind and the group's sigma floored: prm_centering, process_std_floor),
+   broadcast to the step's generated tokens only;
 5. update: ``mini_batches`` optimizer steps of the clipped surrogate (prorag.training.lora.rl_loss) with the
    sampling log-probs the policy service returned as the old policy, recomputed log-probs from the local LoRA
    model, and an optional k3 KL to the base (the same model with the adapter disabled); then the iteration's
@@ -37,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prorag import paths
-from prorag.algorithms.rl import OUTCOME_REWARDS, credit_counts
+from prorag.algorithms.rl import OUTCOME_REWARDS, PRM_CENTERINGS, credit_counts
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
@@ -67,7 +70,16 @@ class RLConfig(TrainRunConfig):
                                                     "adapter version)")
     retriever_index: str = cfg_field("", help="retriever index the policy's rollouts search ('' = its default)")
     topk: int = cfg_field(1, help="documents per subquery, as the policy was trained (ProRAG: 3)", min=1, max=20)
-    prm: str = cfg_field("127.0.0.1:50053", help="PRM service that scores the steps ('' = outcome-only GRPO)")
+    prm: str = cfg_field("127.0.0.1:50053", help="PRM service that scores the steps ('' = outcome-only GRPO); "
+                                                 "not used with step_scorer=oracle")
+    step_scorer: str = cfg_field("prm", help="what scores each step for the process advantage: prm = the PRM "
+                                             "service's logit; oracle = the reference judge's verdict on the gold "
+                                             "decomposition (prorag.judging.judge_step, as a +/-ORACLE_LOGIT logit): "
+                                             "a diagnostic ceiling, no PRM service needed",
+                                 choices=("prm", "oracle"))
+    question_pool: str = cfg_field("", help="a question pool artifact (trainer stage rlpool's pool.json): only its "
+                                            "learnable questions are drawn, before min_hops and max_questions "
+                                            "('' = the whole split)")
     iterations: int = cfg_field(0, help="RL iterations (one rollout batch and one update each); 0 = one pass "
                                         "over the questions (ProRAG: 1 epoch)", min=0)
     questions_per_iteration: int = cfg_field(16, help="questions rolled out per iteration", min=1, max=4096)
@@ -86,6 +98,16 @@ class RLConfig(TrainRunConfig):
     normalization: str = cfg_field("token", help="process-advantage statistics over every generated token of a "
                                                  "group (token, the reference) or over its steps (step)",
                                    choices=("token", "step"))
+    prm_centering: str = cfg_field("none", help="PRM logits as they come (none, the reference) or centred per step "
+                                                "kind within each group before they become step scores (per_kind: "
+                                                "each kind's mean, weighted as normalization weighs steps, is "
+                                                "subtracted; a Bradley-Terry PRM leaves each kind at its own "
+                                                "offset, which would push a low-offset kind down in every group; "
+                                                "algorithms.rl.reference_step_scores)", choices=PRM_CENTERINGS)
+    process_std_floor: float = cfg_field(0.0, help="least spread the process advantage divides a group's step "
+                                                   "scores by (sigma := max(sigma, floor); 0 = the reference), so a "
+                                                   "group whose steps all score alike keeps tiny differences tiny",
+                                         min=0.0, max=100.0)
     clip: float = cfg_field(0.2, help="PPO ratio clip (ProRAG: 0.2)", min=0.0, max=10.0)
     kl_coef: float = cfg_field(0.0, help="k3 KL penalty to the base model, the adapter disabled (ProRAG: 0)",
                                min=0.0, max=10.0)
@@ -187,7 +209,7 @@ def call_with_service_wait(fn, target: str, what: str, wait_s: float, stats: dic
 
 def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: str, policy, prm) -> IterationData:
     """An iteration's data, on the main process: :func:`roll_out` ``questions`` G times each (stale trajectories
-    dropped), :func:`score_steps` with the PRM, then :func:`advantages`.
+    dropped), :func:`score_steps` with the PRM (or :func:`oracle_scores`), then :func:`advantages`.
 
     version_key: the adapter version being trained (pinned requests name it). One PRM call for the whole
     iteration, every step of every kept trajectory in it."""
@@ -197,7 +219,10 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
              "dropped_too_long": 0, "prm_scored": 0, "service_retries": 0}
     kept, lags = roll_out(cfg, questions, iteration, job_id, version_key, policy, stats)
     steps = [[step_from_pb(s) for s in t.steps] for t in kept]
-    logits = score_steps(cfg, kept, steps, prm, stats)
+    if cfg.step_scorer == "oracle":
+        logits = oracle_scores(cfg, questions, kept, steps, stats)
+    else:
+        logits = score_steps(cfg, kept, steps, prm, stats)
     return advantages(cfg, questions, iteration, kept, lags, steps, logits, stats)
 
 
@@ -275,12 +300,49 @@ def score_steps(cfg: RLConfig, kept: list, steps: list[list], prm, stats: dict) 
     return logits
 
 
+#: the logit an oracle verdict stands for: sigmoid(+/-10) is 1 or 0 to 5 decimals, so through step_score_reference a
+#: sound valid step scores 2, an unsound valid one 1 and an invalid one -2: a PRM that is always sure and right
+ORACLE_LOGIT = 10.0
+#: bumped when what the oracle scores changes (its logit, the judge's rules), as PRM_SCORING_VERSION is for the PRM
+ORACLE_SCORING_VERSION = 1
+
+
+def oracle_step_logits(question, steps: list) -> list[float]:
+    """The reference judge's verdict on each step of one trajectory, as a PRM-like logit.
+
+    question: a Question with its gold decomposition; steps [S] (prorag.trajectory.Step, with the documents each
+    subquery retrieved). Returns [S]: +ORACLE_LOGIT where prorag.judging.judge_step finds step k, taken after steps
+    [:k], sound (right entity for the open hop, a sub-answer stated by the last search's documents, no repeated
+    search, a right final answer), -ORACLE_LOGIT otherwise. Pure: no service, no model."""
+    from prorag.judging import judge_step
+
+    return [ORACLE_LOGIT if judge_step(question, steps[:k], st).sound else -ORACLE_LOGIT
+            for k, st in enumerate(steps)]
+
+
+def oracle_scores(cfg: RLConfig, questions, kept: list, steps: list[list], stats: dict) -> list[list[float]] | None:
+    """Step 2 with step_scorer=oracle: :func:`oracle_step_logits` of every kept trajectory, [N][steps of trajectory
+    i], in place of the PRM's logits (the rest of the process term is unchanged); None when beta = 0."""
+    if cfg.beta <= 0:
+        stats["prm_s"] = 0.0
+        return None
+    t1 = time.monotonic()
+    by_id = {q.id: q for q in questions}
+    logits = [oracle_step_logits(by_id[t.question_id], ss) for t, ss in zip(kept, steps)]
+    flat = [x for ls in logits for x in ls]
+    stats["prm_version"] = "oracle"
+    stats["oracle_scored"] = len(kept)
+    stats["oracle_sound_rate"] = _mean([float(x > 0) for x in flat])
+    stats["prm_s"] = time.monotonic() - t1  # the scoring step's time, under the key rl_summary reads
+    return logits
+
+
 def advantages(cfg: RLConfig, questions, iteration: int, kept: list, lags: list[int], steps: list[list],
                logits: list[list[float]] | None, stats: dict) -> IterationData:
     """Step 3: outcome rewards [N], per-step advantages within each question's group (outcome, plus beta x the
     process advantage when ``logits`` are given), broadcast to each trajectory's generated tokens [T_i]; the
     iteration's samples and statistics."""
-    from prorag.algorithms.rl import group_step_advantages, step_score_reference, token_advantages
+    from prorag.algorithms.rl import group_step_advantages, reference_step_scores, token_advantages
     from prorag.metrics import f1_score
     from prorag.pbconv import token_trace_from_pb
 
@@ -306,15 +368,16 @@ def advantages(cfg: RLConfig, questions, iteration: int, kept: list, lags: list[
         tokens = [[s.generated_end - s.start for s in traces[i].spans] for i in members]
         scores = None
         if use_prm:
-            scores = []
             for i in members:
                 if len(logits[i]) != len(steps[i]) or len(steps[i]) != len(traces[i].spans):
                     raise FailedPrecondition(f"trajectory {kept[i].question_id}#{kept[i].sample_index}: "
                                              f"{len(steps[i])} steps, {len(traces[i].spans)} token spans and "
                                              f"{len(logits[i])} PRM scores do not line up")
-                scores.append([step_score_reference(x, s.kind != "invalid") for x, s in zip(logits[i], steps[i])])
+            kinds = [[s.kind for s in steps[i]] for i in members]
+            scores = reference_step_scores([logits[i] for i in members], kinds, tokens, cfg.prm_centering,
+                                           cfg.normalization)
         for i, a in zip(members, group_step_advantages([rewards[i] for i in members], scores, tokens, cfg.beta,
-                                                       cfg.normalization)):
+                                                       cfg.normalization, std_floor=cfg.process_std_floor)):
             step_adv[i] = a
 
     for i, a in enumerate(step_adv):
@@ -361,6 +424,26 @@ def select_questions(questions: list, min_hops: int = 0, max_questions: int = 0)
     return picked[:max_questions] if max_questions else picked
 
 
+def pool_questions(questions: list, pool_ids) -> list:
+    """The questions [Q] whose id is in ``pool_ids``, in the split's order (so the seeded draw over them is the
+    same for every method that reads the same pool)."""
+    wanted = set(pool_ids)
+    return [q for q in questions if q.id in wanted]
+
+
+def read_question_pool(path: str | Path, world: str, split: str) -> list[str]:
+    """The learnable question ids of a pool artifact (services.trainer.stage_rlpool); FailedPrecondition when it
+    is missing, or was built on another world or split than the RL job samples."""
+    p = Path(path)
+    if not p.is_file():
+        raise FailedPrecondition(f"question_pool {str(path)!r} does not exist (run the rlpool stage first)")
+    pool = json.loads(p.read_text())
+    if (pool.get("world"), pool.get("split")) != (world, split):
+        raise FailedPrecondition(f"question_pool {str(path)!r} was built on world {pool.get('world')!r}, split "
+                                 f"{pool.get('split')!r}; this job samples world {world!r}, split {split!r}")
+    return list(pool["pool"])
+
+
 def run_rl(ctx: JobContext) -> dict:
     import torch
 
@@ -376,10 +459,19 @@ def run_rl(ctx: JobContext) -> dict:
     placement = cfg.placement()
     base = Path(resolve_model(cfg.world, cfg.base_model, "base_model"))
     base_sha = weights_sha256(base)
-    qs = select_questions(load_split(paths.world_dir(cfg.world), cfg.split), cfg.min_hops, cfg.max_questions)
+    qs = load_split(paths.world_dir(cfg.world), cfg.split)
+    if cfg.question_pool:
+        qs = pool_questions(qs, read_question_pool(cfg.question_pool, cfg.world, cfg.split))
+    qs = select_questions(qs, cfg.min_hops, cfg.max_questions)
     if not qs:
         raise FailedPrecondition(f"world {cfg.world!r} has no {cfg.split} questions"
-                                 + (f" of {cfg.min_hops}+ hops" if cfg.min_hops else ""))
+                                 + (f" of {cfg.min_hops}+ hops" if cfg.min_hops else "")
+                                 + (f" in question_pool {cfg.question_pool!r}" if cfg.question_pool else ""))
+    if cfg.step_scorer == "oracle" and cfg.beta > 0:
+        lacking = [q.id for q in qs if not q.decomposition]
+        if lacking:  # the oracle judges against the gold hops: without them every step would read as unsound
+            raise FailedPrecondition(f"step_scorer=oracle needs each question's gold decomposition; {len(lacking)} "
+                                     f"of the {cfg.split} questions have none (e.g. {lacking[0]!r})")
     per_epoch = math.ceil(len(qs) / cfg.questions_per_iteration)
     total = cfg.iterations or per_epoch
     ctx.seed_everything(cfg.seed)
@@ -393,7 +485,8 @@ def run_rl(ctx: JobContext) -> dict:
     acc = ctx.accelerator
     journal = ctx.checkpoint_dir / "rl-iterations.jsonl"
     policy = PolicyClient(cfg.policy, timeout=3600) if ctx.is_main else None
-    prm = PRMClient(cfg.prm, timeout=600) if cfg.prm and cfg.beta > 0 and ctx.is_main else None
+    prm = (PRMClient(cfg.prm, timeout=600) if cfg.step_scorer == "prm" and cfg.prm and cfg.beta > 0 and ctx.is_main
+           else None)
 
     def questions_at(iteration: int):
         # the order is a function of (seed, epoch) only, so a resumed job rolls out the same questions
@@ -590,6 +683,10 @@ def run_rl(ctx: JobContext) -> dict:
         for key in ("reward_mean", "f1_mean", "format_valid_rate", "clip_fraction", "approx_kl", "lag_mean"):
             out[f"last_{key}"] = float(rows[-1].get(key, 0.0))
         out["lag_max"] = max(float(r.get("lag_max", 0.0)) for r in rows)
+        # groups whose rollouts all earned the same reward: no outcome signal (what a learnable pool cuts down)
+        out["groups_flat_fraction"] = (sum(float(r.get("groups_flat", 0)) for r in rows)
+                                       / max(1.0, sum(float(r.get("groups", 0)) for r in rows)))
+    out["questions_drawn_from"] = float(len(qs))
     return out
 
 
@@ -628,4 +725,4 @@ register_stage("rl", RLConfig, run_rl,
                description="process-supervised GRPO on LoRA adapters: rollouts through the policy, step scores from "
                            "the PRM, a new adapter version published and pushed to every replica each iteration "
                            "(beta=0 or prm='' = outcome-only GRPO)",
-               checks={"base_model": "model", "adapter_name": "name"})
+               checks={"base_model": "model", "adapter_name": "name", "question_pool": "path"})

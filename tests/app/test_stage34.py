@@ -1,4 +1,5 @@
-"""prorag_app.stage34: which finished stage 3-4 job a run may reuse."""
+"""prorag_app.stage34: which finished stage 3-4 job a run may reuse, the RL methods' job configs (the oracle, the
+shared question pool) and what the stage reports."""
 
 from __future__ import annotations
 
@@ -18,3 +19,154 @@ def test_a_retrained_prm_gets_new_prm_guided_jobs_and_keeps_the_others():
     # outcome-only GRPO asks no PRM: one job whatever stage 2 trained
     assert _job_id("w-stage34", "outcome_grpo", outcome, "prm-one") == _job_id("w-stage34", "outcome_grpo", outcome,
                                                                               "prm-two")
+
+
+def test_the_oracle_is_its_own_job_with_no_prm_and_every_rl_method_shares_the_pool():
+    import pytest
+
+    from prorag_app.stage34 import RL_METHODS, rl_job_config
+
+    common = {"world": "w", "topk": 1, "iterations": 5}
+    cfgs = {m: rl_job_config(m, common, "sft@a", "127.0.0.1:1", "127.0.0.1:2", 0.3, "/runs/pool.json")
+            for m in RL_METHODS}
+    assert cfgs["prorag_oracle"]["step_scorer"] == "oracle" and cfgs["prorag_oracle"]["prm"] == ""
+    assert cfgs["prorag_oracle"]["beta"] == 0.3 == cfgs["prorag_no_rft"]["beta"]
+    assert cfgs["outcome_grpo"]["beta"] == 0.0 and cfgs["outcome_grpo"]["prm"] == ""
+    assert all("step_scorer" not in c for m, c in cfgs.items() if m != "prorag_oracle")
+    assert {c["question_pool"] for c in cfgs.values()} == {"/runs/pool.json"}
+    assert {c["adapter_name"] for c in cfgs.values()} == set(RL_METHODS)
+    # the oracle's job is neither outcome GRPO's nor ProRAG's, and no PRM retraining touches it
+    oracle = _job_id("w-stage34", "prorag_oracle", cfgs["prorag_oracle"], "", "pool-one")
+    assert oracle != _job_id("w-stage34", "prorag_oracle", {**cfgs["prorag_oracle"], "step_scorer": "prm"}, "",
+                             "pool-one")
+    assert oracle != _job_id("w-stage34", "outcome_grpo", cfgs["outcome_grpo"], "", "pool-one")
+    # the pool counts by content: another pool, another job; the same pool elsewhere on disk, the same job
+    assert oracle != _job_id("w-stage34", "prorag_oracle", cfgs["prorag_oracle"], "", "pool-two")
+    assert oracle == _job_id("w-stage34", "prorag_oracle", {**cfgs["prorag_oracle"], "question_pool": "/x/pool.json"},
+                             "", "pool-one")
+    # jobs without a pool keep the ids they had before pools existed
+    plain = rl_job_config("outcome_grpo", common, "sft@a", "127.0.0.1:1", "", 0.3)
+    assert "question_pool" not in plain and _job_id("w-stage34", "outcome_grpo", plain) == _job_id(
+        "w-stage34", "outcome_grpo", {**common, "base_model": "sft@a", "policy": "127.0.0.1:9", "prm": "",
+                                      "beta": 0.0, "adapter_name": "outcome_grpo"})
+    with pytest.raises(ValueError, match="step_scorer"):
+        rl_job_config("prorag", {**common, "step_scorer": "oracle"}, "rft@b", "p", "q", 0.3)
+
+
+def test_the_pool_job_samples_the_rl_candidates_as_the_rl_samples_them():
+    from prorag.config import from_dict
+    from prorag_app.stage34 import pool_job_config
+    from services.trainer.stage_rlpool import RLPoolConfig
+
+    rl = {"min_hops": 3, "max_questions": 400, "temperature": 0.9, "max_steps": 9, "lr": 1e-5, "seed": 2,
+          "group_size": 8}
+    cfg = pool_job_config("w", "sft@a", "127.0.0.1:1", 3, rl, {"samples": 8, "max_questions": 200})
+    assert cfg == {"world": "w", "policy_model": "sft@a", "policy": "127.0.0.1:1", "topk": 3, "min_hops": 3,
+                   "max_questions": 200, "temperature": 0.9, "max_steps": 9, "samples": 8}
+    from_dict(RLPoolConfig, cfg)  # a valid job config: nothing RL-only (lr, seed, group size) leaks in
+
+
+def test_rl_summary_reports_zero_variance_groups_and_reward_per_iteration(tmp_path):
+    import json
+
+    from prorag_app.stage34 import rl_summary
+
+    rows = [{"iteration": 0, "groups": 4, "groups_flat": 3, "reward_mean": 0.5, "f1_mean": 0.1},
+            {"iteration": 1, "groups": 4, "groups_flat": 1, "reward_mean": 1.5, "f1_mean": 0.4}]
+    path = tmp_path / "iterations.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = rl_summary(path)
+    assert s["groups_flat_fraction"] == 0.5
+    assert s["per_iteration"] == [{"iteration": 0, "groups_flat_fraction": 0.75, "reward_mean": 0.5, "f1_mean": 0.1},
+                                  {"iteration": 1, "groups_flat_fraction": 0.25, "reward_mean": 1.5, "f1_mean": 0.4}]
+
+
+def test_comparisons_name_the_oracle_ceiling_and_the_same_start_headline():
+    from prorag_app.stage34 import COMPARISONS
+
+    assert ("prorag_oracle", "outcome_grpo") in COMPARISONS and ("prorag_no_rft", "outcome_grpo") in COMPARISONS
+    assert len(set(COMPARISONS)) == len(COMPARISONS)
+
+
+class _Stack:
+    """What run_stage34 asks of a running stack and of the serving stacks it starts: targets, a with-block."""
+
+    def __init__(self, *a, **kw):
+        self.started = kw
+
+    def grpc_target(self, service):
+        return f"127.0.0.1:{ {'retriever': 1, 'policy': 2, 'prm': 3}[service] }"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _recording_trainer(tmp_path, learnable_ids):
+    """A run_job that records each submitted job and answers as the trainer's stages do (outputs, run_dir): the
+    rlpool job's pool.json, an RL job's adapter and iterations.jsonl."""
+    import json
+
+    submitted = []
+
+    def run_job(stack, stage, config, job_id):
+        submitted.append((stage, config, job_id))
+        run = tmp_path / job_id
+        run.mkdir(parents=True, exist_ok=True)
+        if stage == "rlpool":
+            pool = {"world": config["world"], "split": "train", "samples": config["samples"], "pool": learnable_ids,
+                    "counts": {"candidates": 5, "all_right": 1, "all_wrong": 5 - 1 - len(learnable_ids),
+                               "learnable": len(learnable_ids), "by_hops": {}}}
+            (run / "pool.json").write_text(json.dumps(pool))
+            return {"job_id": job_id, "metrics": {}, "outputs": {"pool_path": str(run / "pool.json")},
+                    "run_dir": str(run)}
+        (run / "iterations.jsonl").write_text(json.dumps({"iteration": 0, "groups": 2, "groups_flat": 1}) + "\n")
+        return {"job_id": job_id, "metrics": {}, "outputs": {"adapter": f"{config['adapter_name']}@{job_id}-1"},
+                "run_dir": str(run)}
+
+    return run_job, submitted
+
+
+def _run(tmp_path, monkeypatch, learnable_ids, **settings):
+    from prorag.config import from_dict
+    from prorag_app import stack as stack_module, stage2
+    from prorag_app.stage34 import Stage34Settings, run_stage34
+
+    run_job, submitted = _recording_trainer(tmp_path / "jobs", learnable_ids)
+    monkeypatch.setattr(stage2, "run_job", run_job)
+    monkeypatch.setattr(stack_module, "ServiceStack", _Stack)
+    s = from_dict(Stage34Settings, {"methods": ["outcome_grpo", "prorag_oracle", "prorag"], **settings})
+    out = run_stage34(_Stack(), "w", "sft@a", str(tmp_path / "sft"), None, {"topk": 1}, s, tmp_path / "run", 0, {})
+    return out, submitted
+
+
+def test_stage34_runs_the_pool_first_and_every_rl_job_draws_from_it(tmp_path, monkeypatch):
+    out, submitted = _run(tmp_path, monkeypatch, ["q1", "q3"], pool={"samples": 8}, rl={"min_hops": 3})
+    stages = [(stage, c.get("adapter_name", "")) for stage, c, _ in submitted]
+    # no PRM (stage 2 trained none): ProRAG is skipped, the oracle still runs; the pool comes before any RL job
+    assert stages == [("rlpool", ""), ("rl", "outcome_grpo"), ("rl", "prorag_oracle")]
+    pool_cfg, pool_path = submitted[0][1], out["pool"]["path"]
+    assert pool_cfg["policy_model"] == "sft@a" and pool_cfg["min_hops"] == 3 and pool_cfg["samples"] == 8
+    assert all(c["question_pool"] == pool_path for stage, c, _ in submitted if stage == "rl")
+    assert out["pool"]["size"] == 2 and out["pool"]["counts"]["learnable"] == 2
+    assert "prorag" in out["skipped"] and set(out["models"]) == {"outcome_grpo", "prorag_oracle"}
+    assert out["rl"]["prorag_oracle"]["per_iteration"][0]["groups_flat_fraction"] == 0.5
+    oracle_cfg = submitted[2][1]
+    assert oracle_cfg["step_scorer"] == "oracle" and oracle_cfg["prm"] == "" and oracle_cfg["beta"] == 0.3
+    assert out["jobs"]["prorag_oracle"] != out["jobs"]["outcome_grpo"]
+
+
+def test_stage34_without_pool_settings_runs_no_pool_job(tmp_path, monkeypatch):
+    out, submitted = _run(tmp_path, monkeypatch, [])
+    assert [stage for stage, _, _ in submitted] == ["rl", "rl"] and "pool" not in out
+    assert all("question_pool" not in c for _, c, _ in submitted)
+
+
+def test_an_empty_pool_skips_the_rl_methods_with_the_reason(tmp_path, monkeypatch):
+    out, submitted = _run(tmp_path, monkeypatch, [], pool={"samples": 8})
+    assert [stage for stage, _, _ in submitted] == ["rlpool"]
+    assert "no learnable question" in out["skipped"]["outcome_grpo"] and "prorag_oracle" in out["skipped"]
+    assert "no PRM" in out["skipped"]["prorag"]  # the first reason stays
+    assert not out["models"]

@@ -1,0 +1,222 @@
+"""A learnable question pool for RL (issue 30 deliverable 4): the questions on which the start model's samples are
+neither all right nor all wrong.
+
+GRPO learns only from groups whose rollouts earn different rewards; a question the start model always or never
+answers gives a group with no outcome signal. This stage samples ``samples`` rollouts of each candidate train
+question from the policy service serving the start model (the same Rollout call and sampling settings as the RL
+stage), scores each with the RL's outcome reward and token F1 (a sample is right when its F1 reaches ``min_f1``,
+by default the F1 from which the reward gives answer credit), and writes ``pool.json``: the learnable question ids
+(:func:`learnable`), every candidate's solve rate and hop count, and the counts (candidates, all right, all wrong,
+learnable; overall and by hop count: :func:`pool_counts`). Every RL method then draws from the same pool
+(RLConfig.question_pool).
+
+Each finished Rollout request appends one fsynced line to a journal in the checkpoint directory, so a stopped or
+killed job resumes with the requests it had not finished (each request's sampling seed is a function of its place
+in the candidate list, so a resumed job samples what an uninterrupted one would).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from prorag import paths
+from prorag.algorithms.rl import ANSWER_CREDIT_F1, OUTCOME_REWARDS
+from prorag.config import cfg_field
+from prorag.errors import FailedPrecondition
+from prorag.training.context import JobContext
+from services.trainer.stages import register_stage, resolve_model
+
+#: bumped when what makes a question learnable changes, so a caller that names jobs by settings does not reuse
+#: a pool built under the old rule
+POOL_VERSION = 1
+
+
+@dataclass
+class RLPoolConfig:
+    """Sample the start model on candidate train questions; keep those it sometimes, but not always, gets right."""
+
+    world: str = cfg_field("default", help="embedded world whose questions are sampled")
+    split: str = cfg_field("train", help="split whose questions are candidates (never the test split)")
+    max_questions: int = cfg_field(0, help="candidates, the split's first ones after min_hops (0 = all): as the "
+                                           "RL stage's max_questions", min=0)
+    min_hops: int = cfg_field(0, help="only candidates of at least this many hops (0 = all): as the RL stage's "
+                                      "min_hops", min=0, max=16)
+    policy: str = cfg_field("127.0.0.1:50052", help="policy service serving the start model")
+    policy_model: str = cfg_field("", help="required: the start model the policy serves (a directory or "
+                                           "name@version in the world's registry); the pool is this model's")
+    adapter: str = cfg_field("", help="policy adapter name@version the samples must come from ('' = the served "
+                                      "model itself: a sample from any adapter fails the job)")
+    retriever_index: str = cfg_field("", help="retriever index the policy's rollouts search ('' = its default)")
+    topk: int = cfg_field(1, help="documents per subquery, as the policy was trained", min=1, max=20)
+    samples: int = cfg_field(8, help="rollouts per candidate question (as the RL's group size)", min=2, max=64)
+    temperature: float = cfg_field(1.0, help="sampling temperature (as the RL's)", min=0.01, max=5.0)
+    max_step_tokens: int = cfg_field(128, help="most tokens of one generated step", min=8, max=4096)
+    max_steps: int = cfg_field(11, help="steps of a trajectory at most (as the RL's)", min=1, max=64)
+    questions_per_request: int = cfg_field(32, help="questions in one Rollout request (one journal line)", min=1,
+                                           max=4096)
+    reward: str = cfg_field("reference", help="outcome reward recorded per question (as the RL's)",
+                            choices=tuple(OUTCOME_REWARDS))
+    min_f1: float = cfg_field(ANSWER_CREDIT_F1, help="a sample is right when its answer's token F1 reaches this "
+                                                     "(default: the F1 from which the RL's reward gives answer "
+                                                     "credit)", min=0.0, max=1.0)
+    seed: int = cfg_field(0, help="base of the sampling seeds", min=0, max=2 ** 31 - 1)
+    service_wait_s: float = cfg_field(300.0, help="how long a Rollout call waits, in all, for a policy service that "
+                                                  "went away to come back before the job fails", min=0.0)
+    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
+
+    def validate(self) -> None:
+        from prorag.config import ConfigError
+
+        if not self.policy_model:
+            raise ConfigError("policy_model", "required: the start model the policy serves")
+        if self.split == "test":
+            raise ConfigError("split", "the RL question pool never draws on the test split")
+
+
+# ---------------------------------------------------------------- pure parts
+def learnable(correct: Sequence[bool]) -> bool:
+    """Whether a question belongs in the pool: some of its samples [n] are right and some wrong (0 < right < n).
+
+    >>> learnable([True, False, False]), learnable([True, True]), learnable([False, False]), learnable([])
+    (True, False, False, False)
+    """
+    right = sum(bool(c) for c in correct)
+    return 0 < right < len(correct)
+
+
+def pool_counts(rows: Sequence[dict]) -> dict:
+    """Counts over candidate rows [Q] (each {"hops": int, "correct": [n] bools}): candidates, all_right, all_wrong
+    and learnable, overall and under "by_hops" keyed by the hop count as a string.
+
+    >>> c = pool_counts([{"hops": 2, "correct": [True, False]}, {"hops": 3, "correct": [False, False]}])
+    >>> c["learnable"], c["all_wrong"], c["by_hops"]["3"]
+    (1, 1, {'candidates': 1, 'all_right': 0, 'all_wrong': 1, 'learnable': 0})
+    """
+    def count(part: Sequence[dict]) -> dict:
+        return {"candidates": len(part),
+                "all_right": sum(1 for r in part if r["correct"] and all(r["correct"])),
+                "all_wrong": sum(1 for r in part if not any(r["correct"])),
+                "learnable": sum(1 for r in part if learnable(r["correct"]))}
+
+    hops = sorted({int(r["hops"]) for r in rows})
+    return {**count(rows), "by_hops": {str(h): count([r for r in rows if int(r["hops"]) == h]) for h in hops}}
+
+
+# ---------------------------------------------------------------- the journal
+def _append(path: Path, row: dict) -> None:
+    # one line per finished Rollout request, fsynced: what a resumed job skips
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_journal(path: Path) -> dict[int, list[dict]]:
+    done: dict[int, list[dict]] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a kill: that request is sampled again
+            done[int(row["request"])] = row["rows"]
+    return done
+
+
+# ---------------------------------------------------------------- the stage
+def sample_request(cfg: RLPoolConfig, policy, chunk: list, start: int, stats: dict) -> list[dict]:
+    """One Rollout request: ``chunk`` [q] questions, ``samples`` rollouts each; returns one row per question
+    {"id", "hops", "f1" [n], "reward" [n], "correct" [n]}."""
+    from prorag.metrics import f1_score
+    from services.trainer.stage_rl import call_with_service_wait
+
+    reward_fn = OUTCOME_REWARDS[cfg.reward]
+    # the RL stage's seed formula at iteration 0, by the request's place in the candidate list
+    sampling = policy.sampling(n=cfg.samples, temperature=cfg.temperature, max_tokens=cfg.max_step_tokens,
+                               seed=(cfg.seed * 7919 + start + 1) % (2 ** 31 - 1) or 1)
+    by_id = {q.id: q for q in chunk}
+    rows = {q.id: {"id": q.id, "hops": int(q.hops), "f1": [], "reward": [], "correct": []} for q in chunk}
+
+    def request():
+        return list(policy.rollout([(q.id, q.question) for q in chunk], sampling, max_steps=cfg.max_steps,
+                                   topk=cfg.topk, retriever_index=cfg.retriever_index, adapter=cfg.adapter))
+
+    for t in call_with_service_wait(request, cfg.policy, "policy", cfg.service_wait_s, stats):
+        if not hasattr(t, "question_id"):
+            continue  # the summary
+        if t.adapter_version != cfg.adapter:
+            # a pool is the start model's: samples from an RL adapter the policy still serves would mislabel it
+            raise FailedPrecondition(f"the policy at {cfg.policy} sampled with adapter {t.adapter_version!r}, not "
+                                     f"{cfg.adapter or 'the served model itself'!r}: serve the start model (no "
+                                     "active adapter) or name the adapter")
+        f1 = f1_score(t.answer, by_id[t.question_id].golden_answers) if t.finish_reason == "answer" else 0.0
+        row = rows[t.question_id]
+        row["f1"].append(round(f1, 6))
+        row["reward"].append(reward_fn(f1, bool(t.format_valid)))
+        row["correct"].append(f1 >= cfg.min_f1)
+        stats["sampled"] += 1
+    return [rows[q.id] for q in chunk]
+
+
+def run_rlpool(ctx: JobContext) -> dict:
+    from prorag.clients import PolicyClient
+    from prorag.data.loaders import load_split
+    from services.trainer.stage_rl import select_questions
+
+    cfg: RLPoolConfig = ctx.config
+    resolve_model(cfg.world, cfg.policy_model, "policy_model")  # the pool's model must exist
+    qs = select_questions(load_split(paths.world_dir(cfg.world), cfg.split), cfg.min_hops, cfg.max_questions)
+    if not qs:
+        raise FailedPrecondition(f"world {cfg.world!r} has no {cfg.split} questions"
+                                 + (f" of {cfg.min_hops}+ hops" if cfg.min_hops else ""))
+    starts = list(range(0, len(qs), cfg.questions_per_request))
+    ctx.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    journal = ctx.checkpoint_dir / "rlpool-journal.jsonl"
+    done = _read_journal(journal)
+    todo = [k for k in range(len(starts)) if k not in done]
+    answered = lambda: sum(len(r) for r in done.values())
+    ctx.emit(answered(), len(qs), message=f"{len(qs)} candidate questions x {cfg.samples} samples, "
+                                          f"{answered()} already sampled")
+    stats = {"sampled": 0, "service_retries": 0}
+    t0 = time.monotonic()
+    with PolicyClient(cfg.policy, timeout=3600) as policy:
+        for k in todo:
+            if ctx.should_stop():
+                return {}  # stopped, not done: the journal keeps what was sampled
+            start = starts[k]
+            rows = sample_request(cfg, policy, qs[start:start + cfg.questions_per_request], start, stats)
+            _append(journal, {"request": k, "rows": rows})
+            done[k] = rows
+            ctx.emit(answered(), len(qs), message="")
+    rows = [r for k in range(len(starts)) for r in done[k]]
+    counts = pool_counts(rows)
+    pool = [r["id"] for r in rows if learnable(r["correct"])]
+    artifact = {"version": POOL_VERSION, "world": cfg.world, "split": cfg.split, "policy_model": cfg.policy_model,
+                "adapter": cfg.adapter, "samples": cfg.samples, "min_f1": cfg.min_f1, "min_hops": cfg.min_hops,
+                "max_questions": cfg.max_questions, "counts": counts, "pool": pool,
+                "questions": {r["id"]: {"hops": r["hops"], "solve_rate": sum(r["correct"]) / max(1, len(r["correct"])),
+                                        "samples": len(r["correct"]),
+                                        "reward_mean": sum(r["reward"]) / max(1, len(r["reward"])),
+                                        "f1_mean": sum(r["f1"]) / max(1, len(r["f1"]))} for r in rows}}
+    with ctx.artifact_file("pool", "pool.json") as tmp:
+        tmp.write_text(json.dumps(artifact, indent=1))
+    ctx.emit(len(qs), len(qs), message=f"{counts['learnable']} of {counts['candidates']} questions learnable "
+                                       f"({counts['all_right']} all right, {counts['all_wrong']} all wrong)")
+    out = {key: float(counts[key]) for key in ("candidates", "all_right", "all_wrong", "learnable")}
+    for h, c in counts["by_hops"].items():
+        out[f"learnable_hops_{h}"] = float(c["learnable"])
+    out["sampled_this_attempt"] = float(stats["sampled"])
+    out["sample_s"] = time.monotonic() - t0
+    out["pool_path"] = str(ctx.run_dir / "pool.json")
+    return out
+
+
+register_stage("rlpool", RLPoolConfig, run_rlpool,
+               description="a learnable RL question pool: the start model's samples per train question through the "
+                           "policy, questions neither always nor never answered right (pool.json)",
+               checks={"policy_model": "model"})

@@ -1,0 +1,242 @@
+"""Issue 30's oracle ceiling and learnable question pool, against real retriever and policy servers on the tiny world
+(the RL stage test's scripted engine: steps right 60% of the time, so some rollouts are right and some wrong):
+
+- step_scorer=oracle scores each step with the reference judge on the gold decomposition, with no PRM service;
+- the rlpool stage samples the start model, keeps the questions neither always nor never answered right, writes
+  pool.json atomically and resumes from its journal;
+- an RL job with question_pool draws only the pool's questions.
+
+The pure parts (the oracle's per-step logits, pool membership and counts) are tested on hand-built inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prorag.data.loaders import Document, Question
+from prorag.training.context import local_context
+from prorag.trajectory import Step
+from tests.services.trainer.scripted_stack import scripted_stack
+from tests.services.trainer.test_rl_stage import RecordingGoldWalk, _config, _journal, _push_zero_adapter
+
+#: nothing listens here: a job that asked this "PRM" anything would fail (service_wait_s=0)
+DEAD_PRM = "127.0.0.1:9"
+
+Q = Question(id="q1", question="In which country was the founder of Mai Brewery born?", golden_answers=["Edraand"],
+             metadata={"decomposition": [
+                 {"question": "Who founded Mai Brewery?", "answer": "Tova Lunn", "doc_id": "d1", "title": "Mai Brewery"},
+                 {"question": "Where was Tova Lunn born?", "answer": "Edraand", "doc_id": "d2", "title": "Tova Lunn"}]})
+DOC1 = Document(id="d1", title="Mai Brewery", text="Mai Brewery was founded by Tova Lunn.",
+                contents='"Mai Brewery"\nMai Brewery was founded by Tova Lunn.')
+DOC2 = Document(id="d2", title="Tova Lunn", text="Tova Lunn was born in Edraand.",
+                contents='"Tova Lunn"\nTova Lunn was born in Edraand.')
+DOC3 = Document(id="d3", title="Kest", text="Kest was founded by Aro Vell.", contents='"Kest"\nKest was founded by Aro Vell.')
+
+
+# ---------------------------------------------------------------- the oracle, pure
+def test_oracle_logits_follow_the_reference_judge_step_by_step():
+    from services.trainer.stage_rl import ORACLE_LOGIT, oracle_step_logits
+
+    sound = [Step("subquery", content="Who founded Mai Brewery?", docs=[DOC1]),
+             Step("subanswer", content="Tova Lunn"),
+             Step("subquery", content="Where was Tova Lunn born?", docs=[DOC2]),
+             Step("subanswer", content="Edraand"),
+             Step("answer", content="Edraand")]
+    assert oracle_step_logits(Q, sound) == [ORACLE_LOGIT] * 5
+    flawed = [Step("subquery", content="Who founded Kest?", docs=[DOC3]),  # wrong entity for hop 1
+              Step("subanswer", content="Tova Lunn"),  # right name, but the last search's document lacks it
+              Step("subquery", content="Who founded Kest?", docs=[DOC3]),  # a repeated search
+              Step("invalid", text="garbage"),
+              Step("answer", content="Norway")]
+    assert oracle_step_logits(Q, flawed) == [-ORACLE_LOGIT] * 5
+    # each step is judged after the steps before it: the same sub-answer is sound once its document was retrieved
+    mixed = [Step("subquery", content="Who founded Kest?", docs=[DOC3]),
+             Step("subquery", content="Who founded Mai Brewery?", docs=[DOC1]),
+             Step("subanswer", content="Tova Lunn")]
+    assert oracle_step_logits(Q, mixed) == [-ORACLE_LOGIT, ORACLE_LOGIT, ORACLE_LOGIT]
+    assert oracle_step_logits(Q, []) == []
+
+
+def test_oracle_scores_sit_on_the_prm_scale_and_the_process_term_prefers_sound_steps():
+    from prorag.algorithms.rl import group_step_advantages, step_score_reference
+    from services.trainer.stage_rl import oracle_step_logits
+
+    # through the reference step score: sound 2, unsound but valid 1, invalid -2 (a sure PRM's extremes)
+    good = [Step("subquery", content="Who founded Mai Brewery?", docs=[DOC1]), Step("subanswer", content="Tova Lunn")]
+    bad = [Step("subquery", content="Who founded Kest?", docs=[DOC3]), Step("invalid", text="??")]
+    scores = [[step_score_reference(x, s.valid) for x, s in zip(oracle_step_logits(Q, t), t)] for t in (good, bad)]
+    assert scores[0] == pytest.approx([2.0, 2.0], abs=1e-4) and scores[1] == pytest.approx([1.0, -2.0], abs=1e-4)
+    # same outcome reward: only the process term differs, and it ranks the sound steps first
+    adv = group_step_advantages([1.0, 1.0], scores, [[5, 3], [5, 3]], beta=0.3, normalization="step")
+    assert min(adv[0]) > max(adv[1]) and adv[1][0] > adv[1][1]
+
+
+# ---------------------------------------------------------------- the pool, pure
+def test_a_question_is_learnable_when_its_samples_are_neither_all_right_nor_all_wrong():
+    from services.trainer.stage_rlpool import learnable, pool_counts
+
+    assert learnable([True] + [False] * 7) and learnable([True] * 7 + [False])
+    assert not learnable([True] * 8) and not learnable([False] * 8) and not learnable([])
+    rows = [{"hops": 1, "correct": [True, True]}, {"hops": 2, "correct": [True, False]},
+            {"hops": 2, "correct": [False, False]}, {"hops": 3, "correct": [False, True]}]
+    c = pool_counts(rows)
+    assert (c["candidates"], c["all_right"], c["all_wrong"], c["learnable"]) == (4, 1, 1, 2)
+    assert c["by_hops"] == {"1": {"candidates": 1, "all_right": 1, "all_wrong": 0, "learnable": 0},
+                            "2": {"candidates": 2, "all_right": 0, "all_wrong": 1, "learnable": 1},
+                            "3": {"candidates": 1, "all_right": 0, "all_wrong": 0, "learnable": 1}}
+
+
+def test_pool_questions_keep_the_splits_order_and_a_pool_of_another_split_is_refused(tmp_path):
+    from types import SimpleNamespace
+
+    from prorag.errors import FailedPrecondition
+    from services.trainer.stage_rl import pool_questions, read_question_pool
+
+    qs = [SimpleNamespace(id=f"q{i}") for i in range(5)]
+    assert [q.id for q in pool_questions(qs, ["q3", "q1", "zz"])] == ["q1", "q3"]
+    path = tmp_path / "pool.json"
+    path.write_text(json.dumps({"world": "tiny", "split": "dev", "pool": ["q1"]}))
+    with pytest.raises(FailedPrecondition, match="split 'dev'"):
+        read_question_pool(path, "tiny", "train")
+    assert read_question_pool(path, "tiny", "dev") == ["q1"]
+    with pytest.raises(FailedPrecondition, match="does not exist"):
+        read_question_pool(tmp_path / "none.json", "tiny", "dev")
+
+
+# ---------------------------------------------------------------- through the services
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    with scripted_stack(tmp_path_factory.mktemp("rl-oracle") / "data", RecordingGoldWalk) as stack:
+        yield stack
+
+
+def test_oracle_rl_needs_no_prm_service_and_scores_steps_by_the_judge(services, tmp_path, one_thread):
+    from prorag import paths
+    from prorag.clients import PolicyClient
+    from prorag.data.loaders import load_split
+    from services.trainer.stage_rl import collect, run_rl
+
+    cfg = _config(services, step_scorer="oracle", prm=DEAD_PRM, service_wait_s=0.0)
+    work = tmp_path / "rl-oracle"
+    out = run_rl(local_context(work, cfg, stage="rl"))
+    assert out["iterations"] == 2 and out["total_kept"] == 16.0 and 0.0 <= out["groups_flat_fraction"] <= 1.0
+    for r in _journal(work):
+        assert r["prm_version"] == "oracle" and r["oracle_scored"] == r["kept"] == 8
+        assert "prm_scored" not in r or r["prm_scored"] == 0
+        # the scripted engine is right 60% of the time per step: the judge finds sound and unsound steps
+        assert 0.0 < r["oracle_sound_rate"] < 1.0
+    # the oracle's process term splits the steps of one rollout; beta 0 gives each rollout one advantage
+    key = _push_zero_adapter(services, tmp_path, "collect-oracle")
+    qs = load_split(paths.world_dir("tiny"), "train")[:3]
+    with PolicyClient(services["policy"]) as policy:
+        oracle = collect(cfg, qs, 0, "collect-oracle", key, policy, None)
+        outcome = collect(_config(services, step_scorer="oracle", beta=0.0), qs, 0, "collect-oracle", key, policy,
+                          None)
+    assert [s.token_ids for s in oracle.samples] == [s.token_ids for s in outcome.samples]
+    assert [s.reward for s in oracle.samples] == [s.reward for s in outcome.samples]
+    assert "oracle_scored" not in outcome.stats
+    assert any(len({round(a, 6) for a, m in zip(s.advantages, s.loss_mask) if m}) > 1 for s in oracle.samples)
+    assert all(len({a for a, m in zip(s.advantages, s.loss_mask) if m}) == 1 for s in outcome.samples)
+
+
+def _pool_config(services, **kw):
+    from prorag.config import from_dict
+    from services.trainer.stage_rlpool import RLPoolConfig
+
+    return from_dict(RLPoolConfig, {"world": "tiny", "max_questions": 6, "policy": services["policy"],
+                                    "policy_model": services["base"], "samples": 4, "questions_per_request": 2,
+                                    "max_step_tokens": 48, "max_steps": 6, "seed": 5, "tracking": "local", **kw})
+
+
+def _serve_base(services):
+    from prorag.clients import PolicyClient
+
+    with PolicyClient(services["policy"]) as c:
+        c.activate_adapter("", "")  # the served model itself, as the pipeline's fresh SFT policy serves
+
+
+def test_rlpool_writes_the_learnable_questions_and_resumes_from_its_journal(services, tmp_path, one_thread):
+    import threading
+
+    from services.trainer.stage_rlpool import learnable, run_rlpool
+
+    _serve_base(services)
+    cfg = _pool_config(services)
+    work = tmp_path / "pool"
+    stop = threading.Event()
+    first = []
+
+    def emit(ev):
+        first.append(ev)
+        if ev.get("step") == 2:  # the first request (2 questions) is journaled: stop before the next
+            stop.set()
+
+    assert run_rlpool(local_context(work, cfg, emit=emit, stop=stop, stage="rlpool")) == {}
+    journal = work / "checkpoints" / "rlpool-journal.jsonl"
+    assert len(journal.read_text().splitlines()) == 1 and not (work / "run" / "pool.json").exists()
+    out = run_rlpool(local_context(work, cfg, stage="rlpool"))
+    assert out["sampled_this_attempt"] == 4 * 4  # the two requests left, not the first again
+    assert [json.loads(line)["request"] for line in journal.read_text().splitlines()] == [0, 1, 2]
+    pool = json.loads((work / "run" / "pool.json").read_text())
+    assert out["pool_path"] == str(work / "run" / "pool.json")
+    assert (pool["world"], pool["split"], pool["samples"]) == ("tiny", "train", 4)
+    rows = [json.loads(line)["rows"] for line in journal.read_text().splitlines()]
+    rows = [r for chunk in rows for r in chunk]
+    assert len(rows) == 6 and all(len(r["correct"]) == 4 for r in rows)
+    assert pool["pool"] == [r["id"] for r in rows if learnable(r["correct"])]
+    c = pool["counts"]
+    assert c["candidates"] == 6 == c["all_right"] + c["all_wrong"] + c["learnable"] and c["learnable"] == out["learnable"]
+    assert sum(h["learnable"] for h in c["by_hops"].values()) == c["learnable"]
+    assert pool["pool"], "the scripted engine (right 60% of the time per step) should leave some questions learnable"
+    for r in rows:
+        q = pool["questions"][r["id"]]
+        assert q["solve_rate"] == sum(r["correct"]) / 4 and q["hops"] == r["hops"]
+    # the resumed pool is the one an uninterrupted job builds: each request's seed is its place in the list
+    straight = run_rlpool(local_context(tmp_path / "pool-straight", cfg, stage="rlpool"))
+    assert json.loads(open(straight["pool_path"]).read())["questions"] == pool["questions"]
+
+
+def test_rlpool_refuses_samples_from_an_adapter(services, tmp_path, one_thread):
+    from prorag.clients import PolicyClient
+    from prorag.errors import FailedPrecondition
+    from services.trainer.stage_rlpool import run_rlpool
+
+    key = _push_zero_adapter(services, tmp_path, "pool-adapter")  # pushed and active
+    try:
+        with pytest.raises(FailedPrecondition, match="sampled with adapter"):
+            run_rlpool(local_context(tmp_path / "pool-adapter", _pool_config(services), stage="rlpool"))
+    finally:
+        with PolicyClient(services["policy"]) as c:
+            c.activate_adapter("", "")
+    assert key.startswith("rl@")
+
+
+def test_rl_with_a_question_pool_draws_only_its_questions(services, tmp_path, one_thread, monkeypatch):
+    from prorag import paths
+    from prorag.clients import PolicyClient
+    from prorag.data.loaders import load_split
+    from services.trainer.stage_rl import run_rl
+
+    train = load_split(paths.world_dir("tiny"), "train")
+    picked = [train[1].id, train[4].id, train[6].id]
+    path = tmp_path / "pool.json"
+    path.write_text(json.dumps({"world": "tiny", "split": "train", "pool": picked}))
+    cfg = _config(services, prm="", beta=0.0, question_pool=str(path), max_questions=0, iterations=3)
+    asked: list[str] = []
+    real_rollout = PolicyClient.rollout
+
+    def recording_rollout(self, questions, *a, **kw):  # the real call, with the question ids noted
+        asked.extend(qid for qid, _ in questions)
+        return real_rollout(self, questions, *a, **kw)
+
+    monkeypatch.setattr(PolicyClient, "rollout", recording_rollout)
+    out = run_rl(local_context(tmp_path / "rl-pool", cfg, stage="rl"))
+    # a pool of 3 at 2 questions per iteration: epoch 0 is iterations 0 (2 questions) and 1 (the third), then
+    # iteration 2 starts epoch 1; pool questions only, each epoch all of them
+    assert out["questions_drawn_from"] == 3.0 and out["total_kept"] == (2 + 1 + 2) * 4
+    first = list(asked)
+    assert len(first) == 5 and set(first[:3]) == set(picked) and set(first) == set(picked)
+    asked.clear()
+    run_rl(local_context(tmp_path / "rl-pool-again", cfg, stage="rl"))
+    assert asked == first  # the same seeded draw for every method that reads the same pool
