@@ -41,8 +41,9 @@ def ensure_world(name: str = "default", size: str | None = None, seed: int | Non
 def ensure_indexes(world: str = "default", size: str | None = None, faiss_type: str = "flat",
                    encoder: str = "minilm", pooling: str = "mean", query_prefix: str = "",
                    doc_prefix: str = "", corpus: str | None = None, out: str | None = None,
-                   fp16: bool = False) -> dict:
-    """Build dense + BM25 indexes (+ docstore) for a corpus; resumes an interrupted build."""
+                   fp16: bool = False, dense: bool = True, bm25: bool = True) -> dict:
+    """Build dense + BM25 indexes (+ docstore) for a corpus; resumes an interrupted build. ``dense`` / ``bm25``
+    False skip that index (a retriever serving BM25 alone needs neither faiss nor the encoder's weights)."""
     from services.retriever.encoders import EncoderConfig
     from services.retriever.indexing import BM25Config, DenseIndexConfig, build_all
 
@@ -57,7 +58,7 @@ def ensure_indexes(world: str = "default", size: str | None = None, faiss_type: 
     dense_cfg = DenseIndexConfig(encoder=EncoderConfig(model=encoder, pooling=pooling, query_prefix=query_prefix,
                                                        doc_prefix=doc_prefix, fp16=fp16), faiss_type=faiss_type)
     with progress_bars() as progress:
-        return build_all(corpus_path, index_root, dense_cfg, BM25Config(), progress=progress)
+        return build_all(corpus_path, index_root, dense_cfg, BM25Config(), progress=progress, dense=dense, bm25=bm25)
 
 
 def policy_base_dir(world: str = "default", variant: str = "") -> Path:

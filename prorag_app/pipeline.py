@@ -100,8 +100,11 @@ class Profile:
             from services.trainer.stage_mcts import MCTSStageConfig
             from services.trainer.stage_prm import PRMConfig
 
-            check_fields(Stage2Settings, {k: v for k, v in self.stage2.items() if k not in ("mcts", "prm")},
-                         prefix="stage2.")
+            from services.trainer.stage_siblings import SiblingsStageConfig
+
+            check_fields(Stage2Settings, {k: v for k, v in self.stage2.items()
+                                          if k not in ("mcts", "prm", "siblings")}, prefix="stage2.")
+            check_fields(SiblingsStageConfig, self.stage2.get("siblings", {}), prefix="stage2.siblings.")
             mcts = dict(self.stage2.get("mcts", {}))
             check_fields(MCTSConfig, mcts.pop("mcts", {}), prefix="stage2.mcts.mcts.")
             check_fields(MCTSStageConfig, mcts, prefix="stage2.mcts.")
@@ -111,8 +114,11 @@ class Profile:
             from services.trainer.stage_rft import RFTConfig
             from services.trainer.stage_rl import RLConfig
 
-            check_fields(Stage34Settings, {k: v for k, v in self.stage34.items() if k not in ("rft", "rl", "dpo")},
-                         prefix="stage34.")
+            from services.trainer.stage_rlpool import RLPoolConfig
+
+            check_fields(Stage34Settings, {k: v for k, v in self.stage34.items()
+                                           if k not in ("rft", "rl", "dpo", "pool")}, prefix="stage34.")
+            check_fields(RLPoolConfig, self.stage34.get("pool", {}), prefix="stage34.pool.")
             for m in self.stage34.get("methods", ()):
                 if get_method(m).stage not in ("rft", "rl", "dpo"):
                     raise InvalidArgument(f"stage34.methods: {m!r} is not a stage 3-4 method")
@@ -207,6 +213,31 @@ PROFILES = {
                      sft={"max_questions": 3000, "max_steps": 240, "batch_size": 8, "lr": 3e-3, "log_every": 10,
                           "checkpoint_every": 60}),
 }
+
+#: issue 30's experiment, sized for hours rather than `make run`'s hour (`prorag run --profile research` runs it over
+#: RESEARCH's three stage 3-4 seeds, then `prorag report`; a single seed with --stage34-seed). Each choice and why:
+#: - pairs that contain reading: the sibling sampler on 2,000 train questions beside the MCTS trees (stage 2's PRM
+#:   saw ~100 judged pairs per run before), the PRM validated on the whole split, and the gate enforced: a PRM below
+#:   it guides nothing and the report says so;
+#: - the same start for the headline: outcome GRPO and ProRAG without RFT both from the SFT agent, on one learnable
+#:   pool (3+ hop train questions the SFT agent sometimes answers: 78-86% of deep groups had no right answer);
+#: - a budget RL can learn in: 100 iterations of 16 questions (the default profile runs 10);
+#: - the oracle ceiling (prorag_oracle) beside them, a diagnostic and never a headline;
+#: - RFT as the reference does it (per step, questions even over hop counts).
+RESEARCH_PROFILE = dataclasses.replace(
+    RECIPE,
+    stage2={**RECIPE.stage2,
+            "siblings": {"max_questions": 2000, "samples": 4, "concurrency": 32, "max_step_tokens": 96,
+                         "max_steps": 10, "seed": 1}},
+    stage34={**RECIPE.stage34,
+             "methods": ("rft", "prorag", "outcome_grpo", "prorag_no_rft", "prorag_oracle", "reasonrag"),
+             "rft": {**RECIPE.stage34["rft"], "filter": "step", "hop_balanced": True},
+             "rl": {**RECIPE.stage34["rl"], "iterations": 100, "min_hops": 3, "checkpoint_every": 10,
+                    "prm_centering": "per_kind"},
+             "pool": {"samples": 8, "max_questions": 1500},
+             "eval_iterations": (33,),  # a third of the RL questions: the data-efficiency point
+             "prm_gate": "enforce"})
+PROFILES["research"] = RESEARCH_PROFILE
 
 
 # ---------------------------------------------------------------- retrieval quality
@@ -438,7 +469,8 @@ def stage2(prof: Profile, stack: ServiceStack, world: str, sft_model: str, run_d
            timings: dict) -> dict:
     """Stage 2 on the trained agent: a policy process serving it, then prorag_app.stage2.run_stage2."""
     from prorag.config import from_dict
-    from prorag_app.stage2 import Stage2Settings, print_prm_table, run_stage2
+    from prorag_app.eval import print_prm_families
+    from prorag_app.stage2 import Stage2Settings, run_stage2
 
     settings = from_dict(Stage2Settings, prof.stage2)
     t = time.monotonic()
@@ -449,7 +481,8 @@ def stage2(prof: Profile, stack: ServiceStack, world: str, sft_model: str, run_d
         out = run_stage2(stack, serving.grpc_target("policy"), world, sft_model, prof.sft_for("sft"), settings,
                          run_dir, f"{world}-stage2", timings, split=prof.eval_split)
     timings["stage2_s"] = time.monotonic() - t
-    print_prm_table(out)
+    if "auc_gold_vs_corrupted" in out:
+        print_prm_families(out)
     return out
 
 
@@ -466,7 +499,8 @@ def stage34(prof: Profile, stack: ServiceStack, world: str, sft_ref: str, prm: d
     sft_dir = str(registry("model", world).resolve(sft_ref))
     t = time.monotonic()
     out = run_stage34(stack, world, sft_ref, sft_dir, prm_dir, prof.sft_for("sft"), settings, run_dir,
-                      port_offset + 200, timings, pairs_path=(prm or {}).get("pairs_path"))
+                      port_offset + 200, timings, pairs_path=(prm or {}).get("pairs_path"),
+                      prm_gate=(prm or {}).get("gate"))
     models = out["models"]
     evaluated = evaluate_methods({m: v["model"] for m, v in models.items()}, world, stack, questions, run_dir,
                                  port_offset + 100, timings, adapters={m: v["adapter"] for m, v in models.items()})
@@ -701,6 +735,10 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
     }
     path = write_results(run_dir, results)
     console.print(f"results: {path} (runs/latest/results.json)")
+    from prorag_app.report import build_report
+
+    # the run's report beside its results: runs/latest/report/index.html opens from disk in a browser
+    console.print(f"html report: {build_report([run_dir], run_dir / 'report')['html']}")
     console.print(json.dumps({k: round(v, 1) for k, v in timings.items()}))
     return results
 
@@ -708,26 +746,33 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
 # ---------------------------------------------------------------- the ablation report
 @dataclass(frozen=True)
 class AblationPlan:
-    """What `prorag run --profile ablation` runs on top of a profile (issue 19's report): the headline comparison
-    over several stage 3-4 seeds (the first with ProRAG without RFT and the RL adapters of earlier iterations
-    evaluated too), and ProRAG at other betas; then `prorag report` over all of them."""
+    """What a multi-run plan runs on top of a profile: `prorag run --profile ablation` (issue 19's report: the headline
+    comparison over several stage 3-4 seeds, the first with ProRAG without RFT and the RL adapters of earlier
+    iterations evaluated too, and ProRAG at other betas) or `--profile research` (issue 30's experiment over three
+    seeds); then `prorag report` over all of them."""
 
     profile: str = "default"
+    name: str = "ablation"  # the runs' names: <name>/seed<k>, <name>/beta<b>
     seeds: tuple[int, ...] = (1, 2, 3)  # stage 3-4 seeds; 1 is the profile's own, so `make run`'s jobs are reused
     betas: tuple[float, ...] = (0.0, 0.1, 0.5, 0.9)  # besides the profile's 0.3, at the first seed
     eval_iterations: tuple[int, ...] = (3, 5)  # RL adapters evaluated after these iterations (3 of 10: a third)
 
 
 ABLATION = AblationPlan()
+#: issue 30's table: the research profile over three seeds (its own eval_iterations), no beta sweep
+RESEARCH = AblationPlan(profile="research", name="research", betas=(), eval_iterations=())
+PLANS = {"ablation": ABLATION, "research": RESEARCH}
 
 
-def run_ablation(plan: AblationPlan = ABLATION, world: str | None = None, port_offset: int = 0) -> dict:
-    """Every run of ``plan`` (each reusing what earlier runs trained: the SFT agent, stage 2, RFT), then one report
-    over them in a new run directory; returns the report (prorag_app.report.build_report)."""
+def run_ablation(plan: AblationPlan = ABLATION, world: str | None = None, port_offset: int = 0, split: str = "test",
+                 overrides: tuple[str, ...] = ()) -> dict:
+    """Every run of ``plan`` on ``split`` with ``overrides`` (`--set`) applied (each run reusing what earlier runs
+    trained: the SFT agent, stage 2, RFT, the pool), then one report over them in a new run directory; returns the
+    report (prorag_app.report.build_report)."""
     from prorag.runs import new_run_dir, point_latest
     from prorag_app.report import build_report
 
-    base = PROFILES[plan.profile]
+    base = with_overrides(dataclasses.replace(PROFILES[plan.profile], eval_split=split), overrides)
     if base.stage34 is None:
         raise InvalidArgument(f"profile {plan.profile!r} has no stages 3-4 to ablate")
     run_dirs = []
@@ -736,16 +781,18 @@ def run_ablation(plan: AblationPlan = ABLATION, world: str | None = None, port_o
         if k == 0:
             methods = tuple(dict.fromkeys((*prof.stage34.get("methods", ("rft", "prorag", "outcome_grpo",
                                                                         "reasonrag")), "prorag_no_rft")))
-            prof = dataclasses.replace(prof, stage34={**prof.stage34, "methods": methods,
-                                                      "eval_iterations": tuple(plan.eval_iterations)})
-        run_dirs.append(run_main_job(f"ablation/seed{seed}", world, port_offset, prof=prof)["run_dir"])
+            extra = {"eval_iterations": tuple(plan.eval_iterations)} if plan.eval_iterations else {}
+            prof = dataclasses.replace(prof, stage34={**prof.stage34, "methods": methods, **extra})
+        run_dirs.append(run_main_job(f"{plan.name}/seed{seed}", world, port_offset, prof=prof)["run_dir"])
     for beta in plan.betas:
         prof = with_stage34(base, plan.seeds[0] if plan.seeds else None, beta)
         prof = dataclasses.replace(prof, stage34={**prof.stage34, "methods": ("prorag",)})
-        run_dirs.append(run_main_job(f"ablation/beta{beta}", world, port_offset, prof=prof)["run_dir"])
-    out = new_run_dir("ablation-report")
+        run_dirs.append(run_main_job(f"{plan.name}/beta{beta}", world, port_offset, prof=prof)["run_dir"])
+    out = new_run_dir(f"{plan.name}-report")
     report = build_report(run_dirs, out)
     point_latest(out)
     console.print((out / "report.md").read_text())
     console.print(f"report: {out / 'report.md'}")
+    if report.get("html"):
+        console.print(f"html report: {report['html']}")
     return report

@@ -134,11 +134,11 @@ def data_efficiency(runs: list[dict]) -> dict:
 
 
 #: RL methods and the model each starts from (its curve's point at 0 questions)
-RL_STARTS = {"outcome_grpo": "sft", "prorag_no_rft": "sft", "prorag": "rft"}
+RL_STARTS = {"outcome_grpo": "sft", "prorag_no_rft": "sft", "prorag_oracle": "sft", "prorag": "rft"}
 
 
 #: methods whose model depends on ProRAG's beta (an evaluated name may carry "@it<i>")
-BETA_METHODS = ("prorag", "prorag_no_rft")
+BETA_METHODS = ("prorag", "prorag_no_rft", "prorag_oracle")
 
 
 def name_by_beta(runs: list[dict]) -> None:

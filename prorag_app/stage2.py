@@ -4,19 +4,18 @@ Runs through the services of a ServiceStack: the trainer's ``mcts`` job searches
 service (serving the SFT agent) and the retriever, and labels the sibling pairs through the judge service; when the
 settings ask for it, its ``siblings`` job samples more judged pairs along the agent's own trajectories, without a
 tree (services.trainer.stage_siblings); its ``prm`` job trains the PRM on the MCTS pairs, the sibling pairs or both;
-the validation scores gold test steps against corrupted ones (prorag.prm_eval) with the PRM in process and writes a
+the validation scores gold steps of the evaluation split against corrupted ones, in-distribution and held-out
+families (prorag.prm_eval), with the PRM in process, gives the gate's verdict (prm_gate) and writes a
 PNG of the score distributions.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from prorag import paths
 from prorag.config import cfg_field
@@ -117,78 +116,6 @@ def gold_trajectories(questions, docs_by_id: dict, sft_settings: dict) -> list[l
                         plan=bool(sft_settings.get("plan_thoughts")), phrasing=phrasing) for q in questions]
 
 
-def validate_prm(prm_dir: str, questions, docs_by_id: dict, sft_settings: dict, seed: int = 0,
-                 png: Path | None = None) -> dict:
-    """AUC of gold steps against corrupted ones per kind (prorag.prm_eval), scored by the PRM in one batched
-    pass per chunk; a PNG of the score distributions when ``png`` is given."""
-    from prorag.evaluation import question_entity
-    from prorag.prm_eval import auc_by_kind, corrupt
-    from services.prm.engine import PRMEngine, ScoringItem
-
-    usable = [q for q in questions if any(s.doc_id for s in q.decomposition)
-              and all(s.doc_id in docs_by_id for s in q.decomposition if s.doc_id)]
-    entities = sorted({question_entity(q) for q in usable} - {""})
-    answers = sorted({s.answer for q in usable for s in q.decomposition if s.doc_id})
-    rng = random.Random(seed)
-    cases = [c for q, steps in zip(usable, gold_trajectories(usable, docs_by_id, sft_settings))
-             for c in corrupt(q, steps, rng, entities, answers)]
-    engine = PRMEngine(prm_dir)
-    items = [ScoringItem(c.question, [*c.context, step], last_step_only=True) for c in cases
-             for step in (c.gold, c.corrupted)]
-    scored = []
-    for i in range(0, len(items), 256):
-        scored += [s[0] for _, s in engine.score(items[i:i + 256])]
-    gold, bad = scored[0::2], scored[1::2]
-    out = auc_by_kind(cases, gold, bad)
-    out["questions"] = len(usable)
-    out["version"] = engine.version
-    if png is not None:
-        plot_scores(cases, gold, bad, out, png)
-        out["png"] = str(png)
-    return out
-
-
-def plot_scores(cases, gold, bad, aucs: dict, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from prorag.prm_eval import CORRUPTIONS
-
-    kinds = [k for k in CORRUPTIONS if k in aucs["by_kind"]]
-    fig, axes = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 3.2), squeeze=False)
-    for ax, kind in zip(axes[0], kinds):
-        idx = [i for i, c in enumerate(cases) if c.kind == kind]
-        ax.hist([gold[i] for i in idx], bins=30, alpha=0.6, label="gold step")
-        ax.hist([bad[i] for i in idx], bins=30, alpha=0.6, label="corrupted")
-        ax.set_title(f"{kind}\nAUC {aucs['by_kind'][kind]['auc']:.3f} (n={len(idx)})", fontsize=9)
-        ax.set_xlabel("PRM score")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    tmp = png.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(png)
-
-
-def print_prm_table(prm: dict) -> None:
-    if "skipped" in prm:
-        return
-    table = Table(title="PRM validation: gold steps against corrupted ones "
-                        f"({prm.get('validation_split', 'test')} split)")
-    for col in ("corruption", "AUC", "cases"):
-        table.add_column(col, justify="left" if col == "corruption" else "right")
-    for kind, v in prm["auc_gold_vs_corrupted"]["by_kind"].items():
-        table.add_row(kind, f"{v['auc']:.3f}", str(v["n"]))
-    table.add_row("overall", f"{prm['auc_gold_vs_corrupted']['overall']:.3f}",
-                  str(prm["auc_gold_vs_corrupted"]["n"]))
-    console.print(table)
-    pa = prm.get("pairwise_accuracy")
-    console.print(f"held-out pairwise accuracy: {pa:.3f}" if pa is not None else "held-out pairwise accuracy: -")
-
-
 def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settings: dict, settings: Stage2Settings,
                run_dir: Path, job_prefix: str, timings: dict, split: str = "test") -> dict:
     """MCTS -> judged pairs -> PRM -> validation, through the stack's trainer, retriever and judge and the policy
@@ -198,6 +125,8 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
     from prorag.registry import registry, weights_sha256
     from prorag_app import memo
     from services.trainer.stage_mcts import PAIRS_VERSION
+    from prorag.prm_eval import FAMILIES
+    from prorag_app.eval import gate_verdict, validate_prm_families
     from services.trainer.stage_siblings import SIBLINGS_VERSION
 
     t = time.monotonic()
@@ -264,18 +193,23 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
     prm_dir = str(registry("prm", world).resolve(prm["outputs"]["prm"]))
     # the same PRM validated on the same questions by the same code is read back (prorag_app.memo)
     key = memo.memo_key("prm-validation", {"prm": weights_sha256(prm_dir), "sft": sft_settings, "seed": settings.seed,
+                                           "families": list(FAMILIES),
                                            "corpus": memo.corpus_fingerprint(world),
                                            "questions": memo.questions_fingerprint(test)})
     png = run_dir / "prm" / "scores.png"
     validation = memo.load("prm-validation", key, into=png.parent)
     if validation is None:
-        validation = validate_prm(prm_dir, test, docs, sft_settings, seed=settings.seed, png=png)
+        validation = validate_prm_families(prm_dir, test, docs, sft_settings, seed=settings.seed, png=png)
         memo.store("prm-validation", key, validation, [png])
     validation["png"] = str(png)
     timings["stage2_validate_s"] = time.monotonic() - t
     return {
         "model": prm["outputs"]["prm"],
-        "auc_gold_vs_corrupted": {k: validation[k] for k in ("overall", "by_kind", "n")},
+        "auc_gold_vs_corrupted": {k: validation[k] for k in ("overall", "by_kind", "n", "in_distribution", "held_out")
+                                  if k in validation},
+        # whether this PRM may guide stages 3-4 (prorag.prm_eval.prm_gate: unsupported sub-answers and overall)
+        "gate": gate_verdict(validation),
+        "cases_dropped": validation.get("dropped"),
         "pairwise_accuracy": prm["metrics"].get("heldout_pairwise_accuracy"),
         "png": validation["png"],
         "validation_split": split,
@@ -285,4 +219,4 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
     }
 
 
-__all__ = ["ADDRESS_KEYS", "Stage2Settings", "counts_by_kind", "settings_job_id", "gold_trajectories", "plot_scores", "print_prm_table", "run_stage2", "validate_prm"]
+__all__ = ["ADDRESS_KEYS", "Stage2Settings", "counts_by_kind", "settings_job_id", "gold_trajectories", "run_stage2"]

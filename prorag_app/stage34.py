@@ -69,6 +69,11 @@ class Stage34Settings:
                            factory=dict)
     beta: float = cfg_field(0.3, help="ProRAG's weight of the process advantage (outcome_grpo: 0)", min=0.0,
                             max=10.0)
+    prm_gate: str = cfg_field("report", help="what stage 2's PRM gate (prorag.prm_eval.prm_gate) decides: enforce = a "
+                                             "PRM below it guides nothing (rft, prorag, prorag_no_rft skipped with the "
+                                             "reasons; outcome_grpo, prorag_oracle and reasonrag still run); report = "
+                                             "the PRM-guided methods run and results.json carries the verdict beside "
+                                             "them", choices=("report", "enforce"))
 
 
 def _job_id(prefix: str, stage: str, cfg: dict, prm_sha256: str = "", pool_sha256: str = "") -> str:
@@ -168,9 +173,9 @@ def rl_summary(iterations_path: str | Path) -> dict:
 
 def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | None, sft_settings: dict,
                 settings: Stage34Settings, run_dir: Path, port_offset: int, timings: dict,
-                pairs_path: str | None = None) -> dict:
+                pairs_path: str | None = None, prm_gate: dict | None = None) -> dict:
     """Train what ``settings.methods`` asks through the stack's trainer (``pairs_path``: stage 2's sibling pairs,
-    reasonrag's data). Returns {"models": {method: {"model":
+    reasonrag's data; ``prm_gate``: stage 2's gate verdict on the PRM, {"passed", "reasons", ...}). Returns {"models": {method: {"model":
     directory, "adapter": name@version or ""}}, "jobs", "rl": {method: rl_summary}, "skipped": {method: why},
     "settings", and "pool" ({"job", "path", "size", "samples", "counts"}) when ``settings.pool`` asked for one}."""
     from prorag.io import sha256_file
@@ -181,12 +186,20 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
     wanted = tuple(settings.methods)
     prm_sha = weights_sha256(prm_dir) if prm_dir else ""
     out: dict = {"models": {}, "jobs": {}, "rl": {}, "skipped": {}, "settings": asdict(settings)}
+    if prm_gate is not None:
+        out["prm_gate"] = prm_gate
     prefix = f"{world}-stage34"
     topk = int(sft_settings.get("topk", 1))
+    blocked = ""
     if prm_dir is None:
+        blocked = "stage 2 trained no PRM (no labelled sibling pairs), so no PRM-guided stage"
+    elif settings.prm_gate == "enforce" and prm_gate is not None and not prm_gate.get("passed"):
+        blocked = "the PRM did not pass the gate (" + "; ".join(prm_gate.get("reasons") or ["no reason given"]) + ")"
+        prm_dir, prm_sha = None, ""
+    if blocked:
         for m in ("rft", "prorag", "prorag_no_rft"):
             if m in wanted:
-                out["skipped"][m] = "stage 2 trained no PRM (no labelled sibling pairs), so no PRM-guided stage"
+                out["skipped"][m] = blocked
     services = ("policy", "prm") if prm_dir else ("policy",)
     overrides = {"policy": {"model": sft_dir, "retriever": stack.grpc_target("retriever"), "restore_active": False}}
     if prm_dir:

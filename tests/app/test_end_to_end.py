@@ -97,8 +97,12 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
         assert prm["mcts"]["judge_labelled"] == 0 and "no judge-labelled" in prm["skipped"]
     else:
         auc = prm["auc_gold_vs_corrupted"]
-        assert 0.0 <= auc["overall"] <= 1.0 and auc["n"] > 0 and set(auc["by_kind"]) <= {
-            "swapped_entity", "unsupported_subanswer", "redundant_search", "premature_answer"}
+        from prorag.prm_eval import FAMILIES, HELD_OUT
+
+        assert 0.0 <= auc["overall"] <= 1.0 and auc["n"] > 0 and set(auc["by_kind"]) <= set(FAMILIES)
+        assert set(auc["held_out"]["kinds"]) <= set(HELD_OUT) and auc["held_out"]["n"] > 0
+        # the gate's verdict sits beside the AUCs, with its reasons when it is not passed
+        assert isinstance(prm["gate"]["passed"], bool) and (prm["gate"]["passed"] or prm["gate"]["reasons"])
         assert (run_dir / "prm" / "scores.png").read_bytes()[:4] == b"\x89PNG"
         assert prm["model"].startswith("prm@tiny-s7-stage2-prm-")
 
@@ -128,6 +132,10 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     c = on_disk["comparisons"]["outcome_grpo_vs_sft"]
     assert c["group"] == "3+ hops" and c["n"] == n3 + 8 and n3 > 0 and c["seeds"] == 1  # + the deep split's
     assert c["ci"][0] <= c["f1_diff"] <= c["ci"][1] and c["wins"] + c["losses"] + c["ties"] == n3 + 8
+
+    # the run's HTML report beside its results (runs/latest/report/index.html), with the data it shows inlined
+    html = (run_dir / "report" / "index.html").read_text()
+    assert "outcome_grpo" in html and "<svg" in html
 
     # a second run reuses the finished jobs instead of training again
     again = run_main_job(profile="tiny", world="tiny-s7", port_offset=_free_offset())

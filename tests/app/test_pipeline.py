@@ -152,3 +152,33 @@ def test_set_overrides_reach_nested_settings_and_are_checked_like_the_profile():
         with_overrides(base, ["stage34.rft.lr"])
     with pytest.raises(InvalidArgument, match="not test or dev"):
         with_overrides(base, ["eval_split=train"])
+
+
+def test_the_research_plan_runs_its_profile_over_three_seeds_on_the_split_asked(monkeypatch):
+    import argparse
+
+    from prorag.methods import get_method
+    from prorag_app import cli, pipeline
+
+    prof = pipeline.PROFILES["research"]
+    s34 = prof.stage34
+    # the headline's two methods start from the same model, draw from one pool, and the PRM must pass its gate
+    assert {"outcome_grpo", "prorag_no_rft", "prorag_oracle"} <= set(s34["methods"])
+    assert s34["pool"]["samples"] == s34["rl"]["group_size"] and s34["prm_gate"] == "enforce"
+    assert prof.stage2["siblings"]["max_questions"] > prof.stage2["mcts"]["max_questions"]
+    assert get_method("prorag_no_rft").stage == get_method("outcome_grpo").stage == "rl"
+    assert pipeline.PLANS["research"].seeds == (1, 2, 3)
+
+    calls = []
+    monkeypatch.setattr(pipeline, "run_ablation", lambda plan, **kw: calls.append((plan, kw)))
+    args = argparse.Namespace(profile="research", stage34_seed=None, beta=None, split="dev",
+                              set=["stage34.rl.iterations=50"], world=None, port_offset=0)
+    assert cli.cmd_run(args) == 0
+    plan, kw = calls[0]
+    assert plan.name == "research" and kw["split"] == "dev" and kw["overrides"] == ("stage34.rl.iterations=50",)
+    # one seed of it is a single run
+    single = []
+    monkeypatch.setattr(pipeline, "run_main_job", lambda **kw: single.append(kw))
+    assert cli.cmd_run(argparse.Namespace(**{**vars(args), "stage34_seed": 2})) == 0
+    assert single[0]["stage34_seed"] == 2 and single[0]["prof"].stage34["rl"]["iterations"] == 50
+    assert single[0]["prof"].eval_split == "dev"

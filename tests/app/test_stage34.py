@@ -170,3 +170,42 @@ def test_an_empty_pool_skips_the_rl_methods_with_the_reason(tmp_path, monkeypatc
     assert "no learnable question" in out["skipped"]["outcome_grpo"] and "prorag_oracle" in out["skipped"]
     assert "no PRM" in out["skipped"]["prorag"]  # the first reason stays
     assert not out["models"]
+
+
+def _run_with_prm(tmp_path, monkeypatch, gate, **settings):
+    from prorag import registry as registry_module
+    from prorag.config import from_dict
+    from prorag_app import stack as stack_module, stage2
+    from prorag_app.stage34 import Stage34Settings, run_stage34
+
+    run_job, submitted = _recording_trainer(tmp_path / "jobs", [])
+    monkeypatch.setattr(stage2, "run_job", run_job)
+    monkeypatch.setattr(stack_module, "ServiceStack", _Stack)
+    monkeypatch.setattr(registry_module, "weights_sha256", lambda d: "0" * 64)
+    s = from_dict(Stage34Settings, {"methods": ["outcome_grpo", "prorag_oracle", "prorag_no_rft"], **settings})
+    out = run_stage34(_Stack(), "w", "sft@a", str(tmp_path / "sft"), str(tmp_path / "prm"), {"topk": 1}, s,
+                      tmp_path / "run", 0, {}, prm_gate=gate)
+    return out, submitted
+
+
+FAILED_GATE = {"passed": False, "reasons": ["unsupported_subanswer AUC 0.51 < 0.8"], "min_unsupported": 0.8,
+               "min_overall": 0.9}
+
+
+def test_an_enforced_gate_keeps_a_failing_prm_from_guiding_anything(tmp_path, monkeypatch):
+    out, submitted = _run_with_prm(tmp_path, monkeypatch, FAILED_GATE, prm_gate="enforce")
+    assert [c["adapter_name"] for stage, c, _ in submitted] == ["outcome_grpo", "prorag_oracle"]
+    assert "did not pass the gate" in out["skipped"]["prorag_no_rft"]
+    assert "unsupported_subanswer AUC 0.51" in out["skipped"]["prorag_no_rft"]
+    assert out["prm_gate"] == FAILED_GATE and all(not c.get("prm") for _, c, _ in submitted)
+
+
+def test_a_reported_gate_lets_the_prm_guide_and_records_the_verdict(tmp_path, monkeypatch):
+    out, submitted = _run_with_prm(tmp_path, monkeypatch, FAILED_GATE)  # the default: report
+    by_method = {c["adapter_name"]: c for stage, c, _ in submitted}
+    assert set(by_method) == {"outcome_grpo", "prorag_oracle", "prorag_no_rft"} and not out["skipped"]
+    assert by_method["prorag_no_rft"]["prm"] == "127.0.0.1:3" and not by_method["outcome_grpo"]["prm"]
+    assert out["prm_gate"] == FAILED_GATE
+    passed = {**FAILED_GATE, "passed": True, "reasons": []}
+    out, submitted = _run_with_prm(tmp_path / "again", monkeypatch, passed, prm_gate="enforce")
+    assert "prorag_no_rft" in [c["adapter_name"] for stage, c, _ in submitted] and not out["skipped"]
