@@ -1,11 +1,20 @@
 """Stage 3: PRM-guided rejection-sampling fine-tuning (RFT).
 
-Sample several trajectories per train question from the SFT policy through the policy service (live retrieval),
-score every step of the correct ones with the PRM service (one batched call per chunk of questions, all steps
-of a trajectory in one pass), keep a trajectory when its answer is correct, its format valid and every step
-scores at or above the threshold (``algorithms.rl.rft_keep``), and fine-tune on the kept ones with the SFT
-stage's loop and format-aware loss. Training on a whole trajectory with the loss on its generated tokens is
-the reference's "one sample per step" in one pass: each step is predicted from exactly the context before it.
+Draw train questions (evenly over hop counts with ``hop_balanced``), sample several trajectories per question
+from the SFT policy through the policy service (live retrieval), score every step of the correct, format-valid
+ones with the PRM service (one batched call per chunk of questions, all steps of a trajectory in one pass; the
+logits optionally centred per step kind, ``prm_centering``), filter, and fine-tune on what is kept with the SFT
+stage's loop and format-aware loss (``fit_and_publish``). Two filters:
+
+- ``filter=step``, ProRAG's RFT (the default): every correct, format-valid trajectory is kept, with the loss only
+  on the generated tokens of the steps whose score reaches the threshold (``algorithms.rl.rft_kept_steps``,
+  ``step_loss_mask``); the other steps stay in the sequence as context. A trajectory with no such step is
+  dropped. One sequence with the loss on its kept steps trains the same targets in the same contexts as the
+  reference's one sample per kept step.
+- ``filter=trajectory``: a trajectory is kept only when every step reaches the threshold
+  (``algorithms.rl.rft_keep``), with the loss on all its steps. This is not the reference's filter: one weak step
+  drops all the others, so it favours short trajectories (fewer steps, fewer chances to fall below).
+
 Without a PRM (``prm=''``) the filter is the outcome alone: the "RFT only" baseline of the ablations.
 """
 
@@ -15,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prorag import paths
+from prorag.algorithms.rl import PRM_CENTERINGS
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
@@ -29,7 +39,12 @@ class RFTConfig(TrainRunConfig):
 
     world: str = cfg_field("default", help="embedded world whose questions are sampled")
     split: str = cfg_field("train", help="split whose questions are sampled (never the test split)")
-    max_questions: int = cfg_field(0, help="questions sampled, the split's first ones (0 = all)", min=0)
+    max_questions: int = cfg_field(0, help="questions sampled (0 = all): the split's first ones, or a seeded draw "
+                                           "evenly over hop counts with hop_balanced", min=0)
+    hop_balanced: bool = cfg_field(True, help="with max_questions > 0, draw the questions evenly over hop counts "
+                                              "(algorithms.rl.hop_balanced_sample, seeded by seed) instead of "
+                                              "taking the split's first ones: the policy answers shallow questions "
+                                              "correctly far more often, so they would fill the kept data")
     base_model: str = cfg_field("", help="required: the SFT model to fine-tune (a directory or name@version in the "
                                          "world's registry); the policy service should serve the same model, so "
                                          "the samples are on-policy")
@@ -46,12 +61,24 @@ class RFTConfig(TrainRunConfig):
                                            min=1, max=4096)
     prm: str = cfg_field("127.0.0.1:50053", help="PRM service that scores the steps ('' = no step filter: the "
                                                  "outcome alone, the RFT-only baseline)")
-    prm_threshold: float = cfg_field(0.0, help="lowest PRM score (logit) a kept trajectory's steps may have "
-                                               "(ProRAG: 0)")
-    prm_keep_fraction: float = cfg_field(0.0, help="when > 0, replaces prm_threshold: keep the correct trajectories "
-                                                   "whose weakest step is among the best this fraction "
-                                                   "(algorithms.rl.rft_threshold); for a PRM whose logits carry an "
+    filter: str = cfg_field("step", help="step = ProRAG's RFT: every correct, format-valid trajectory, the loss on "
+                                         "its steps whose PRM score reaches the threshold (the others stay as "
+                                         "context; none passes: dropped); trajectory = only trajectories whose every "
+                                         "step reaches it, the loss on all their steps", choices=("step", "trajectory"))
+    prm_threshold: float = cfg_field(0.0, help="lowest PRM score (logit, after prm_centering) a step may have: to "
+                                               "carry the loss (filter=step), or for its trajectory to be kept "
+                                               "(filter=trajectory) (ProRAG: 0)")
+    prm_keep_fraction: float = cfg_field(0.0, help="when > 0, replaces prm_threshold by the score that lets this "
+                                                   "fraction through (algorithms.rl.rft_threshold): of the scored "
+                                                   "steps (filter=step), or of the correct trajectories by their "
+                                                   "weakest step (filter=trajectory); for a PRM whose logits carry an "
                                                    "offset, as a Bradley-Terry PRM's may", min=0.0, max=1.0)
+    prm_centering: str = cfg_field("none", help="PRM logits as they come (none) or centred per step kind before the "
+                                                "threshold (per_kind: each kind's mean over every step of the job's "
+                                                "scored trajectories, each step counted once, is subtracted; a "
+                                                "Bradley-Terry PRM leaves each kind at its own offset, so one "
+                                                "threshold would keep mostly the high-offset kinds)",
+                                   choices=PRM_CENTERINGS)
     correct: str = cfg_field("em", help="what counts as a correct answer: em = exact match after the shared "
                                         "normaliser (ProRAG), f1 = token F1 >= min_f1", choices=("em", "f1"))
     min_f1: float = cfg_field(0.8, help="with correct=f1: the lowest F1 that counts as correct", min=0.0, max=1.0)
@@ -95,25 +122,67 @@ def is_correct(cfg: RFTConfig, answer: str, golds) -> bool:
     return f1_score(answer, golds) >= cfg.min_f1
 
 
+def select_questions(cfg: RFTConfig, questions: list) -> list:
+    """The questions sampled: all of them, or ``max_questions`` of them, drawn evenly over hop counts
+    (hop_balanced) or the split's first ones."""
+    from prorag.algorithms.rl import hop_balanced_sample
+
+    if not cfg.max_questions:
+        return questions
+    if not cfg.hop_balanced:
+        return questions[:cfg.max_questions]
+    return [questions[i] for i in hop_balanced_sample([q.hops for q in questions], cfg.max_questions, cfg.seed)]
+
+
+def kept_steps(cfg: RFTConfig, scores: list[list[float]], kinds: list[list[str]], format_valid: list[bool],
+               scored: bool) -> tuple[list[list[bool]], float]:
+    """Which steps of each correct trajectory carry the loss, [N][S_i], and the threshold used.
+
+    scores [N][S_i]: the PRM logits of every step of the N correct trajectories (empty lists when ``scored`` is
+    False: no PRM, every step of a format-valid trajectory kept); kinds [N][S_i]: each step's Step.kind."""
+    from prorag.algorithms.rl import center_per_kind, rft_keep, rft_kept_steps, rft_threshold
+
+    if not scored:
+        return [[ok] * len(ks) for ok, ks in zip(format_valid, kinds)], cfg.prm_threshold
+    if cfg.prm_centering == "per_kind":
+        # one pool for the whole job: a question's few correct samples are too few to estimate a kind's offset
+        scores = center_per_kind(scores, kinds, [[1.0] * len(ks) for ks in kinds])
+    threshold = cfg.prm_threshold
+    if cfg.prm_keep_fraction > 0:
+        pool = ([x for sc in scores for x in sc] if cfg.filter == "step" else [min(sc) for sc in scores if sc])
+        threshold = rft_threshold(pool, cfg.prm_keep_fraction)
+    if cfg.filter == "step":
+        return [rft_kept_steps(True, ok, sc, threshold) for ok, sc in zip(format_valid, scores)], threshold
+    return [[rft_keep(True, ok, sc, threshold)] * len(ks) for ok, sc, ks in zip(format_valid, scores, kinds)], threshold
+
+
 def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, dict]:
-    """Kept trajectories (TokenTrajectory, format-aware weights on generated tokens) and counts of what was
-    sampled, correct, PRM-approved and kept."""
-    from prorag.algorithms.rl import rft_keep, rft_threshold
+    """Kept trajectories (TokenTrajectory, format-aware weights on the generated tokens of their kept steps, 0
+    elsewhere) and counts of what was sampled, correct, PRM-approved and kept; steps kept of all the correct
+    trajectories' steps per step kind (steps_kept_<kind>, steps_total_<kind>) and questions, correct and kept
+    trajectories per hop count (questions_hops_<h>, correct_hops_<h>, kept_hops_<h>)."""
+    from prorag.algorithms.rl import step_loss_mask
     from prorag.clients import PolicyClient, PRMClient
     from prorag.data.loaders import load_split
     from prorag.pbconv import step_from_pb, token_trace_from_pb
     from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS, format_loss_weights
 
-    qs = load_split(paths.world_dir(cfg.world), cfg.split)
-    if cfg.max_questions:
-        qs = qs[:cfg.max_questions]
+    qs = select_questions(cfg, load_split(paths.world_dir(cfg.world), cfg.split))
+    hops = {q.id: q.hops for q in qs}
     tag_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in TAGS}
     weights = FORMAT_LOSS_WEIGHTS if cfg.loss_weights == "prorag" else {}
     stats = {"questions": len(qs), "sampled": 0, "answered": 0, "correct": 0, "prm_scored": 0, "prm_passed": 0,
              "kept": 0, "dropped_duplicate": 0, "dropped_too_long": 0, "questions_with_kept": 0}
-    kept: list = []
-    candidates: list = []  # (correct trajectory, its step scores): filtered once all are scored
-    per_question: dict[str, set[str]] = {}
+
+    def count(key: str) -> None:
+        stats[key] = stats.get(key, 0) + 1
+
+    for q in qs:
+        count(f"questions_hops_{q.hops}")
+        stats.setdefault(f"correct_hops_{q.hops}", 0)
+        stats.setdefault(f"kept_hops_{q.hops}", 0)
+    # 1. sample; keep the correct, format-valid trajectories with their steps and PRM logits
+    candidates: list = []  # (trajectory, its steps, its step scores): filtered once all are scored
     policy = PolicyClient(cfg.policy, timeout=3600)
     prm = PRMClient(cfg.prm, timeout=600) if cfg.prm else None
     prm_version = ""
@@ -134,26 +203,34 @@ def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, d
                 stats["answered"] += 1
                 if t.format_valid and is_correct(cfg, t.answer, by_id[t.question_id].golden_answers):
                     stats["correct"] += 1
-                    correct.append(t)
+                    count(f"correct_hops_{hops[t.question_id]}")
+                    correct.append((t, [step_from_pb(s) for s in t.steps]))
             scores: list[list[float]] = [[] for _ in correct]
             if prm is not None and correct:
                 # one call for the chunk: every step of every correct trajectory, each trajectory in one pass
-                prm_version, scores = prm.score([(t.question, [step_from_pb(s) for s in t.steps], False)
-                                                 for t in correct])
+                prm_version, scores = prm.score([(t.question, steps, False) for t, steps in correct])
                 stats["prm_scored"] += len(correct)
-            candidates += zip(correct, scores)
+            candidates += [(t, steps, sc) for (t, steps), sc in zip(correct, scores)]
             if progress:
                 progress(min(start + len(chunk), len(qs)), len(qs))
     finally:
         policy.close()
         if prm is not None:
             prm.close()
-    threshold = cfg.prm_threshold
-    if prm is not None and cfg.prm_keep_fraction > 0:
-        threshold = rft_threshold([min(sc) for _, sc in candidates if sc], cfg.prm_keep_fraction)
+    # 2. filter: which steps of which trajectories carry the loss
+    kinds = [[st.kind for st in steps] for _, steps, _ in candidates]
+    flags, threshold = kept_steps(cfg, [sc for _, _, sc in candidates], kinds,
+                                  [bool(t.format_valid) for t, _, _ in candidates], scored=prm is not None)
     stats["prm_threshold"] = threshold
-    for t, step_scores in candidates:
-        if not rft_keep(True, t.format_valid, step_scores, threshold):
+    for ks in kinds:
+        for k in ks:
+            count(f"steps_total_{k}")
+            stats.setdefault(f"steps_kept_{k}", 0)
+    # 3. the kept ones as token sequences, the loss on their kept steps only
+    kept: list = []
+    per_question: dict[str, set[str]] = {}
+    for (t, _, _), step_kinds, keep in zip(candidates, kinds, flags):
+        if not any(keep):
             continue
         stats["prm_passed"] += 1
         seen = per_question.setdefault(t.question_id, set())
@@ -164,16 +241,24 @@ def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, d
         if len(traj.token_ids) > cfg.max_len:
             stats["dropped_too_long"] += 1
             continue
+        if len(traj.spans) != len(keep):
+            raise FailedPrecondition(f"trajectory {t.question_id}#{t.sample_index}: {len(keep)} steps and "
+                                     f"{len(traj.spans)} token spans do not line up")
         seen.add(t.text)
         w = format_loss_weights(traj.token_ids, tag_ids, weights)
-        traj.weights = [float(x) if m else 0.0 for x, m in zip(w, traj.generated_mask)]
+        on = step_loss_mask(keep, traj.spans, len(traj.token_ids))
+        traj.weights = [float(x) if g and m else 0.0 for x, g, m in zip(w, traj.generated_mask, on)]
         kept.append(traj)
+        count(f"kept_hops_{hops[t.question_id]}")
+        for k, m in zip(step_kinds, keep):
+            stats[f"steps_kept_{k}"] += int(m)
     stats["kept"] = len(kept)
     stats["questions_with_kept"] = sum(1 for s in per_question.values() if s)
     if not kept:
         raise FailedPrecondition(f"RFT kept no trajectory ({stats}): the policy answered none correctly or the PRM "
-                                 "scored every correct one below the threshold; sample more, lower prm_threshold, "
-                                 "or set prm_keep_fraction (a Bradley-Terry PRM's logits carry an offset)")
+                                 "scored every step below the threshold; sample more, lower prm_threshold, set "
+                                 "prm_centering=per_kind, or set prm_keep_fraction (a Bradley-Terry PRM's logits "
+                                 "carry an offset)")
     return kept, {**stats, "prm_version": prm_version}
 
 
@@ -244,6 +329,7 @@ def run_rft(ctx: JobContext) -> dict:
 
 
 register_stage("rft", RFTConfig, run_rft,
-               description="PRM-guided rejection-sampling fine-tuning: sample through the policy, keep correct "
-                           "trajectories whose every step the PRM approves, fine-tune on them",
+               description="PRM-guided rejection-sampling fine-tuning: sample through the policy, keep the correct "
+                           "trajectories and fine-tune on the steps the PRM approves (filter=step, ProRAG's) or on "
+                           "the trajectories whose every step it approves (filter=trajectory)",
                checks={"base_model": "model"})
