@@ -18,6 +18,7 @@ import urllib.request
 
 from prorag import paths
 from prorag.clients import RetrieverClient, wait_for_health
+from prorag_app import procs
 from prorag_app.stack import port_free
 
 TARGETS = ("retriever", "policy", "swap", "sft", "prm", "rl")
@@ -215,10 +216,11 @@ def _start_retriever(world: str, index: str, env_extra: dict | None = None, log_
         http_port = _free_port(http_port + 1)
     env = dict(os.environ, **(env_extra or {}))
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen([sys.executable, "-m", "prorag_app.cli", "serve", "retriever", "--port", str(grpc_port),
-                             "--http-port", str(http_port), "--set", f"world={world}",
-                             "--set", f"default_index={index}"],
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    # procs.spawn: stopped with the bench, even a killed one (a timeout's SIGTERM used to leave it serving)
+    proc = procs.spawn([sys.executable, "-m", "prorag_app.cli", "serve", "retriever", "--port", str(grpc_port),
+                        "--http-port", str(http_port), "--set", f"world={world}",
+                        "--set", f"default_index={index}"],
+                       stdout=out, stderr=subprocess.STDOUT, env=env)
     return proc, grpc_port, http_port
 
 
@@ -382,18 +384,11 @@ def _serve(service: str, port: int, sets: dict, log_path=None) -> subprocess.Pop
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return procs.spawn(cmd, stdout=out, stderr=subprocess.STDOUT)  # stopped with the bench, even a killed one
 
 
-def _stop(*procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
+def _stop(*started) -> None:
+    procs.stop(started)  # SIGTERM, then SIGKILL after procs.STOP_TIMEOUT_S; reaped
 
 
 def _bench_model(world: str, model: str) -> str:

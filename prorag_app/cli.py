@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -647,6 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    as_program = argv is None  # called in-process (tests, tools): the caller's signal handling stays as it is
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["health"]:
         # Probes run this every few seconds: skip the full parser, whose choices import the pipeline and torch.
@@ -655,8 +657,16 @@ def main(argv: list[str] | None = None) -> int:
         health_args = light.parse_args(argv)
         return health_args.fn(health_args)
     args = build_parser().parse_args(argv)
+    from prorag_app import procs
+
+    if as_program and args.fn is not cmd_serve and threading.current_thread() is threading.main_thread():
+        # SIGTERM (a timeout, docker stop) and Ctrl-C stop every process this command started: see prorag_app.procs
+        procs.install_signal_handlers()
     try:
         return args.fn(args)
+    except procs.Stopped as e:
+        print(f"prorag: stopped by {e}", file=sys.stderr)
+        return 128 + e.signum
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

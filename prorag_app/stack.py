@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 
 from prorag import paths
 from prorag.clients import wait_for_health
+from prorag_app import procs as _procs  # aliased: the stack has a field named procs
 
 
 def port_free(host: str, port: int) -> bool:
@@ -48,6 +47,14 @@ class ServiceStack:
         if busy:
             raise SystemExit(f"ports already in use on {self.host}: {busy}; is another `prorag up` running? "
                              f"Use --port-offset N to shift every port.")
+        try:
+            self._spawn_and_wait()
+        except BaseException:  # Ctrl-C or SIGTERM while starting too: __exit__ does not run when __enter__ raises
+            self.stop()
+            raise
+        return self
+
+    def _spawn_and_wait(self) -> None:
         for svc in self.services:
             cmd = [sys.executable, "-m", "prorag_app.cli", "serve", svc, "--host", self.host,
                    "--port", str(paths.GRPC_PORTS[svc] + self.port_offset), "--port-offset", str(self.port_offset)]
@@ -63,30 +70,21 @@ class ServiceStack:
 
                 Path(self.log_dir).mkdir(parents=True, exist_ok=True)
                 out = open(Path(self.log_dir) / f"{svc}.log", "ab")
-            self.procs[svc] = subprocess.Popen(cmd, start_new_session=True, stdout=out,
-                                               stderr=subprocess.STDOUT if out else None)
+            # _procs.spawn: stopped with this process, even a SIGKILLed one (prorag_app.procs)
+            self.procs[svc] = _procs.spawn(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
+            if out is not None:
+                out.close()  # the child holds its own copy
         for svc in self.services:
             if not wait_for_health(self.grpc_target(svc), "", timeout=self.start_timeout):
                 code = self.procs[svc].poll()
-                self.stop()
                 raise SystemExit(f"{svc} did not become live on {self.grpc_target(svc)} within "
                                  f"{self.start_timeout:.0f}s (exit code {code})")
-        return self
 
     def dead(self) -> list[tuple[str, int]]:
         return [(svc, p.returncode) for svc, p in self.procs.items() if p.poll() is not None]
 
-    def stop(self, timeout: float = 15.0) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+    def stop(self, timeout: float = _procs.STOP_TIMEOUT_S) -> None:
+        _procs.stop(self.procs.values(), timeout)  # SIGTERM, wait until the deadline, SIGKILL the rest
         self.procs.clear()
 
     def __enter__(self) -> "ServiceStack":
