@@ -164,7 +164,9 @@ async def _serve(service: str, args) -> None:
         if not cfg.index_root:
             from prorag_app.embedded import ensure_indexes
 
-            ensure_indexes(cfg.world)
+            # build only what the default index reads: a BM25-only retriever must start where faiss or the
+            # encoder's weights are missing (a lent GPU machine without network has neither)
+            ensure_indexes(cfg.world, dense=cfg.default_index != "bm25", bm25=cfg.default_index != "dense")
         started = await start(serve, cfg)
     elif service == "policy":
         from services.policy.server import PolicyConfig, start
@@ -393,7 +395,7 @@ def cmd_eval(args) -> int:
 def cmd_run(args) -> int:
     import dataclasses
 
-    from prorag_app.pipeline import PROFILES, run_ablation, run_main_job, with_overrides
+    from prorag_app.pipeline import PLANS, PROFILES, run_ablation, run_main_job, with_overrides
 
     if args.profile == "ablation":
         if args.stage34_seed is not None or args.beta is not None or args.set or args.split != "test":
@@ -401,6 +403,11 @@ def cmd_run(args) -> int:
                              "(prorag_app.pipeline.ABLATION); --stage34-seed, --beta, --set and --split are for "
                              "single runs")
         run_ablation(world=args.world, port_offset=args.port_offset)
+        return 0
+    if args.profile in PLANS and args.stage34_seed is None and args.beta is None:
+        # a plan over seeds (research): every seed on --split with --set applied, then one report
+        run_ablation(PLANS[args.profile], world=args.world, port_offset=args.port_offset, split=args.split,
+                     overrides=tuple(args.set or ()))
         return 0
     prof = with_overrides(dataclasses.replace(PROFILES[args.profile], eval_split=args.split), args.set or [])
     run_main_job(profile=args.profile, world=args.world, port_offset=args.port_offset,
@@ -611,7 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="the main job on the embedded default; writes runs/latest/results.json")
     r.add_argument("--profile", default="default", choices=[*PROFILES, "ablation"],
                    help="ablation: the default profile over 3 stage 3-4 seeds, without RFT, at 4 more betas, then "
-                        "`prorag report` over them (hours on 2 cores; every finished job reused)")
+                        "`prorag report` over them (hours on 2 cores; every finished job reused); research: issue "
+                        "30's experiment over 3 stage 3-4 seeds, then the report (a single seed with "
+                        "--stage34-seed; hours)")
     r.add_argument("--world", default=None)
     r.add_argument("--port-offset", type=int, default=0)
     r.add_argument("--stage34-seed", type=int, default=None,
