@@ -162,18 +162,23 @@ RECIPE = Profile(world="default", model_preset="cpu-induction", vocab_size=8192,
                              "standard_rag_ft": {"hop_samples": True, "topk": 1}},
                  # stage 2 on the trained agent: MCTS on 200 train questions (ProRAG: 200 simulations x 5
                  # expansions on 728; cut to what 2 cores finish in minutes), pairs labelled by the reference judge,
-                 # the PRM (Bradley-Terry) on them, validated on the whole test split
+                 # the PRM (Bradley-Terry) on them, validated on 250 questions of the split (the gate reads it)
                  stage2={"mcts": {"max_questions": 200, "concurrency": 32, "max_step_tokens": 96, "seed": 1,
                                   "mcts": {"simulations": 12, "expansions": 4, "max_children": 4}},
-                         "prm": {"epochs": 2, "batch_size": 8, "lr": 5e-4, "label_source": "judge"}},
+                         "prm": {"epochs": 2, "batch_size": 8, "lr": 5e-4, "label_source": "judge"},
+                         # every corruption family on 250 questions (the whole split: 2.5x the cases of the four
+                         # in-distribution families, whose validation took 134 s; an estimate, not measured)
+                         "eval_questions": 250},
                  # stages 3-4 and outcome-only GRPO from the same agent, with the same RL questions, iterations,
                  # group size and learning rate for both RL methods (sized for 2 cores; docs/BENCHMARKS.md)
-                 # RFT keeps the correct trajectories whose weakest step is in the PRM's better half: with ProRAG's
-                 # fixed logit threshold 0 this Bradley-Terry PRM let none of 320 correct ones through. The kept
-                 # ones are mostly 1-2 hop questions (the ones the agent answers), so RFT alone taught stopping
-                 # early; one gold SFT trajectory replayed per kept one and a 5x lower rate took dev's 3+ hop
-                 # RFT - SFT from -6.8 [-12.0, -1.5] (lr 5e-4) and -3.3 (lr 1e-4) to -0.3 [-4.6, +4.0]
-                 stage34={"rft": {"max_questions": 400, "samples_per_question": 4, "temperature": 0.8,
+                 # RFT as the reference does it (RFTConfig's defaults: per step, questions even over hop counts):
+                 # every correct trajectory, the loss on its steps among the PRM's better half (a Bradley-Terry
+                 # PRM's logits carry an offset, so a fixed threshold 0 kept nothing); one gold SFT trajectory
+                 # replayed per kept one at a 5x lower rate (docs/BENCHMARKS.md: RFT alone taught stopping early)
+                 # the headline is ProRAG without RFT against outcome GRPO (the same start, questions and budget);
+                 # the full ProRAG (RFT first) and ReasonRAG beside it (issue 30)
+                 stage34={"methods": ("rft", "prorag", "outcome_grpo", "prorag_no_rft", "reasonrag"),
+                          "rft": {"max_questions": 400, "samples_per_question": 4, "temperature": 0.8,
                                   "max_step_tokens": 96, "batch_size": 8, "lr": 1e-4, "replay": 1.0, "seed": 1,
                                   "prm_keep_fraction": 0.5},
                           "rl": {"iterations": 10, "questions_per_iteration": 16, "group_size": 8, "lr": 5e-4,
@@ -228,7 +233,8 @@ RESEARCH_PROFILE = dataclasses.replace(
     RECIPE,
     stage2={**RECIPE.stage2,
             "siblings": {"max_questions": 2000, "samples": 4, "concurrency": 32, "max_step_tokens": 96,
-                         "max_steps": 10, "seed": 1}},
+                         "max_steps": 10, "seed": 1},
+            "eval_questions": 0},
     stage34={**RECIPE.stage34,
              "methods": ("rft", "prorag", "outcome_grpo", "prorag_no_rft", "prorag_oracle", "reasonrag"),
              "rft": {**RECIPE.stage34["rft"], "filter": "step", "hop_balanced": True},
