@@ -160,6 +160,45 @@ def name_by_beta(runs: list[dict]) -> None:
             r[part] = {(f"{m}[beta={b}]" if base_method(m) in BETA_METHODS else m): v for m, v in r[part].items()}
 
 
+#: issue 30's chain, in order: each link is read from one comparison (A - B on 3+ hop questions) or from the PRM's
+#: gate; the first link that does not hold is where the claim breaks
+LINKS = (("RL learns", "outcome_grpo_vs_sft"),
+         ("the oracle's step credit helps", "prorag_oracle_vs_outcome_grpo"),
+         ("the PRM passes its gate", None),
+         ("process supervision helps (the headline: same start)", "prorag_no_rft_vs_outcome_grpo"))
+
+
+def claim_links(comparisons: dict, gates: list[dict]) -> dict:
+    """Which link of the chain "RL learns -> step credit helps -> the PRM is good enough -> ProRAG beats outcome GRPO"
+    holds, from pooled ``comparisons`` (compare_methods' output) and the PRM gate verdicts of the runs (``gates``).
+
+    A comparison's link holds when its interval is above 0 (the seed-and-question interval where there is one, else
+    the question one); "not shown" when the interval holds 0; "reversed" when it is below 0; "not run" without the
+    comparison. The gate holds when every run's PRM passed it. Returns {"links": [{"link", "status", ...}],
+    "first_failed": the first link not holding, or None}."""
+    links = []
+    for name, key in LINKS:
+        if key is None:
+            if not gates:
+                links.append({"link": name, "status": "not run"})
+            else:
+                passed = all(g.get("passed") for g in gates)
+                reasons = sorted({r for g in gates for r in g.get("reasons") or []})
+                links.append({"link": name, "status": "holds" if passed else "fails", "runs": len(gates),
+                              "reasons": reasons})
+            continue
+        c = comparisons.get(key)
+        if not c:
+            links.append({"link": name, "comparison": key, "status": "not run"})
+            continue
+        bounds = c.get("ci_seeds_questions") or c["ci"]
+        status = "holds" if bounds[0] > 0 else ("reversed" if bounds[1] < 0 else "not shown")
+        links.append({"link": name, "comparison": key, "status": status, "diff": c["f1_diff"], "ci": list(bounds),
+                      "ci_includes_seeds": bool(c.get("ci_seeds_questions")), "seeds": c.get("seeds")})
+    first = next((lk["link"] for lk in links if lk["status"] != "holds"), None)
+    return {"links": links, "first_failed": first}
+
+
 def build_report(run_dirs, out_dir: str | Path, html_dir: str | Path | None = None) -> dict:
     """Pool ``run_dirs`` (seeds) into one report under ``out_dir``, and its HTML page under ``html_dir`` (default:
     the first run's ``report/``, so `runs/latest/report/index.html` is the latest run's); returns what report.json
@@ -203,7 +242,7 @@ def build_report(run_dirs, out_dir: str | Path, html_dir: str | Path | None = No
     for r in runs:
         s34 = r["results"].get("stage34") or {}
         for m, job_id in (s34.get("jobs") or {}).items():
-            if m in ("prorag", "outcome_grpo", "prorag_no_rft"):
+            if m in ("prorag", "outcome_grpo", "prorag_no_rft", "prorag_oracle"):
                 curve = rl_curve(job_id)
                 if curve:
                     curves[r["names"].get(m, m)].append(curve)
@@ -215,7 +254,9 @@ def build_report(run_dirs, out_dir: str | Path, html_dir: str | Path | None = No
                                 # the sweep's own seed (the first run's), so that betas compare like for like
                                 "f1_3plus_sweep_seed": next((f for f, _, same in v if same), None)}
                        for b, v in sorted(betas.items())},
-              "data_efficiency": efficiency}
+              "data_efficiency": efficiency,
+              "claim": claim_links(comparisons, [(r["results"].get("prm") or {})["gate"] for r in runs
+                                                 if "gate" in (r["results"].get("prm") or {})])}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     svgs: dict[str, str] = {}
@@ -262,6 +303,18 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | {c['group']} | {_pct(c['a_mean'])} | {_pct(c['b_mean'])} | "
                          f"{100 * c['f1_diff']:+.1f} | {ci(c['ci'])} | {ci(c.get('ci_seeds_questions'))} | "
                          f"{c['n']} | {c['seeds']} |")
+    claim = report.get("claim")
+    if claim:
+        lines += ["", "## Where the claim stands, link by link", "",
+                  "| link | comparison | A - B | 95% CI | status |", "|---|---|---|---|---|"]
+        for lk in claim["links"]:
+            diff = f"{100 * lk['diff']:+.1f}" if "diff" in lk else "-"
+            bounds = (f"[{100 * lk['ci'][0]:+.1f}, {100 * lk['ci'][1]:+.1f}]"
+                      + (" (seeds and questions)" if lk.get("ci_includes_seeds") else " (questions)")) if "ci" in lk else \
+                "; ".join(lk.get("reasons") or []) or "-"
+            lines.append(f"| {lk['link']} | {lk.get('comparison', 'PRM gate')} | {diff} | {bounds} | {lk['status']} |")
+        lines += ["", f"First link that does not hold: **{claim['first_failed']}**." if claim["first_failed"]
+                  else "Every link holds."]
     if report["beta"]:
         lines += ["", "## ProRAG's F1 on 3+ hop questions against beta", "",
                   "Test split and deep split together; the sweep's seed is the first run's (the other betas run at "

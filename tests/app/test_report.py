@@ -167,3 +167,27 @@ def test_data_efficiency_counts_the_deep_split_where_every_point_was_evaluated_o
     eff = build_report([with_deep("finals_only", ["sft", "outcome_grpo", "rft", "prorag"])],
                        tmp_path / "out2")["data_efficiency"]
     assert eff["questions"] == 4 and all(p["f1"] == 0.0 for p in eff["curves"]["outcome_grpo"])
+
+
+def test_claim_links_name_the_first_link_that_does_not_hold():
+    from prorag_app.report import claim_links
+
+    def comp(lo, hi, seeds=True):
+        return {"f1_diff": (lo + hi) / 2, "ci": [lo - 0.01, hi + 0.01],
+                **({"ci_seeds_questions": [lo, hi]} if seeds else {}), "seeds": 3 if seeds else 1}
+
+    comparisons = {"outcome_grpo_vs_sft": comp(0.01, 0.05), "prorag_oracle_vs_outcome_grpo": comp(-0.02, 0.03),
+                   "prorag_no_rft_vs_outcome_grpo": comp(-0.06, -0.02, seeds=False)}
+    out = claim_links(comparisons, [{"passed": True, "reasons": []}, {"passed": False, "reasons": ["AUC 0.5 < 0.8"]}])
+    status = {lk["link"]: lk["status"] for lk in out["links"]}
+    assert list(status.values()) == ["holds", "not shown", "fails", "reversed"]
+    assert out["first_failed"] == "the oracle's step credit helps"
+    # the seed-and-question interval is read where there is one, the question one otherwise
+    assert out["links"][0]["ci"] == [0.01, 0.05] and out["links"][0]["ci_includes_seeds"]
+    assert out["links"][3]["ci"] == pytest.approx([-0.07, -0.01]) and not out["links"][3]["ci_includes_seeds"]
+    assert out["links"][2]["reasons"] == ["AUC 0.5 < 0.8"]
+    # a chain with every link above 0 and a passed gate holds; missing comparisons are "not run"
+    good = {k: comp(0.01, 0.02) for k in comparisons}
+    assert claim_links(good, [{"passed": True}])["first_failed"] is None
+    missing = claim_links({}, [])
+    assert {lk["status"] for lk in missing["links"]} == {"not run"} and missing["first_failed"] == "RL learns"
