@@ -407,6 +407,26 @@ def _comparisons_table(report: dict) -> str:
             f"<th>wins/losses/ties</th></tr></thead><tbody>{''.join(rows)}</tbody></table>")
 
 
+def _claim_table(report: dict) -> str:
+    """report["claim"] (prorag_app.report.claim_links): each link of the chain, its interval and status."""
+    claim = report.get("claim")
+    if not claim:
+        return ""
+    rows = []
+    for lk in claim["links"]:
+        what = (f"{100 * lk['diff']:+.1f} {_ci(lk['ci'])}" + (" seeds and questions" if lk.get("ci_includes_seeds")
+                                                             else " questions")) if "ci" in lk else \
+            _e("; ".join(lk.get("reasons") or []) or "-")
+        cls = "pos" if lk["status"] == "holds" else "neg" if lk["status"] in ("fails", "reversed") else ""
+        rows.append(f"<tr class='{cls}'><td>{_e(lk['link'])}</td><td>{_e(lk.get('comparison', 'PRM gate'))}</td>"
+                    f"<td>{what}</td><td>{_e(lk['status'])}</td></tr>")
+    first = (f"First link that does not hold: <b>{_e(claim['first_failed'])}</b>." if claim["first_failed"]
+             else "Every link holds.")
+    return ("<h3>Where the claim stands</h3><table id=claim-table><thead><tr><th>link</th><th>read from</th>"
+            f"<th>A - B [95% CI]</th><th>status</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            f"<p class=note>{first}</p>")
+
+
 def _figure(name: str, caption: str, svg: str) -> str:
     return f"<figure class=plot data-plot='{_e(name)}'>{svg}<figcaption>{_e(caption)}</figcaption></figure>"
 
@@ -494,7 +514,7 @@ def write_html(report: dict, runs: list[dict], html_dir: str | Path, svgs: dict[
 <section id=comparisons><h2>Paired comparisons</h2>
 <p class=note>A minus B per question over the pooled seeds. 95% CI over questions of the seed-averaged differences;
 and, with 2+ seeds, resampling seeds then questions (training noise in the interval too). Rows whose question CI
-excludes 0 are shaded by its sign.</p>{_comparisons_table(report)}</section>
+excludes 0 are shaded by its sign.</p>{_comparisons_table(report)}{_claim_table(report)}</section>
 <section id=ablations><h2>Ablations</h2>{ablation}</section>
 <section id=training><h2>Training curves</h2>
 <p class=note>Per trainer job of these runs: loss, learning rate and tokens/s per logged optimizer step

@@ -296,6 +296,12 @@ def test_the_html_report_renders_every_view_in_headless_chromium(runs, tmp_path,
     cells = [dom.text(i) for i in dom.find("td", under=row)]
     assert cells[-2] == "2" and cells[5].startswith("[") and cells[6].startswith("[")  # seeds; CI; seeds+questions CI
     assert "prorag[beta=0.5]" in dom.text(dom.one("table", id="methods-table"))
+    # the claim, link by link: the chain's four links, each with a status
+    claim = dom.one("table", id="claim-table")
+    links = [[dom.text(i) for i in dom.find("td", under=r)] for r in dom.find("tr", under=claim)]
+    links = [cells for cells in links if cells]
+    assert [cells[0] for cells in links][0] == "RL learns" and len(links) == 4
+    assert all(cells[-1] in ("holds", "not shown", "reversed", "fails", "not run") for cells in links)
 
     # every picture, as an inline SVG: the Markdown report's plots and each trainer job's curves
     plots = {dom.els[i]["attrs"]["data-plot"]: i for i in dom.find("figure", cls="plot")}
