@@ -78,7 +78,22 @@ class ServiceStack:
             if not wait_for_health(self.grpc_target(svc), "", timeout=self.start_timeout):
                 code = self.procs[svc].poll()
                 raise SystemExit(f"{svc} did not become live on {self.grpc_target(svc)} within "
-                                 f"{self.start_timeout:.0f}s (exit code {code})")
+                                 f"{self.start_timeout:.0f}s (exit code {code}){self.log_tail(svc)}")
+
+    def log_tail(self, svc: str, lines: int = 30) -> str:
+        """The last ``lines`` lines of ``svc``'s log file as a block to append to an error ('' without a log): a
+        service that dies at start on a remote machine then says why in the error itself."""
+        if not self.log_dir:
+            return ""
+        from pathlib import Path
+
+        log = Path(self.log_dir) / f"{svc}.log"
+        try:
+            text = log.read_bytes()[-64 * 1024:].decode("utf-8", "replace")
+        except OSError as e:
+            return f"; its log {log} could not be read: {e}"
+        tail = "\n".join(text.rstrip().splitlines()[-lines:])
+        return f"; the last lines of {log}:\n{tail}" if tail else f"; its log {log} is empty"
 
     def dead(self) -> list[tuple[str, int]]:
         return [(svc, p.returncode) for svc, p in self.procs.items() if p.poll() is not None]
