@@ -70,36 +70,37 @@ COPY --from=builder /opt/venv /opt/venv
 COPY scripts/docker/setup.sh /usr/local/bin/prorag-setup
 USER 10001:10001
 WORKDIR /data
-# 0.0.0.0 inside the container network below; compose publishes on 127.0.0.1 by default
+# 0.0.0.0 inside the container network below; compose publishes on 127.0.0.1 by default (the 91xx metrics
+# ports stay inside the network: plain HTTP for a Prometheus there)
 # health: readiness of the service (SERVING once what it serves is loaded), except the PRM's (below)
 
 FROM runtime AS retriever
-EXPOSE 50051 8000
+EXPOSE 50051 8000 9101
 HEALTHCHECK --interval=30s --timeout=30s --start-period=300s --retries=3 \
   CMD ["prorag", "health", "--target", "127.0.0.1:50051", "--service", "prorag.v1.Retriever"]
 ENTRYPOINT ["prorag", "serve", "retriever", "--host", "0.0.0.0"]
 
 FROM runtime AS policy
-EXPOSE 50052 8001
+EXPOSE 50052 8001 9102
 HEALTHCHECK --interval=30s --timeout=30s --start-period=300s --retries=3 \
   CMD ["prorag", "health", "--target", "127.0.0.1:50052", "--service", "prorag.v1.Policy"]
 ENTRYPOINT ["prorag", "serve", "policy", "--host", "0.0.0.0"]
 
 FROM runtime AS prm
-EXPOSE 50053
+EXPOSE 50053 9103
 # liveness only: the PRM is live but not ready until a trained PRM is given (`--set model=...`)
 HEALTHCHECK --interval=30s --timeout=30s --start-period=300s --retries=3 \
   CMD ["prorag", "health", "--target", "127.0.0.1:50053"]
 ENTRYPOINT ["prorag", "serve", "prm", "--host", "0.0.0.0"]
 
 FROM runtime AS judge
-EXPOSE 50054
+EXPOSE 50054 9104
 HEALTHCHECK --interval=30s --timeout=30s --start-period=300s --retries=3 \
   CMD ["prorag", "health", "--target", "127.0.0.1:50054", "--service", "prorag.v1.Judge"]
 ENTRYPOINT ["prorag", "serve", "judge", "--host", "0.0.0.0"]
 
 FROM runtime AS trainer
-EXPOSE 50055
+EXPOSE 50055 9105
 HEALTHCHECK --interval=30s --timeout=30s --start-period=300s --retries=3 \
   CMD ["prorag", "health", "--target", "127.0.0.1:50055", "--service", "prorag.v1.Trainer"]
 ENTRYPOINT ["prorag", "serve", "trainer", "--host", "0.0.0.0"]

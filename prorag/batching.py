@@ -18,7 +18,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
+from prometheus_client import Counter, Gauge, Histogram
+
 from prorag.errors import DeadlineExceeded, ResourceExhausted
+
+_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+BATCH_ITEMS = Histogram("prorag_batcher_batch_items", "Items (queries, prompts, trajectories) in one merged engine "
+                        "call", ["batcher"], buckets=_SIZES)
+BATCH_REQUESTS = Histogram("prorag_batcher_batch_requests", "Caller requests merged into one engine call",
+                           ["batcher"], buckets=_SIZES)
+QUEUE_DEPTH = Gauge("prorag_batcher_queue_depth", "Requests waiting for an engine call", ["batcher"])
+REJECTED = Counter("prorag_batcher_rejected_total", "Requests refused before an engine call ran them: queue_full "
+                   "(RESOURCE_EXHAUSTED) or deadline (passed while queued)", ["batcher", "reason"])
 
 
 @dataclass
@@ -56,6 +67,8 @@ class MicroBatcher:
         self._task: asyncio.Task | None = None
         self.calls = 0
         self.requests = 0
+        self.name = name
+        self._depth = QUEUE_DEPTH.labels(name)
 
     def start(self) -> None:
         if self._task is None:
@@ -81,9 +94,11 @@ class MicroBatcher:
         """Queue ``items``; ``deadline`` is an absolute time.monotonic() value or None."""
         self.start()
         if len(self._pending) >= self._max_queue:
+            REJECTED.labels(self.name, "queue_full").inc()
             raise ResourceExhausted(f"server busy: {len(self._pending)} requests already queued; retry with backoff")
         fut = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(key, items, deadline, fut))
+        self._depth.set(len(self._pending))
         self._wakeup.set()
         return await fut
 
@@ -94,12 +109,14 @@ class MicroBatcher:
             if p.future.done():
                 continue  # caller went away (cancelled)
             if p.deadline is not None and p.deadline <= now:
+                REJECTED.labels(self.name, "deadline").inc()
                 p.future.set_exception(DeadlineExceeded(
                     f"deadline passed after {now - p.enqueued:.3f}s in the queue, before the search ran"))
                 continue
             live.append(p)
         self._pending = live
         if not live:
+            self._depth.set(0)
             return None, []
         key = live[0].key
         group, rest, n = [], [], 0
@@ -110,6 +127,7 @@ class MicroBatcher:
             else:
                 rest.append(p)
         self._pending = rest
+        self._depth.set(len(rest))
         return key, group
 
     async def _loop(self) -> None:
@@ -130,6 +148,8 @@ class MicroBatcher:
 
     async def _dispatch(self, loop, key, group: list[_Pending]) -> None:
         merged = [item for p in group for item in p.items]
+        BATCH_ITEMS.labels(self.name).observe(len(merged))
+        BATCH_REQUESTS.labels(self.name).observe(len(group))
         try:
             results = await loop.run_in_executor(self._executor, self._fn, key, merged)
         except Exception as exc:  # noqa: BLE001 - delivered to every caller of this batch

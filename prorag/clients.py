@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prorag.data.loaders import Document
+from prorag.observability import RequestIdForwarding
 from prorag.pb import retriever_pb2, retriever_pb2_grpc
 from prorag.pbconv import document_from_pb, scored_document_from_pb
 from prorag.security import ClientSecurity, secure_channel
@@ -26,12 +27,13 @@ def channel(target: str, max_message_mb: int = 64, security: ClientSecurity | No
             extra_options: list | None = None) -> grpc.Channel:
     """A channel with the servers' message limits, round-robin over the target's addresses, and the TLS and
     token settings of ``security`` (default: PRORAG_TLS_CA, PRORAG_TOKEN_FILE, ... from the environment,
-    see :mod:`prorag.security`)."""
-    return secure_channel(target, [
+    see :mod:`prorag.security`). A call made while serving a request carries that request's id
+    (:mod:`prorag.observability`)."""
+    return grpc.intercept_channel(secure_channel(target, [
         ("grpc.max_receive_message_length", max_message_mb * MiB),
         ("grpc.max_send_message_length", max_message_mb * MiB),
         ROUND_ROBIN,
-    ] + list(extra_options or []), security)
+    ] + list(extra_options or []), security), RequestIdForwarding())
 
 
 def wait_for_health(target: str, service: str = "", timeout: float = 60.0) -> bool:

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prorag.errors import ProragError
+from prorag.observability import ObservabilityInterceptor
 from prorag.security import AuthInterceptor, ServerSecurity
 
 log = logging.getLogger("prorag.grpc")
@@ -151,10 +152,11 @@ async def start_server(spec: ServerSpec, port: int, host: str = "127.0.0.1",
 
     ``security`` (default: plaintext, no auth) adds TLS and the bearer-token check; health stays open."""
     security = security or ServerSecurity()
-    interceptors: list[grpc.aio.ServerInterceptor] = []
+    # Outermost of all: every call is counted and logged with the status its caller got, refused ones too.
+    interceptors: list[grpc.aio.ServerInterceptor] = [ObservabilityInterceptor(spec.name)]
     tokens = security.tokens()
     if tokens is not None:
-        # Outermost, so an unauthenticated call never reaches a servicer.
+        # Before the servicers, so an unauthenticated call never reaches one.
         interceptors.append(AuthInterceptor(tokens, spec.name))
     interceptors.append(ErrorMappingInterceptor())
     options = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from prorag.observability import http_middleware
 from prorag.security import ServerSecurity, http_auth_middleware
 
 
@@ -14,6 +15,7 @@ async def start_http(app: web.Application, host: str, port: int, security: Serve
     tokens = security.tokens()
     if tokens is not None:
         app.middlewares.insert(0, http_auth_middleware(tokens, name))
+    app.middlewares.insert(0, http_middleware(name))  # outermost: refused requests are counted too
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=security.ssl_context())

@@ -17,6 +17,9 @@ class ServeConfig:
     port: int = cfg_field(0, help="gRPC port (0 = any free port)", min=0, max=65535)
     http_port: int = cfg_field(-1, help="HTTP port where the service has one (0 = any free, -1 = off)",
                                min=-1, max=65535)
+    metrics_port: int = cfg_field(-1, help="Prometheus /metrics port, plain HTTP (0 = any free, -1 = off; `prorag "
+                                           "serve` defaults to the service's port in prorag.paths.METRICS_PORTS)",
+                                  min=-1, max=65535)
     max_message_mb: int = cfg_field(64, help="gRPC max send/receive message size, MiB", min=1, max=2047)
     grace_s: float = cfg_field(5.0, help="seconds in-flight calls get to finish at shutdown", min=0)
     max_concurrent_rpcs: int = cfg_field(256, help="calls served at once; more are refused with RESOURCE_EXHAUSTED "
@@ -46,3 +49,38 @@ class Started:
     async def stop(self) -> None:
         for fn in self.stoppers:
             await fn()
+
+
+def start_metrics(serve: ServeConfig, name: str,
+                  required: bool = True) -> tuple[int | None, Callable[[], Awaitable[None]]]:
+    """The process's /metrics endpoint on serve.host:serve.metrics_port: (bound port or None, stopper).
+
+    One per process, not per server: the metrics live in prometheus_client's process-wide registry. A taken port
+    fails the start when ``required`` (a port the operator chose); otherwise it is logged and the service runs
+    without metrics, so that two local processes left on the default port do not stop each other starting."""
+    import asyncio
+    import logging
+
+    from prorag.observability import start_metrics_http
+
+    async def nothing() -> None:
+        return None
+
+    if serve.metrics_port < 0:
+        return None, nothing
+    try:
+        server, port = start_metrics_http(serve.host, serve.metrics_port)
+    except OSError as e:
+        if required:
+            raise OSError(f"could not bind {serve.host}:{serve.metrics_port} for the {name} service's metrics "
+                          f"({e}); choose another --metrics-port, or -1 for none") from None
+        logging.getLogger("prorag.metrics").warning(
+            "%s: metrics port %s:%d is taken (%s); serving without /metrics (set --metrics-port)", name, serve.host,
+            serve.metrics_port, e)
+        return None, nothing
+
+    async def stop() -> None:
+        await asyncio.to_thread(server.shutdown)
+        server.server_close()
+
+    return port, stop

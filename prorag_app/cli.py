@@ -1,7 +1,7 @@
 """The `prorag` command: world, index, serve, up, bench, run.
 
 Interface relied on by outside tools (keep stable): `prorag up [--port-offset N]`,
-`prorag serve <service> [--port N] [--http-port N]`, `prorag bench <target> --json`
+`prorag serve <service> [--port N] [--http-port N] [--metrics-port N]`, `prorag bench <target> --json`
 (last output line is one JSON object), and `runs/latest/results.json` from `prorag run`.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import signal
 import sys
@@ -152,10 +151,16 @@ async def _serve(service: str, args) -> None:
         "host": args.host,
         "port": paths.GRPC_PORTS[service] if args.port is None else args.port,
         "http_port": default_http if args.http_port is None else args.http_port,
+        "metrics_port": paths.METRICS_PORTS[service] if args.metrics_port is None else args.metrics_port,
         "tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
         "auth_tokens": args.auth_tokens,
         **({"max_concurrent_rpcs": args.max_concurrent_rpcs} if args.max_concurrent_rpcs is not None else {}),
     })
+    from prorag.service import start_metrics
+
+    # first, so a slow model load is watched too; the documented default port may be held by another local
+    # service: then this one runs without metrics (a port given with --metrics-port must be free)
+    metrics_port, stop_metrics = start_metrics(serve, service, required=args.metrics_port is not None)
     overrides = _service_config(service, args)
     if service == "retriever":
         from services.retriever.server import RetrieverConfig, start
@@ -195,10 +200,11 @@ async def _serve(service: str, args) -> None:
         module = __import__(f"services.{service}.server", fromlist=["start"])
         started = await module.start(serve)
     http = f", HTTP on {serve.host}:{started.http_port}" if started.http_port else ""
-    print(f"{service}: gRPC on {serve.host}:{started.grpc_port}{http}", flush=True)
+    metrics = f", metrics on http://{serve.host}:{metrics_port}/metrics" if metrics_port else ""
+    print(f"{service}: gRPC on {serve.host}:{started.grpc_port}{http}{metrics}", flush=True)
     from prorag.grpc_server import serve_until_signal
 
-    await serve_until_signal([started.stop])
+    await serve_until_signal([started.stop, stop_metrics])
 
 
 def cmd_health(args) -> int:
@@ -237,7 +243,9 @@ def cmd_security_init(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from prorag.observability import configure_logging
+
+    configure_logging(args.service, args.log_format)
     asyncio.run(_serve(args.service, args))
     return 0
 
@@ -529,6 +537,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=None, help="gRPC port (default: the documented one)")
     s.add_argument("--http-port", type=int, default=None, help="HTTP port (-1 = off)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus /metrics port (default: the documented one, skipped with a warning when taken; "
+                        "0 = any free, -1 = off)")
+    s.add_argument("--log-format", choices=("json", "text"), default="json",
+                   help="log lines on stderr: one JSON object per line (default) or plain text")
     s.add_argument("--config", default=None, help="YAML file with the service's settings")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting")
     s.add_argument("--port-offset", type=int, default=0, help="shift of the ports of the other services it calls")

@@ -41,8 +41,8 @@ class ServiceStack:
 
     def start(self) -> "ServiceStack":
         busy = [p for svc in self.services for p in
-                [paths.GRPC_PORTS[svc] + self.port_offset] + ([paths.HTTP_PORTS[svc] + self.port_offset]
-                                                              if svc in paths.HTTP_PORTS else [])
+                [paths.GRPC_PORTS[svc] + self.port_offset, paths.METRICS_PORTS[svc] + self.port_offset]
+                + ([paths.HTTP_PORTS[svc] + self.port_offset] if svc in paths.HTTP_PORTS else [])
                 if not port_free(self.host, p)]
         if busy:
             raise SystemExit(f"ports already in use on {self.host}: {busy}; is another `prorag up` running? "
@@ -57,7 +57,8 @@ class ServiceStack:
     def _spawn_and_wait(self) -> None:
         for svc in self.services:
             cmd = [sys.executable, "-m", "prorag_app.cli", "serve", svc, "--host", self.host,
-                   "--port", str(paths.GRPC_PORTS[svc] + self.port_offset), "--port-offset", str(self.port_offset)]
+                   "--port", str(paths.GRPC_PORTS[svc] + self.port_offset), "--port-offset", str(self.port_offset),
+                   "--metrics-port", str(paths.METRICS_PORTS[svc] + self.port_offset)]
             if svc in paths.HTTP_PORTS:
                 cmd += ["--http-port", str(paths.HTTP_PORTS[svc] + self.port_offset)]
             if svc in ("retriever", "policy", "judge", "prm"):  # the prm: where a name@version is looked up

@@ -19,9 +19,15 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client import Info
+
 from prorag.errors import FailedPrecondition, NotFound
 from prorag.registry import ArtifactRef, Manifest, Registry
 from prorag.engine import GenerationEngine, SamplingSpec
+
+
+ADAPTER_INFO = Info("prorag_policy_adapter", "What new policy requests run: the active adapter name@version ('' = "
+                    "the base model alone) and the base model (first 16 hex digits of its weights' sha256)")
 
 
 @dataclass
@@ -42,6 +48,12 @@ class AdapterManager:
     loaded: dict[str, LoadedAdapter] = field(default_factory=dict)
     active: str | None = None  # "name@version" or None = base model
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        self._publish_active()
+
+    def _publish_active(self) -> None:
+        ADAPTER_INFO.info({"active": self.active or "", "base_model_sha256": self.base_model_sha256[:16]})
 
     async def load(self, ref: ArtifactRef, path: str = "") -> LoadedAdapter:
         async with self._lock:
@@ -74,11 +86,13 @@ class AdapterManager:
         async with self._lock:
             if ref is None:
                 self.active = None
+                self._publish_active()
                 return None
             entry = await self._load_locked(ref, path)
             if entry.draining:  # defensive: _load_locked refuses a draining entry already
                 raise FailedPrecondition(f"adapter {ref} is being unloaded; load it again once UnloadAdapter returns")
             self.active = ref.key
+            self._publish_active()
             return self.active
 
     async def unload(self, ref: ArtifactRef, drain_timeout_s: float = 30.0) -> None:

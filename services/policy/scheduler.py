@@ -6,9 +6,15 @@ from __future__ import annotations
 import asyncio
 from typing import Sequence
 
+from prometheus_client import Counter
+
 from prorag.batching import MicroBatcher
 from prorag.errors import FailedPrecondition
 from prorag.engine import GeneratedSeq, GenerationEngine, SamplingSpec
+
+
+GENERATED_TOKENS = Counter("prorag_policy_generated_tokens_total", "Tokens the policy's engine generated (steps, "
+                           "rollouts and HTTP completions)")
 
 
 class GenerationScheduler:
@@ -21,7 +27,9 @@ class GenerationScheduler:
     def _run(self, key, items: list) -> list:
         adapter, n, temperature, top_p, max_tokens, stops = key
         spec = SamplingSpec(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop_token_ids=stops)
-        return self.engine.generate([p for p, _ in items], spec, adapter, seeds=[s for _, s in items])
+        out = self.engine.generate([p for p, _ in items], spec, adapter, seeds=[s for _, s in items])
+        GENERATED_TOKENS.inc(sum(len(seq.token_ids) for seqs in out for seq in seqs))
+        return out
 
     async def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, adapter: str | None,
                        seeds: Sequence[int], deadline: float | None = None) -> list[list[GeneratedSeq]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import socket
 import threading
@@ -225,7 +226,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         queue: asyncio.Queue = asyncio.Queue()
         check = getattr(self.search_fn_factory, "check_index", None)
         if check is not None:
-            await loop.run_in_executor(None, check, request.retriever_index)
+            await asyncio.to_thread(check, request.retriever_index)  # in this context: the request id goes along
         deadline = _deadline(context)
         started = time.monotonic()
         with self.manager.acquire(request.adapter) as adapter:
@@ -242,7 +243,8 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
                                     on_finished=lambda t: loop.call_soon_threadsafe(queue.put_nowait, t),
                                     stats=searches)
 
-            fut = loop.run_in_executor(self._rollout_pool, work)
+            # the copied context carries the request id to the retriever calls made from the rollout's thread
+            fut = loop.run_in_executor(self._rollout_pool, contextvars.copy_context().run, work)
             fut.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
             total = len(request.questions) * spec.n
             sent, tokens = 0, 0

@@ -62,10 +62,12 @@ async def _follow(cfg: PRMServeConfig, servicer, running) -> None:
             path = await asyncio.to_thread(resolve_model, cfg)
             if engine is None:
                 servicer.engine = await asyncio.to_thread(_make_engine, cfg, path)
+                servicer.publish_version()
                 await running.set_ready(SERVICE, True)
                 log.info("the first PRM was published: serving %s", servicer.engine.version)
             elif path != engine.model_dir:
                 version = await asyncio.to_thread(engine.load, path)
+                servicer.publish_version()
                 log.info("hot-swapped the PRM to %s", version)
         except NotFound:
             if engine is not None:

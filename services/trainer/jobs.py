@@ -425,6 +425,14 @@ class JobManager:
             recs = [r for r in self._jobs.values() if not stage or r["stage"] == stage]
             return [self._copy(r) for r in sorted(recs, key=lambda r: (r["created_at"], r["job_id"]))]
 
+    def state_counts(self) -> dict[str, int]:
+        """Jobs per state (what /metrics shows); empty before the store is loaded."""
+        with self._lock:
+            counts: dict[str, int] = {}
+            for r in self._jobs.values():
+                counts[r["state"]] = counts.get(r["state"], 0) + 1
+            return counts
+
     def events_after(self, job_id: str, after_seq: int = 0) -> list[dict]:
         self._ready()
         with self._lock:

@@ -13,18 +13,44 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client import REGISTRY
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
 from prorag import paths
 from prorag.config import cfg_field
 from prorag.grpc_server import ServerSpec, start_server
 from prorag.pb import trainer_pb2_grpc
 from prorag.validation import DEFAULT_ALLOWED_ENDPOINTS
 from prorag.service import ServeConfig, Started
-from services.trainer.jobs import JobManager
+from services.trainer.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobManager
 from services.trainer.servicer import TrainerServicer
 from services.trainer.stages import load_stage_modules
 
 SERVICE = "prorag.v1.Trainer"
 log = logging.getLogger("prorag.trainer")
+
+
+class JobStates(Collector):
+    """prorag_trainer_jobs{state}: jobs per state in the running trainers' stores, counted at each scrape (so it
+    is never stale, and there is no counter to keep in step with every state change)."""
+
+    def __init__(self) -> None:
+        self.managers: list[JobManager] = []
+
+    def collect(self):
+        family = GaugeMetricFamily("prorag_trainer_jobs", "Trainer jobs by state", labels=["state"])
+        totals: dict[str, int] = {}
+        for manager in list(self.managers):
+            for state, n in manager.state_counts().items():
+                totals[state] = totals.get(state, 0) + n
+        for state in (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED):
+            family.add_metric([state], totals.get(state, 0))
+        yield family
+
+
+JOB_STATES = JobStates()
+REGISTRY.register(JOB_STATES)
 
 
 @dataclass
@@ -85,6 +111,7 @@ async def start(serve: ServeConfig, cfg: TrainerConfig | None = None, **_: objec
         await running.stop(0)
         raise
     manager.start()
+    JOB_STATES.managers.append(manager)
     await running.set_ready(SERVICE, True)
 
     async def stop() -> None:
@@ -93,6 +120,8 @@ async def start(serve: ServeConfig, cfg: TrainerConfig | None = None, **_: objec
         # The stage checkpoints before the process exits, so the job resumes on restart.
         await asyncio.to_thread(manager.stop, cfg.stop_timeout_s)
         await running.stop(serve.grace_s)
+        if manager in JOB_STATES.managers:
+            JOB_STATES.managers.remove(manager)
 
     started = Started("trainer", running.port, None, [stop])
     started.manager = manager  # type: ignore[attr-defined]  # for in-process callers and tests

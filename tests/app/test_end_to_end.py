@@ -18,9 +18,9 @@ def _free_offset() -> int:
     rng = random.Random()
     for _ in range(50):
         off = rng.randrange(3000, 14000)
-        ports = [p + off for p in (50051, 50052, 50053, 50054, 50055, 8000, 8001)]
+        ports = [p + off for p in (50051, 50052, 50053, 50054, 50055, 8000, 8001, 9101, 9102, 9103, 9104, 9105)]
         ports += [p + 100 + 10 * i for p in ports for i in range(3)]  # the evaluations' policy processes
-        ports += [p + 200 + 10 * i for p in ports[:7] for i in range(2)]  # stages 3-4's policy and PRM processes
+        ports += [p + 200 + 10 * i for p in ports[:12] for i in range(2)]  # stages 3-4's policy and PRM processes
         if all(port_free("127.0.0.1", p) for p in ports):
             return off
     raise RuntimeError("no free port range on loopback")

@@ -198,6 +198,15 @@ def test_compose_publishes_ports_on_127_0_0_1_by_default(compose):
     assert all(p.startswith("0.0.0.0:") for s in exposed["services"].values() for p in s.get("ports", []))
 
 
+def test_compose_labels_each_service_for_prometheus(compose):
+    for name, svc in long_running(compose).items():
+        port = paths.METRICS_PORTS[base_name(name)]
+        assert svc["labels"] == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                                 "prometheus.io/path": "/metrics"}, name
+        assert [str(p) for p in svc["expose"]] == [str(port)], name  # the network's Prometheus reaches it
+        assert not any(str(port) in str(p) for p in svc.get("ports", [])), f"{name} publishes its metrics port"
+
+
 def test_compose_profiles_hold_the_five_services_and_a_setup(compose):
     for profile in ("cpu", "gpu"):
         names = profile_services(compose, profile)
@@ -424,7 +433,8 @@ def test_one_dockerfile_for_the_five_services():
 @pytest.mark.parametrize("service", SERVICES)
 def test_dockerfile_target(service):
     stage = dockerfile_stages()[service]
-    ports = {paths.GRPC_PORTS[service]} | ({paths.HTTP_PORTS[service]} if service in paths.HTTP_PORTS else set())
+    ports = {paths.GRPC_PORTS[service], paths.METRICS_PORTS[service]} | (
+        {paths.HTTP_PORTS[service]} if service in paths.HTTP_PORTS else set())
     (expose,) = re.findall(r"^EXPOSE (.+)$", stage, re.M)
     assert {int(p) for p in expose.split()} == ports
     health = re.search(r'CMD \["prorag", "health", "--target", "127.0.0.1:(\d+)"(.*)\]', stage)
@@ -562,8 +572,13 @@ def test_deployments_have_probes_resources_and_grace(rendered, name):
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
             assert c["securityContext"]["readOnlyRootFilesystem"] is True
         assert [c["name"] for c in pod.get("initContainers", [])] == ["wait-for-setup"], dname
-        assert {p["containerPort"] for p in ctr["ports"]} == {port} | ({paths.HTTP_PORTS[svc]}
-                                                                      if svc in paths.HTTP_PORTS else set())
+        assert {p["containerPort"] for p in ctr["ports"]} == {port, paths.METRICS_PORTS[svc]} | (
+            {paths.HTTP_PORTS[svc]} if svc in paths.HTTP_PORTS else set())
+        # scraped per pod, at the port the service serves /metrics on by default (prorag serve)
+        assert {"name": "metrics", "containerPort": paths.METRICS_PORTS[svc]} in ctr["ports"], dname
+        assert dep["spec"]["template"]["metadata"]["annotations"] == {
+            "prometheus.io/scrape": "true", "prometheus.io/port": str(paths.METRICS_PORTS[svc]),
+            "prometheus.io/path": "/metrics"}, dname
 
 
 def _gpu_requests(obj: dict) -> dict[str, int]:
@@ -660,6 +675,12 @@ def test_network_policies_cover_every_service(rendered, name):
     deny = policies.pop("prorag-default-deny-ingress")
     assert deny["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/part-of": "prorag"}
     assert deny["spec"]["policyTypes"] == ["Ingress"] and not deny["spec"].get("ingress")
+    # every pod's metrics port, and only it, from labelled scrapers in any namespace
+    metrics = policies.pop("prorag-metrics")
+    assert metrics["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/part-of": "prorag"}
+    assert metrics["spec"]["ingress"] == [{
+        "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"prorag.io/metrics-scraper": "true"}}}],
+        "ports": [{"protocol": "TCP", "port": "metrics"}]}]
     for kind in ("Deployment", "Job"):
         for o in _by_kind(objs, kind).values():
             assert o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "prorag"
