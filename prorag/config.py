@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import types
 import typing
@@ -93,9 +94,14 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
         if isinstance(value, bool):
             raise ConfigError(path, f"expected a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(path, f"expected a number, got {value!r}") from None
+        except OverflowError:  # an integer beyond any float (JSON integers are unbounded)
+            raise ConfigError(path, f"expected a number, got an integer of {value.bit_length()} bits") from None
+        if not math.isfinite(number):  # NaN would pass every min/max check
+            raise ConfigError(path, f"expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, (str, os.PathLike)):
             raise ConfigError(path, f"expected a string, got {type(value).__name__}")

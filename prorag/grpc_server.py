@@ -38,6 +38,19 @@ def _error_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}): {exc}; this is a server bug, please report it"
 
 
+#: most UTF-8 bytes of a status message: gRPC sends it percent-encoded in a header, and a header past 8 KiB
+#: reaches the caller as RESOURCE_EXHAUSTED about metadata instead of the status and message it was sent
+MAX_MESSAGE_BYTES = 2048
+
+
+def clip_message(msg: str) -> str:
+    """``msg`` cut to MAX_MESSAGE_BYTES (a message quoting a huge caller's value stays readable and deliverable)."""
+    raw = msg.encode("utf-8", "replace")
+    if len(raw) <= MAX_MESSAGE_BYTES:
+        return msg
+    return raw[:MAX_MESSAGE_BYTES - 64].decode("utf-8", "ignore") + f"... ({len(msg):,} characters in all)"
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Turns engine exceptions into gRPC statuses with the engine's message."""
 
@@ -51,7 +64,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             code, msg = _error_status(exc)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", method, exc_info=exc)
-            await context.abort(code, msg)
+            await context.abort(code, clip_message(msg))
 
         if handler.unary_unary:
             inner = handler.unary_unary

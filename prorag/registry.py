@@ -183,11 +183,21 @@ class Registry:
         path: a directory relative to the root ('' = ``<name>/<version>``); it must stay inside the root.
         base_model_sha256: when given, the artifact must have been trained on exactly that base."""
         root = self.root.resolve()
+        if "\x00" in path:
+            raise InvalidArgument(f"{self.kind} path {path!r} contains a NUL character; give a directory relative to "
+                                  f"the registry root {root}")
+        if len(path) > 1024 or any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in Path(path).parts):
+            raise InvalidArgument(f"{self.kind} path {path[:60]!r}... is too long ({len(path):,} characters): at most "
+                                  "1,024, and 255 bytes per directory name")
         resolved = ((root / path) if path else (root / ref.name / ref.version)).resolve()
         if not resolved.is_relative_to(root):
             raise InvalidArgument(f"{self.kind} path {path!r} resolves outside the registry root {root}; "
                                   f"artifacts load only from inside it")
-        if not resolved.is_dir():
+        try:
+            is_dir = resolved.is_dir()
+        except OSError as e:  # e.g. a directory on the way that this process may not read
+            raise FailedPrecondition(f"{self.kind} {ref}: cannot read {resolved}: {e.strerror}") from None
+        if not is_dir:
             raise NotFound(f"{self.kind} {ref} not found at {resolved}; publish it under {root}/{ref.name}/{ref.version}")
         if not (resolved / MANIFEST).is_file():
             raise FailedPrecondition(f"{self.kind} {ref} at {resolved} has no {MANIFEST}")

@@ -170,7 +170,10 @@ class TokenTable:
         scheme, _, token = authorization.strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return None
-        digest = token_digest(token.strip())
+        try:
+            digest = token_digest(token.strip())
+        except UnicodeEncodeError:  # header bytes that are no UTF-8 (aiohttp keeps them as surrogates): no token
+            return None
         # Compare against every entry in constant time, so timing tells nothing about near misses.
         found = None
         for known, principal in self._table.items():

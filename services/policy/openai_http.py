@@ -7,13 +7,13 @@ Stop sequences must be single tokens of the policy's tokenizer (the format's tag
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
 from aiohttp import web
 
 from prorag.errors import InvalidArgument, ProragError
+from prorag.jsonbody import read_json
 from prorag.trajectory import IM_END
 from prorag.engine import SamplingSpec, derive_seed
 from prorag.rollout import decode
@@ -43,9 +43,20 @@ def make_app(servicer, model_name: str, max_body_mb: int = 16) -> web.Applicatio
             raise InvalidArgument(f"n must be in 1..{limits.max_n}")
         if not 1 <= max_tokens <= limits.max_tokens:
             raise InvalidArgument(f"max_tokens must be in 1..{limits.max_tokens}")
+        # JSON integers are unbounded (float() of 10**400 overflows) and Python's json reads NaN and Infinity
+        if not 0 <= temperature <= 10:
+            raise InvalidArgument(f"temperature must be in [0, 10], got {temperature!r}")
+        if not 0 <= top_p <= 1:
+            raise InvalidArgument(f"top_p must be in (0, 1] (0 means 1), got {top_p!r}")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not
+                                 -2 ** 63 <= seed < 2 ** 63):
+            raise InvalidArgument(f"seed must be a 64-bit integer, got {seed!r}")
         stop = body.get("stop") or default_stop
         if isinstance(stop, str):
             stop = [stop]
+        if not isinstance(stop, list):
+            raise InvalidArgument(f'"stop" must be a string or a list of strings, got {type(stop).__name__}')
         stop_ids = []
         for s in stop:
             ids = tok.encode(s, add_special_tokens=False) if isinstance(s, str) else []
@@ -53,7 +64,7 @@ def make_app(servicer, model_name: str, max_body_mb: int = 16) -> web.Applicatio
                 raise InvalidArgument(f"stop {s!r} is not a single token of this model; use the format tags or {IM_END}")
             stop_ids.append(ids[0])
         return SamplingSpec(n=n, temperature=float(temperature), top_p=float(top_p) or 1.0, max_tokens=max_tokens,
-                            stop_token_ids=tuple(stop_ids), seed=int(body.get("seed") or 0)).validate()
+                            stop_token_ids=tuple(stop_ids), seed=seed or 0).validate()
 
     async def run(prompts: list[list[int]], spec: SamplingSpec, adapter_req: str):
         check_work(len(prompts) * spec.n * spec.max_tokens, limits.max_request_tokens,
@@ -87,13 +98,13 @@ def make_app(servicer, model_name: str, max_body_mb: int = 16) -> web.Applicatio
         # "model" may name an adapter (name@version), as vLLM serves LoRAs under their own names; the served
         # base model's own name@version means no adapter
         m = body.get("model") or ""
+        if not isinstance(m, str):
+            raise InvalidArgument(f'"model" must be a string (the served name or an adapter\'s name@version), got '
+                                  f"{type(m).__name__}")
         return m if "@" in m and m != model_name else ""
 
     async def parse(request: web.Request) -> dict:
-        try:
-            body = await request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidArgument(f"request body is not valid JSON: {e}") from None
+        body = await read_json(request)
         if not isinstance(body, dict):
             raise InvalidArgument("request body must be a JSON object")
         return body

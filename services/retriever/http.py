@@ -11,12 +11,12 @@ Client mistakes get 4xx with ``{"error": message}``; the server keeps serving.
 
 from __future__ import annotations
 
-import json
 import logging
 
 from aiohttp import web
 
 from prorag.errors import InvalidArgument, ProragError
+from prorag.jsonbody import read_json
 from services.retriever.frontend import SearchFrontend
 
 log = logging.getLogger("prorag.retriever.http")
@@ -29,12 +29,7 @@ def _error(status: int, message: str) -> web.Response:
 def make_app(frontend: SearchFrontend, default_topk: int = 3, max_body_mb: int = 16) -> web.Application:
     async def retrieve(request: web.Request) -> web.Response:
         try:
-            body = await request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(400, f"request body is not valid JSON: {e}")
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"request body larger than {max_body_mb} MiB")
-        try:
+            body = await read_json(request)
             if not isinstance(body, dict):
                 raise InvalidArgument('body must be a JSON object like {"queries": ["..."], "topk": 3}')
             unknown = set(body) - {"queries", "topk", "return_scores", "index"}

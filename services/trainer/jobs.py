@@ -24,6 +24,7 @@ import dataclasses
 import collections
 import contextlib
 import datetime as _dt
+import errno
 import fcntl
 import json
 import logging
@@ -38,6 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from prorag import jsonbody
 from prorag.config import to_dict
 from prorag.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted,
                            Unavailable)
@@ -174,6 +176,21 @@ class JobStore:
         path = self.run_dir(job_id) / "manifest.json"
         write_json(path, manifest)
         return path
+
+
+@contextlib.contextmanager
+def _paths_of_the_config():
+    """A path a submitted config names that cannot even be looked at (a name too long for the file system, a
+    directory the trainer may not read) is the caller's to fix, not a server error."""
+    try:
+        yield
+    except OSError as e:
+        name = str(e.filename or "")
+        shown = name if len(name) <= 80 else f"{name[:80]}... ({len(name):,} characters)"
+        if e.errno == errno.ENAMETOOLONG:
+            raise InvalidArgument(f"config_json names a path that is too long: {shown}") from None
+        raise FailedPrecondition(f"config_json names {shown}, which the trainer cannot read: "
+                                 f"{e.strerror or e}") from None
 
 
 # ---------------------------------------------------------------- the manager
@@ -313,10 +330,8 @@ class JobManager:
             if len(config) > MAX_CONFIG_BYTES:
                 raise InvalidArgument(f"config_json has {len(config):,} characters; at most {MAX_CONFIG_BYTES:,} "
                                       "(a config names files, it does not carry data)")
-            try:
-                config = json.loads(config) if config.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise InvalidArgument(f"config_json is not valid JSON: {exc}") from None
+            # every way the caller's JSON can fail (too deeply nested, an integer of 5,000 digits...) is theirs
+            config = jsonbody.loads(config, "config_json") if config.strip() else {}
         if config is None:
             config = {}
         if isinstance(config, dict) and self.service_addresses:
@@ -324,12 +339,13 @@ class JobManager:
             # in a container); only fields this stage's config has
             fields = {f.name for f in dataclasses.fields(stage.config_cls)}
             config = {**{k: v for k, v in self.service_addresses.items() if k in fields}, **config}
-        if isinstance(config, dict):
-            # before the config's own validation, which may look at the paths it names (is_dir...)
-            self._check_config(stage, config)
-        cfg = validate_config(stage, config)
-        cfg_dict = to_dict(cfg)
-        self._check_config(stage, cfg_dict)  # the defaults too
+        with _paths_of_the_config():
+            if isinstance(config, dict):
+                # before the config's own validation, which may look at the paths it names (is_dir...)
+                self._check_config(stage, config)
+            cfg = validate_config(stage, config)
+            cfg_dict = to_dict(cfg)
+            self._check_config(stage, cfg_dict)  # the defaults too
         cfg_json = canonical_json(cfg_dict)
         if job_id:
             if not JOB_ID_RE.match(job_id):
@@ -353,7 +369,8 @@ class JobManager:
             if queued >= self.max_queued:
                 raise ResourceExhausted(f"{queued} jobs are already queued (max_queued_jobs {self.max_queued}); "
                                         "wait for some to finish or cancel some, then submit again")
-            inputs = resolve_inputs(stage, cfg, self._job_run_dir)
+            with _paths_of_the_config():
+                inputs = resolve_inputs(stage, cfg, self._job_run_dir)
             ts = now_iso()
             rec = {
                 "job_id": job_id, "stage": stage.name, "state": QUEUED, "config": cfg_dict, "config_json": cfg_json,
