@@ -377,7 +377,10 @@ def test_generated_tokens_are_refused(stack, service, method):
         @given(value=values)
         def check(value):
             code, details, _ = _call(ch, service, method, req_cls(), metadata=(("authorization", value),))
-            assert code == grpc.StatusCode.UNAUTHENTICATED, (value[:100], code, details)
+            # metadata past gRPC's 8 KiB soft limit is refused by the transport at random up to the hard limit
+            allowed = {grpc.StatusCode.UNAUTHENTICATED} | ({grpc.StatusCode.RESOURCE_EXHAUSTED}
+                                                           if len(value) > 8192 else set())
+            assert code in allowed, (value[:100], code, details)
 
         check()
     assert_healthy(stack, service)
