@@ -356,13 +356,13 @@ def test_a_message_over_the_size_cap_is_resource_exhausted(stack):
 
 
 # ---------------------------------------------------------------- tokens (auth on)
+# only the secured stack: the parameter overrides the module fixture's params (no skipped auth-off cases)
+@pytest.mark.parametrize("stack", ["auth-on"], indirect=True)
 @pytest.mark.parametrize("service,method", [("retriever", "Search"), ("policy", "LoadAdapter"),
                                             ("trainer", "StartJob")])
 def test_generated_tokens_are_refused(stack, service, method):
     """Any authorization value that is not a listed token (none, another scheme, a near miss, a long one) is
     UNAUTHENTICATED before a servicer runs."""
-    if not stack["secured"]:
-        pytest.skip("auth is off in this stack")
     token = open(stack["secrets"]["token_admin"]).read().strip()
     security = ClientSecurity(tls_ca=stack["secrets"]["ca"], tls_server_name="localhost")  # TLS, no token
     printable = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=80)
@@ -506,11 +506,10 @@ WRONG_VALUES = [None, True, "x", "", 10 ** 400, -1, 2 ** 62, 1.5, float("nan"), 
                 [1], {"a": 1}]
 
 
+@pytest.mark.parametrize("stack", ["auth-off"], indirect=True)  # the answers do not depend on auth: swept once
 def test_every_job_config_field_with_every_wrong_value(stack):
     """Each field of each stage's config set to each of WRONG_VALUES (a sweep the generated configs only sample):
     refused with INVALID_ARGUMENT naming the field, or accepted (then cancelled while queued)."""
-    if stack["secured"]:
-        pytest.skip("the answers do not depend on auth; swept once, with auth off")
     from services.trainer.stages import get_stage, known_stages, load_stage_modules
 
     load_stage_modules()
@@ -549,12 +548,11 @@ HTTP_VALID = {"retriever /retrieve": {"queries": ["Who founded Mai Brewery?"], "
                                               "stop": ["<|im_end|>"], "seed": 1}}
 
 
+@pytest.mark.parametrize("stack", ["auth-off"], indirect=True)  # the answers do not depend on auth: swept once
 @pytest.mark.parametrize("case", list(HTTP_CASES))
 def test_every_http_field_with_every_wrong_value(stack, case):
     """A valid body answered 200, and the same body with each field set to each of WRONG_VALUES: 200 or a 4xx
     with a JSON error."""
-    if stack["secured"]:
-        pytest.skip("the answers do not depend on auth; swept once, with auth off")
     service, path, _ = HTTP_CASES[case]
     valid = HTTP_VALID[case]
     status, payload, rtype = _http(stack, service, path, json.dumps(valid).encode())
