@@ -315,7 +315,8 @@ def print_prm_families(prm: dict) -> None:
     from prorag.prm_eval import HELD_OUT
 
     auc = prm["auc_gold_vs_corrupted"]
-    table = Table(title=f"PRM validation: gold steps against corrupted ones ({prm.get('split', 'test')} split)")
+    split = prm.get("split", prm.get("validation_split", "test"))  # eval prm's key, and stage 2's
+    table = Table(title=f"PRM validation: gold steps against corrupted ones ({split} split)")
     for col in ("family", "group", "AUC", "cases"):
         table.add_column(col, justify="left" if col in ("family", "group") else "right")
     for kind, v in auc["by_kind"].items():
