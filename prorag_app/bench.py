@@ -379,8 +379,11 @@ def bench_retriever(args) -> dict:
     }
 
 
-def _serve(service: str, port: int, sets: dict, log_path=None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "prorag_app.cli", "serve", service, "--port", str(port), "--http-port", "-1"]
+def _serve(service: str, port: int, sets: dict, log_path=None, extra_args=()) -> subprocess.Popen:
+    """``prorag serve <service>`` on ``port`` (no HTTP) with ``--set`` ``sets`` and any ``extra_args`` (serve flags
+    such as ``--max-concurrent-rpcs``, ``--metrics-port``)."""
+    cmd = [sys.executable, "-m", "prorag_app.cli", "serve", service, "--port", str(port), "--http-port", "-1",
+           *extra_args]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL

@@ -337,9 +337,14 @@ def cmd_up(args) -> int:
 def cmd_bench(args) -> int:
     from prorag_app import bench
 
-    fn = getattr(bench, f"bench_{args.target}", None)
+    if args.target in ("load", "soak"):  # services under load and over time (issue 31): prorag_app.bench_load
+        from prorag_app import bench_load
+
+        fn = getattr(bench_load, f"bench_{args.target}")
+    else:
+        fn = getattr(bench, f"bench_{args.target}", None)
     if fn is None:
-        raise SystemExit(f"unknown bench target {args.target!r}; known: {', '.join(bench.TARGETS)}")
+        raise SystemExit(f"unknown bench target {args.target!r}; known: {', '.join(bench.TARGETS)}, load, soak")
     result = fn(args)
     if args.json:
         print(json.dumps(result, sort_keys=True))
@@ -581,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.set_defaults(fn=cmd_up)
 
     b = sub.add_parser("bench", help="benchmarks; --json prints one JSON object as the last line")
-    b.add_argument("target", help="retriever | policy | swap | sft | prm | rl")
+    b.add_argument("target", help="retriever | policy | swap | sft | prm | rl | load | soak")
     b.add_argument("--json", action="store_true")
     b.add_argument("--world", default="default")
     b.add_argument("--batch", type=int, default=64)
@@ -592,7 +597,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--questions", type=int, default=64, help="policy: questions per rollout batch; rl: per iteration")
     b.add_argument("--samples", type=int, default=8, help="policy: samples per question (GRPO group size)")
     b.add_argument("--swaps", type=int, default=100, help="swap: adapter pushes")
-    b.add_argument("--clients", type=int, default=4, help="swap: concurrent generating clients")
+    b.add_argument("--clients", type=int, default=4, help="swap: concurrent generating clients; prm: concurrent "
+                                                          "callers; soak: steady callers")
     b.add_argument("--seq-len", type=int, default=512, help="sft: tokens per training sequence")
     b.add_argument("--device", default="auto", help="sft: auto (the first GPU, else cpu), cpu, cuda, cuda:N")
     b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -605,6 +611,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="retriever: requests of the one-client one-query shape (the other shapes scale from it)")
     b.add_argument("--no-secure", action="store_true",
                    help="retriever: skip the TLS + bearer-token server in the load shapes")
+    # load / soak (prorag_app.bench_load): services started by the bench on free loopback ports
+    b.add_argument("--services", default="retriever,policy,prm", help="load: services driven, comma-separated")
+    b.add_argument("--levels", default="", help="load: concurrency levels, e.g. 1,2,4 (default: 1, 2, 4, ... up to "
+                                                "--max-concurrency)")
+    b.add_argument("--max-concurrency", type=int, default=32, help="load: the highest level (at most 256)")
+    b.add_argument("--level-seconds", type=float, default=10.0, help="load: seconds of calls per level")
+    b.add_argument("--deadline-s", type=float, default=30.0, help="load/soak: the deadline of every call")
+    b.add_argument("--overload-rpcs", type=int, default=2,
+                   help="load: the server's --max-concurrent-rpcs (and the retriever's batcher queue) past capacity")
+    b.add_argument("--overload-clients", type=int, default=0,
+                   help="load: callers past capacity (default 4 x --overload-rpcs)")
+    b.add_argument("--overload-seconds", type=float, default=10.0, help="load: seconds of the past-capacity phase")
+    b.add_argument("--load-tokens", type=int, default=16, help="load/soak: tokens per policy GenerateSteps call")
+    b.add_argument("--warmup", type=int, default=3, help="load/soak: calls made before measuring")
+    b.add_argument("--service", default="retriever", choices=["retriever", "policy", "prm"],
+                   help="soak: the service under steady load")
+    b.add_argument("--minutes", type=float, default=10.0, help="soak: minutes of steady load")
+    b.add_argument("--sample-s", type=float, default=5.0, help="soak: seconds between RSS samples")
+    b.add_argument("--flat-mb-per-min", type=float, default=2.0,
+                   help="soak: RSS counts as flat when its second-half slope is under this (MB/minute)")
     b.set_defaults(fn=cmd_bench)
 
     e = sub.add_parser("eval", help="evaluate a policy model over a split through the services, or (eval prm) a "
