@@ -4,6 +4,7 @@ matching the servers'. Other systems can use these or the protos directly."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import grpc
@@ -50,6 +51,47 @@ def wait_for_health(target: str, service: str = "", timeout: float = 60.0) -> bo
                 pass
             time.sleep(0.2)
     return False
+
+
+_retry_lock = threading.Lock()
+
+
+def call_with_service_wait(fn, target: str, what: str, wait_s: float, stats: dict | None = None, after_back=None):
+    """fn() again whenever it fails with UNAVAILABLE (the service died, or restarts), once the service at
+    ``target`` answers its health check again; at most ``wait_s`` seconds of waiting in all (each health probe
+    adds at most 2 s), then :class:`prorag.errors.Unavailable` naming the service (``what``) and its address.
+
+    fn must make the whole call again with the same request (the same sampling seed), so a retried call
+    returns what the interrupted one would have; partial results of a stream are dropped by making fn consume
+    the stream (``list(...)``). after_back(): run once the service is back, before the retry (e.g. push the
+    adapter again). stats["service_retries"] counts the retries (thread-safe)."""
+    from prorag.errors import Unavailable
+
+    deadline = time.monotonic() + wait_s
+    attempt = 0
+    while True:
+        if attempt > 1:  # healthy again but the call still fails: the channel is reconnecting; do not spin
+            time.sleep(max(0.0, min(0.05 * 2 ** min(attempt, 6), deadline - time.monotonic())))
+        try:
+            return fn()
+        except grpc.RpcError as e:
+            attempt += 1
+            left = deadline - time.monotonic()
+            if e.code() != grpc.StatusCode.UNAVAILABLE or left <= 0:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:  # the wait is spent: say which service, where
+                    raise Unavailable(f"the {what} service at {target} is unavailable ({e.details()}) and "
+                                      f"service_wait_s={wait_s:g}s is spent; the job can be resumed from its last "
+                                      "checkpoint once it is up") from None
+                raise
+            if stats is not None:
+                with _retry_lock:
+                    stats["service_retries"] = stats.get("service_retries", 0) + 1
+            if not wait_for_health(target, "", timeout=left):
+                raise Unavailable(f"the {what} service at {target} went away ({e.details()}) and did not come "
+                                  f"back within service_wait_s={wait_s:g}s; the job can be resumed from its last "
+                                  "checkpoint once it is up") from None
+            if after_back is not None:
+                after_back()
 
 
 class _Client:

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
+from prorag.clients import call_with_service_wait
 from prorag.data.loaders import Document
 from prorag.metrics import f1_score
 from prorag.trajectory import Step, clean_doc, glue_after, parse_step, render_prompt
@@ -23,8 +24,11 @@ class CachedSearch:
 
     Concurrent misses on the same key may both search; the result is the same, so it is only counted twice."""
 
-    def __init__(self, client, topk: int, index: str = ""):
+    def __init__(self, client, topk: int, index: str = "", service_wait_s: float = 0.0,
+                 stats: dict | None = None):
         self.client, self.topk, self.index = client, topk, index
+        # a retriever that goes away (UNAVAILABLE) is waited for this long, in all per search, and asked again
+        self.service_wait_s, self.stats = service_wait_s, stats if stats is not None else {}
         self._cache: dict[tuple[str, int, str], list[Document]] = {}
         self._lock = threading.Lock()
         self.hits = self.misses = 0
@@ -37,7 +41,10 @@ class CachedSearch:
                 self.hits += 1
                 return found
             self.misses += 1
-        docs = [clean_doc(d) for d in self.client.search([query], topk=self.topk, index=self.index)[0]]
+        found = call_with_service_wait(lambda: self.client.search([query], topk=self.topk, index=self.index)[0],
+                                       getattr(self.client, "target", "?"), "retriever", self.service_wait_s,
+                                       self.stats)
+        docs = [clean_doc(d) for d in found]
         with self._lock:
             self._cache[key] = docs
         return docs
@@ -76,8 +83,11 @@ class ServiceEnv:
     def __init__(self, policy, search: CachedSearch, tokenizer, question: str, golden: Sequence[str], *,
                  temperature: float = 1.0, rollout_temperature: float = 1.0, max_step_tokens: int = 128,
                  max_steps: int = 10, max_len: int = 4096, adapter: str = "", seed: int = 0,
-                 times: EnvTimes | None = None):
+                 times: EnvTimes | None = None, service_wait_s: float = 0.0, stats: dict | None = None):
         self.policy, self.search, self.tok = policy, search, tokenizer
+        # a policy that goes away (UNAVAILABLE) is waited for this long, in all per call, and asked again with the
+        # same request (the same seed), so a seeded search ends as it would have
+        self.service_wait_s, self.stats = service_wait_s, stats if stats is not None else {}
         self.golden = list(golden)
         self.temperature, self.rollout_temperature = temperature, rollout_temperature
         self.max_step_tokens, self.max_steps, self.max_len = max_step_tokens, max_steps, max_len
@@ -104,9 +114,11 @@ class ServiceEnv:
         import time
 
         t = time.monotonic()
-        resp = self.policy.generate_steps(
-            [prefix], self.policy.sampling(n=n, temperature=temperature, max_tokens=self.max_step_tokens,
-                                           seed=self._next_seed()), adapter=self.adapter)
+        sampling = self.policy.sampling(n=n, temperature=temperature, max_tokens=self.max_step_tokens,
+                                        seed=self._next_seed())  # drawn once: a retry asks with the same seed
+        resp = call_with_service_wait(lambda: self.policy.generate_steps([prefix], sampling, adapter=self.adapter),
+                                      getattr(self.policy, "target", "?"), "policy", self.service_wait_s,
+                                      self.stats)
         self.times.add("generate_s", time.monotonic() - t)
         return list(resp.results[0].completions)
 

@@ -58,6 +58,12 @@ class MCTSStageConfig:
     min_margin: float = cfg_field(0.01, help="value margin from which a pair gets a value label", min=0.0)
     concurrency: int = cfg_field(16, help="questions searched at once", min=1, max=512)
     seed: int = cfg_field(0, help="base of the per-call sampling seeds (0 = unseeded)", min=0, max=2 ** 31 - 1)
+    service_wait_s: float = cfg_field(300.0, help="how long one policy, retriever or judge call waits, in all, for "
+                                                  "a service that went away (UNAVAILABLE) to come back before the "
+                                                  "job fails (UNAVAILABLE, naming the service and its address; the "
+                                                  "journal keeps the finished questions); the call is made again "
+                                                  "with the same seed, so a seeded search ends as it would have "
+                                                  "(unless mcts.max_seconds counts the wait)", min=0.0)
     tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
 
     def validate(self) -> None:
@@ -147,20 +153,29 @@ def run_mcts(ctx: JobContext) -> dict:
 
     policy = PolicyClient(cfg.policy, timeout=600)
     retriever = RetrieverClient(cfg.retriever, timeout=300)
-    cache = CachedSearch(retriever, topk=cfg.topk, index=cfg.retriever_index)
+    # calls asked again after a service that went away came back, per service
+    waits: dict[str, dict] = {what: {"service_retries": 0} for what in ("policy", "retriever", "judge")}
+    cache = CachedSearch(retriever, topk=cfg.topk, index=cfg.retriever_index, service_wait_s=cfg.service_wait_s,
+                         stats=waits["retriever"])
     times = EnvTimes()
     lock = threading.Lock()
     started = time.monotonic()
     sims_here = [0]
+    failed = threading.Event()  # one question failed (a service that did not come back): start no other
 
     def one(q) -> None:
-        if ctx.should_stop():
+        if ctx.should_stop() or failed.is_set():
             return
         env = ServiceEnv(policy, cache, tokenizer, q.question, q.golden_answers, temperature=cfg.temperature,
                          rollout_temperature=cfg.rollout_temperature, max_step_tokens=cfg.max_step_tokens,
                          max_steps=cfg.mcts.max_depth, max_len=cfg.max_len, adapter=cfg.adapter,
-                         seed=(cfg.seed * 7919 + hash_id(q.id)) if cfg.seed else 0, times=times)
-        root, stats = search(env.expand, env.rollout, env.reward, cfg.mcts)
+                         seed=(cfg.seed * 7919 + hash_id(q.id)) if cfg.seed else 0, times=times,
+                         service_wait_s=cfg.service_wait_s, stats=waits["policy"])
+        try:
+            root, stats = search(env.expand, env.rollout, env.reward, cfg.mcts)
+        except BaseException:
+            failed.set()
+            raise
         pairs = extract_pairs(root, q.id, q.question, min_margin=cfg.min_margin)
         row = {"question_id": q.id, "tree": root.to_dict(), "pairs": [p.to_dict() for p in pairs],
                "stats": {"simulations": stats.simulations, "tokens": stats.tokens, "seconds": stats.seconds,
@@ -180,8 +195,12 @@ def run_mcts(ctx: JobContext) -> dict:
         rows = [done[q.id] for q in qs]
         pairs = [StepPair.from_dict(p) for r in rows for p in r["pairs"]]
         if cfg.judge:
+            from prorag.clients import call_with_service_wait
+
             with JudgeClient(cfg.judge, timeout=600) as judge:
-                judge_pairs(judge, by_id, pairs)
+                # asked again whole: the pairs a first try labelled get the same verdicts again
+                call_with_service_wait(lambda: judge_pairs(judge, by_id, pairs), cfg.judge, "judge",
+                                       cfg.service_wait_s, waits["judge"])
     finally:
         policy.close()
         retriever.close()
@@ -204,6 +223,8 @@ def run_mcts(ctx: JobContext) -> dict:
         "simulations_per_s": sims_here[0] / wall if wall > 0 else 0.0, "wall_s": wall,
         "policy_wait_s": times.generate_s, "retriever_wait_s": times.search_s, "policy_calls": times.generate_calls,
         "stopped_by_budget": sum(r["stats"]["stopped_by"] != "simulations" for r in rows),
+        "service_retries": sum(w["service_retries"] for w in waits.values()),
+        **{f"{what}_retries": w["service_retries"] for what, w in waits.items()},
         # the nested counts reach the manifest; a job's metrics over the API are numbers, so they also go flat
         "pairs_by_kind": by_kind, **flat_counts(by_kind),
     }

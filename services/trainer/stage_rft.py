@@ -25,6 +25,7 @@ from pathlib import Path
 
 from prorag import paths
 from prorag.algorithms.rl import PRM_CENTERINGS
+from prorag.clients import call_with_service_wait
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
@@ -101,6 +102,11 @@ class RFTConfig(TrainRunConfig):
     weight_decay: float = cfg_field(0.01, help="AdamW weight decay", min=0.0, max=1.0)
     max_len: int = cfg_field(2048, help="longest kept trajectory in tokens; longer ones are dropped", min=16)
     publish_name: str = cfg_field("rft", help="publish the model as name@<job id> under data/models/<world>")
+    service_wait_s: float = cfg_field(300.0, help="how long a rollout or PRM call waits, in all, for a policy or "
+                                                  "PRM service that went away (UNAVAILABLE) to come back before "
+                                                  "the job fails (UNAVAILABLE, naming the service and its "
+                                                  "address); the call is made again whole with the same seed",
+                                      min=0.0)
 
     def validate(self) -> None:
         from prorag.config import ConfigError
@@ -172,7 +178,7 @@ def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, d
     tag_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in TAGS}
     weights = FORMAT_LOSS_WEIGHTS if cfg.loss_weights == "prorag" else {}
     stats = {"questions": len(qs), "sampled": 0, "answered": 0, "correct": 0, "prm_scored": 0, "prm_passed": 0,
-             "kept": 0, "dropped_duplicate": 0, "dropped_too_long": 0, "questions_with_kept": 0}
+             "kept": 0, "dropped_duplicate": 0, "dropped_too_long": 0, "questions_with_kept": 0, "service_retries": 0}
 
     def count(key: str) -> None:
         stats[key] = stats.get(key, 0) + 1
@@ -193,8 +199,13 @@ def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, d
             sampling = policy.sampling(n=cfg.samples_per_question, temperature=cfg.temperature,
                                        max_tokens=cfg.max_step_tokens, seed=cfg.seed * 7919 + start + 1)
             correct = []
-            for t in policy.rollout([(q.id, q.question) for q in chunk], sampling, max_steps=cfg.max_steps,
-                                    topk=cfg.topk, retriever_index=cfg.retriever_index, adapter=cfg.adapter):
+            # the whole request again, with the same seed, after a policy that went away comes back
+            trajectories = call_with_service_wait(
+                lambda: list(policy.rollout([(q.id, q.question) for q in chunk], sampling, max_steps=cfg.max_steps,
+                                            topk=cfg.topk, retriever_index=cfg.retriever_index,
+                                            adapter=cfg.adapter)),
+                cfg.policy, "policy", cfg.service_wait_s, stats)
+            for t in trajectories:
                 if not hasattr(t, "question_id"):
                     continue  # the summary
                 stats["sampled"] += 1
@@ -208,7 +219,9 @@ def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, d
             scores: list[list[float]] = [[] for _ in correct]
             if prm is not None and correct:
                 # one call for the chunk: every step of every correct trajectory, each trajectory in one pass
-                prm_version, scores = prm.score([(t.question, steps, False) for t, steps in correct])
+                prm_version, scores = call_with_service_wait(
+                    lambda: prm.score([(t.question, steps, False) for t, steps in correct]), cfg.prm, "PRM",
+                    cfg.service_wait_s, stats)
                 stats["prm_scored"] += len(correct)
             candidates += [(t, steps, sc) for (t, steps), sc in zip(correct, scores)]
             if progress:

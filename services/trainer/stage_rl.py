@@ -41,8 +41,9 @@ from pathlib import Path
 
 from prorag import paths
 from prorag.algorithms.rl import OUTCOME_REWARDS, PRM_CENTERINGS, credit_counts
+from prorag.clients import call_with_service_wait, push_adapter  # (call_with_service_wait: imported from here too)
 from prorag.config import cfg_field
-from prorag.errors import FailedPrecondition
+from prorag.errors import FailedPrecondition, Unavailable
 from prorag.training.context import JobContext
 from prorag.training.lora import (ALL_PROJECTIONS, RLSample, build_lora, collate_rl, length_chunks,
                                   publish_adapter, rl_loss, token_logprobs)
@@ -144,10 +145,12 @@ class RLConfig(TrainRunConfig):
     checkpoint_every: int = cfg_field(10, help="iterations between checkpoints", min=1)
     log_every: int = cfg_field(1, help="iterations between the loop's progress events", min=1)
     push_timeout_s: float = cfg_field(120.0, help="deadline of loading an adapter on one replica", min=1.0)
-    service_wait_s: float = cfg_field(300.0, help="how long a rollout or PRM call waits, in all, for a policy or "
-                                                  "PRM service that went away (UNAVAILABLE) to come back before "
-                                                  "the job fails; the interrupted call is made again whole, so no "
-                                                  "trajectory is lost or counted twice", min=0.0)
+    service_wait_s: float = cfg_field(300.0, help="how long a push, rollout or PRM call waits, in all, for a "
+                                                  "policy or PRM service that went away (UNAVAILABLE) to come back "
+                                                  "before the job fails (UNAVAILABLE, naming the service and its "
+                                                  "address); the interrupted call is made again whole with the "
+                                                  "same seed, so no trajectory is lost, changed or counted twice",
+                                      min=0.0)
 
     def validate(self) -> None:
         from prorag.config import ConfigError
@@ -182,31 +185,6 @@ class IterationData:
     stats: dict = field(default_factory=dict)
 
 
-def call_with_service_wait(fn, target: str, what: str, wait_s: float, stats: dict, after_back=None):
-    """fn() again whenever it fails with UNAVAILABLE (the service died or restarts), after the service at
-    ``target`` answers its health check again; at most ``wait_s`` seconds of waiting in all, then the error is
-    raised. after_back(): run once the service is back, before the retry (e.g. push the adapter again)."""
-    import grpc
-
-    from prorag.clients import wait_for_health
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return fn()
-        except grpc.RpcError as e:
-            left = deadline - time.monotonic()
-            if e.code() != grpc.StatusCode.UNAVAILABLE or left <= 0:
-                raise
-            stats["service_retries"] = stats.get("service_retries", 0) + 1
-            if not wait_for_health(target, "", timeout=left):
-                raise FailedPrecondition(f"the {what} service at {target} went away ({e.details()}) and did not "
-                                         f"come back within service_wait_s={wait_s:g}s; the job can be resumed "
-                                         "from its last checkpoint once it is up") from None
-            if after_back is not None:
-                after_back()
-
-
 def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: str, policy, prm) -> IterationData:
     """An iteration's data, on the main process: :func:`roll_out` ``questions`` G times each (stale trajectories
     dropped), :func:`score_steps` with the PRM (or :func:`oracle_scores`), then :func:`advantages`.
@@ -224,6 +202,26 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
     else:
         logits = score_steps(cfg, kept, steps, prm, stats)
     return advantages(cfg, questions, iteration, kept, lags, steps, logits, stats)
+
+
+def all_unavailable(acks) -> bool:
+    """No replica answered the push at all (each ack UNAVAILABLE: the policy died, or restarts)."""
+    return bool(acks) and all(a.error.startswith("UNAVAILABLE") for a in acks)
+
+
+def push_with_service_wait(cfg: RLConfig, name: str, version: str) -> list:
+    """push_adapter to the policy's replicas; when none took it because none answered (every ack UNAVAILABLE: the
+    policy died or restarts), wait for the policy's health (service_wait_s in all) and push again."""
+    from prorag.clients import wait_for_health
+
+    deadline = time.monotonic() + cfg.service_wait_s
+    while True:
+        acks = push_adapter(cfg.policy, name, version, timeout=cfg.push_timeout_s)
+        left = deadline - time.monotonic()
+        if not acks or any(a.ok for a in acks) or not all_unavailable(acks) or left <= 0:
+            return acks
+        if not wait_for_health(cfg.policy, "", timeout=left):
+            return acks
 
 
 def roll_out(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: str, policy,
@@ -244,11 +242,13 @@ def roll_out(cfg: RLConfig, questions, iteration: int, job_id: str, version_key:
                                        adapter=version_key if cfg.rollout_adapter == "pinned" else ""))
 
         def push_again():
-            # a replica that restarted without restoring the version (restore_active off) gets it again
-            from prorag.clients import push_adapter
-
+            # a replica that restarted without restoring the version (restore_active off) gets it again; one
+            # that refuses it fails the job here rather than sample with another adapter (all dropped as foreign)
             name, _, version = version_key.partition("@")
-            push_adapter(cfg.policy, name, version, timeout=cfg.push_timeout_s)
+            acks = push_adapter(cfg.policy, name, version, timeout=cfg.push_timeout_s)
+            if not any(a.ok for a in acks) and not all_unavailable(acks):
+                raise FailedPrecondition(f"the policy at {cfg.policy} came back but took adapter {version_key} no "
+                                         "more: " + "; ".join(f"{a.replica}: {a.error}" for a in acks))
 
         for t in call_with_service_wait(rollout_chunk, cfg.policy, "policy", cfg.service_wait_s, stats,
                                         after_back=push_again):
@@ -447,7 +447,7 @@ def read_question_pool(path: str | Path, world: str, split: str) -> list[str]:
 def run_rl(ctx: JobContext) -> dict:
     import torch
 
-    from prorag.clients import PolicyClient, PRMClient, push_adapter
+    from prorag.clients import PolicyClient, PRMClient
     from prorag.data.loaders import load_split
     from prorag.modeling import load_for_training
     from prorag.registry import ArtifactRef, registry, weights_sha256
@@ -506,8 +506,13 @@ def run_rl(ctx: JobContext) -> dict:
                                   base=base, base_sha=base_sha, scratch=ctx.checkpoint_dir / "adapter-scratch",
                                   config={"stage": "rl", "job_id": ctx.job_id, "iteration": iteration,
                                           **ctx.config_dict}, step=iteration, state_dict=weights)
-        acks = push_adapter(cfg.policy, cfg.adapter_name, version, timeout=cfg.push_timeout_s)
+        acks = push_with_service_wait(cfg, cfg.adapter_name, version)
         ok = [a for a in acks if a.ok]
+        if not ok and all_unavailable(acks):
+            raise Unavailable(f"the policy service at {cfg.policy} went away and did not come back within "
+                              f"service_wait_s={cfg.service_wait_s:g}s to take adapter {cfg.adapter_name}@{version} "
+                              "(" + "; ".join(f"{a.replica}: {a.error}" for a in acks) + "); the job can be "
+                              "resumed from its last checkpoint once it is up")
         if not ok:
             raise FailedPrecondition(f"no policy replica at {cfg.policy} took adapter {cfg.adapter_name}@{version}: "
                                      + "; ".join(f"{a.replica}: {a.error}" for a in acks))

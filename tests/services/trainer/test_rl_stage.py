@@ -531,12 +531,13 @@ def test_a_prm_service_that_restarts_mid_iteration_is_waited_for_and_asked_again
                            policy, prm)
         assert data.stats["service_retries"] >= 1
         assert data.stats["kept"] == data.stats["prm_scored"] == 8
-        # a service that stays down fails the iteration with the reason once the wait is spent
+        # a service that stays down fails the iteration once the wait is spent: UNAVAILABLE, naming it and where
         loop.run(back.pop("srv").stop())
-        from prorag.errors import FailedPrecondition
+        from prorag.errors import Unavailable
 
         with PolicyClient(services["policy"]) as policy, PRMClient(f"127.0.0.1:{port}") as prm:
-            with pytest.raises(FailedPrecondition, match="did not come back within service_wait_s=1s"):
+            with pytest.raises(Unavailable, match=f"PRM service at 127.0.0.1:{port} went away .* did not come back "
+                                                  "within service_wait_s=1s"):
                 collect(_config(services, prm=f"127.0.0.1:{port}", service_wait_s=1), qs, 0, "prmback", key,
                         policy, prm)
     finally:
