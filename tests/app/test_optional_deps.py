@@ -103,7 +103,7 @@ for m in blocked:
         pass
     else:
         raise AssertionError(m + " imported")
-for d in ("faiss-cpu", "wandb", "prometheus-client", "pytest"):
+for d in ("faiss-cpu", "wandb", "jsonschema", "pytest"):
     try:
         importlib.metadata.version(d)
     except importlib.metadata.PackageNotFoundError:
