@@ -27,6 +27,8 @@ import uuid
 import grpc
 from prometheus_client import Counter, Histogram
 
+from prorag.grpc_metadata import MetadataInterceptor
+
 REQUEST_ID_KEY = "x-request-id"  # gRPC metadata keys are lower case; HTTP's X-Request-Id is the same header
 
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("prorag_request_id", default="")
@@ -224,35 +226,14 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
 
 
 # ---------------------------------------------------------------- gRPC client side
-class _ClientDetails(grpc.ClientCallDetails):
-    def __init__(self, d, metadata):
-        self.method, self.timeout, self.metadata, self.credentials = d.method, d.timeout, metadata, d.credentials
-        self.wait_for_ready = getattr(d, "wait_for_ready", None)
-        self.compression = getattr(d, "compression", None)
-
-
-class RequestIdForwarding(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                          grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class RequestIdForwarding(MetadataInterceptor):
     """Sends the current request id (when the caller is serving one) as ``x-request-id`` metadata."""
 
-    def _details(self, d):
+    def metadata(self, existing):
         rid = _request_id.get()
         if not rid:
-            return d
-        metadata = [(k, v) for k, v in (d.metadata or ()) if k != REQUEST_ID_KEY] + [(REQUEST_ID_KEY, rid)]
-        return d._replace(metadata=metadata) if hasattr(d, "_replace") else _ClientDetails(d, metadata)
-
-    def intercept_unary_unary(self, continuation, client_call_details, request):
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_unary_stream(self, continuation, client_call_details, request):
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return continuation(self._details(client_call_details), request_iterator)
-
-    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return continuation(self._details(client_call_details), request_iterator)
+            return None
+        return [(k, v) for k, v in existing if k != REQUEST_ID_KEY] + [(REQUEST_ID_KEY, rid)]
 
 
 # ---------------------------------------------------------------- HTTP side

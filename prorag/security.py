@@ -43,6 +43,8 @@ from typing import Any
 
 import grpc
 
+from prorag.grpc_metadata import MetadataInterceptor
+
 log = logging.getLogger("prorag.security")
 
 SCOPE_CALL = "call"
@@ -369,37 +371,15 @@ class ClientSecurity:
         return ctx
 
 
-class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                     grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _TokenMetadata(MetadataInterceptor):
     """Adds the bearer token to every call; works on plaintext loopback channels too, where gRPC's
     call credentials are refused."""
 
     def __init__(self, authorization: str):
         self.header = ("authorization", authorization)
 
-    def _details(self, d):
-        metadata = list(d.metadata or []) + [self.header]
-        return d._replace(metadata=metadata) if hasattr(d, "_replace") else _Details(
-            d.method, d.timeout, metadata, d.credentials, getattr(d, "wait_for_ready", None),
-            getattr(d, "compression", None))
-
-    def intercept_unary_unary(self, continuation, client_call_details, request):
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_unary_stream(self, continuation, client_call_details, request):
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return continuation(self._details(client_call_details), request_iterator)
-
-    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # e.g. reflection
-        return continuation(self._details(client_call_details), request_iterator)
-
-
-class _Details(grpc.ClientCallDetails):
-    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
-        self.method, self.timeout, self.metadata = method, timeout, metadata
-        self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
+    def metadata(self, existing):
+        return existing + [self.header]
 
 
 def secure_channel(target: str, options: list[tuple[str, Any]] | None = None,

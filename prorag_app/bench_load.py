@@ -20,6 +20,7 @@ Nothing here asserts a timing; the last output line is one JSON object (`prorag 
 
 from __future__ import annotations
 
+import abc
 import os
 import platform
 import statistics
@@ -49,7 +50,7 @@ BAD_ANSWER = "BAD_ANSWER"
 
 
 # ---------------------------------------------------------------- what each service is asked
-class _Workload:
+class _Workload(abc.ABC):
     """One service's requests: how it is started (``sets``) and a caller per client (``make_caller(target)`` ->
     ``call(deadline_s)`` that raises grpc.RpcError or returns the number of items it carried)."""
 
@@ -62,8 +63,9 @@ class _Workload:
     def overload_sets(self, limit: int) -> dict:
         return {}
 
+    @abc.abstractmethod
     def make_caller(self, target: str):
-        raise NotImplementedError
+        """A function that makes one call to the service at ``target`` (each workload's own request)."""
 
 
 class _RetrieverLoad(_Workload):
