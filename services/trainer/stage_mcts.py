@@ -24,7 +24,7 @@ from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag.mcts import MCTSConfig
 from prorag.training.context import JobContext
-from services.trainer.stages import register_stage, resolve_model
+from services.trainer.stages import PolicySamplingConfig, register_stage, resolve_model
 
 
 #: what the pairs of a tree are, for job reuse (prorag_app.stage2): 2 = every pair of visited, valid, distinct
@@ -33,21 +33,13 @@ PAIRS_VERSION = 2
 
 
 @dataclass
-class MCTSStageConfig:
+class MCTSStageConfig(PolicySamplingConfig):
     """Search train questions with MCTS through the services; write trees and sibling pairs."""
 
     world: str = cfg_field("default", help="embedded world whose questions are searched")
     split: str = cfg_field("train", help="split of the world to search (never the test split's questions for "
                                          "training data)")
     max_questions: int = cfg_field(200, help="questions searched, the split's first ones (0 = all)", min=0)
-    policy: str = cfg_field("127.0.0.1:50052", help="policy service that samples steps")
-    policy_model: str = cfg_field("", help="required: the model the policy serves (directory, or name@version in "
-                                           "the world's model registry), for its tokenizer")
-    adapter: str = cfg_field("", help="policy adapter name@version ('' = the active one)")
-    retriever: str = cfg_field("127.0.0.1:50051", help="retriever service")
-    retriever_index: str = cfg_field("", help="retriever index ('' = its default)")
-    topk: int = cfg_field(1, help="documents per subquery, as the policy was trained (the embedded agent: 1; "
-                                  "ProRAG: 3)", min=1, max=20)
     judge: str = cfg_field("", help="judge service that labels each pair ('' = value-margin labels only)")
     mcts: MCTSConfig = cfg_field(help="the search: simulations, expansions, widening, depth, PUCT c, discount, "
                                       "rollouts, per-question budgets", factory=MCTSConfig)

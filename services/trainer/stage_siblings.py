@@ -28,7 +28,7 @@ from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
 from services.trainer.stage_mcts import _append, _read_journal, flat_counts, hash_id, judge_pairs, pair_counts
-from services.trainer.stages import register_stage, resolve_model
+from services.trainer.stages import PolicySamplingConfig, register_stage, resolve_model
 
 
 #: what the stage samples and pairs, for job reuse (prorag_app.stage2): a change that makes other pairs from the
@@ -37,20 +37,12 @@ SIBLINGS_VERSION = 1
 
 
 @dataclass
-class SiblingsStageConfig:
+class SiblingsStageConfig(PolicySamplingConfig):
     """Sample sibling steps at each prefix of on-policy trajectories; pair them and label the pairs by the judge."""
 
     world: str = cfg_field("default", help="embedded world whose questions are sampled")
     split: str = cfg_field("train", help="split of the world to sample (never test: these are training data)")
     max_questions: int = cfg_field(1000, help="questions sampled, the split's first ones (0 = all)", min=0)
-    policy: str = cfg_field("127.0.0.1:50052", help="policy service that samples steps")
-    policy_model: str = cfg_field("", help="required: the model the policy serves (directory, or name@version in "
-                                           "the world's model registry), for its tokenizer")
-    adapter: str = cfg_field("", help="policy adapter name@version ('' = the active one)")
-    retriever: str = cfg_field("127.0.0.1:50051", help="retriever service")
-    retriever_index: str = cfg_field("", help="retriever index ('' = its default)")
-    topk: int = cfg_field(1, help="documents per subquery, as the policy was trained (the embedded agent: 1; "
-                                  "ProRAG: 3)", min=1, max=20)
     judge: str = cfg_field("", help="required: judge service that labels every pair (the pairs have no value "
                                     "label, so without a judge nothing could train on them)")
     samples: int = cfg_field(4, help="next steps sampled at each prefix beside the trajectory's own", min=1, max=63)

@@ -60,6 +60,20 @@ FIELD_CHECKS: dict[str, str] = {
 CHECK_KINDS = ("name", "path", "model", "endpoint", "url", "input")
 
 
+@dataclass
+class PolicySamplingConfig:
+    """The services a stage that samples steps from a served policy talks to (MCTS, the sibling sampler), shared."""
+
+    policy: str = cfg_field("127.0.0.1:50052", help="policy service that samples steps")
+    policy_model: str = cfg_field("", help="required: the model the policy serves (directory, or name@version in "
+                                           "the world's model registry), for its tokenizer")
+    adapter: str = cfg_field("", help="policy adapter name@version ('' = the active one)")
+    retriever: str = cfg_field("127.0.0.1:50051", help="retriever service")
+    retriever_index: str = cfg_field("", help="retriever index ('' = its default)")
+    topk: int = cfg_field(1, help="documents per subquery, as the policy was trained (the embedded agent: 1; "
+                                  "ProRAG: 3)", min=1, max=20)
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
