@@ -236,7 +236,10 @@ def test_rl_policy_and_prm_killed_mid_iteration_come_back_and_the_job_ends_as_un
     finally:
         outage.finish()
     assert outage.killed.is_set(), "the job ended before the kill"
-    assert waits.seen(policy.target) and waits.seen(prm.target), "the job never waited for a killed service"
+    # the policy is killed inside the rollout, so the job always waits for it; whether the PRM is still down when the
+    # iteration scores its steps depends on the machine's load (a quiet clean-clone run saw it back in time), so its
+    # wait is not required: the job's result must equal the uninterrupted one's either way
+    assert waits.seen(policy.target), "the job never waited for the killed policy"
     assert len(policy.logs) >= 2 and len(prm.logs) >= 2  # both were started again
     rows = [json.loads(line) for line in (work / "run" / "iterations.jsonl").read_text().splitlines()]
     ref = [json.loads(line) for line in (tmp_path / "rl-straight" / "run" / "iterations.jsonl").read_text()
