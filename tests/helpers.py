@@ -85,3 +85,14 @@ def founder_pairs(n: int, seed: int = 0, *, names=FOUNDERS, judge: bool = True, 
             labels.update(values=(0.0, 0.9) if flip else (0.9, 0.0), value_choice=int(flip))
         out.append(StepPair(f"q{i}", "Who founded Mai Brewery?", ctx, steps[::-1] if flip else steps, **labels))
     return out
+
+
+def three_doc_corpus(path):
+    """A three-document corpus (a two-hop chain and a distractor) for services started on a tiny BM25 index."""
+    import json
+
+    docs = [("d1", "Mai Brewery", "Mai Brewery was founded by Tova Lunn."),
+            ("d2", "Tova Lunn", "Tova Lunn was born in Harlow."),
+            ("d3", "Harlow", "Harlow is a town on the river Stort.")]
+    path.write_text("".join(json.dumps({"id": i, "contents": f'"{t}"\n{x}'}) + "\n" for i, t, x in docs))
+    return path

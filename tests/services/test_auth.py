@@ -21,6 +21,7 @@ from prorag.clients_trainer import TrainerClient
 from prorag.pb import judge_pb2, policy_pb2, prm_pb2, retriever_pb2, trainer_pb2
 from prorag.security import ClientSecurity, generate_secrets, secure_channel
 from prorag.service import ServeConfig
+from tests.helpers import three_doc_corpus as _corpus
 from tests.helpers import LoopThread
 
 DESCRIPTORS = {
@@ -33,12 +34,6 @@ DESCRIPTORS = {
 ADMIN = {"/prorag.v1.Policy/LoadAdapter", "/prorag.v1.Policy/ActivateAdapter", "/prorag.v1.Policy/UnloadAdapter"}
 
 
-def _corpus(path):
-    docs = [("d1", "Mai Brewery", "Mai Brewery was founded by Tova Lunn."),
-            ("d2", "Tova Lunn", "Tova Lunn was born in Harlow."),
-            ("d3", "Harlow", "Harlow is a town on the river Stort.")]
-    path.write_text("".join(json.dumps({"id": i, "contents": f'"{t}"\n{x}'}) + "\n" for i, t, x in docs))
-    return path
 
 
 @pytest.fixture(scope="module")

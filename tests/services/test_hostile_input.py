@@ -29,6 +29,7 @@ from prorag.pb import common_pb2, judge_pb2, policy_pb2, prm_pb2, retriever_pb2,
 from prorag.security import ClientSecurity, generate_secrets, secure_channel
 from prorag.service import ServeConfig
 from prorag.trajectory import STOP_TAGS
+from tests.helpers import three_doc_corpus as _corpus
 from tests.helpers import LoopThread
 from tests.services import hostile
 
@@ -150,12 +151,6 @@ def _near_valid() -> dict:
 
 
 # ---------------------------------------------------------------- the services
-def _corpus(path):
-    docs = [("d1", "Mai Brewery", "Mai Brewery was founded by Tova Lunn."),
-            ("d2", "Tova Lunn", "Tova Lunn was born in Edraand."),
-            ("d3", "Harlow", "Harlow is a town on the river Stort.")]
-    path.write_text("".join(json.dumps({"id": i, "contents": f'"{t}"\n{x}'}) + "\n" for i, t, x in docs))
-    return path
 
 
 @pytest.fixture(scope="module")
