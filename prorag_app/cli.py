@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -306,14 +305,10 @@ def cmd_up(args) -> int:
     print(prm_why, flush=True)
     ensure_indexes(args.world, size=args.size)  # build what is missing before any service starts
     policy_model = served_policy(args.world, args.model)
-    stopping = False
+    from prorag_app import procs
 
-    def stop_all(*_):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop_all)
-    signal.signal(signal.SIGINT, stop_all)
+    # SIGTERM and Ctrl-C arrive as procs.Stopped (main installs the handlers, with the watchdog that SIGKILLs a
+    # service still running after the grace period); while serving, that is how `up` is meant to end: exit code 0
     stack = ServiceStack(host=args.host, port_offset=args.port_offset, world=args.world,
                          start_timeout=args.start_timeout,
                          overrides={"policy": {"model": policy_model},
@@ -324,12 +319,15 @@ def cmd_up(args) -> int:
             http = f"  {stack.http_url(svc)}" if svc in paths.HTTP_PORTS else ""
             print(f"  {svc:10s} grpc {stack.grpc_target(svc)}{http}")
         sys.stdout.flush()
-        while not stopping:
-            dead = stack.dead()
-            if dead:
-                print(f"{dead[0][0]} exited with code {dead[0][1]}; stopping the others", file=sys.stderr)
-                break
-            time.sleep(0.2)
+        try:
+            while True:
+                dead = stack.dead()
+                if dead:
+                    print(f"{dead[0][0]} exited with code {dead[0][1]}; stopping the others", file=sys.stderr)
+                    return 1
+                time.sleep(0.2)
+        except procs.Stopped as e:
+            print(f"prorag up: {e}: stopping every service", file=sys.stderr, flush=True)
     return 0
 
 

@@ -40,6 +40,12 @@ class JudgeConfig:
     timeout_s: float = cfg_field(60.0, help="openai: deadline of one HTTP request", min=0.1)
     max_retries: int = cfg_field(4, help="openai: retries with exponential backoff on connection errors, 429 and "
                                          "5xx", min=0, max=20)
+    backoff_s: float = cfg_field(0.5, help="openai: first retry's wait when the endpoint names none (doubled per "
+                                           "retry, jittered down by up to a quarter)", min=0.0, max=60.0)
+    max_backoff_s: float = cfg_field(8.0, help="openai: the longest such wait", min=0.0, max=600.0)
+    max_retry_after_s: float = cfg_field(30.0, help="openai: the longest Retry-After honoured; an endpoint asking "
+                                                    "for more fails the call at once (UNAVAILABLE) rather than "
+                                                    "hold the caller's RPC", min=0.0, max=3600.0)
     malformed_retries: int = cfg_field(2, help="openai: asks again when a reply holds no usable choice", min=0,
                                        max=10)
     concurrency: int = cfg_field(8, help="openai: requests in flight at once", min=1, max=256)
@@ -73,7 +79,8 @@ def open_engine(cfg: JudgeConfig):
                        Budget(cfg.max_calls, cfg.max_cost_usd, cfg.usd_per_m_input, cfg.usd_per_m_output),
                        api_key=api_key(cfg), timeout_s=cfg.timeout_s,
                        max_retries=cfg.max_retries, malformed_retries=cfg.malformed_retries,
-                       concurrency=cfg.concurrency)
+                       concurrency=cfg.concurrency, backoff_s=cfg.backoff_s, max_backoff_s=cfg.max_backoff_s,
+                       max_retry_after_s=cfg.max_retry_after_s)
 
 
 async def start(serve: ServeConfig, cfg: JudgeConfig | None = None, engine=None) -> Started:

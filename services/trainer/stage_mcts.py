@@ -50,12 +50,6 @@ class MCTSStageConfig(PolicySamplingConfig):
     min_margin: float = cfg_field(0.01, help="value margin from which a pair gets a value label", min=0.0)
     concurrency: int = cfg_field(16, help="questions searched at once", min=1, max=512)
     seed: int = cfg_field(0, help="base of the per-call sampling seeds (0 = unseeded)", min=0, max=2 ** 31 - 1)
-    service_wait_s: float = cfg_field(300.0, help="how long one policy, retriever or judge call waits, in all, for "
-                                                  "a service that went away (UNAVAILABLE) to come back before the "
-                                                  "job fails (UNAVAILABLE, naming the service and its address; the "
-                                                  "journal keeps the finished questions); the call is made again "
-                                                  "with the same seed, so a seeded search ends as it would have "
-                                                  "(unless mcts.max_seconds counts the wait)", min=0.0)
     tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
 
     def validate(self) -> None:

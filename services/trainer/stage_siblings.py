@@ -124,7 +124,7 @@ def reason_counts(pairs: list, top: int = 8) -> dict[str, dict[str, int]]:
 def run_siblings(ctx: JobContext) -> dict:
     from transformers import AutoTokenizer
 
-    from prorag.clients import JudgeClient, PolicyClient, RetrieverClient
+    from prorag.clients import JudgeClient, PolicyClient, RetrieverClient, call_with_service_wait
     from prorag.data.loaders import load_split
     from prorag.io import write_jsonl
     from prorag.mcts_env import CachedSearch, EnvTimes, ServiceEnv
@@ -148,23 +148,33 @@ def run_siblings(ctx: JobContext) -> dict:
     policy = PolicyClient(cfg.policy, timeout=600)
     retriever = RetrieverClient(cfg.retriever, timeout=300)
     judge = JudgeClient(cfg.judge, timeout=600)
-    cache = CachedSearch(retriever, topk=cfg.topk, index=cfg.retriever_index)
+    # calls asked again after a service that went away came back, per service
+    waits: dict[str, dict] = {what: {"service_retries": 0} for what in ("policy", "retriever", "judge")}
+    cache = CachedSearch(retriever, topk=cfg.topk, index=cfg.retriever_index, service_wait_s=cfg.service_wait_s,
+                         stats=waits["retriever"])
     times = EnvTimes()
     lock = threading.Lock()
     started = time.monotonic()
     judge_s = [0.0]
+    failed = threading.Event()  # one question failed (a service that did not come back): start no other
 
     def one(q) -> None:
-        if ctx.should_stop():
+        if ctx.should_stop() or failed.is_set():
             return
         env = ServiceEnv(policy, cache, tokenizer, q.question, q.golden_answers, temperature=cfg.temperature,
                          max_step_tokens=cfg.max_step_tokens, max_steps=cfg.max_steps, max_len=cfg.max_len,
                          adapter=cfg.adapter, seed=(cfg.seed * 7919 + hash_id(q.id)) if cfg.seed else 0,
-                         times=times)
-        pairs, stats = sample_question(env, q.id, q.question, cfg.samples, cfg.max_steps)
-        # judged before the question is journalled: a resumed job never pays for a verdict twice
-        t = time.monotonic()
-        judge_pairs(judge, by_id, pairs)
+                         times=times, service_wait_s=cfg.service_wait_s, stats=waits["policy"])
+        try:
+            pairs, stats = sample_question(env, q.id, q.question, cfg.samples, cfg.max_steps)
+            # judged before the question is journalled: a resumed job never pays for a verdict twice (a judge
+            # cache answers a question asked again after a restart)
+            t = time.monotonic()
+            call_with_service_wait(lambda: judge_pairs(judge, by_id, pairs), cfg.judge, "judge",
+                                   cfg.service_wait_s, waits["judge"])
+        except BaseException:
+            failed.set()
+            raise
         stats["judge_s"] = time.monotonic() - t
         row = {"question_id": q.id, "pairs": [p.to_dict() for p in pairs], "stats": stats}
         with lock:
@@ -201,6 +211,8 @@ def run_siblings(ctx: JobContext) -> dict:
         "retrieval_cache_hit_rate": cache.hit_rate, "retrieval_searches": cache.misses, "wall_s": wall,
         "policy_wait_s": times.generate_s, "retriever_wait_s": times.search_s, "policy_calls": times.generate_calls,
         "judge_wait_s": judge_s[0],
+        "service_retries": sum(w["service_retries"] for w in waits.values()),
+        **{f"{what}_retries": w["service_retries"] for what, w in waits.items()},
         # the nested counts reach the manifest; a job's metrics over the API are numbers, so they also go flat
         "pairs_by_kind": by_kind, **flat_counts(by_kind), "judge_reasons_by_kind": reason_counts(pairs),
     }

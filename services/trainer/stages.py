@@ -72,6 +72,12 @@ class PolicySamplingConfig:
     retriever_index: str = cfg_field("", help="retriever index ('' = its default)")
     topk: int = cfg_field(1, help="documents per subquery, as the policy was trained (the embedded agent: 1; "
                                   "ProRAG: 3)", min=1, max=20)
+    service_wait_s: float = cfg_field(300.0, help="how long one policy, retriever or judge call waits, in all, for "
+                                                  "a service that went away (UNAVAILABLE) to come back before the "
+                                                  "job fails (UNAVAILABLE, naming the service and its address; the "
+                                                  "journal keeps the finished questions); the call is made again "
+                                                  "with the same seed, so a seeded job ends as it would have (for "
+                                                  "MCTS: unless mcts.max_seconds counts the wait)", min=0.0)
 
 
 @dataclass(frozen=True)

@@ -239,3 +239,22 @@ def test_failures_are_proragerrors_with_a_grpc_status(endpoint, tmp_path):
     with pytest.raises(ProragError) as e:
         judge.judge([pair()])
     assert e.value.code.name == "UNAVAILABLE"
+
+
+def test_the_service_config_sets_the_backoff_and_the_longest_retry_after(endpoint, tmp_path):
+    from services.judge.server import JudgeConfig, open_engine
+
+    cfg = JudgeConfig(backend="openai", base_url=endpoint.url, model="judge-model",
+                      cache_path=str(tmp_path / "c.jsonl"), max_retries=2, backoff_s=0.3, max_backoff_s=0.3,
+                      max_retry_after_s=2.0, concurrency=1)
+    judge = open_engine(cfg)
+    # a Retry-After of 3 s is more than this config honours: failed at once, where the default (30 s) would wait
+    endpoint.script = [("status", 429, {"Retry-After": "3"})]
+    with pytest.raises(Unavailable) as e:
+        judge.judge([pair()])
+    assert "max_retry_after_s=2" in str(e.value) and endpoint.requests == 1
+    # with no Retry-After, the configured backoff: 0.3 s jittered down by at most a quarter
+    endpoint.script = [("status", 500)]
+    [v] = judge.judge([pair("p2")])
+    assert v.chosen == 0 and endpoint.requests == 3
+    assert 0.2 <= endpoint.times[2] - endpoint.times[1] < 2.0

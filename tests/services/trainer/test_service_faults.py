@@ -4,8 +4,8 @@ an uninterrupted run of the same config ends with. A service that never comes ba
 with UNAVAILABLE naming the service and its address, and the job's journal is intact: resumed once the service is
 back, it ends as the uninterrupted run.
 
-The retriever and the PRM run as `prorag serve` processes; the policy as tests/services/trainer/fault_policy.py
-(the RL and MCTS tests' scripted engine behind the real policy server, each engine call slowed so the kill lands
+The retriever, the PRM and the judge run as `prorag serve` processes; the policy as
+tests/services/trainer/fault_policy.py (the stage tests' scripted engine behind the real policy server, each engine call slowed so the kill lands
 inside a call). The stages run in process (local_context), as the stage tests run them; a killed *trainer* is
 test_rl_stage's and test_kill_resume's. A service is started again only once the job has been seen waiting for
 it (prorag.clients.wait_for_health, spied on), so every kill is sure to be noticed by the job."""
@@ -84,7 +84,8 @@ class Service:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """The tiny world, its base model and a fresh PRM head on it; the retriever, policy and PRM as processes."""
+    """The tiny world, its base model and a fresh PRM head on it; the retriever, policy, PRM and (reference)
+    judge as processes."""
     root = tmp_path_factory.mktemp("faults")
     logs = root / "logs"
     logs.mkdir()
@@ -108,7 +109,11 @@ def stack(tmp_path_factory):
         prm = Service("prm", ports["prm"],
                       serve + ["prm", "--port", str(ports["prm"]), "--metrics-port", "-1", "--log-format", "text",
                                "--set", f"model={root / 'prm'}"], logs)
-        services = {"retriever": retriever, "policy": policy, "prm": prm}
+        ports["judge"] = _free_port()
+        judge = Service("judge", ports["judge"],
+                        serve + ["judge", "--port", str(ports["judge"]), "--metrics-port", "-1", "--log-format", "text",
+                                 "--set", "world=tiny"], logs)
+        services = {"retriever": retriever, "policy": policy, "prm": prm, "judge": judge}
         try:
             for s in services.values():  # all three load at once
                 s.spawn()
@@ -345,3 +350,81 @@ def test_a_service_that_never_comes_back_fails_the_job_within_its_wait_and_the_j
     assert metrics["questions"] == 3
     trees, pairs = _trees_and_pairs(work)
     assert trees == mcts_straight[0] and pairs == mcts_straight[1]
+
+
+# ---------------------------------------------------------------- the sibling sampler
+def _siblings_config(stack, **kw):
+    from services.trainer.stage_siblings import SiblingsStageConfig
+
+    return from_dict(SiblingsStageConfig, {
+        "world": "tiny", "split": "train", "max_questions": 3, "policy": stack["policy"].target,
+        "policy_model": stack["base"], "retriever": stack["retriever"].target, "judge": stack["judge"].target,
+        "topk": 1, "samples": 2, "max_steps": 4, "max_step_tokens": 48, "concurrency": 1, "seed": 3,
+        "tracking": "local", "service_wait_s": 120, **kw})
+
+
+def test_siblings_policy_and_judge_killed_mid_job_come_back_and_the_pairs_are_the_uninterrupted_ones(
+        stack, tmp_path, one_thread, monkeypatch):
+    from services.trainer.stage_siblings import run_siblings
+
+    straight = run_siblings(local_context(tmp_path / "straight", _siblings_config(stack), stage="siblings"))
+    assert straight["service_retries"] == 0 and straight["judge_labelled"] > 0
+    waits = Waits(monkeypatch)
+    policy, judge = stack["policy"], stack["judge"]
+    outage = Outage([policy, judge], waits)
+
+    def emit(ev):
+        if ev.get("step") == 1 and not outage.threads:  # the first question is journalled; the second is sampled
+            outage.begin()
+
+    work = tmp_path / "killed"
+    try:
+        metrics = run_siblings(local_context(work, _siblings_config(stack), emit=emit, stage="siblings"))
+    finally:
+        outage.finish()
+    assert outage.killed.is_set(), "the job ended before the kill"
+    # the policy is killed inside the second question's sampling, the judge is down when its pairs are judged
+    assert metrics["policy_retries"] >= 1 and waits.seen(policy.target)
+    assert metrics["judge_retries"] >= 1 and waits.seen(judge.target)
+    assert list(read_jsonl(work / "run" / "pairs.jsonl")) == list(read_jsonl(tmp_path / "straight" / "run" /
+                                                                             "pairs.jsonl"))
+    assert {k: metrics[k] for k in ("pairs", "judge_labelled", "prefixes")} == \
+           {k: straight[k] for k in ("pairs", "judge_labelled", "prefixes")}
+
+
+# ---------------------------------------------------------------- RFT
+def test_rft_policy_and_prm_killed_while_sampling_come_back_and_the_job_ends_as_uninterrupted(
+        stack, tmp_path, one_thread, monkeypatch):
+    from prorag.training.checkpoint import load_weights_file
+    from services.trainer.stage_rft import RFTConfig, run_rft
+
+    cfg = from_dict(RFTConfig, {
+        "world": "tiny", "max_questions": 6, "base_model": stack["base"], "policy": stack["policy"].target,
+        "prm": stack["prm"].target, "samples_per_question": 4, "max_step_tokens": 48, "max_steps": 6,
+        "questions_per_request": 2, "prm_threshold": -1e9, "max_train_steps": 1, "batch_size": 2, "seed": 3,
+        "tracking": "local", "service_wait_s": 120})
+    straight = run_rft(local_context(tmp_path / "straight", cfg, stage="rft"))
+    assert straight["data_correct"] > 0
+    waits = Waits(monkeypatch)
+    policy, prm = stack["policy"], stack["prm"]
+    outage = Outage([policy, prm], waits)
+
+    def emit(ev):
+        # the first request's trajectories are sampled and scored: the kill lands in the second's rollout
+        if ev.get("message", "").startswith("sampled 2/") and not outage.threads:
+            outage.begin()
+
+    work = tmp_path / "killed"
+    try:
+        metrics = run_rft(local_context(work, cfg, emit=emit, stage="rft"))
+    finally:
+        outage.finish()
+    assert outage.killed.is_set(), "the job ended before the kill"
+    assert waits.seen(policy.target) and metrics["data_service_retries"] >= 1
+    data_keys = [k for k in straight if k.startswith("data_") and k != "data_service_retries"]
+    assert {k: metrics[k] for k in data_keys} == {k: straight[k] for k in data_keys}
+    got, want = (load_weights_file(w / "checkpoints" / "rft_data.pt") for w in (work, tmp_path / "straight"))
+    assert got.keys() == want.keys()
+    for key in got:
+        if key != "stats":
+            assert got[key] == want[key], key
