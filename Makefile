@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP) proto
 
 proto: $(STAMP)
-	$(PY) -m prorag.protos
+	$(PY) -m prorag.rpc.protos
 
 run: install
 	$(VENV)/bin/prorag run

@@ -1,6 +1,6 @@
 """Errors a caller can act on, each tied to one gRPC status and one HTTP status.
 
-Engines raise these; the one error-mapping interceptor per server (prorag.grpc_server)
+Engines raise these; the one error-mapping interceptor per server (prorag.rpc.grpc_server)
 turns them into statuses, and the HTTP front ends into 4xx/5xx JSON bodies. Anything
 else escaping a handler is a bug on our side and is reported as INTERNAL.
 """

@@ -272,7 +272,7 @@ def load_for_training(path: str | Path, placement, *, gradient_checkpointing: bo
 
 @dataclass
 class WarmupConfig:
-    """Pre-training of the embedded base before any stage (see prorag.warmup_data for why; the data and loss:
+    """Pre-training of the embedded base before any stage (see prorag.data.warmup for why; the data and loss:
     prorag.training.warmup; the stage: services/trainer/stage_warmup.py)."""
 
     copy_steps: int = cfg_field(150, help="steps of the copy task (random strings written twice)", min=0)

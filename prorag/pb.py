@@ -1,6 +1,6 @@
 """One import point for the generated messages and stubs: ``from prorag.pb import pb2, grpc_``."""
 
-from prorag.protos import ensure as _ensure
+from prorag.rpc.protos import ensure as _ensure
 
 _ensure()
 

@@ -86,7 +86,7 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
 
     params: n = samples per question; max_tokens caps one step; stop ids are the format's own.
     loss_weights: tag -> weight given to generated tokens in ``tokens.weights`` (as
-    :func:`prorag.sft_data.encode_segments` does), so a trainer can fine-tune on rollouts directly.
+    :func:`prorag.data.sft.encode_segments` does), so a trainer can fine-tune on rollouts directly.
     Seeds: trajectory (q, j) at round r samples with ``derive_seed(params.seed, q, j, r)``
     (unseeded when params.seed is 0), so a seeded run does not depend on batching.
     ``on_finished`` is called as each trajectory ends, before the next round.

@@ -2,7 +2,7 @@
 
 A trajectory's tokens are its prompt, then per step the tokens the policy generated and the
 tokens the environment inserted after them (the retrieval block or glue,
-:func:`prorag.trajectory.glue_after`). SFT encoding (:func:`prorag.sft_data.encode_segments`)
+:func:`prorag.trajectory.glue_after`). SFT encoding (:func:`prorag.data.sft.encode_segments`)
 and the rollout loop (:func:`prorag.rollout.run_rollouts`) build it step by step the same way,
 so each step's token span is recorded as it is appended: a process reward or a per-step
 advantage indexes tokens directly and never re-encodes step text.

@@ -17,7 +17,7 @@ import time
 import urllib.request
 
 from prorag import paths
-from prorag.clients import RetrieverClient, wait_for_health
+from prorag.rpc.clients import RetrieverClient, wait_for_health
 from prorag_app import procs
 from prorag_app.stack import port_free
 
@@ -187,9 +187,9 @@ class _GrpcCaller:
     """One channel calling prorag.v1.Retriever/Search, documents converted as RetrieverClient does."""
 
     def __init__(self, target: str, topk: int, index: str, security=None):
-        from prorag.clients import channel
+        from prorag.rpc.clients import channel
         from prorag.pb import retriever_pb2, retriever_pb2_grpc
-        from prorag.pbconv import scored_document_from_pb
+        from prorag.rpc.pbconv import scored_document_from_pb
 
         self._pb, self._conv = retriever_pb2, scored_document_from_pb
         self.channel = channel(target, security=security)
@@ -228,7 +228,7 @@ def _wait_serving(target: str, security, timeout: float = 180.0) -> bool:
     """grpc.health.v1 of the retriever over ``security`` (TLS servers need the CA even for health)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from prorag.clients import channel
+    from prorag.rpc.clients import channel
 
     deadline = time.monotonic() + timeout
     with channel(target, security=security) as ch:
@@ -262,7 +262,7 @@ def bench_retriever(args) -> dict:
     from pathlib import Path
 
     from prorag.data.loaders import load_split
-    from prorag.security import ClientSecurity, generate_secrets
+    from prorag.rpc.security import ClientSecurity, generate_secrets
     from prorag_app.embedded import ensure_indexes
     from services.retriever.server import RetrieverConfig, open_engine
 
@@ -528,7 +528,7 @@ def bench_adapter_decode(model: str, questions, batch: int, new_tokens: int, rep
 
 def bench_policy(args) -> dict:
     """GRPO-sized rollouts (questions x samples) through the policy service vs the same engine in-process."""
-    from prorag.clients import PolicyClient
+    from prorag.rpc.clients import PolicyClient
     from prorag.data.loaders import load_split
     from prorag_app.embedded import ensure_indexes
     from prorag.engine import SamplingSpec
@@ -603,7 +603,7 @@ def bench_swap(args) -> dict:
     import tempfile
     from pathlib import Path
 
-    from prorag.clients import PolicyClient
+    from prorag.rpc.clients import PolicyClient
     from prorag.registry import ArtifactRef, Registry, weights_sha256
 
     world = args.world
@@ -727,7 +727,7 @@ def _trajectory_lengths(tokenizer, limit: int = 500) -> list[int]:
     """Token lengths of the agent's greedy test trajectories that the last `prorag run` saved (prompt
     included); empty when there are none."""
     from prorag import paths
-    from prorag.sft_data import agent_prompt
+    from prorag.data.sft import agent_prompt
 
     path = paths.runs_dir() / "latest" / "sft" / "predictions.jsonl"
     if not path.is_file():
@@ -821,7 +821,7 @@ def _bench_prm_model(world: str, model: str) -> str:
 
     from prorag.errors import NotFound
     from prorag.modeling import save_pretrained
-    from prorag.prm_model import prm_from_policy
+    from prorag.prm.model import prm_from_policy
     from prorag.registry import registry
 
     try:
@@ -843,7 +843,7 @@ def bench_prm(args) -> dict:
     import tempfile
     from pathlib import Path
 
-    from prorag.clients import PRMClient
+    from prorag.rpc.clients import PRMClient
     from prorag.data.loaders import load_corpus, load_split
     from prorag_app.embedded import ensure_indexes
     from prorag_app.pipeline import PROFILES

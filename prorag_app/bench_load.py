@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 
 from prorag import paths
-from prorag.clients import channel, wait_for_health
+from prorag.rpc.clients import channel, wait_for_health
 from prorag_app import bench
 
 LOAD_SERVICES = ("retriever", "policy", "prm")
@@ -158,7 +158,7 @@ class _PRMLoad(_Workload):
 
     def __init__(self, world: str, model: str):
         from prorag.data.loaders import load_corpus, load_split
-        from prorag.pbconv import step_pb
+        from prorag.rpc.pbconv import step_pb
         from prorag.pb import prm_pb2
         from prorag_app.pipeline import PROFILES
         from prorag_app.stage2 import gold_trajectories

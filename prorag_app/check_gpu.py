@@ -294,7 +294,7 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
 
         def prm_model() -> dict:
             from prorag.modeling import save_pretrained
-            from prorag.prm_model import prm_from_policy
+            from prorag.prm.model import prm_from_policy
 
             # the SFT trunk with a fresh scalar head: what the prm stage starts from; its scores are not trained
             # ones, which is all a systems check needs (the PRM stage's training runs in `make test`)
@@ -317,7 +317,7 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
         stacks.append(serve_stack)
 
         def services() -> dict:
-            from prorag.clients import PolicyClient
+            from prorag.rpc.clients import PolicyClient
 
             serve_stack.start()
             with PolicyClient(serve_stack.grpc_target("policy"), timeout=60) as c:
@@ -347,9 +347,9 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
         rl = check.phase("rl_iteration", rl_iteration)
 
         def rollout_and_score() -> dict:
-            from prorag.clients import PolicyClient, PRMClient
+            from prorag.rpc.clients import PolicyClient, PRMClient
             from prorag.data.loaders import load_split
-            from prorag.pbconv import step_from_pb
+            from prorag.rpc.pbconv import step_from_pb
 
             adapter = rl["adapter"] if rl else ""
             qs = load_split(paths.world_dir("tiny"), "dev")[:8]

@@ -75,7 +75,7 @@ def cmd_prepare_model(args) -> int:
 
 
 def _job_record(job) -> dict:
-    from prorag.clients_trainer import state_name
+    from prorag.rpc.clients_trainer import state_name
 
     return {"job_id": job.job_id, "stage": job.stage, "state": state_name(job.state), "step": job.step,
             "total_steps": job.total_steps, "outputs": dict(job.outputs), "error": job.error, "run_dir": job.run_dir}
@@ -86,7 +86,7 @@ def cmd_job(args) -> int:
     with --set overrides, submitted to the trainer; --wait follows it to the end (exit 0 only if it SUCCEEDED)."""
     import grpc
 
-    from prorag.clients_trainer import TrainerClient
+    from prorag.rpc.clients_trainer import TrainerClient
 
     try:
         return _job(args, TrainerClient(args.trainer, timeout=60))
@@ -143,7 +143,7 @@ def _service_config(service: str, args) -> dict:
 
 
 async def _serve(service: str, args) -> None:
-    from prorag.service import ServeConfig
+    from prorag.rpc.service import ServeConfig
 
     default_http = paths.HTTP_PORTS.get(service, -1)
     serve = from_dict(ServeConfig, {
@@ -155,7 +155,7 @@ async def _serve(service: str, args) -> None:
         "auth_tokens": args.auth_tokens,
         **({"max_concurrent_rpcs": args.max_concurrent_rpcs} if args.max_concurrent_rpcs is not None else {}),
     })
-    from prorag.service import start_metrics
+    from prorag.rpc.service import start_metrics
 
     # first, so a slow model load is watched too; the documented default port may be held by another local
     # service: then this one runs without metrics (a port given with --metrics-port must be free)
@@ -201,7 +201,7 @@ async def _serve(service: str, args) -> None:
     http = f", HTTP on {serve.host}:{started.http_port}" if started.http_port else ""
     metrics = f", metrics on http://{serve.host}:{metrics_port}/metrics" if metrics_port else ""
     print(f"{service}: gRPC on {serve.host}:{started.grpc_port}{http}{metrics}", flush=True)
-    from prorag.grpc_server import serve_until_signal
+    from prorag.rpc.grpc_server import serve_until_signal
 
     await serve_until_signal([started.stop, stop_metrics])
 
@@ -212,7 +212,7 @@ def cmd_health(args) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from prorag.clients import channel
+    from prorag.rpc.clients import channel
 
     target = args.target or f"127.0.0.1:{paths.GRPC_PORTS[args.service_of] if args.service_of else 50051}"
     try:
@@ -228,7 +228,7 @@ def cmd_health(args) -> int:
 
 
 def cmd_security_init(args) -> int:
-    from prorag.security import DEFAULT_TLS_HOSTS, generate_secrets
+    from prorag.rpc.security import DEFAULT_TLS_HOSTS, generate_secrets
 
     hosts = tuple(args.host) if args.host else DEFAULT_TLS_HOSTS
     files = generate_secrets(args.out, hosts=hosts, days=args.days)
@@ -242,7 +242,7 @@ def cmd_security_init(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from prorag.observability import configure_logging
+    from prorag.rpc.observability import configure_logging
 
     configure_logging(args.service, args.log_format)
     asyncio.run(_serve(args.service, args))
@@ -352,7 +352,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_eval_prm(args) -> int:
-    """`prorag eval prm`: gold steps against corrupted ones on a split, every corruption family (prorag.prm_eval),
+    """`prorag eval prm`: gold steps against corrupted ones on a split, every corruption family (prorag.prm.evaluation),
     AUC per family and pooled, the gate's verdict and a PNG (prorag_app.eval.eval_prm)."""
     from prorag_app.eval import eval_prm
 
@@ -372,7 +372,7 @@ def cmd_eval(args) -> int:
     from prorag.registry import published_config, registry
     from prorag.runs import new_run_dir, point_latest
     from prorag_app.stack import ServiceStack
-    from prorag.clients import PolicyClient, RetrieverClient
+    from prorag.rpc.clients import PolicyClient, RetrieverClient
 
     if args.topk < 0:
         raise SystemExit(f"--topk must be 1 or more (0 = as the model was trained), got {args.topk}")

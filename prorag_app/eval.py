@@ -7,7 +7,7 @@ question). Every prediction and trajectory is saved; scores are EM/F1 with
 95% bootstrap CIs overall, per hop count and per question type.
 
 `prorag eval prm` (:func:`eval_prm`): a published PRM on gold steps against corrupted ones, per corruption
-family, in-distribution and held out (prorag.prm_eval), with the gate before PRM-guided stages.
+family, in-distribution and held out (prorag.prm.evaluation), with the gate before PRM-guided stages.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def run_agent(policy, questions, *, max_steps: int = AGENT_MAX_STEPS, topk: int 
 def run_baseline(policy, retriever, questions, mode: str, *, topk: int = DOCS_PER_SEARCH, chunk: int = 256,
                  max_tokens: int = 96, progress=None) -> list[dict]:
     """One answer step per question; standard RAG first retrieves the question's top-k documents."""
-    from prorag.sft_data import baseline_prompt
+    from prorag.data.sft import baseline_prompt
 
     records = []
     for i in range(0, len(questions), chunk):
@@ -94,16 +94,16 @@ def run_single_search(policy, retriever, questions, *, tokenizer_dir: str, topk:
     ``generate_steps``.
 
     Each question is written as the agent's trajectory of a 1-hop question whose sub-question is the question
-    (:func:`prorag.sft_data.single_search_thoughts`, with the thought settings the model was trained with), and
+    (:func:`prorag.data.sft.single_search_thoughts`, with the thought settings the model was trained with), and
     the model writes only what standard RAG's reader writes: (1) the subanswer it reads out of the documents,
     (2) the final answer. Why the format is written for it: the comparison is about searching, not about
     whether a model trained to search step by step plans a one-search trajectory on its own. Prefixes are
-    token ids cut as training tokenised the steps (:func:`prorag.sft_data.content_prefix_ids`; the tokenizer of
+    token ids cut as training tokenised the steps (:func:`prorag.data.sft.content_prefix_ids`; the tokenizer of
     ``tokenizer_dir``, the served model's). ``format_valid``: the model closed both with their own tags.
     """
     from transformers import AutoTokenizer
 
-    from prorag.sft_data import agent_prompt, content_prefix_ids, single_search_thoughts
+    from prorag.data.sft import agent_prompt, content_prefix_ids, single_search_thoughts
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     sampling = policy.sampling(n=1, temperature=0.0, max_tokens=max_tokens, stop=list(STOP_TAGS))
@@ -215,7 +215,7 @@ def dumps(obj) -> str:
 
 # ---------------------------------------------------------------- `prorag eval prm`
 def score_cases(prm_dir: str, cases) -> tuple[list[float], list[float], str]:
-    """(gold scores [N], corrupted scores [N], the PRM's version) of ``cases`` [N] (prorag.prm_eval.ProbeCase):
+    """(gold scores [N], corrupted scores [N], the PRM's version) of ``cases`` [N] (prorag.prm.evaluation.ProbeCase):
     each step scored after its case's context by the PRM of ``prm_dir`` in process, in batched passes."""
     from services.prm.engine import PRMEngine, ScoringItem
 
@@ -231,12 +231,12 @@ def score_cases(prm_dir: str, cases) -> tuple[list[float], list[float], str]:
 def validate_prm_families(prm_dir: str, questions, docs_by_id: dict, sft_settings: dict, seed: int = 0,
                           png: Path | None = None, families=None, trajectories=None) -> dict:
     """The PRM of ``prm_dir`` on gold (or given correct) steps against corrupted ones, in-distribution and
-    held-out families (prorag.prm_eval.validation_cases): auc_by_kind's report, plus ``questions``, ``version``,
+    held-out families (prorag.prm.evaluation.validation_cases): auc_by_kind's report, plus ``questions``, ``version``,
     ``dropped`` (per family, cases that were no contrast) and ``png`` when one is drawn.
 
     trajectories: one correct trajectory (list of Steps) per question, e.g. the agent's own; None = each
     question's gold trajectory written as the SFT agent was trained to write it (``sft_settings``)."""
-    from prorag.prm_eval import FAMILIES, auc_by_kind, validation_cases
+    from prorag.prm.evaluation import FAMILIES, auc_by_kind, validation_cases
     from prorag_app.stage2 import gold_trajectories
 
     if trajectories is None:
@@ -266,7 +266,7 @@ def plot_family_scores(cases, gold, bad, report: dict, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from prorag.prm_eval import CORRUPTIONS, HELD_OUT
+    from prorag.prm.evaluation import CORRUPTIONS, HELD_OUT
 
     rows = [[k for k in group if k in report["by_kind"]] for group in (CORRUPTIONS, HELD_OUT)]
     rows = [r for r in rows if r]
@@ -294,10 +294,10 @@ def plot_family_scores(cases, gold, bad, report: dict, png: Path) -> None:
 
 
 def gate_verdict(auc_report: dict, **thresholds) -> dict:
-    """results.json's ``gate``: prorag.prm_eval.prm_gate's verdict with the thresholds it applied."""
+    """results.json's ``gate``: prorag.prm.evaluation.prm_gate's verdict with the thresholds it applied."""
     import inspect
 
-    from prorag.prm_eval import prm_gate
+    from prorag.prm.evaluation import prm_gate
 
     passed, reasons = prm_gate(auc_report, **thresholds)
     applied = {name: p.default for name, p in inspect.signature(prm_gate).parameters.items()
@@ -312,7 +312,7 @@ def print_prm_families(prm: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from prorag.prm_eval import HELD_OUT
+    from prorag.prm.evaluation import HELD_OUT
 
     auc = prm["auc_gold_vs_corrupted"]
     split = prm.get("split", prm.get("validation_split", "test"))  # eval prm's key, and stage 2's
@@ -341,7 +341,7 @@ def print_prm_families(prm: dict) -> None:
 
 def eval_prm(args) -> int:
     """`prorag eval prm`: a published PRM on gold steps against corrupted ones of a split (``--split dev`` where
-    settings are chosen), every corruption family (prorag.prm_eval), AUC per family and pooled, the gate's
+    settings are chosen), every corruption family (prorag.prm.evaluation), AUC per family and pooled, the gate's
     verdict and a PNG; results.json's ``prm``."""
     from prorag import paths
     from prorag.data.loaders import load_corpus, load_split

@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from prorag import paths
-from prorag.clients import PolicyClient, RetrieverClient
+from prorag.rpc.clients import PolicyClient, RetrieverClient
 from prorag.data.loaders import load_split
 from prorag_app.embedded import ensure_indexes, ensure_policy_model
 from prorag.progress import progress_bars
@@ -95,7 +95,7 @@ class Profile:
         if self.base_warmup is not None:
             check_fields(WarmupConfig, self.base_warmup, prefix="base_warmup.")
         if self.stage2 is not None:
-            from prorag.mcts import MCTSConfig
+            from prorag.search.mcts import MCTSConfig
             from prorag_app.stage2 import Stage2Settings
             from services.trainer.stage_mcts import MCTSStageConfig
             from services.trainer.stage_prm import PRMConfig
@@ -321,7 +321,7 @@ def train_methods(stack: ServiceStack, methods, profile: Profile, base_model: st
 
     Returns method -> {"job_id", "metrics", "run_dir", "model", "train_s"}: "model" is the registry reference the
     job published; "train_s" the job's own running time (its queue wait left out)."""
-    from prorag.clients_trainer import TrainerClient, state_name
+    from prorag.rpc.clients_trainer import TrainerClient, state_name
 
     ids, fresh = {}, []
     with TrainerClient(stack.grpc_target("trainer"), timeout=60) as client:
@@ -412,7 +412,7 @@ def evaluate_method(method: str, model_dir: str, world: str, stack: ServiceStack
                     port_offset: int, adapter: str = "") -> dict:
     """Serve ``model_dir`` (with the LoRA ``adapter`` name@version loaded and active, when given) in its own policy
     process and evaluate it through the services. The process never restores another run's active adapter."""
-    from prorag.clients import push_adapter
+    from prorag.rpc.clients import push_adapter
     from prorag.registry import weights_sha256
     from prorag_app import memo
     from prorag_app.eval import evaluate

@@ -8,7 +8,7 @@ fraction from its iterations.jsonl); a trajectory browser (the first run's evalu
 method) and an MCTS tree viewer (the first run's mcts job: trees.jsonl with its judged sibling pairs.jsonl).
 
 `prorag eval` saves no PRM score per step of an evaluated trajectory, so steps are coloured by their kind and by the
-reference judge's verdict (prorag.judging.judge_step against the world's gold decomposition), computed here where the
+reference judge's verdict (prorag.search.judging.judge_step against the world's gold decomposition), computed here where the
 world's split is on disk and the trajectory kept its retrieved documents (the agents'); never by an invented score.
 
 Large runs are capped (MAX_* below) and the page says what it left out.
@@ -212,7 +212,7 @@ def _core_steps(record: dict):
         from google.protobuf.json_format import ParseDict
 
         from prorag.pb import common_pb2
-        from prorag.pbconv import step_from_pb
+        from prorag.rpc.pbconv import step_from_pb
 
         return [step_from_pb(ParseDict(s, common_pb2.Step(), ignore_unknown_fields=True))
                 for s in record["trajectory"].get("steps") or []], True
@@ -241,7 +241,7 @@ def trajectories(run: dict, docs: _Docs, max_questions: int) -> dict:
     """The first run's evaluated questions for the browser: {"questions": [{"id", "question", "golden_answers",
     "hops", "type", "methods": {method: {"prediction", "f1", "em", "finish_reason", "steps", "retrieved_ids"}}}],
     "total", "split", "judged": whether any step has the reference judge's verdict}."""
-    from prorag.judging import judge_step
+    from prorag.search.judging import judge_step
 
     results = run["results"]
     split = results.get("split") or "test"

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 
 from prorag import paths
-from prorag.clients import wait_for_health
+from prorag.rpc.clients import wait_for_health
 from prorag_app import procs as _procs  # aliased: the stack has a field named procs
 
 

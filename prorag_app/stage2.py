@@ -5,7 +5,7 @@ service (serving the SFT agent) and the retriever, and labels the sibling pairs 
 settings ask for it, its ``siblings`` job samples more judged pairs along the agent's own trajectories, without a
 tree (services.trainer.stage_siblings); its ``prm`` job trains the PRM on the MCTS pairs, the sibling pairs or both;
 the validation scores gold steps of the evaluation split against corrupted ones, in-distribution and held-out
-families (prorag.prm_eval), with the PRM in process, gives the gate's verdict (prm_gate) and writes a
+families (prorag.prm.evaluation), with the PRM in process, gives the gate's verdict (prm_gate) and writes a
 PNG of the score distributions.
 """
 
@@ -51,7 +51,7 @@ class Stage2Settings:
 
 def run_job(stack, stage: str, config: dict, job_id: str) -> dict:
     """Run (or reuse) one trainer job and wait; returns the finished Job as a dict of metrics and outputs."""
-    from prorag.clients_trainer import TrainerClient, state_name
+    from prorag.rpc.clients_trainer import TrainerClient, state_name
     from prorag.progress import progress_bars
 
     with TrainerClient(stack.grpc_target("trainer"), timeout=60) as client:
@@ -109,7 +109,7 @@ def gold_trajectories(questions, docs_by_id: dict, sft_settings: dict) -> list[l
     """Each question's gold step-by-step trajectory, written as the SFT agent was trained to write it (its
     restated questions, plans and subquery phrasing), one gold document per search."""
     from prorag.data.world import canonical_question
-    from prorag.sft_data import agent_steps
+    from prorag.data.sft import agent_steps
 
     phrasing = canonical_question if sft_settings.get("canonical_subqueries") else None
     return [agent_steps(q, {}, docs_by_id, topk=1, restate=bool(sft_settings.get("restate_question")),
@@ -120,12 +120,12 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
                run_dir: Path, job_prefix: str, timings: dict, split: str = "test") -> dict:
     """MCTS -> judged pairs -> PRM -> validation, through the stack's trainer, retriever and judge and the policy
     service at ``policy_target`` (serving ``sft_model``). Returns results.json's "prm"."""
-    from prorag.clients import RetrieverClient
+    from prorag.rpc.clients import RetrieverClient
     from prorag.data.loaders import load_split
     from prorag.registry import registry, weights_sha256
     from prorag_app import memo
     from services.trainer.stage_mcts import PAIRS_VERSION
-    from prorag.prm_eval import FAMILIES
+    from prorag.prm.evaluation import FAMILIES
     from prorag_app.eval import gate_verdict, validate_prm_families
     from services.trainer.stage_siblings import SIBLINGS_VERSION
 
@@ -207,7 +207,7 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
         "model": prm["outputs"]["prm"],
         "auc_gold_vs_corrupted": {k: validation[k] for k in ("overall", "by_kind", "n", "in_distribution", "held_out")
                                   if k in validation},
-        # whether this PRM may guide stages 3-4 (prorag.prm_eval.prm_gate: unsupported sub-answers and overall)
+        # whether this PRM may guide stages 3-4 (prorag.prm.evaluation.prm_gate: unsupported sub-answers and overall)
         "gate": gate_verdict(validation),
         "cases_dropped": validation.get("dropped"),
         "pairwise_accuracy": prm["metrics"].get("heldout_pairwise_accuracy"),

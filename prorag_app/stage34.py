@@ -69,7 +69,7 @@ class Stage34Settings:
                            factory=dict)
     beta: float = cfg_field(0.3, help="ProRAG's weight of the process advantage (outcome_grpo: 0)", min=0.0,
                             max=10.0)
-    prm_gate: str = cfg_field("report", help="what stage 2's PRM gate (prorag.prm_eval.prm_gate) decides: enforce = a "
+    prm_gate: str = cfg_field("report", help="what stage 2's PRM gate (prorag.prm.evaluation.prm_gate) decides: enforce = a "
                                              "PRM below it guides nothing (rft, prorag, prorag_no_rft skipped with the "
                                              "reasons; outcome_grpo, prorag_oracle and reasonrag still run); report = "
                                              "the PRM-guided methods run and results.json carries the verdict beside "

@@ -175,7 +175,7 @@ if [ "${SMOKE_TRAIN:-1}" = 1 ]; then
   T_SFT=$(date +%s)
   MODEL="$("${DC[@]}" exec -T trainer-cpu python - "$WORLD" "${SMOKE_SFT_STEPS:-200}" <<'PYEOF' 2>"$LOG_DIR/sft.err"
 import sys
-from prorag.clients_trainer import TrainerClient, state_name
+from prorag.rpc.clients_trainer import TrainerClient, state_name
 from prorag_app.pipeline import PROFILES
 
 world = sys.argv[1]
@@ -208,7 +208,7 @@ T_Q=$(date +%s)
 ANSWER="$("${DC[@]}" exec -T trainer-cpu python - "$WORLD" <<'PYEOF' 2>"$LOG_DIR/question.err"
 import json, sys, time
 from prorag import paths
-from prorag.clients import PolicyClient, RetrieverClient
+from prorag.rpc.clients import PolicyClient, RetrieverClient
 from prorag.data.loaders import load_split
 
 world = sys.argv[1]

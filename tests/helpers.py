@@ -65,7 +65,7 @@ def founder_pairs(n: int, seed: int = 0, *, names=FOUNDERS, judge: bool = True, 
     import random
 
     from prorag.data.loaders import Document
-    from prorag.pairs import StepPair
+    from prorag.search.pairs import StepPair
     from prorag.trajectory import Step
 
     rng = random.Random(seed)

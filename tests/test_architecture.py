@@ -1,7 +1,10 @@
 """The house's three layers, checked on every import statement of the code (those inside functions too).
 
 - core ``prorag``: formats, data, metrics, algorithms, model building, registry, rollout loop, engine
-  interface, training loop, clients, RPC plumbing. Imports neither ``services`` nor ``prorag_app``.
+  interface, training loop, and its wire plumbing in ``prorag.rpc`` (servers, security, batching, protobuf
+  conversion, metrics, typed clients; with ``prorag.pb`` and the generated ``prorag.v1``). Imports neither
+  ``services`` nor ``prorag_app``; its domain modules (every one outside the wire packages) never import the wire
+  packages: what they compute is the same whether it came over the network or not.
 - services ``services/<name>``: each imports the core and itself, never a sibling service nor the app.
 - app ``prorag_app``: CLI, pipeline, bench, process stack, embedded builder, evaluation runners. The only
   layer that may import services.
@@ -45,12 +48,22 @@ def imported_modules(tree: ast.AST, module: str, is_package: bool) -> list[tuple
     return out
 
 
+#: the core's wire packages: the RPC plumbing, the stubs' import point and the generated stubs
+WIRE = ("prorag.rpc", "prorag.pb", "prorag.v1")
+
+
+def is_wire(module: str) -> bool:
+    return any(module == w or module.startswith(w + ".") for w in WIRE)
+
+
 def violation(importer: str, imported: str) -> str | None:
     """Why ``importer`` may not import ``imported`` (None when it may)."""
     top = imported.split(".")[0]
     layer = importer.split(".")[0]
     if layer == "prorag" and top in ("services", "prorag_app"):
         return f"the core ({importer}) imports {imported}"
+    if layer == "prorag" and is_wire(imported) and not is_wire(importer):
+        return f"domain module {importer} imports the wire plumbing ({imported})"
     if layer == "services":
         if top == "prorag_app":
             return f"a service ({importer}) imports the app ({imported})"
@@ -101,6 +114,11 @@ def test_a_wrong_import_is_caught_wherever_it_hides(tmp_path):
         "prorag/bad.py": "def f():\n    from services.policy.engine import TransformersEngine\n",
         "prorag/sub/__init__.py": "",
         "prorag/sub/worse.py": "import importlib\nimportlib.import_module('prorag_app.cli')\n",
+        "prorag/rpc/__init__.py": "",
+        "prorag/rpc/clients.py": "from prorag.pb import common_pb2\nfrom prorag.metrics import f1_score\n",
+        "prorag/search/__init__.py": "",
+        "prorag/search/env.py": "def f():\n    from prorag.rpc.clients import call_with_service_wait\n",
+        "prorag/wired.py": "from prorag import pb\nfrom prorag.v1 import prm_pb2\n",
         "services/__init__.py": "",
         "services/policy/__init__.py": "",
         "services/policy/server.py": "from . import engine\nfrom services.policy import manager\n",
@@ -116,4 +134,9 @@ def test_a_wrong_import_is_caught_wherever_it_hides(tmp_path):
     assert any(f.startswith("services/trainer/stage.py:1: service trainer") and "sibling service retriever" in f
                for f in found)
     assert any(f.startswith("services/judge/server.py:1: service judge") and "sibling service prm" in f for f in found)
-    assert len(found) == 4, found  # the app, a service importing itself and core-to-core imports are allowed
+    # a domain module reaching for the wire, however it spells it
+    assert any(f.startswith("prorag/search/env.py:2: domain module prorag.search.env imports the wire") for f in found)
+    assert any(f.startswith("prorag/wired.py:1: domain module") for f in found)
+    assert any(f.startswith("prorag/wired.py:2: domain module") for f in found)
+    # the app, a service importing itself, core-to-core imports and the wire importing the domain are allowed
+    assert len(found) == 7, found

@@ -116,7 +116,7 @@ def test_train_tokenizer_rejects_tiny_vocab():
 def test_warm_up_learns_the_copy_task_and_reads(tiny_policy, tmp_path):
     from prorag.training.context import local_context
     from prorag.training.warmup import warm_up
-    from prorag.warmup_data import Fact
+    from prorag.data.warmup import Fact
 
     _, tok = tiny_policy
     # wired for induction: copy lengths vary per batch (4..6), which no fixed offset solves

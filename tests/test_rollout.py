@@ -213,8 +213,8 @@ def retrievers(tmp_path_factory):
     max_batch (512), one with max_batch 16."""
     import json
 
-    from prorag.clients import RetrieverClient
-    from prorag.service import ServeConfig
+    from prorag.rpc.clients import RetrieverClient
+    from prorag.rpc.service import ServeConfig
     from services.retriever.indexing import build_all
     from services.retriever.server import RetrieverConfig, start
     from tests.helpers import LoopThread

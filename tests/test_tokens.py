@@ -6,7 +6,7 @@ import pytest
 from prorag import trajectory as T
 from prorag.engine import SamplingSpec
 from prorag.rollout import decode, run_rollouts
-from prorag.sft_data import encode_segments
+from prorag.data.sft import encode_segments
 from prorag.tokens import StepSpan, TokenTrajectory
 from tests.test_rollout import SCRIPTS, TWO_HOP, ScriptedEngine, Searcher
 

@@ -1,4 +1,4 @@
-"""The embedded base's warm-up as data and loss for the one training loop (why it exists: prorag.warmup_data).
+"""The embedded base's warm-up as data and loss for the one training loop (why it exists: prorag.data.warmup).
 
 Phases, in order (prorag.modeling.WarmupConfig sets their lengths): copy task; reading with 1, 2, then 3
 sentences; whole documents; gap rows; paraphrase rows mixed with gap rows; reading among retrieved
@@ -20,7 +20,7 @@ from prorag.training.context import JobContext
 from prorag.training.lm import weighted_lm_loss
 from prorag.training.loop import LoopConfig, LoopResult, run_loop
 from prorag.trajectory import CHAT_TOKENS, TAGS
-from prorag.warmup_data import (Fact, answer_pools, copy_batch, counterfactual_swap, facts_by_doc, paraphrase_example,
+from prorag.data.warmup import (Fact, answer_pools, copy_batch, counterfactual_swap, facts_by_doc, paraphrase_example,
                                 paraphrase_groups, reading_example, retrieved_reading_example)
 
 
@@ -44,7 +44,7 @@ def phases(cfg: WarmupConfig) -> list[tuple[str | int | None, int]]:
 class WarmupBatches:
     """``batches(step) -> WarmupBatch``: the warm-up's data as a function of the step.
 
-    docs: doc id -> text (wiki-18 ``contents``); facts: prorag.warmup_data.Fact list (their documents must
+    docs: doc id -> text (wiki-18 ``contents``); facts: prorag.data.warmup.Fact list (their documents must
     be in docs).
     """
 

@@ -80,7 +80,7 @@ PYEOF
 
 project() {
   cd /src
-  "$PY" -m prorag.protos --force            # stubs into prorag/v1, shipped inside the installed package
+  "$PY" -m prorag.rpc.protos --force            # stubs into prorag/v1, shipped inside the installed package
   pip_install --no-deps --no-build-isolation . 2>/dev/null || pip_install --no-deps .
   # the base's torch (gpu) or the CPU build (cpu) must still be the one installed
   "$PY" - <<'PYEOF'

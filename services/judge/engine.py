@@ -1,5 +1,5 @@
 """Judge engines. ``reference`` (the offline default) checks ProRAG's judging rules against the benchmark's gold
-decomposition (prorag.judging); ``openai`` asks any OpenAI-compatible endpoint (GPT-4o in the paper, a vLLM
+decomposition (prorag.search.judging); ``openai`` asks any OpenAI-compatible endpoint (GPT-4o in the paper, a vLLM
 server, this project's policy service) with ProRAG's judging prompt, through a persistent cache and a budget."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Sequence
 from prorag.data.loaders import Question, load_split
 from prorag.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ProragError,
                            ResourceExhausted, Unavailable)
-from prorag.judging import judge_step
+from prorag.search.judging import judge_step
 from prorag.metrics import normalize_answer
 from prorag.trajectory import Step
 
@@ -94,7 +94,7 @@ class ReferenceJudge:
 
 
 class JudgeCache:
-    """Verdicts by request content key (prorag.judging.request_key), appended to a JSONL file and fsynced, so a
+    """Verdicts by request content key (prorag.search.judging.request_key), appended to a JSONL file and fsynced, so a
     paid request is never made twice, across restarts too. A torn last line (a killed process) is skipped."""
 
     def __init__(self, path: str | Path):
@@ -168,7 +168,7 @@ class Budget:
 
 class OpenAIJudge:
     """ProRAG's LLM judge over an OpenAI-compatible chat endpoint: one request per sibling pair, the reply parsed
-    by prorag.judging.parse_pair_reply (the judge may decline), cached by content, within a call/cost budget.
+    by prorag.search.judging.parse_pair_reply (the judge may decline), cached by content, within a call/cost budget.
 
     Transport failures are retried here, not inside the openai client, so each one is counted and logged: timeouts,
     refused or dropped connections, 408/409/429 and 5xx, and a 200 whose body is not a chat completion, up to
@@ -290,7 +290,7 @@ class OpenAIJudge:
         raise type(err)(f"{err} (after {1 + self.max_retries} attempt(s))") from None
 
     def judge_one(self, item: PairRequest) -> Judgement:
-        from prorag.judging import MalformedJudgeReply, pair_messages, parse_pair_reply, request_key
+        from prorag.search.judging import MalformedJudgeReply, pair_messages, parse_pair_reply, request_key
         from prorag.trajectory import render_step
 
         if len(item.candidates) != 2:

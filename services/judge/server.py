@@ -7,9 +7,9 @@ from pathlib import Path
 
 from prorag import paths
 from prorag.config import cfg_field
-from prorag.grpc_server import ServerSpec, start_server
+from prorag.rpc.grpc_server import ServerSpec, start_server
 from prorag.pb import judge_pb2_grpc
-from prorag.service import ServeConfig, Started
+from prorag.rpc.service import ServeConfig, Started
 from services.judge.servicer import JudgeServicer
 
 SERVICE = "prorag.v1.Judge"

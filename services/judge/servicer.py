@@ -6,7 +6,7 @@ import asyncio
 
 from prorag.errors import InvalidArgument
 from prorag.pb import judge_pb2, judge_pb2_grpc
-from prorag.pbconv import step_from_pb
+from prorag.rpc.pbconv import step_from_pb
 from services.judge.engine import PairRequest
 
 

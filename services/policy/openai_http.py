@@ -13,7 +13,7 @@ import uuid
 from aiohttp import web
 
 from prorag.errors import InvalidArgument, ProragError
-from prorag.jsonbody import read_json
+from prorag.rpc.jsonbody import read_json
 from prorag.trajectory import IM_END
 from prorag.engine import SamplingSpec, derive_seed
 from prorag.rollout import decode

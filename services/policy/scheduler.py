@@ -8,7 +8,7 @@ from typing import Sequence
 
 from prometheus_client import Counter
 
-from prorag.batching import MicroBatcher
+from prorag.rpc.batching import MicroBatcher
 from prorag.errors import FailedPrecondition
 from prorag.engine import GeneratedSeq, GenerationEngine, SamplingSpec
 

@@ -9,9 +9,9 @@ from pathlib import Path
 from prorag import paths
 from prorag.config import ConfigError, cfg_field
 from prorag.errors import FailedPrecondition, ProragError
-from prorag.grpc_server import ServerSpec, start_server
+from prorag.rpc.grpc_server import ServerSpec, start_server
 from prorag.pb import policy_pb2_grpc
-from prorag.service import ServeConfig, Started
+from prorag.rpc.service import ServeConfig, Started
 
 SERVICE = "prorag.v1.Policy"
 log = logging.getLogger("prorag.policy")
@@ -129,7 +129,7 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
     from services.policy.openai_http import make_app
     from services.policy.scheduler import GenerationScheduler
     from services.policy.servicer import PolicyServicer, retriever_search_factory
-    from prorag.http_server import start_http
+    from prorag.rpc.http_server import start_http
 
     cfg = cfg or PolicyConfig()
     model_path = cfg.resolved_model()

@@ -17,7 +17,7 @@ from prorag.errors import (Cancelled, DeadlineExceeded, InvalidArgument, NotFoun
                            Unavailable)
 from prorag.pb import common_pb2, policy_pb2, policy_pb2_grpc
 from prorag.data.loaders import Document
-from prorag.pbconv import step_pb, token_trace_pb
+from prorag.rpc.pbconv import step_pb, token_trace_pb
 from prorag.trajectory import STOP_TAGS
 from prorag.registry import ArtifactRef
 from prorag.engine import SamplingSpec, derive_seed
@@ -319,7 +319,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
 
 def retriever_search_factory(target: str, timeout: float):
     """search_fn for rollouts: the live retriever service, with its errors turned into ours."""
-    from prorag.clients import RetrieverClient
+    from prorag.rpc.clients import RetrieverClient
 
     client = RetrieverClient(target, timeout=timeout)
 

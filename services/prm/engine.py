@@ -1,6 +1,6 @@
 """PRM engine: every step of many trajectories scored in one forward pass per batch of rows.
 
-A trajectory is rendered once (prorag.pairs.prm_inputs) and read at each step's last token. One that does not
+A trajectory is rendered once (prorag.search.pairs.prm_inputs) and read at each step's last token. One that does not
 fit the context is cut on the left (prompt kept); steps whose score token the cut removed are scored on rows
 of their own (their prefix, cut the same way), in the same forward pass. The reference code instead cut on
 the right, dropping the newest step, and called the model once per step.
@@ -17,8 +17,8 @@ import torch
 
 from prorag.algorithms.prm import left_truncate
 from prorag.errors import InvalidArgument
-from prorag.pairs import prm_inputs, prompt_length
-from prorag.prm_model import load_prm, score_batch
+from prorag.search.pairs import prm_inputs, prompt_length
+from prorag.prm.model import load_prm, score_batch
 from prorag.registry import artifact_name
 from prorag.trajectory import Step
 from prorag.training.devices import CPU_FP32, Placement, is_out_of_memory, out_of_memory

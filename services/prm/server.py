@@ -10,9 +10,9 @@ from pathlib import Path
 
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
-from prorag.grpc_server import ServerSpec, start_server
+from prorag.rpc.grpc_server import ServerSpec, start_server
 from prorag.pb import prm_pb2_grpc
-from prorag.service import ServeConfig, Started
+from prorag.rpc.service import ServeConfig, Started
 from prorag.training.devices import DeviceConfig, check_device_config, resolve
 from services.prm.servicer import PRMServicer
 

@@ -7,10 +7,10 @@ import time
 
 from prometheus_client import Counter, Info
 
-from prorag.batching import MicroBatcher
+from prorag.rpc.batching import MicroBatcher
 from prorag.errors import FailedPrecondition
 from prorag.pb import common_pb2, prm_pb2, prm_pb2_grpc
-from prorag.pbconv import step_from_pb
+from prorag.rpc.pbconv import step_from_pb
 from services.prm.engine import ScoringItem, validate_items
 
 

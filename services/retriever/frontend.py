@@ -3,7 +3,7 @@ then one batched engine call for all concurrent callers of the same index."""
 
 from __future__ import annotations
 
-from prorag.batching import MicroBatcher
+from prorag.rpc.batching import MicroBatcher
 
 
 class SearchFrontend:

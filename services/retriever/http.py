@@ -16,7 +16,7 @@ import logging
 from aiohttp import web
 
 from prorag.errors import InvalidArgument, ProragError
-from prorag.jsonbody import read_json
+from prorag.rpc.jsonbody import read_json
 from services.retriever.frontend import SearchFrontend
 
 log = logging.getLogger("prorag.retriever.http")

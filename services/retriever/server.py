@@ -8,11 +8,11 @@ from pathlib import Path
 
 from prorag import paths
 from prorag.config import cfg_field
-from prorag.grpc_server import ServerSpec, start_server
+from prorag.rpc.grpc_server import ServerSpec, start_server
 from prorag.pb import retriever_pb2_grpc
-from prorag.service import ServeConfig, Started
+from prorag.rpc.service import ServeConfig, Started
 from services.retriever.frontend import SearchFrontend
-from prorag.http_server import start_http
+from prorag.rpc.http_server import start_http
 from services.retriever.http import make_app
 from services.retriever.servicer import RetrieverServicer
 

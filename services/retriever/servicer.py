@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from prorag.pb import retriever_pb2, retriever_pb2_grpc
-from prorag.pbconv import document_pb, scored_document_pb
+from prorag.rpc.pbconv import document_pb, scored_document_pb
 from services.retriever.frontend import SearchFrontend
 
 

@@ -39,7 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from prorag import jsonbody
+from prorag.rpc import jsonbody
 from prorag.config import to_dict
 from prorag.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted,
                            Unavailable)

@@ -19,10 +19,10 @@ from prometheus_client.registry import Collector
 
 from prorag import paths
 from prorag.config import cfg_field
-from prorag.grpc_server import ServerSpec, start_server
+from prorag.rpc.grpc_server import ServerSpec, start_server
 from prorag.pb import trainer_pb2_grpc
 from prorag.validation import DEFAULT_ALLOWED_ENDPOINTS
-from prorag.service import ServeConfig, Started
+from prorag.rpc.service import ServeConfig, Started
 from services.trainer.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobManager
 from services.trainer.servicer import TrainerServicer
 from services.trainer.stages import load_stage_modules

@@ -1,9 +1,9 @@
 """Stage "dpo": ReasonRAG's path from the same MCTS trees: preference pairs labelled by shortest-path reward
 estimation (SPRE value margins, the MCTS stage's ``value_choice``), then DPO on the policy with LoRA.
 
-A pair is two sibling steps under one context (prorag.pairs.StepPair). Its two sequences are the agent's
+A pair is two sibling steps under one context (prorag.search.pairs.StepPair). Its two sequences are the agent's
 trajectory up to the context, then each step, tokenised as SFT tokenises a sample
-(prorag.sft_data.encode_segments); DPO's log-probability of a step is the sum over the step's generated tokens
+(prorag.data.sft.encode_segments); DPO's log-probability of a step is the sum over the step's generated tokens
 (its last span), the context and documents being the condition. The reference is the same model with the
 adapter disabled, so it costs no second copy.
 
@@ -32,7 +32,7 @@ class DPOConfig(TrainRunConfig):
     """DPO with LoRA on labelled sibling steps (ReasonRAG: SPRE pairs from MCTS)."""
 
     world: str = cfg_field("default", help="embedded world whose adapter registry receives the adapter")
-    pairs: str = cfg_field("", help="required: JSONL of sibling pairs (prorag.pairs.StepPair rows), e.g. the "
+    pairs: str = cfg_field("", help="required: JSONL of sibling pairs (prorag.search.pairs.StepPair rows), e.g. the "
                                     "MCTS stage's output")
     base_model: str = cfg_field("", help="required: the policy the adapter trains on (a directory or name@version "
                                          "in the world's registry; ReasonRAG's baseline: the SFT model)")
@@ -69,7 +69,7 @@ def encode_preference(tokenizer, pair, choice: int) -> dict[str, list[int]]:
     prompt and the context steps with their documents and glue, as the policy read them; ``chosen_ids`` and
     ``rejected_ids`` the sibling steps' generated tokens, the ones whose log-probability DPO compares (the glue
     after a step is left out: it conditions nothing before it)."""
-    from prorag.sft_data import agent_prompt, encode_segments
+    from prorag.data.sft import agent_prompt, encode_segments
 
     out: dict[str, list[int]] = {}
     for key, i in (("chosen_ids", choice), ("rejected_ids", 1 - choice)):
@@ -100,7 +100,7 @@ def run_dpo(ctx: JobContext) -> dict:
 
     from prorag.algorithms.rl import dpo_loss
     from prorag.modeling import load_for_training
-    from prorag.pairs import load_pairs
+    from prorag.search.pairs import load_pairs
     from prorag.registry import ArtifactRef, registry, weights_sha256
     from prorag.training.distributed import full_state_dict, gather_lists, sum_over_processes
     from prorag.training.loop import accumulated_epochs, run_loop

@@ -1,6 +1,6 @@
 """Stage "mcts": search over reasoning steps for train questions through the policy and retriever services,
 saving the trees and the sibling pairs the PRM trains on: every pair of visited, format-valid, content-distinct
-siblings (prorag.mcts.extract_pairs), labelled by value margin, and by the judge service when one is given; the
+siblings (prorag.search.mcts.extract_pairs), labelled by value margin, and by the judge service when one is given; the
 metrics count them per step kind (``pairs_by_kind.<kind>.<pairs|value_labelled|judge_labelled>``).
 
 Many questions are searched at once (``concurrency`` threads), so the policy service merges their step
@@ -22,7 +22,7 @@ from pathlib import Path
 from prorag import paths
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition, InvalidArgument
-from prorag.mcts import MCTSConfig
+from prorag.search.mcts import MCTSConfig
 from prorag.training.context import JobContext
 from services.trainer.stages import PolicySamplingConfig, register_stage, resolve_model
 
@@ -113,12 +113,12 @@ def flat_counts(by_kind: dict[str, dict[str, int]], prefix: str = "pairs_by_kind
 def run_mcts(ctx: JobContext) -> dict:
     from transformers import AutoTokenizer
 
-    from prorag.clients import JudgeClient, PolicyClient, RetrieverClient
+    from prorag.rpc.clients import JudgeClient, PolicyClient, RetrieverClient
     from prorag.data.loaders import load_split
     from prorag.io import write_jsonl
-    from prorag.mcts import extract_pairs, search
-    from prorag.mcts_env import CachedSearch, EnvTimes, ServiceEnv
-    from prorag.pairs import StepPair, label_agreement
+    from prorag.search.mcts import extract_pairs, search
+    from services.trainer.search_env import CachedSearch, EnvTimes, ServiceEnv
+    from prorag.search.pairs import StepPair, label_agreement
 
     cfg: MCTSStageConfig = ctx.config
     if cfg.split == "test":
@@ -181,7 +181,7 @@ def run_mcts(ctx: JobContext) -> dict:
         rows = [done[q.id] for q in qs]
         pairs = [StepPair.from_dict(p) for r in rows for p in r["pairs"]]
         if cfg.judge:
-            from prorag.clients import call_with_service_wait
+            from prorag.rpc.clients import call_with_service_wait
 
             with JudgeClient(cfg.judge, timeout=600) as judge:
                 # asked again whole: the pairs a first try labelled get the same verdicts again

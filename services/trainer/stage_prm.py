@@ -2,7 +2,7 @@
 
 Why not TRL's RewardTrainer: it pools one score per sequence (sequence classification) and owns its training
 loop; here the score is read at each step's last token of the one rendering that scoring uses
-(prorag.pairs.prm_inputs), so one forward pass later scores a whole trajectory, and the project's one loop
+(prorag.search.pairs.prm_inputs), so one forward pass later scores a whole trajectory, and the project's one loop
 gives checkpoints, exact resume, cancellation and the same events as every other stage. The objective is the
 same: -log sigmoid(r_chosen - r_rejected).
 """
@@ -26,7 +26,7 @@ class PRMConfig(TrainRunConfig):
     """Train a PRM (the policy's trunk with a scalar head) on labelled sibling pairs."""
 
     world: str = cfg_field("default", help="embedded world whose registry receives the PRM")
-    pairs: str = cfg_field("", help="required: JSONL of sibling pairs (prorag.pairs.StepPair rows), e.g. the "
+    pairs: str = cfg_field("", help="required: JSONL of sibling pairs (prorag.search.pairs.StepPair rows), e.g. the "
                                     "MCTS stage's output")
     extra_pairs: str = cfg_field("", help="a second JSONL of pairs trained on together with ``pairs`` (e.g. the "
                                           "siblings stage's beside the MCTS stage's; '' = none)")
@@ -62,7 +62,7 @@ def _held_out(question_id: str, share: float) -> bool:
 
 def encode_pairs(tokenizer, pairs, source: str) -> list[tuple[list[int], int, list[int], int]]:
     """(chosen ids, chosen score position, rejected ids, rejected position) per labelled pair."""
-    from prorag.pairs import prm_inputs
+    from prorag.search.pairs import prm_inputs
 
     out = []
     for p in pairs:
@@ -79,7 +79,7 @@ def pair_scores(model, batch, max_len: int, pad_id: int, keep_prefix: int = 0):
     """[N] chosen and [N] rejected scores of a batch of encoded pairs, in one forward pass."""
     import torch
 
-    from prorag.prm_model import score_batch
+    from prorag.prm.model import score_batch
 
     seqs = [b[0] for b in batch] + [b[2] for b in batch]
     pos = [[b[1]] for b in batch] + [[b[3]] for b in batch]
@@ -93,9 +93,9 @@ def run_prm(ctx: JobContext) -> dict:
 
     from prorag.algorithms.prm import bradley_terry_loss, pairwise_accuracy
     from prorag.modeling import save_pretrained
-    from prorag.pairs import load_pairs
+    from prorag.search.pairs import load_pairs
     from prorag.modeling import prepare_for_training
-    from prorag.prm_model import prm_from_policy
+    from prorag.prm.model import prm_from_policy
     from prorag.registry import ArtifactRef, registry, weights_sha256
 
     cfg: PRMConfig = ctx.config

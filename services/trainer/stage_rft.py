@@ -25,7 +25,7 @@ from pathlib import Path
 
 from prorag import paths
 from prorag.algorithms.rl import PRM_CENTERINGS
-from prorag.clients import call_with_service_wait
+from prorag.rpc.clients import call_with_service_wait
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
@@ -168,9 +168,9 @@ def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, d
     trajectories' steps per step kind (steps_kept_<kind>, steps_total_<kind>) and questions, correct and kept
     trajectories per hop count (questions_hops_<h>, correct_hops_<h>, kept_hops_<h>)."""
     from prorag.algorithms.rl import step_loss_mask
-    from prorag.clients import PolicyClient, PRMClient
+    from prorag.rpc.clients import PolicyClient, PRMClient
     from prorag.data.loaders import load_split
-    from prorag.pbconv import step_from_pb, token_trace_from_pb
+    from prorag.rpc.pbconv import step_from_pb, token_trace_from_pb
     from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS, format_loss_weights
 
     qs = select_questions(cfg, load_split(paths.world_dir(cfg.world), cfg.split))

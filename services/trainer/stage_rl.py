@@ -41,7 +41,7 @@ from pathlib import Path
 
 from prorag import paths
 from prorag.algorithms.rl import OUTCOME_REWARDS, PRM_CENTERINGS, credit_counts
-from prorag.clients import call_with_service_wait, push_adapter  # (call_with_service_wait: imported from here too)
+from prorag.rpc.clients import call_with_service_wait, push_adapter  # (call_with_service_wait: imported from here too)
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition, Unavailable
 from prorag.training.context import JobContext
@@ -75,7 +75,7 @@ class RLConfig(TrainRunConfig):
                                                  "not used with step_scorer=oracle")
     step_scorer: str = cfg_field("prm", help="what scores each step for the process advantage: prm = the PRM "
                                              "service's logit; oracle = the reference judge's verdict on the gold "
-                                             "decomposition (prorag.judging.judge_step, as a +/-ORACLE_LOGIT logit): "
+                                             "decomposition (prorag.search.judging.judge_step, as a +/-ORACLE_LOGIT logit): "
                                              "a diagnostic ceiling, no PRM service needed",
                                  choices=("prm", "oracle"))
     question_pool: str = cfg_field("", help="a question pool artifact (trainer stage rlpool's pool.json): only its "
@@ -191,7 +191,7 @@ def collect(cfg: RLConfig, questions, iteration: int, job_id: str, version_key: 
 
     version_key: the adapter version being trained (pinned requests name it). One PRM call for the whole
     iteration, every step of every kept trajectory in it."""
-    from prorag.pbconv import step_from_pb
+    from prorag.rpc.pbconv import step_from_pb
 
     stats = {"questions": len(questions), "sampled": 0, "kept": 0, "dropped_stale": 0, "dropped_foreign": 0,
              "dropped_too_long": 0, "prm_scored": 0, "service_retries": 0}
@@ -212,7 +212,7 @@ def all_unavailable(acks) -> bool:
 def push_with_service_wait(cfg: RLConfig, name: str, version: str) -> list:
     """push_adapter to the policy's replicas; when none took it because none answered (every ack UNAVAILABLE: the
     policy died or restarts), wait for the policy's health (service_wait_s in all) and push again."""
-    from prorag.clients import wait_for_health
+    from prorag.rpc.clients import wait_for_health
 
     deadline = time.monotonic() + cfg.service_wait_s
     while True:
@@ -311,10 +311,10 @@ def oracle_step_logits(question, steps: list) -> list[float]:
     """The reference judge's verdict on each step of one trajectory, as a PRM-like logit.
 
     question: a Question with its gold decomposition; steps [S] (prorag.trajectory.Step, with the documents each
-    subquery retrieved). Returns [S]: +ORACLE_LOGIT where prorag.judging.judge_step finds step k, taken after steps
+    subquery retrieved). Returns [S]: +ORACLE_LOGIT where prorag.search.judging.judge_step finds step k, taken after steps
     [:k], sound (right entity for the open hop, a sub-answer stated by the last search's documents, no repeated
     search, a right final answer), -ORACLE_LOGIT otherwise. Pure: no service, no model."""
-    from prorag.judging import judge_step
+    from prorag.search.judging import judge_step
 
     return [ORACLE_LOGIT if judge_step(question, steps[:k], st).sound else -ORACLE_LOGIT
             for k, st in enumerate(steps)]
@@ -344,7 +344,7 @@ def advantages(cfg: RLConfig, questions, iteration: int, kept: list, lags: list[
     iteration's samples and statistics."""
     from prorag.algorithms.rl import group_step_advantages, reference_step_scores, token_advantages
     from prorag.metrics import f1_score
-    from prorag.pbconv import token_trace_from_pb
+    from prorag.rpc.pbconv import token_trace_from_pb
 
     reward_fn = OUTCOME_REWARDS[cfg.reward]
     by_id = {q.id: q for q in questions}
@@ -447,7 +447,7 @@ def read_question_pool(path: str | Path, world: str, split: str) -> list[str]:
 def run_rl(ctx: JobContext) -> dict:
     import torch
 
-    from prorag.clients import PolicyClient, PRMClient
+    from prorag.rpc.clients import PolicyClient, PRMClient
     from prorag.data.loaders import load_split
     from prorag.modeling import load_for_training
     from prorag.registry import ArtifactRef, registry, weights_sha256
@@ -708,7 +708,7 @@ def _unload_old(cfg: RLConfig, job_id: str, iteration: int, replicas: list[str])
     version in memory; best effort: a version still serving a request stays until the next push."""
     import grpc
 
-    from prorag.clients import PolicyClient
+    from prorag.rpc.clients import PolicyClient
 
     done = 0
     for r in replicas:

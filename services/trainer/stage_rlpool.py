@@ -164,7 +164,7 @@ def sample_request(cfg: RLPoolConfig, policy, chunk: list, start: int, stats: di
 
 
 def run_rlpool(ctx: JobContext) -> dict:
-    from prorag.clients import PolicyClient
+    from prorag.rpc.clients import PolicyClient
     from prorag.data.loaders import load_split
     from services.trainer.stage_rl import select_questions
 

@@ -20,7 +20,7 @@ from prorag import paths
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.methods import DOCS_PER_SEARCH, SFT_MODES
-from prorag.sft_data import length_grouped_batches
+from prorag.data.sft import length_grouped_batches
 from prorag.training.context import JobContext
 from prorag.training.distributed import from_main, full_state_dict
 from prorag.training.lm import weighted_lm_loss
@@ -49,12 +49,12 @@ class SFTConfig(TrainRunConfig):
     openai_model: str = cfg_field("gpt-4o", help="model used for thoughts='openai'")
     restate_question: bool = cfg_field(False, help="thoughts before a subanswer, a comparison's answer and a "
                                                     "baseline's answer end by restating the question they answer "
-                                                    "(prorag.sft_data.restated), for every mode alike; measured to "
+                                                    "(prorag.data.sft.restated), for every mode alike; measured to "
                                                     "help only on a base that copies (cpu-induction), see "
                                                     "docs/BENCHMARKS.md")
     plan_thoughts: bool = cfg_field(False, help="agent mode: each subquery's thought and the answer's begin with "
                                                  "the searches left (and 'then compare' for comparisons), "
-                                                 "counting down to 'No searches to go.' (prorag.sft_data.plan_note)")
+                                                 "counting down to 'No searches to go.' (prorag.data.sft.plan_note)")
     canonical_subqueries: bool = cfg_field(False, help="agent mode: write each subquery in its relation's one "
                                                         "phrasing (prorag.data.world.canonical_question) instead of "
                                                         "the decomposition's randomly drawn one; sub-questions in "
@@ -64,7 +64,7 @@ class SFTConfig(TrainRunConfig):
                                                "hop (its sub-question, for standard_rag with that sub-question's "
                                                "top-k documents, the gold one among them, answered by its "
                                                "sub-answer), the reading the agent's subanswers train on "
-                                               "(prorag.sft_data.hop_questions)")
+                                               "(prorag.data.sft.hop_questions)")
     loss_weights: str = cfg_field("prorag", help="prorag = format-aware tag weights; uniform = plain CE",
                                   choices=("prorag", "uniform"))
     epochs: float = cfg_field(1.0, help="passes over the data (fractional allowed)", min=0.01, max=100)
@@ -92,9 +92,9 @@ class SFTConfig(TrainRunConfig):
 # ---------------------------------------------------------------- data
 def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]:
     """Encoded samples (TokenTrajectory, one per question) for cfg.mode; documents come from the retriever."""
-    from prorag.clients import RetrieverClient
+    from prorag.rpc.clients import RetrieverClient
     from prorag.data.loaders import Document, load_questions, load_split
-    from prorag.sft_data import (agent_prompt, agent_steps, baseline_prompt, baseline_steps, encode_segments,
+    from prorag.data.sft import (agent_prompt, agent_steps, baseline_prompt, baseline_steps, encode_segments,
                                  ensure_gold, hop_questions, template_thought)
     from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS
 
@@ -103,7 +103,7 @@ def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]
         qs = qs[:cfg.max_questions]
     thought = template_thought
     if cfg.thoughts == "openai":
-        from prorag.thoughts import OpenAIThoughtWriter
+        from prorag.data.thoughts import OpenAIThoughtWriter
 
         thought = OpenAIThoughtWriter(cfg.openai_base_url, cfg.openai_model,
                                       cache_path=paths.data_dir() / "cache" / "thoughts.jsonl")

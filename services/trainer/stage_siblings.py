@@ -4,8 +4,8 @@ The reference judge labels a step on its own (right entity for the open hop, a s
 support, no repeated search), so a pair needs no value estimate, only two alternatives under one context. For
 each train question this stage samples one on-policy trajectory step by step through the policy service and, at
 each of its prefixes, ``samples`` more next steps (one call of ``samples + 1`` completions: the first continues the
-trajectory, and is a sibling too). Subqueries are searched as the agent would (prorag.mcts_env.ServiceEnv).
-Invalid siblings are dropped and copies (same kind, same normalised content) removed (prorag.mcts.pairable); every
+trajectory, and is a sibling too). Subqueries are searched as the agent would (services.trainer.search_env.ServiceEnv).
+Invalid siblings are dropped and copies (same kind, same normalised content) removed (prorag.search.mcts.pairable); every
 pair of the rest is a StepPair (no values or visits, no value label, ``meta = {"step_kind", "source":
 "siblings"}``) that the judge service labels. The output is the MCTS stage's ``pairs.jsonl`` format, so the PRM
 stage trains on it as it is (alone, or with the MCTS pairs through its ``extra_pairs``).
@@ -69,13 +69,13 @@ class SiblingsStageConfig(PolicySamplingConfig):
 
 
 def sample_question(env, question_id: str, question: str, samples: int, max_steps: int):
-    """One question's pairs: walk one trajectory through ``env`` (a prorag.mcts_env.ServiceEnv, or anything with
+    """One question's pairs: walk one trajectory through ``env`` (a services.trainer.search_env.ServiceEnv, or anything with
     its ``expand(history, n) -> (steps, tokens)`` and ``reward(steps)``), and at each prefix pair the trajectory's
-    own step with ``samples`` more, keeping valid, distinct siblings (prorag.mcts.pairable). Returns (pairs
+    own step with ``samples`` more, keeping valid, distinct siblings (prorag.search.mcts.pairable). Returns (pairs
     [StepPair], stats {"prefixes", "sampled", "invalid", "duplicates", "tokens", "steps", "f1"})."""
     from prorag.algorithms.mcts import pair_kind, sibling_pairs
-    from prorag.mcts import pairable
-    from prorag.pairs import StepPair
+    from prorag.search.mcts import pairable
+    from prorag.search.pairs import StepPair
 
     history, pairs = [], []
     stats = {"prefixes": 0, "sampled": 0, "invalid": 0, "duplicates": 0, "tokens": 0}
@@ -124,11 +124,11 @@ def reason_counts(pairs: list, top: int = 8) -> dict[str, dict[str, int]]:
 def run_siblings(ctx: JobContext) -> dict:
     from transformers import AutoTokenizer
 
-    from prorag.clients import JudgeClient, PolicyClient, RetrieverClient, call_with_service_wait
+    from prorag.rpc.clients import JudgeClient, PolicyClient, RetrieverClient, call_with_service_wait
     from prorag.data.loaders import load_split
     from prorag.io import write_jsonl
-    from prorag.mcts_env import CachedSearch, EnvTimes, ServiceEnv
-    from prorag.pairs import StepPair
+    from services.trainer.search_env import CachedSearch, EnvTimes, ServiceEnv
+    from prorag.search.pairs import StepPair
 
     cfg: SiblingsStageConfig = ctx.config
     qs = load_split(paths.world_dir(cfg.world), cfg.split)

@@ -1,6 +1,6 @@
 """Stage "warmup": pre-training of the embedded base policy (copy task, reading curriculum) before any stage.
 
-Why the embedded base needs it: prorag.warmup_data. Its data is a function of the step and it is trained by
+Why the embedded base needs it: prorag.data.warmup. Its data is a function of the step and it is trained by
 the one loop (prorag.training.warmup), so a killed warm-up resumes from its last checkpoint, as a trainer job
 or in process through prorag.training.context.local_context (how `prorag run` builds a world's base).
 """
@@ -51,7 +51,7 @@ def tokenizer_texts(world_dir) -> list[str]:
     """What the new tokenizer is trained on: the corpus, train and dev questions, gold sub-questions, and the
     format's fixed prompt and thought text repeated so its words become whole tokens (shorter sequences)."""
     from prorag.data.loaders import iter_corpus, load_split
-    from prorag.sft_data import BASELINE_SYSTEM_PROMPT, template_phrases
+    from prorag.data.sft import BASELINE_SYSTEM_PROMPT, template_phrases
     from prorag.trajectory import SYSTEM_PROMPT
 
     train = load_split(world_dir, "train")
@@ -71,7 +71,7 @@ def run_warmup(ctx: JobContext) -> dict:
                                  train_tokenizer)
     from prorag.training.distributed import from_main, full_state_dict
     from prorag.training.warmup import warm_up
-    from prorag.warmup_data import facts_from_questions
+    from prorag.data.warmup import facts_from_questions
 
     cfg: WarmupStageConfig = ctx.config
     cfg.apply_threads()

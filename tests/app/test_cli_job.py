@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from prorag.service import ServeConfig
+from prorag.rpc.service import ServeConfig
 from services.trainer.server import TrainerConfig, start
 from tests.helpers import LoopThread
 

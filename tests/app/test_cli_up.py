@@ -25,15 +25,15 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from prorag import paths
-from prorag.clients import wait_for_health
+from prorag.rpc.clients import wait_for_health
 from tests.app.test_end_to_end import _free_offset
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_up_serves_all_five_securely_and_stops_on_sigterm(tmp_path, monkeypatch):
-    from prorag.clients import channel
-    from prorag.security import ClientSecurity, generate_secrets
+    from prorag.rpc.clients import channel
+    from prorag.rpc.security import ClientSecurity, generate_secrets
 
     off = _free_offset()
     files = generate_secrets(tmp_path / "secrets")
@@ -106,7 +106,7 @@ SECURITY_VARS = ("PRORAG_TLS_CERT", "PRORAG_TLS_KEY", "PRORAG_TLS_CLIENT_CA", "P
 
 def _publish_prm(policy_dir: Path, scratch: Path, world: str, key: str, created_at: str, seed: int) -> None:
     from prorag.modeling import save_pretrained
-    from prorag.prm_model import prm_from_policy
+    from prorag.prm.model import prm_from_policy
     from prorag.registry import MANIFEST, ArtifactRef, registry
 
     prm, tok = prm_from_policy(policy_dir, seed=seed)

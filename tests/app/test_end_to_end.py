@@ -100,7 +100,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
         assert prm["mcts"]["judge_labelled"] == 0 and "no judge-labelled" in prm["skipped"]
     else:
         auc = prm["auc_gold_vs_corrupted"]
-        from prorag.prm_eval import FAMILIES, HELD_OUT
+        from prorag.prm.evaluation import FAMILIES, HELD_OUT
 
         assert 0.0 <= auc["overall"] <= 1.0 and auc["n"] > 0 and set(auc["by_kind"]) <= set(FAMILIES)
         assert set(auc["held_out"]["kinds"]) <= set(HELD_OUT) and auc["held_out"]["n"] > 0

@@ -13,8 +13,8 @@ def test_eval_prm_writes_auc_per_kind_and_a_png(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("PRORAG_DATA", raising=False)
     monkeypatch.delenv("PRORAG_RUNS", raising=False)
     from prorag.modeling import save_pretrained
-    from prorag.prm_eval import CORRUPTIONS, FAMILIES, HELD_OUT, prm_gate
-    from prorag.prm_model import prm_from_policy
+    from prorag.prm.evaluation import CORRUPTIONS, FAMILIES, HELD_OUT, prm_gate
+    from prorag.prm.model import prm_from_policy
     from prorag.registry import ArtifactRef, registry
     from prorag_app.cli import main
     from prorag_app.embedded import ensure_policy_model, ensure_world

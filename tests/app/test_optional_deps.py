@@ -120,9 +120,9 @@ print("ok")
 
 def test_retriever_policy_and_prm_start_without_the_optional_packages(without_optional_packages, tiny_policy,
                                                                        tmp_path):
-    from prorag.clients import PolicyClient, PRMClient, RetrieverClient
+    from prorag.rpc.clients import PolicyClient, PRMClient, RetrieverClient
     from prorag.modeling import save_pretrained
-    from prorag.prm_model import prm_from_policy
+    from prorag.prm.model import prm_from_policy
     from prorag.trajectory import Step
     from prorag_app.check_gpu import _free_offset
     from prorag_app.stack import ServiceStack

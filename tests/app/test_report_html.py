@@ -13,11 +13,11 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 
 from prorag.data.loaders import Document, Question
-from prorag.judging import judge_pair
-from prorag.mcts import Node
-from prorag.pairs import StepPair
+from prorag.search.judging import judge_pair
+from prorag.search.mcts import Node
+from prorag.search.pairs import StepPair
 from prorag.pb import policy_pb2
-from prorag.pbconv import step_pb
+from prorag.rpc.pbconv import step_pb
 from prorag.trajectory import Step
 from tests.app.test_report import _run
 

@@ -19,7 +19,7 @@ from prorag.engine import GeneratedSeq
 from tests.helpers import scripted_engine_base
 
 ScriptedEngine = scripted_engine_base()
-from prorag.sft_data import agent_prompt, content_prefix_ids, encode_segments, single_search_thoughts
+from prorag.data.sft import agent_prompt, content_prefix_ids, encode_segments, single_search_thoughts
 from prorag.trajectory import Step, glue_after, render_prompt
 
 
@@ -70,7 +70,7 @@ def stack(tmp_path_factory):
 
 def test_one_search_with_the_question_written_as_the_agents_one_hop_trajectory_and_the_models_two_readings(stack):
     from prorag import paths
-    from prorag.clients import PolicyClient, RetrieverClient
+    from prorag.rpc.clients import PolicyClient, RetrieverClient
     from prorag.data.loaders import load_split
     from prorag_app.eval import evaluate, run_single_search
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from prorag.config import ConfigError, from_dict
-from prorag.pairs import StepPair
+from prorag.search.pairs import StepPair
 from prorag.trajectory import Step
 from prorag_app.stage2 import Stage2Settings, counts_by_kind, run_stage2, settings_job_id
 from services.trainer.stage_mcts import PAIRS_VERSION, flat_counts, pair_counts

@@ -16,11 +16,11 @@ import pytest
 from google.protobuf import message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prorag.clients import PolicyClient, RetrieverClient
-from prorag.clients_trainer import TrainerClient
+from prorag.rpc.clients import PolicyClient, RetrieverClient
+from prorag.rpc.clients_trainer import TrainerClient
 from prorag.pb import judge_pb2, policy_pb2, prm_pb2, retriever_pb2, trainer_pb2
-from prorag.security import ClientSecurity, generate_secrets, secure_channel
-from prorag.service import ServeConfig
+from prorag.rpc.security import ClientSecurity, generate_secrets, secure_channel
+from prorag.rpc.service import ServeConfig
 from tests.helpers import three_doc_corpus as _corpus
 from tests.helpers import LoopThread
 
@@ -59,7 +59,7 @@ def services(tiny_policy, secrets_dir, tmp_path_factory):
     from services.retriever.server import start as start_retriever
     from services.trainer.server import TrainerConfig
     from services.trainer.server import start as start_trainer
-    from tests.test_judging import Q
+    from tests.search.test_judging import Q
 
     _, files = secrets_dir
     tmp = tmp_path_factory.mktemp("auth-home")
@@ -70,7 +70,7 @@ def services(tiny_policy, secrets_dir, tmp_path_factory):
     build_bm25_index(corpus, tmp / "index" / "bm25")
     model_dir, _ = tiny_policy
     from prorag.modeling import save_pretrained
-    from prorag.prm_model import prm_from_policy
+    from prorag.prm.model import prm_from_policy
 
     prm, tok = prm_from_policy(model_dir, seed=1)
     save_pretrained(prm, tok, tmp / "prm")
@@ -234,7 +234,7 @@ def test_http_endpoints_answer_401_without_a_token_and_work_with_one(services, s
 def test_mutual_tls_refuses_a_client_without_a_certificate(tiny_policy, secrets_dir):
     from services.judge.engine import ReferenceJudge
     from services.judge.server import JudgeConfig, start
-    from tests.test_judging import Q
+    from tests.search.test_judging import Q
 
     _, files = secrets_dir
     loop = LoopThread()

@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prorag.pb import common_pb2, judge_pb2, policy_pb2, prm_pb2, retriever_pb2, trainer_pb2
-from prorag.security import ClientSecurity, generate_secrets, secure_channel
-from prorag.service import ServeConfig
+from prorag.rpc.security import ClientSecurity, generate_secrets, secure_channel
+from prorag.rpc.service import ServeConfig
 from prorag.trajectory import STOP_TAGS
 from tests.helpers import three_doc_corpus as _corpus
 from tests.helpers import LoopThread
@@ -163,7 +163,7 @@ def stack(request, tiny_policy, secrets, tmp_path_factory):
     """The five services, started once per auth mode: name -> (grpc port, http port or None), plus the client
     security that gets a call past auth (the admin token over TLS when auth is on)."""
     from prorag.modeling import save_pretrained
-    from prorag.prm_model import prm_from_policy
+    from prorag.prm.model import prm_from_policy
     from services.judge.engine import ReferenceJudge
     from services.judge.server import JudgeConfig
     from services.judge.server import start as start_judge
@@ -179,7 +179,7 @@ def stack(request, tiny_policy, secrets, tmp_path_factory):
     from services.trainer.server import TrainerConfig
     from services.trainer.server import start as start_trainer
     from tests.conftest import single_thread
-    from tests.test_judging import Q
+    from tests.search.test_judging import Q
 
     secured = request.param == "auth-on"
     tmp = tmp_path_factory.mktemp(f"hostile-{request.param}")

@@ -146,7 +146,7 @@ class Lines(logging.Handler):
     """The JSON lines the services would write, kept in memory."""
 
     def __init__(self):
-        from prorag.observability import JsonFormatter
+        from prorag.rpc.observability import JsonFormatter
 
         super().__init__(logging.INFO)
         self.setFormatter(JsonFormatter())
@@ -159,9 +159,9 @@ class Lines(logging.Handler):
 def test_a_rollouts_request_id_reaches_the_retrievers_log(data, tiny_policy):
     from prometheus_client import REGISTRY
 
-    from prorag.clients import PolicyClient
-    from prorag.observability import reset_request_id, set_request_id
-    from prorag.service import ServeConfig
+    from prorag.rpc.clients import PolicyClient
+    from prorag.rpc.observability import reset_request_id, set_request_id
+    from prorag.rpc.service import ServeConfig
     from services.policy.server import PolicyConfig, start as start_policy
     from services.retriever.server import RetrieverConfig, start as start_retriever
 
@@ -219,11 +219,11 @@ def test_a_rollouts_request_id_reaches_the_retrievers_log(data, tiny_policy):
 def test_prm_and_trainer_metrics(tiny_policy, tmp_path):
     from prometheus_client import REGISTRY
 
-    from prorag.clients import PRMClient
-    from prorag.clients_trainer import TrainerClient, state_name
+    from prorag.rpc.clients import PRMClient
+    from prorag.rpc.clients_trainer import TrainerClient, state_name
     from prorag.modeling import save_pretrained
-    from prorag.prm_model import prm_from_policy
-    from prorag.service import ServeConfig
+    from prorag.prm.model import prm_from_policy
+    from prorag.rpc.service import ServeConfig
     from prorag.trajectory import Step
     from services.prm.engine import PRMEngine
     from services.prm.server import PRMServeConfig, start as start_prm

@@ -202,7 +202,7 @@ def test_a_gpu_out_of_memory_fails_the_job_naming_the_micro_batch_and_keeps_the_
 def test_the_grpc_error_mapping_turns_an_out_of_memory_into_resource_exhausted():
     import grpc
 
-    from prorag.grpc_server import _error_status
+    from prorag.rpc.grpc_server import _error_status
 
     code, msg = _error_status(torch.OutOfMemoryError("CUDA out of memory"))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "smaller request" in msg

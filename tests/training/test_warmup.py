@@ -6,7 +6,7 @@ import torch
 from prorag.errors import InvalidArgument
 from prorag.modeling import WarmupConfig
 from prorag.training.warmup import WarmupBatches, warmup_loss
-from prorag.warmup_data import Fact
+from prorag.data.warmup import Fact
 
 DOCS = {"d1": '"city"\nThe city was founded by the band. The river is in the mountain.',
         "d2": '"film"\nThe film was directed by the president. The album is from the school.'}

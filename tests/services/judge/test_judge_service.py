@@ -7,13 +7,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prorag.errors import NotFound
 from prorag.pb import common_pb2, judge_pb2, judge_pb2_grpc
-from prorag.pbconv import step_pb
-from prorag.service import ServeConfig
+from prorag.rpc.pbconv import step_pb
+from prorag.rpc.service import ServeConfig
 from prorag.trajectory import Step
 from services.judge.engine import ReferenceJudge
 from services.judge.server import JudgeConfig, start
 from tests.helpers import LoopThread
-from tests.test_judging import DOC1, Q, SEARCH1
+from tests.search.test_judging import DOC1, Q, SEARCH1
 
 
 @pytest.fixture(scope="module")

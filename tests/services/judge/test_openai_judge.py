@@ -14,8 +14,8 @@ import pytest
 
 from prorag.engine import GeneratedSeq, GenerationEngine
 from prorag.pb import judge_pb2, judge_pb2_grpc
-from prorag.pbconv import step_pb
-from prorag.service import ServeConfig
+from prorag.rpc.pbconv import step_pb
+from prorag.rpc.service import ServeConfig
 from prorag.trajectory import Step
 from services.judge.server import JudgeConfig, start as start_judge
 from tests.helpers import LoopThread
@@ -151,7 +151,7 @@ def test_unreachable_endpoint_is_unavailable(tmp_path):
 def test_a_secured_endpoint_is_reached_with_the_key_from_a_file_and_a_wrong_key_is_a_precondition(
         tiny_policy, tmp_path):
     """The policy's HTTP side with bearer tokens on: the judge's API key (read from a mounted file) is the token."""
-    from prorag.security import generate_secrets
+    from prorag.rpc.security import generate_secrets
     from services.policy.server import PolicyConfig, start as start_policy
 
     files = generate_secrets(tmp_path / "secrets")

@@ -15,8 +15,8 @@ import urllib.request
 import grpc
 import pytest
 
-from prorag.clients import PolicyClient
-from prorag.service import ServeConfig
+from prorag.rpc.clients import PolicyClient
+from prorag.rpc.service import ServeConfig
 from tests.helpers import LoopThread
 from tests.test_rollout import ScriptedEngine
 

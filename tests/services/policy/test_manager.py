@@ -6,7 +6,7 @@ import threading
 
 import grpc
 
-from prorag.clients import PolicyClient
+from prorag.rpc.clients import PolicyClient
 # The real policy + retriever stack of test_service (module-scoped, so this module starts its own).
 from tests.services.policy.test_service import adapters, home, loop, model_dir, stack  # noqa: F401
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from prorag.clients import PolicyClient, push_adapter, resolve_replicas, wait_for_health
+from prorag.rpc.clients import PolicyClient, push_adapter, resolve_replicas, wait_for_health
 from tests.services.policy.test_service import make_lora
 
 

@@ -10,8 +10,8 @@ import threading
 import grpc
 import pytest
 
-from prorag.clients import PolicyClient, push_adapter
-from prorag.service import ServeConfig
+from prorag.rpc.clients import PolicyClient, push_adapter
+from prorag.rpc.service import ServeConfig
 from tests.helpers import LoopThread, env
 
 
@@ -274,7 +274,7 @@ def test_openai_compatible_http_with_the_openai_client(stack):
 
 def test_llm_thoughts_through_the_policy_openai_endpoint(stack, tmp_path):
     """SFT's thought rewriter against a real OpenAI-compatible server (this policy), with its cache."""
-    from prorag.thoughts import OpenAIThoughtWriter
+    from prorag.data.thoughts import OpenAIThoughtWriter
 
     url = f"http://127.0.0.1:{stack['policy'].http_port}/v1"
     cache = tmp_path / "thoughts.jsonl"
@@ -288,9 +288,9 @@ def test_llm_thoughts_through_the_policy_openai_endpoint(stack, tmp_path):
 
 
 def test_llm_thoughts_fall_back_to_templates_when_the_endpoint_is_down(tmp_path):
-    from prorag.sft_data import template_thought
+    from prorag.data.sft import template_thought
     from prorag_app.stack import port_free
-    from prorag.thoughts import OpenAIThoughtWriter
+    from prorag.data.thoughts import OpenAIThoughtWriter
 
     port = 1
     while not port_free("127.0.0.1", port + 40000):

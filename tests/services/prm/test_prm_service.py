@@ -12,10 +12,10 @@ import torch
 from prorag.data.loaders import Document
 from prorag.modeling import save_pretrained
 from prorag.pb import common_pb2, prm_pb2, prm_pb2_grpc
-from prorag.pbconv import step_pb
-from prorag.prm_model import prm_from_policy
+from prorag.rpc.pbconv import step_pb
+from prorag.prm.model import prm_from_policy
 from prorag.registry import ArtifactRef, registry
-from prorag.service import ServeConfig
+from prorag.rpc.service import ServeConfig
 from prorag.trajectory import Step
 from services.prm.engine import PRMEngine, ScoringItem
 from services.prm.server import PRMServeConfig, start
@@ -77,7 +77,7 @@ def test_scores_every_step_like_the_engine_in_process(served):
 
 
 def test_a_trajectory_longer_than_the_context_keeps_every_step(served):
-    from prorag.pairs import prm_inputs
+    from prorag.search.pairs import prm_inputs
 
     _, engine, _, tok, _ = served
     long_doc = Document(id="d2", title="Long", text=" ".join(["filler"] * 300), contents="x")

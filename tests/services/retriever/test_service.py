@@ -12,9 +12,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from prorag.clients import RetrieverClient
+from prorag.rpc.clients import RetrieverClient
 from prorag.pb import retriever_pb2, retriever_pb2_grpc
-from prorag.service import ServeConfig
+from prorag.rpc.service import ServeConfig
 from tests.helpers import LoopThread, env
 
 

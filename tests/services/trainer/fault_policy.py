@@ -19,8 +19,8 @@ async def _serve(args) -> None:
 
     from prorag import paths
     from prorag.data.loaders import load_split
-    from prorag.grpc_server import serve_until_signal
-    from prorag.service import ServeConfig
+    from prorag.rpc.grpc_server import serve_until_signal
+    from prorag.rpc.service import ServeConfig
     from prorag_app.embedded import ensure_policy_model
     from services.policy.server import PolicyConfig, start
     from tests.services.trainer.test_rl_stage import RecordingGoldWalk

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from prorag.service import ServeConfig
+from prorag.rpc.service import ServeConfig
 from tests.helpers import LoopThread, env
 
 
@@ -20,7 +20,7 @@ def scripted_stack(data, engine_cls, judge: bool = False):
         from prorag import paths
         from prorag.data.loaders import load_split
         from prorag.modeling import save_pretrained
-        from prorag.prm_model import prm_from_policy
+        from prorag.prm.model import prm_from_policy
         from prorag_app.embedded import ensure_indexes, ensure_policy_model
         from services.policy.server import PolicyConfig, start as start_policy
         from services.prm.engine import PRMEngine

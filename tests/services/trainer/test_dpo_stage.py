@@ -23,7 +23,7 @@ def _pairs(n, seed=0):
 def test_a_preference_is_trls_example_of_the_shared_context_and_each_siblings_generated_tokens(tiny_policy):
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-    from prorag.sft_data import agent_prompt, encode_segments
+    from prorag.data.sft import agent_prompt, encode_segments
 
     _, tok = tiny_policy
     pair = _pairs(1)[0]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from prorag.clients import wait_for_health
-from prorag.clients_trainer import TrainerClient, state_name
+from prorag.rpc.clients import wait_for_health
+from prorag.rpc.clients_trainer import TrainerClient, state_name
 from prorag.io import sha256_file
 from services.trainer.jobs import JobManager
 from services.trainer.server import SERVICE

@@ -16,8 +16,8 @@ import pytest
 
 from prorag.config import from_dict
 from prorag.io import read_jsonl
-from prorag.mcts import step_key
-from prorag.pairs import StepPair
+from prorag.search.mcts import step_key
+from prorag.search.pairs import StepPair
 from prorag.training.context import local_context
 from prorag.engine import GeneratedSeq
 from tests.helpers import scripted_engine_base
@@ -135,8 +135,8 @@ def test_mcts_stage_writes_trees_and_sibling_pairs_through_the_services(services
 def test_prefixes_sent_to_the_policy_are_the_rendered_trajectory(services, one_thread):
     from transformers import AutoTokenizer
 
-    from prorag.clients import PolicyClient, RetrieverClient
-    from prorag.mcts_env import CachedSearch, ServiceEnv
+    from prorag.rpc.clients import PolicyClient, RetrieverClient
+    from services.trainer.search_env import CachedSearch, ServiceEnv
     from prorag.rollout import decode
     from prorag.trajectory import render_trajectory
 

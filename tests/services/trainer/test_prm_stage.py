@@ -8,8 +8,8 @@ import torch
 
 from prorag.config import from_dict
 from prorag.errors import FailedPrecondition, InvalidArgument
-from prorag.pairs import prm_inputs
-from prorag.prm_model import load_prm, score_batch
+from prorag.search.pairs import prm_inputs
+from prorag.prm.model import load_prm, score_batch
 from prorag.registry import registry
 from prorag.training.context import local_context
 from services.trainer.stage_prm import PRMConfig, run_prm

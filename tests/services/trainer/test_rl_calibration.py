@@ -21,9 +21,9 @@ def services(tmp_path_factory):
 def test_per_kind_centring_ignores_a_kind_offset_and_a_high_std_floor_leaves_the_outcome(services, tmp_path,
                                                                                          one_thread):
     from prorag import paths
-    from prorag.clients import PolicyClient
+    from prorag.rpc.clients import PolicyClient
     from prorag.data.loaders import load_split
-    from prorag.pbconv import step_from_pb
+    from prorag.rpc.pbconv import step_from_pb
     from services.trainer.stage_rl import advantages, roll_out
 
     defaults = _config(services)

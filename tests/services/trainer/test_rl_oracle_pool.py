@@ -113,7 +113,7 @@ def services(tmp_path_factory):
 
 def test_oracle_rl_needs_no_prm_service_and_scores_steps_by_the_judge(services, tmp_path, one_thread):
     from prorag import paths
-    from prorag.clients import PolicyClient
+    from prorag.rpc.clients import PolicyClient
     from prorag.data.loaders import load_split
     from services.trainer.stage_rl import collect, run_rl
 
@@ -150,7 +150,7 @@ def _pool_config(services, **kw):
 
 
 def _serve_base(services):
-    from prorag.clients import PolicyClient
+    from prorag.rpc.clients import PolicyClient
 
     with PolicyClient(services["policy"]) as c:
         c.activate_adapter("", "")  # the served model itself, as the pipeline's fresh SFT policy serves
@@ -198,7 +198,7 @@ def test_rlpool_writes_the_learnable_questions_and_resumes_from_its_journal(serv
 
 
 def test_rlpool_refuses_samples_from_an_adapter(services, tmp_path, one_thread):
-    from prorag.clients import PolicyClient
+    from prorag.rpc.clients import PolicyClient
     from prorag.errors import FailedPrecondition
     from services.trainer.stage_rlpool import run_rlpool
 
@@ -214,7 +214,7 @@ def test_rlpool_refuses_samples_from_an_adapter(services, tmp_path, one_thread):
 
 def test_rl_with_a_question_pool_draws_only_its_questions(services, tmp_path, one_thread, monkeypatch):
     from prorag import paths
-    from prorag.clients import PolicyClient
+    from prorag.rpc.clients import PolicyClient
     from prorag.data.loaders import load_split
     from services.trainer.stage_rl import run_rl
 

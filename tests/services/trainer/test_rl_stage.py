@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from prorag.config import from_dict
-from prorag.service import ServeConfig
+from prorag.rpc.service import ServeConfig
 from prorag.training.context import local_context
 from tests.services.trainer.scripted_stack import scripted_stack
 from tests.services.trainer.test_mcts_stage import GoldWalkEngine
@@ -60,7 +60,7 @@ def _journal(work):
 
 
 def test_each_iteration_publishes_pushes_and_samples_with_a_new_adapter_version(services, tmp_path, one_thread):
-    from prorag.clients import PolicyClient
+    from prorag.rpc.clients import PolicyClient
     from prorag.registry import ArtifactRef, registry, weights_sha256
     from services.trainer.stage_rl import run_rl
 
@@ -103,7 +103,7 @@ def test_each_iteration_publishes_pushes_and_samples_with_a_new_adapter_version(
 
 
 def test_a_trajectory_older_than_max_policy_lag_is_dropped(services, tmp_path, one_thread):
-    from prorag.clients import PolicyClient
+    from prorag.rpc.clients import PolicyClient
     from services.trainer.stage_rl import run_rl
 
     def replica_falls_behind(work):
@@ -241,7 +241,7 @@ def test_kill_dash_nine_of_the_trainer_during_rl_resumes_to_the_uninterrupted_ad
     started again: the job resumes on its own and publishes the adapter an uninterrupted run publishes."""
     import os
 
-    from prorag.clients_trainer import TrainerClient, state_name
+    from prorag.rpc.clients_trainer import TrainerClient, state_name
     from services.trainer.stage_rl import run_rl
     from tests.services.trainer.test_kill_resume import Trainer, _free_port
 
@@ -305,7 +305,7 @@ def _journal_rows(work):
 
 def _push_zero_adapter(services, tmp_path, job):
     """Publish and activate a fresh (zero) LoRA as rl@<job>-0, the adapter collect() is told it trains."""
-    from prorag.clients import push_adapter
+    from prorag.rpc.clients import push_adapter
     from prorag.modeling import load_policy
     from prorag.registry import weights_sha256
     from services.trainer.stage_rl import build_lora, publish_adapter
@@ -320,7 +320,7 @@ def _push_zero_adapter(services, tmp_path, job):
 
 def test_advantages_reach_only_generated_tokens_and_beta_zero_is_outcome_only(services, tmp_path, one_thread):
     from prorag import paths
-    from prorag.clients import PolicyClient, PRMClient
+    from prorag.rpc.clients import PolicyClient, PRMClient
     from prorag.data.loaders import load_split
     from services.trainer.stage_rl import collect
 
@@ -401,9 +401,9 @@ def test_recomputed_log_probs_match_a_real_engines_sampling_log_probs(services, 
     untrained tiny base writes one unfinished step; spans after insertions are covered with the scripted engine.)"""
     import torch
 
-    from prorag.clients import PolicyClient
+    from prorag.rpc.clients import PolicyClient
     from prorag.modeling import load_policy
-    from prorag.pbconv import token_trace_from_pb
+    from prorag.rpc.pbconv import token_trace_from_pb
     from services.policy.server import PolicyConfig, start as start_policy
     from services.trainer.stage_rl import build_lora, collate_rl, RLSample, token_logprobs
 
@@ -468,11 +468,11 @@ def test_non_finite_prm_scores_stop_the_iteration_before_any_update(services, tm
     import torch
 
     from prorag import paths
-    from prorag.clients import PolicyClient, PRMClient
+    from prorag.rpc.clients import PolicyClient, PRMClient
     from prorag.data.loaders import load_split
     from prorag.errors import FailedPrecondition
     from prorag.modeling import save_pretrained
-    from prorag.prm_model import prm_from_policy
+    from prorag.prm.model import prm_from_policy
     from services.prm.engine import PRMEngine
     from services.prm.server import PRMServeConfig, start as start_prm
     from services.trainer.stage_rl import collect
@@ -502,10 +502,10 @@ def test_a_prm_service_that_restarts_mid_iteration_is_waited_for_and_asked_again
     import time
 
     from prorag import paths
-    from prorag.clients import PolicyClient, PRMClient
+    from prorag.rpc.clients import PolicyClient, PRMClient
     from prorag.data.loaders import load_split
     from prorag.modeling import save_pretrained
-    from prorag.prm_model import prm_from_policy
+    from prorag.prm.model import prm_from_policy
     from services.prm.engine import PRMEngine
     from services.prm.server import PRMServeConfig, start as start_prm
     from services.trainer.stage_rl import collect
@@ -570,7 +570,7 @@ def test_empty_sampled_steps_are_not_sent_to_the_prm_and_score_as_invalid(tmp_pa
     import math
 
     from prorag import paths
-    from prorag.clients import PolicyClient, PRMClient
+    from prorag.rpc.clients import PolicyClient, PRMClient
     from prorag.data.loaders import load_split
     from services.trainer.stage_rl import collect
     from tests.services.trainer.scripted_stack import scripted_stack

@@ -8,7 +8,7 @@ The retriever, the PRM and the judge run as `prorag serve` processes; the policy
 tests/services/trainer/fault_policy.py (the stage tests' scripted engine behind the real policy server, each engine call slowed so the kill lands
 inside a call). The stages run in process (local_context), as the stage tests run them; a killed *trainer* is
 test_rl_stage's and test_kill_resume's. A service is started again only once the job has been seen waiting for
-it (prorag.clients.wait_for_health, spied on), so every kill is sure to be noticed by the job."""
+it (prorag.rpc.clients.wait_for_health, spied on), so every kill is sure to be noticed by the job."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from prorag.clients import wait_for_health as _health  # the real one: the spy below sees only the job's waits
+from prorag.rpc.clients import wait_for_health as _health  # the real one: the spy below sees only the job's waits
 from prorag.config import from_dict
 from prorag.io import read_jsonl
 from prorag.training.context import local_context
@@ -91,7 +91,7 @@ def stack(tmp_path_factory):
     logs.mkdir()
     with env("PRORAG_DATA", str(root / "data")):
         from prorag.modeling import save_pretrained
-        from prorag.prm_model import prm_from_policy
+        from prorag.prm.model import prm_from_policy
         from prorag_app.embedded import ensure_indexes, ensure_policy_model
 
         ensure_indexes("tiny")
@@ -126,11 +126,11 @@ def stack(tmp_path_factory):
 
 
 class Waits:
-    """The services the job has waited for (prorag.clients.wait_for_health, which call_with_service_wait and the
+    """The services the job has waited for (prorag.rpc.clients.wait_for_health, which call_with_service_wait and the
     RL stage's push call when a service went away), by target."""
 
     def __init__(self, monkeypatch):
-        import prorag.clients as clients
+        import prorag.rpc.clients as clients
 
         self._events: dict[str, threading.Event] = {}
         self._lock = threading.Lock()

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from prorag.clients import wait_for_health
-from prorag.clients_trainer import TrainerClient, state_name
-from prorag.service import ServeConfig
+from prorag.rpc.clients import wait_for_health
+from prorag.rpc.clients_trainer import TrainerClient, state_name
+from prorag.rpc.service import ServeConfig
 from tests.helpers import LoopThread, env
 
 REPO = Path(__file__).resolve().parents[3]
@@ -183,7 +183,7 @@ def test_one_document_hop_samples_hold_their_gold_document_without_searching(dat
     (On seed 1's world all 26,000 samples were identical to those built with the search, docs/BENCHMARKS.md.)"""
     from transformers import AutoTokenizer
 
-    from prorag.clients import RetrieverClient
+    from prorag.rpc.clients import RetrieverClient
     from prorag.config import from_dict
     from services.trainer.stage_sft import SFTConfig, build_samples
 

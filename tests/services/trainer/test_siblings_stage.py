@@ -14,8 +14,8 @@ import pytest
 
 from prorag.config import ConfigError, from_dict
 from prorag.io import read_jsonl
-from prorag.mcts import step_key
-from prorag.pairs import StepPair, load_pairs
+from prorag.search.mcts import step_key
+from prorag.search.pairs import StepPair, load_pairs
 from prorag.trajectory import Step
 from prorag.training.context import StageStopped, local_context
 from tests.services.trainer.test_mcts_stage import GoldWalkEngine
@@ -164,7 +164,7 @@ def test_the_trainer_knows_the_stage_and_refuses_a_bad_config():
 
 
 class _ScriptedEnv:
-    """expand/reward of prorag.mcts_env.ServiceEnv over a fixed script: at depth d, the steps of script[d]."""
+    """expand/reward of services.trainer.search_env.ServiceEnv over a fixed script: at depth d, the steps of script[d]."""
 
     def __init__(self, script):
         self.script, self.calls = script, []

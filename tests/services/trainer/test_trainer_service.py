@@ -6,10 +6,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prorag.clients_trainer import TrainerClient, state_name
+from prorag.rpc.clients_trainer import TrainerClient, state_name
 from tests.helpers import LoopThread
 from prorag.pb import trainer_pb2, trainer_pb2_grpc
-from prorag.service import ServeConfig
+from prorag.rpc.service import ServeConfig
 from services.trainer.server import SERVICE, TrainerConfig, start
 
 FAST = {"steps": 40, "checkpoint_every": 10, "log_every": 5, "tracking": "local"}

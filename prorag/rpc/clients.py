@@ -11,10 +11,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prorag.data.loaders import Document
-from prorag.observability import RequestIdForwarding
+from prorag.rpc.observability import RequestIdForwarding
 from prorag.pb import retriever_pb2, retriever_pb2_grpc
-from prorag.pbconv import document_from_pb, scored_document_from_pb
-from prorag.security import ClientSecurity, secure_channel
+from prorag.rpc.pbconv import document_from_pb, scored_document_from_pb
+from prorag.rpc.security import ClientSecurity, secure_channel
 
 MiB = 1024 * 1024
 
@@ -28,8 +28,8 @@ def channel(target: str, max_message_mb: int = 64, security: ClientSecurity | No
             extra_options: list | None = None) -> grpc.Channel:
     """A channel with the servers' message limits, round-robin over the target's addresses, and the TLS and
     token settings of ``security`` (default: PRORAG_TLS_CA, PRORAG_TOKEN_FILE, ... from the environment,
-    see :mod:`prorag.security`). A call made while serving a request carries that request's id
-    (:mod:`prorag.observability`)."""
+    see :mod:`prorag.rpc.security`). A call made while serving a request carries that request's id
+    (:mod:`prorag.rpc.observability`)."""
     return grpc.intercept_channel(secure_channel(target, [
         ("grpc.max_receive_message_length", max_message_mb * MiB),
         ("grpc.max_send_message_length", max_message_mb * MiB),
@@ -227,7 +227,7 @@ class JudgeClient(_Client):
     def judge(self, items, timeout: float | None = None):
         """items: (id, question_id, question, golden answers, history steps, candidate steps, q values, visits)
         tuples; returns one Verdict per item (chosen / rejected candidate index, -1 = none; rationale)."""
-        from prorag.pbconv import step_pb
+        from prorag.rpc.pbconv import step_pb
 
         pbs = [self._pb.JudgeItem(
             id=i, question_id=qid, question=q, golden_answers=list(golden), history=[step_pb(s) for s in history],
@@ -256,7 +256,7 @@ class PRMClient(_Client):
 
     def score(self, inputs, timeout: float | None = None) -> tuple[str, list[list[float]]]:
         """inputs: (question, steps, last_step_only) tuples -> (model version, per input its step scores)."""
-        from prorag.pbconv import step_pb
+        from prorag.rpc.pbconv import step_pb
 
         req = self._pb.ScoreStepsRequest(inputs=[
             self._pb.ScoringInput(question=q, steps=[step_pb(s) for s in steps], last_step_only=bool(last))

@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # prorag/: the stubs go to prorag/v1
 PROTO_ROOT = PACKAGE_DIR.parent / "protos"
 OUT_DIR = PACKAGE_DIR / "v1"
 PROTO_NAMES = ("common", "retriever", "policy", "prm", "judge", "trainer")
@@ -57,7 +57,7 @@ def build(force: bool = False) -> Path:
         if protoc.main(args) != 0:
             raise RuntimeError("protoc failed on protos/; see the messages above")
         gen = Path(tmp) / "prorag" / "v1"
-        (gen / "__init__.py").write_text('"""Generated from protos/prorag/v1 by prorag.protos; do not edit."""\n')
+        (gen / "__init__.py").write_text('"""Generated from protos/prorag/v1 by prorag.rpc.protos; do not edit."""\n')
         OUT_DIR.mkdir(exist_ok=True)
         # Several processes may import at once (prorag up); os.replace per file keeps each one whole.
         for f in sorted(gen.iterdir()):

@@ -60,7 +60,7 @@ class Node:
         return out[::-1]
 
     def to_dict(self) -> dict:
-        from prorag.pairs import step_to_dict
+        from prorag.search.pairs import step_to_dict
 
         return {"step": None if self.step is None else step_to_dict(self.step), "depth": self.depth,
                 "visits": self.visits, "value": self.value, "terminal": self.terminal, "reward": self.reward,
@@ -175,7 +175,7 @@ def extract_pairs(root: Node, question_id: str, question: str, min_margin: float
     reference's rule: its judge picks among all of them), in child order (i < j). Each is labelled by the value
     margin when it reaches min_margin either way (else unlabelled, left to the judge); meta says the pair's step
     kind (prorag.algorithms.mcts.pair_kind) and that it came from the search."""
-    from prorag.pairs import StepPair
+    from prorag.search.pairs import StepPair
 
     pairs = []
     for parent, kids in sibling_sets(root, min_visits):

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from prorag.batching import MicroBatcher
+from prorag.rpc.batching import MicroBatcher
 from prorag.errors import DeadlineExceeded, ResourceExhausted
 
 

@@ -2,7 +2,7 @@
 
 A pair is two sibling steps under one context, with their tree statistics and up to two labels: by value
 margin (ReasonRAG) and by a judge (ProRAG). The PRM sees a step exactly as a trajectory renders it
-(prorag.sft_data.encode_segments: the agent prompt, the steps, the documents inserted after each search) and
+(prorag.data.sft.encode_segments: the agent prompt, the steps, the documents inserted after each search) and
 is read at each step's last token (prorag.algorithms.prm.score_positions), so a pair's two sequences in
 training and a whole trajectory in scoring put every step at the same ids.
 """
@@ -112,7 +112,7 @@ def prm_inputs(tokenizer, question: str, steps: Sequence[Step]) -> tuple[list[in
     """The PRM's one rendering: (token ids [T], score positions [S]) of ``steps`` after ``question``'s agent
     prompt; training renders context + candidate, scoring a whole trajectory; a step's ids and position are
     the same in both."""
-    from prorag.sft_data import agent_prompt, encode_segments
+    from prorag.data.sft import agent_prompt, encode_segments
 
     if not steps:
         raise InvalidArgument("nothing to score: no steps")
@@ -123,7 +123,7 @@ def prm_inputs(tokenizer, question: str, steps: Sequence[Step]) -> tuple[list[in
 
 def prompt_length(tokenizer, question: str) -> int:
     """Tokens of ``question``'s agent prompt: what left truncation keeps before any step."""
-    from prorag.sft_data import agent_prompt
+    from prorag.data.sft import agent_prompt
 
     return len(tokenizer.encode(agent_prompt(question), add_special_tokens=False))
 

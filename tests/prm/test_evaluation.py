@@ -1,4 +1,4 @@
-"""PRM validation cases (prorag.prm_eval): each corruption of a gold step is a step the reference judge rejects
+"""PRM validation cases (prorag.prm.evaluation): each corruption of a gold step is a step the reference judge rejects
 where it accepts the gold one, in-distribution and held-out families alike, each carrying its own flaw; AUC per
 kind and per group by hand; the gate on hand-made reports."""
 
@@ -7,14 +7,14 @@ import random
 import pytest
 
 from prorag.data.loaders import Document
-from prorag.judging import judge_step
+from prorag.search.judging import judge_step
 from prorag.errors import InvalidArgument
 from prorag.metrics import cover_exact_match, normalize_answer
-from prorag.prm_eval import (CORRUPTIONS, FAMILIES, HELD_OUT, ProbeCase, auc_by_kind, corrupt, corrupt_held_out,
+from prorag.prm.evaluation import (CORRUPTIONS, FAMILIES, HELD_OUT, ProbeCase, auc_by_kind, corrupt, corrupt_held_out,
                              document_names, prm_gate, validation_cases)
-from prorag.sft_data import agent_steps
+from prorag.data.sft import agent_steps
 from prorag.trajectory import Step
-from tests.test_judging import DOC1, Q
+from tests.search.test_judging import DOC1, Q
 
 DOC2 = Document(id="d2", title="Tova Lunn", text="Tova Lunn was born in Edraand.",
                 contents='"Tova Lunn"\nTova Lunn was born in Edraand.')

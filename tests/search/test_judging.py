@@ -1,7 +1,7 @@
-"""The reference judge's rules (prorag.judging) on a hand-built two-hop question."""
+"""The reference judge's rules (prorag.search.judging) on a hand-built two-hop question."""
 
 from prorag.data.loaders import Document, Question
-from prorag.judging import (REDUNDANT_SEARCH, UNSUPPORTED, WRONG_ANSWER, WRONG_ENTITY, INVALID, judge_pair,
+from prorag.search.judging import (REDUNDANT_SEARCH, UNSUPPORTED, WRONG_ANSWER, WRONG_ENTITY, INVALID, judge_pair,
                             judge_step, open_hop)
 from prorag.trajectory import Step
 
@@ -55,7 +55,7 @@ def test_parse_pair_reply():
     import pytest
 
     from prorag.errors import Unavailable
-    from prorag.judging import MalformedJudgeReply, parse_pair_reply
+    from prorag.search.judging import MalformedJudgeReply, parse_pair_reply
 
     j = parse_pair_reply('```json\n{"chosen": 2, "reason": "step 1 names the wrong entity"}\n```')
     assert (j.chosen, j.rejected) == (1, 0) and "wrong entity" in j.reason
@@ -68,7 +68,7 @@ def test_parse_pair_reply():
 
 
 def test_request_key_is_content_keyed():
-    from prorag.judging import pair_messages, request_key
+    from prorag.search.judging import pair_messages, request_key
 
     m = pair_messages("Q?", "", "a", "b")
     assert request_key("gpt-4o", m, {"temperature": 0}) == request_key("gpt-4o", m, {"temperature": 0})

@@ -2,7 +2,7 @@
 
 Each case is (context, gold step, corrupted step): the steps before ``position`` of a gold trajectory (or of a
 correct trajectory given by the caller, e.g. the agent's own), the step that was there, and a rewrite of it
-that the reference judge (prorag.judging) rejects. A PRM that separates sound from flawed steps scores each gold
+that the reference judge (prorag.search.judging) rejects. A PRM that separates sound from flawed steps scores each gold
 step above its corrupted counterpart; the AUC per family says how often.
 
 Two sets of families:
@@ -215,7 +215,7 @@ def _near_misses(entity: str, entities: Sequence[str], common: int = 5) -> list[
 def _options_held_out(question, steps: Sequence[Step], entities: Sequence[str]) -> dict[str, list]:
     """family -> [(position, corrupted step)]: every rewrite of ``steps`` each held-out family can make."""
     from prorag.evaluation import question_entity
-    from prorag.judging import open_hop
+    from prorag.search.judging import open_hop
 
     opts: dict[str, list] = {k: [] for k in HELD_OUT}
     hops = question.decomposition
@@ -277,7 +277,7 @@ def corrupt_held_out(question, steps: Sequence[Step], rng: random.Random, entiti
     question: a Question with its gold decomposition (the judge needs it); steps: [Step], ending with the
     answer; entities: world entity names, where ``partial_entity`` looks for near misses (the right entity cut
     short is tried whatever they are); families: a subset of :data:`HELD_OUT`."""
-    from prorag.judging import judge_step
+    from prorag.search.judging import judge_step
 
     unknown = [f for f in families if f not in HELD_OUT]
     if unknown:
@@ -306,7 +306,7 @@ def validation_cases(questions: Sequence, trajectories: Sequence[Sequence[Step]]
     adding or removing held-out families never changes the in-distribution cases. entities / answers default
     to the questions' entities (their first hop's title) / every hop's answer."""
     from prorag.evaluation import question_entity
-    from prorag.judging import judge_step
+    from prorag.search.judging import judge_step
 
     if len(questions) != len(trajectories):
         raise InvalidArgument(f"{len(questions)} questions but {len(trajectories)} trajectories: give one "
@@ -386,7 +386,7 @@ def prm_gate(auc_report: Mapping, min_unsupported: float = 0.8, min_overall: flo
     if min_cases < 1:
         raise InvalidArgument(f"min_cases is at least 1 (an AUC needs a case); got {min_cases}")
     if not isinstance(auc_report, Mapping) or "overall" not in auc_report or "by_kind" not in auc_report:
-        raise InvalidArgument("prm_gate reads prorag.prm_eval.auc_by_kind's report ({'overall', 'by_kind', ...}); "
+        raise InvalidArgument("prm_gate reads prorag.prm.evaluation.auc_by_kind's report ({'overall', 'by_kind', ...}); "
                               f"got {type(auc_report).__name__} with keys "
                               f"{sorted(auc_report) if isinstance(auc_report, Mapping) else '-'}")
     reasons = []
@@ -394,7 +394,7 @@ def prm_gate(auc_report: Mapping, min_unsupported: float = 0.8, min_overall: flo
     for family in unsupported_families:
         v = by_kind.get(family)
         if not v or not v.get("n"):
-            reasons.append(f"no {family} cases: validate with prorag.prm_eval.validation_cases, which builds it")
+            reasons.append(f"no {family} cases: validate with prorag.prm.evaluation.validation_cases, which builds it")
         elif v["n"] < min_cases:
             reasons.append(f"{family}: {v['n']} cases, fewer than {min_cases}: validate on more dev questions")
         elif v["auc"] < min_unsupported:
@@ -403,7 +403,7 @@ def prm_gate(auc_report: Mapping, min_unsupported: float = 0.8, min_overall: flo
     held = [k for k in HELD_OUT if by_kind.get(k, {}).get("n")]
     if not held:
         reasons.append("no held-out family was validated: the overall AUC then measures the corruption generator "
-                       "as much as the PRM; validate with prorag.prm_eval.validation_cases")
+                       "as much as the PRM; validate with prorag.prm.evaluation.validation_cases")
     overall = auc_report["overall"]
     if overall is None or overall < min_overall:
         shown = "-" if overall is None else f"{overall:.3f}"

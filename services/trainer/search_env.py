@@ -1,4 +1,4 @@
-"""The MCTS environment through the services: what :func:`prorag.mcts.search` calls to sample steps, roll out
+"""The MCTS environment through the services: what :func:`prorag.search.mcts.search` calls to sample steps, roll out
 and score, with the policy service generating and the retriever service searching (through a cache shared by
 every question of a run, since siblings and rollouts repeat subqueries).
 
@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from prorag.clients import call_with_service_wait
+from prorag.rpc.clients import call_with_service_wait
 from prorag.data.loaders import Document
 from prorag.metrics import f1_score
 from prorag.trajectory import Step, clean_doc, glue_after, parse_step, render_prompt
@@ -74,7 +74,7 @@ class EnvTimes:
 
 
 class ServiceEnv:
-    """expand / rollout / reward of one question for :func:`prorag.mcts.search`.
+    """expand / rollout / reward of one question for :func:`prorag.search.mcts.search`.
 
     policy: a PolicyClient; search: a CachedSearch; tokenizer: the policy's (to encode the prompt and glue and
     to decode generated ids); golden: the question's gold answers (the terminal reward is token F1 against
@@ -137,7 +137,7 @@ class ServiceEnv:
         self._ids[id(step)] = list(gen_ids) + (self.tok.encode(glue, add_special_tokens=False) if glue else [])
         return step
 
-    # -- the three callables of prorag.mcts.search
+    # -- the three callables of prorag.search.mcts.search
     def expand(self, history: Sequence[Step], n: int) -> tuple[list[Step], int]:
         prefix = self.prefix(history)
         if len(prefix) >= self.max_len:

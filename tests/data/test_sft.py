@@ -3,7 +3,7 @@
 import torch
 
 from prorag.data.loaders import Question
-from prorag.sft_data import (agent_steps, baseline_prompt, baseline_steps, encode_segments, ensure_gold,
+from prorag.data.sft import (agent_steps, baseline_prompt, baseline_steps, encode_segments, ensure_gold,
                              length_grouped_batches, plan_note)
 from prorag.data.loaders import Document
 from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS, is_valid_format, render_prompt
@@ -200,7 +200,7 @@ def test_length_grouped_batches_keep_a_short_last_batch():
 
 
 def test_hop_questions_are_single_hop_reading_samples_of_each_retrieval_hop():
-    from prorag.sft_data import hop_questions
+    from prorag.data.sft import hop_questions
 
     q = _question()
     hops = hop_questions(q)
@@ -215,7 +215,7 @@ def test_hop_questions_are_single_hop_reading_samples_of_each_retrieval_hop():
 
 
 def test_single_search_thoughts_are_the_agents_own_for_a_one_hop_question_asking_the_question():
-    from prorag.sft_data import single_search_thoughts
+    from prorag.data.sft import single_search_thoughts
 
     q = Question(id="q7", question="Where was Marlo Vesk born?", golden_answers=["Vuzarburg"],
                  metadata={"type": "compositional", "hops": 1, "decomposition": [

@@ -19,8 +19,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prorag.errors import ProragError
-from prorag.observability import ObservabilityInterceptor
-from prorag.security import AuthInterceptor, ServerSecurity
+from prorag.rpc.observability import ObservabilityInterceptor
+from prorag.rpc.security import AuthInterceptor, ServerSecurity
 
 log = logging.getLogger("prorag.grpc")
 

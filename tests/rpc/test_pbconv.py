@@ -1,8 +1,8 @@
-"""prorag.pbconv: the one conversion between core documents / token trajectories and prorag.v1 messages."""
+"""prorag.rpc.pbconv: the one conversion between core documents / token trajectories and prorag.v1 messages."""
 
 from prorag.data.loaders import Document
 from prorag.pb import common_pb2
-from prorag.pbconv import document_from_pb, document_pb, scored_document_from_pb, scored_document_pb, token_trace_pb
+from prorag.rpc.pbconv import document_from_pb, document_pb, scored_document_from_pb, scored_document_pb, token_trace_pb
 from prorag.tokens import TokenTrajectory
 
 

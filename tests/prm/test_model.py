@@ -5,7 +5,7 @@ import torch
 
 from prorag.errors import InvalidArgument, NotFound
 from prorag.modeling import save_pretrained
-from prorag.prm_model import load_prm, prm_from_policy, score_batch
+from prorag.prm.model import load_prm, prm_from_policy, score_batch
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """One gRPC client interceptor that rewrites every call's metadata, in all four call shapes (unary and streaming
-requests and replies). Its two uses: the bearer token (prorag.security) and the request id that follows a rollout
-from service to service (prorag.observability)."""
+requests and replies). Its two uses: the bearer token (prorag.rpc.security) and the request id that follows a rollout
+from service to service (prorag.rpc.observability)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import pytest
 
 from prorag.data.loaders import Document
 from prorag.errors import InvalidArgument
-from prorag.pairs import StepPair, label_agreement, prm_inputs
+from prorag.search.pairs import StepPair, label_agreement, prm_inputs
 from prorag.trajectory import Step
 
 DOC = Document(id="d1", title="Mai Brewery", text="Mai Brewery was founded by Tova Lunn.",

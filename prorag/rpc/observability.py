@@ -3,7 +3,7 @@ id that follows a call from service to service.
 
 The id rides in the ``x-request-id`` gRPC metadata (``X-Request-Id`` over HTTP): the server interceptor takes it
 from the caller (or makes one), keeps it in a contextvar for the call, and the typed clients' channel
-(:func:`prorag.clients.channel`) sends the current one with every outgoing call, so the retriever's log line of a
+(:func:`prorag.rpc.clients.channel`) sends the current one with every outgoing call, so the retriever's log line of a
 search made by a policy rollout carries the rollout's id. Work handed to a thread pool keeps it only when run in
 a copied context (``contextvars.copy_context().run``; ``asyncio.to_thread`` does that already).
 
@@ -27,7 +27,7 @@ import uuid
 import grpc
 from prometheus_client import Counter, Histogram
 
-from prorag.grpc_metadata import MetadataInterceptor
+from prorag.rpc.grpc_metadata import MetadataInterceptor
 
 REQUEST_ID_KEY = "x-request-id"  # gRPC metadata keys are lower case; HTTP's X-Request-Id is the same header
 
@@ -149,7 +149,7 @@ def _status_code(context, fallback: grpc.StatusCode) -> grpc.StatusCode:
 class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
     """Per call: the request id into the context, grpc_server_* metrics, one log line with the status and latency.
 
-    Installed outermost by :func:`prorag.grpc_server.start_server`, so calls refused by the token check and
+    Installed outermost by :func:`prorag.rpc.grpc_server.start_server`, so calls refused by the token check and
     engine errors mapped by the error interceptor are counted with the status the caller got."""
 
     def __init__(self, service: str):

@@ -2,7 +2,7 @@
 
 A token-classification head (one label) rather than sequence classification: the model is causal, so the
 scalar at a step's last token depends only on the tokens up to it, and one forward pass over a whole
-trajectory scores every step exactly as scoring each prefix on its own would (tests/test_prm_model.py checks
+trajectory scores every step exactly as scoring each prefix on its own would (tests/prm/test_model.py checks
 it). Sequence classification pools one position per row and would need one row per step (the reference
 code's cost). Where steps are scored: prorag.algorithms.prm.score_positions.
 """

@@ -43,9 +43,9 @@ from typing import Any
 
 import grpc
 
-from prorag.grpc_metadata import MetadataInterceptor
+from prorag.rpc.grpc_metadata import MetadataInterceptor
 
-log = logging.getLogger("prorag.security")
+log = logging.getLogger("prorag.rpc.security")
 
 SCOPE_CALL = "call"
 SCOPE_ADMIN = "admin"

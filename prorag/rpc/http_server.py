@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from prorag.observability import http_middleware
-from prorag.security import ServerSecurity, http_auth_middleware
+from prorag.rpc.observability import http_middleware
+from prorag.rpc.security import ServerSecurity, http_auth_middleware
 
 
 async def start_http(app: web.Application, host: str, port: int, security: ServerSecurity | None = None,

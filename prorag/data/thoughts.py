@@ -15,9 +15,9 @@ import re
 import threading
 from pathlib import Path
 
-from prorag.sft_data import template_thought
+from prorag.data.sft import template_thought
 
-log = logging.getLogger("prorag.thoughts")
+log = logging.getLogger("prorag.data.thoughts")
 
 _INSTRUCTION = {
     "search": "Write one short first-person sentence explaining why you will now search for: {q}",
@@ -30,7 +30,7 @@ _INSTRUCTION = {
 
 
 class OpenAIThoughtWriter:
-    """Callable like :func:`prorag.sft_data.template_thought`: (kind, question_id, ctx) -> thought."""
+    """Callable like :func:`prorag.data.sft.template_thought`: (kind, question_id, ctx) -> thought."""
 
     def __init__(self, base_url: str, model: str, cache_path: str | Path, api_key: str | None = None,
                  max_retries: int = 3, timeout: float = 30.0, max_tokens: int = 48):

@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import grpc
 
-from prorag.clients import channel
+from prorag.rpc.clients import channel
 from prorag.pb import trainer_pb2, trainer_pb2_grpc
 
 MiB = 1024 * 1024

@@ -4,7 +4,7 @@ import random
 from types import SimpleNamespace
 
 from prorag.data.loaders import SubStep
-from prorag.warmup_data import (Fact, answer_pools, copy_batch, counterfactual_swap, facts_by_doc,
+from prorag.data.warmup import (Fact, answer_pools, copy_batch, counterfactual_swap, facts_by_doc,
                                  facts_from_questions, paraphrase_example, paraphrase_groups, reading_example,
                                  relation_key, retrieved_reading_example, sentences)
 

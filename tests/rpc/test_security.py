@@ -1,11 +1,11 @@
-"""The pure parts of prorag.security: scopes per method, the tokens file, settings that cannot work."""
+"""The pure parts of prorag.rpc.security: scopes per method, the tokens file, settings that cannot work."""
 
 import os
 import time
 
 import pytest
 
-from prorag.security import (ClientSecurity, SecurityConfigError, ServerSecurity, TokenTable, generate_secrets,
+from prorag.rpc.security import (ClientSecurity, SecurityConfigError, ServerSecurity, TokenTable, generate_secrets,
                              parse_tokens, required_scope, token_digest)
 
 TOKEN = "t" * 32

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from prorag.config import cfg_field
-from prorag.security import ServerSecurity
+from prorag.rpc.security import ServerSecurity
 
 
 @dataclass
@@ -61,7 +61,7 @@ def start_metrics(serve: ServeConfig, name: str,
     import asyncio
     import logging
 
-    from prorag.observability import start_metrics_http
+    from prorag.rpc.observability import start_metrics_http
 
     async def nothing() -> None:
         return None

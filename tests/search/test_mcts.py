@@ -1,11 +1,11 @@
-"""One question's MCTS (prorag.mcts) in a small deterministic environment: the search finds the sound path,
+"""One question's MCTS (prorag.search.mcts) in a small deterministic environment: the search finds the sound path,
 widens progressively, keeps its budget, and its pairs prefer the sound sibling."""
 
 import json
 
 import pytest
 
-from prorag.mcts import MCTSConfig, Node, extract_pairs, search
+from prorag.search.mcts import MCTSConfig, Node, extract_pairs, search
 from prorag.trajectory import Step
 
 GOOD = [Step("subquery", content="Who founded Mai Brewery?", docs=[]), Step("subanswer", content="Tova Lunn"),
