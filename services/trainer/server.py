@@ -23,7 +23,7 @@ from prorag.rpc.grpc_server import ServerSpec, start_server
 from prorag.pb import trainer_pb2_grpc
 from prorag.validation import DEFAULT_ALLOWED_ENDPOINTS
 from prorag.rpc.service import ServeConfig, Started
-from services.trainer.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobManager
+from services.trainer.jobs import JobManager, JobState
 from services.trainer.servicer import TrainerServicer
 from services.trainer.stages import load_stage_modules
 
@@ -40,12 +40,12 @@ class JobStates(Collector):
 
     def collect(self):
         family = GaugeMetricFamily("prorag_trainer_jobs", "Trainer jobs by state", labels=["state"])
-        totals: dict[str, int] = {}
+        totals: dict[JobState, int] = {}
         for manager in list(self.managers):
             for state, n in manager.state_counts().items():
                 totals[state] = totals.get(state, 0) + n
-        for state in (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED):
-            family.add_metric([state], totals.get(state, 0))
+        for state in JobState:
+            family.add_metric([state.value], totals.get(state, 0))
         yield family
 
 

@@ -7,41 +7,35 @@ from pathlib import Path
 
 from prorag.errors import InvalidArgument, NotFound, Unavailable
 from prorag.pb import trainer_pb2, trainer_pb2_grpc
-from services.trainer.jobs import TERMINAL, JobManager
+from services.trainer.jobs import Artifact, Job, JobManager, JobState
 from services.trainer.stages import known_stages
 
-STATE_TO_PB = {
-    "QUEUED": trainer_pb2.JOB_STATE_QUEUED,
-    "RUNNING": trainer_pb2.JOB_STATE_RUNNING,
-    "SUCCEEDED": trainer_pb2.JOB_STATE_SUCCEEDED,
-    "FAILED": trainer_pb2.JOB_STATE_FAILED,
-    "CANCELLED": trainer_pb2.JOB_STATE_CANCELLED,
-}
+STATE_TO_PB = {state: trainer_pb2.JobState.Value(f"JOB_STATE_{state.value}") for state in JobState}
 
 #: a watcher re-checks the job this often even without a wake-up (belt and braces)
 POLL_S = 1.0
 
 
-def _artifacts(run_dir: str, arts: list[dict]) -> list[trainer_pb2.Artifact]:
+def _artifacts(run_dir: str, arts: list[Artifact]) -> list[trainer_pb2.Artifact]:
     # Records keep paths relative to the run dir; callers get absolute ones.
-    return [trainer_pb2.Artifact(name=a["name"], path=str(Path(run_dir) / a["path"]), sha256=a["sha256"])
-            for a in arts]
+    return [trainer_pb2.Artifact(name=a.name, path=str(Path(run_dir) / a.path), sha256=a.sha256) for a in arts]
 
 
-def job_to_pb(rec: dict) -> trainer_pb2.Job:
+def job_to_pb(job: Job) -> trainer_pb2.Job:
     return trainer_pb2.Job(
-        job_id=rec["job_id"], stage=rec["stage"], state=STATE_TO_PB[rec["state"]], config_json=rec["config_json"],
-        run_dir=rec["run_dir"], step=rec["step"], total_steps=rec["total_steps"], error=rec["error"],
-        artifacts=_artifacts(rec["run_dir"], rec["artifacts"]), created_at=rec["created_at"],
-        updated_at=rec["updated_at"], metrics=rec["metrics"], outputs=rec.get("outputs", {}))
+        job_id=job.job_id, stage=job.stage, state=STATE_TO_PB[job.state], config_json=job.config_json,
+        run_dir=job.run_dir, step=job.step, total_steps=job.total_steps, error=job.error,
+        artifacts=_artifacts(job.run_dir, job.artifacts), created_at=job.created_at,
+        updated_at=job.updated_at, metrics=job.metrics, outputs=job.outputs)
 
 
 def event_to_pb(ev: dict, run_dir: str) -> trainer_pb2.JobEvent:
     return trainer_pb2.JobEvent(
-        job_id=ev["job_id"], seq=ev["seq"], state=STATE_TO_PB[ev["state"]], step=ev.get("step", 0),
+        job_id=ev["job_id"], seq=ev["seq"], state=STATE_TO_PB[JobState(ev["state"])], step=ev.get("step", 0),
         total_steps=ev.get("total_steps", 0), loss=ev.get("loss") or 0.0, tokens_per_s=ev.get("tokens_per_s") or 0.0,
         eta_s=ev.get("eta_s") or 0.0, message=ev.get("message", ""),
-        artifacts=_artifacts(run_dir, ev.get("artifacts") or []), metrics=ev.get("metrics") or {})
+        artifacts=_artifacts(run_dir, [Artifact.from_dict(a) for a in ev.get("artifacts") or []]),
+        metrics=ev.get("metrics") or {})
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -57,8 +51,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if not request.stage:
             raise InvalidArgument(f"stage is required; known stages: {', '.join(known_stages())}")
         # Submission touches the disk (fsync); keep the event loop free for watchers.
-        rec = await asyncio.to_thread(self.manager.submit, request.stage, request.config_json, request.job_id)
-        return job_to_pb(rec)
+        job = await asyncio.to_thread(self.manager.submit, request.stage, request.config_json, request.job_id)
+        return job_to_pb(job)
 
     async def CancelJob(self, request, context):
         return job_to_pb(await asyncio.to_thread(self.manager.cancel, request.job_id))
@@ -67,13 +61,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return job_to_pb(self.manager.get(request.job_id))
 
     async def ListJobs(self, request, context):
-        return trainer_pb2.ListJobsResponse(jobs=[job_to_pb(r) for r in self.manager.list(request.stage)])
+        return trainer_pb2.ListJobsResponse(jobs=[job_to_pb(j) for j in self.manager.list(request.stage)])
 
     async def WatchJob(self, request, context):
         job_id = request.job_id
         if not job_id:
             raise NotFound("job_id is required")
-        run_dir = self.manager.get(job_id)["run_dir"]  # NOT_FOUND before the stream starts
+        run_dir = self.manager.get(job_id).run_dir  # NOT_FOUND before the stream starts
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
 
@@ -89,7 +83,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             while True:
                 wake.clear()
                 events = self.manager.events_after(job_id, seq)
-                if not events and self.manager.get(job_id)["state"] in TERMINAL:
+                if not events and self.manager.get(job_id).state.terminal:
                     # State and its final event change under one lock: one more read drains the tail.
                     events = self.manager.events_after(job_id, seq)
                     if not events:

@@ -18,7 +18,7 @@ from prorag.config import cfg_field
 from prorag.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from prorag.io import sha256_file
 from services.trainer import stages
-from services.trainer.jobs import JobManager, JobStore
+from services.trainer.jobs import Artifact, Job, JobManager, JobState, JobStore
 from services.trainer.stages import register_stage, unregister_stage
 from services.trainer.tracking import Tracker
 
@@ -74,7 +74,7 @@ def test_torn_last_event_line_is_ignored_and_seq_continues(tmp_path, managers):
 
     m2 = managers(root)  # the restarted trainer
     done = m2.wait("torn", 60)
-    assert done["state"] == "SUCCEEDED"
+    assert done.state is JobState.SUCCEEDED
     seqs = [e["seq"] for e in m2.events_after("torn")]
     assert seqs == list(range(1, len(seqs) + 1))
     lines = events_file.read_text().splitlines()
@@ -82,10 +82,128 @@ def test_torn_last_event_line_is_ignored_and_seq_continues(tmp_path, managers):
     assert any("re-queued after a trainer restart" in e["message"] for e in m2.events_after("torn"))
 
 
+# job.json as the trainer writes it: a finished job, and a queued one (no outputs, stopped_cleanly or
+# process_deaths yet); ROOT stands for the jobs root
+FINISHED_JOB_JSON = """{
+  "artifacts": [
+    {
+      "name": "weights",
+      "path": "weights.pt",
+      "sha256": "2458153817038fed607dbbabcefa93ebc5e868308b69c24fa4d1ec473c76680a"
+    }
+  ],
+  "attempts": 1,
+  "cancel_requested": false,
+  "checkpoint_dir": "ROOT/done/checkpoints",
+  "config": {
+    "seed": 0,
+    "steps": 20,
+    "tracking": "local"
+  },
+  "config_json": "{\\"seed\\":0,\\"steps\\":20,\\"tracking\\":\\"local\\"}",
+  "created_at": "2026-11-26T20:40:53.779Z",
+  "error": "",
+  "finished_at": "2026-11-26T20:41:00.231Z",
+  "inputs": {},
+  "job_id": "done",
+  "last_seq": 6,
+  "metrics": {
+    "final_loss": 1.4008893966674805,
+    "loss": 2.310152053833008,
+    "tokens_per_s": 4401.022247333059
+  },
+  "outputs": {
+    "model": "selftest@done"
+  },
+  "resumed_from_step": null,
+  "run_dir": "ROOT/done/run",
+  "stage": "selftest",
+  "started_at": "2026-11-26T20:40:53.807Z",
+  "state": "SUCCEEDED",
+  "step": 20,
+  "stopped_cleanly": false,
+  "total_steps": 20,
+  "traceback": "",
+  "updated_at": "2026-11-26T20:41:00.236Z"
+}
+"""
+QUEUED_JOB_JSON = """{
+  "artifacts": [],
+  "attempts": 0,
+  "cancel_requested": false,
+  "checkpoint_dir": "ROOT/waiting/checkpoints",
+  "config": {
+    "seed": 3,
+    "steps": 20,
+    "tracking": "local"
+  },
+  "config_json": "{\\"seed\\":3,\\"steps\\":20,\\"tracking\\":\\"local\\"}",
+  "created_at": "2026-11-26T20:41:00.298Z",
+  "error": "",
+  "finished_at": "",
+  "inputs": {},
+  "job_id": "waiting",
+  "last_seq": 1,
+  "metrics": {},
+  "resumed_from_step": null,
+  "run_dir": "ROOT/waiting/run",
+  "stage": "selftest",
+  "started_at": "",
+  "state": "QUEUED",
+  "step": 0,
+  "total_steps": 0,
+  "traceback": "",
+  "updated_at": "2026-11-26T20:41:00.298Z"
+}
+"""
+
+
+def test_job_json_files_load_into_typed_records_and_save_back_the_same(tmp_path, caplog):
+    root = tmp_path / "jobs"
+    texts = {"done": FINISHED_JOB_JSON, "waiting": QUEUED_JOB_JSON,
+             "odd": QUEUED_JOB_JSON.replace('"QUEUED"', '"PAUSED"').replace("waiting", "odd")}
+    for job_id, text in texts.items():
+        (root / job_id).mkdir(parents=True)
+        (root / job_id / "job.json").write_text(text.replace("ROOT", str(root)))
+        (root / job_id / "events.jsonl").write_text(json.dumps({"job_id": job_id, "seq": 1, "state": "QUEUED",
+                                                                "message": "queued"}) + "\n")
+    store = JobStore(root)
+    done = store.load("done")
+    assert done.state is JobState.SUCCEEDED and done.step == 20 and done.last_seq == 6
+    assert done.artifacts == [Artifact(name="weights", path="weights.pt", sha256=json.loads(FINISHED_JOB_JSON)[
+        "artifacts"][0]["sha256"])]
+    assert done.outputs == {"model": "selftest@done"} and done.resumed_from_step is None
+    waiting = store.load("waiting")
+    assert (waiting.outputs, waiting.stopped_cleanly, waiting.process_deaths) == ({}, False, 0)
+    for job_id, job in (("done", done), ("waiting", waiting)):
+        on_disk = json.loads((root / job_id / "job.json").read_text())
+        store.save(job)
+        # the same keys and values; a field the record did not have yet is written with its default
+        assert json.loads((root / job_id / "job.json").read_text()) == {
+            "outputs": {}, "stopped_cleanly": False, "process_deaths": 0, **on_disk}
+    with pytest.raises(ValueError, match="'PAUSED' is not a valid JobState"):
+        store.load("odd")
+    with pytest.raises(ValueError, match="lacks stage, config"):
+        Job.from_dict({"job_id": "x", "state": "QUEUED"})
+
+    # a trainer starting on this root takes up the finished job as it is and queues the waiting one again
+    m = JobManager(root, tracking="local")
+    with caplog.at_level(logging.WARNING, logger="prorag.trainer.jobs"):
+        m.load()
+    try:
+        assert "skipping job odd: unreadable job.json" in caplog.text
+        assert [j.job_id for j in m.list()] == ["done", "waiting"]
+        assert m.get("done").state is JobState.SUCCEEDED and m.get("done").metrics == done.metrics
+        assert m.get("waiting").state is JobState.QUEUED and list(m._queue) == ["waiting"]
+        assert m.events_after("waiting", 1)[0]["message"].startswith("re-queued after a trainer restart (was QUEUED)")
+    finally:
+        m.stop()
+
+
 def test_job_layout_and_manifest(tmp_path, managers):
     m = managers()
-    job = m.wait(m.submit("selftest", FAST, job_id="lay")["job_id"], 60)
-    assert job["state"] == "SUCCEEDED" and job["step"] == 40 and job["total_steps"] == 40
+    job = m.wait(m.submit("selftest", FAST, job_id="lay").job_id, 60)
+    assert job.state is JobState.SUCCEEDED and job.step == 40 and job.total_steps == 40
     run = tmp_path / "jobs" / "lay" / "run"
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["stage"] == "selftest" and manifest["job_id"] == "lay"
@@ -105,48 +223,48 @@ def test_start_is_idempotent_and_conflicting_id_is_refused(managers):
     m = managers()
     a = m.submit("selftest", dict(FAST), job_id="same")
     b = m.submit("selftest", json.dumps({**FAST, "seed": 0}), job_id="same")  # same config after defaults
-    assert a["job_id"] == b["job_id"] == "same" and a["created_at"] == b["created_at"]
+    assert a.job_id == b.job_id == "same" and a.created_at == b.created_at
     assert len(m.list()) == 1
     with pytest.raises(AlreadyExists, match="different config"):
         m.submit("selftest", {**FAST, "seed": 1}, job_id="same")
     m.wait("same", 60)
-    assert m.submit("selftest", FAST, job_id="same")["state"] == "SUCCEEDED"  # still idempotent when done
+    assert m.submit("selftest", FAST, job_id="same").state is JobState.SUCCEEDED  # still idempotent when done
 
 
 def test_a_failed_or_cancelled_job_submitted_again_resumes_from_its_checkpoint(tmp_path, managers):
     m = managers()
     fixed = tmp_path / "cause-fixed"
     cfg = {**FAST, "fail_at_step": 25, "fail_while_missing": str(fixed)}
-    failed = m.wait(m.submit("selftest", cfg, job_id="flaky")["job_id"], 60)
-    assert failed["state"] == "FAILED" and "failing at step 25" in failed["error"]
+    failed = m.wait(m.submit("selftest", cfg, job_id="flaky").job_id, 60)
+    assert failed.state is JobState.FAILED and "failing at step 25" in failed.error
     fixed.touch()
     again = m.submit("selftest", cfg, job_id="flaky")
-    assert again["state"] in ("QUEUED", "RUNNING") and again["created_at"] == failed["created_at"]
+    assert again.state in (JobState.QUEUED, JobState.RUNNING) and again.created_at == failed.created_at
     job = m.wait("flaky", 60)
-    assert job["state"] == "SUCCEEDED" and job["error"] == "" and job["resumed_from_step"] == 20
+    assert job.state is JobState.SUCCEEDED and job.error == "" and job.resumed_from_step == 20
     messages = [e["message"] for e in m.events_after("flaky")]
     assert any(msg.startswith("re-queued by a new submission of the same config (was FAILED: RuntimeError: selftest: failing")
                for msg in messages), messages
     seqs = [e["seq"] for e in m.events_after("flaky")]
     assert seqs == list(range(1, len(seqs) + 1))
     # it ends where an uninterrupted run of the same training ends
-    straight = m.wait(m.submit("selftest", FAST, job_id="straight")["job_id"], 60)
-    assert job["metrics"]["final_loss"] == pytest.approx(straight["metrics"]["final_loss"], abs=1e-9)
+    straight = m.wait(m.submit("selftest", FAST, job_id="straight").job_id, 60)
+    assert job.metrics["final_loss"] == pytest.approx(straight.metrics["final_loss"], abs=1e-9)
     # a cancelled one too, also after a trainer restart (its events were not loaded at start-up)
     slow = {**FAST, "steps": 10_000, "step_sleep_s": 0.01}
     m.submit("selftest", slow, job_id="stopped")
-    while m.get("stopped")["step"] < 5:
+    while m.get("stopped").step < 5:
         time.sleep(0.02)
     m.cancel("stopped")
-    assert m.wait("stopped", 30)["state"] == "CANCELLED"
+    assert m.wait("stopped", 30).state is JobState.CANCELLED
     m.stop(10)
     m2 = managers(tmp_path / "jobs")
-    assert m2.submit("selftest", slow, job_id="stopped")["state"] in ("QUEUED", "RUNNING")
+    assert m2.submit("selftest", slow, job_id="stopped").state in (JobState.QUEUED, JobState.RUNNING)
     assert any(e["message"].startswith("re-queued by a new submission of the same config (was CANCELLED")
                for e in m2.events_after("stopped"))
     m2.cancel("stopped")
     # and a finished one is still returned as it is
-    assert m2.submit("selftest", FAST, job_id="straight")["state"] == "SUCCEEDED"
+    assert m2.submit("selftest", FAST, job_id="straight").state is JobState.SUCCEEDED
 
 
 @pytest.mark.parametrize("config, fragment", [
@@ -195,33 +313,33 @@ def test_missing_or_incomplete_input_is_a_failed_precondition(tmp_path, managers
     assert m.list() == []
 
     # A complete run is accepted by path, run dir or job:<id>; its manifest digest is recorded.
-    first = m.wait(m.submit("selftest", FAST, job_id="base")["job_id"], 60)
-    manifest = f"{first['run_dir']}/manifest.json"
-    for i, ref in enumerate([manifest, first["run_dir"], "job:base"]):
-        job = m.wait(m.submit("needs_policy", {"policy": ref, "note": str(i)})["job_id"], 30)
-        assert job["state"] == "SUCCEEDED", job["error"]
-        recorded = json.loads(open(f"{job['run_dir']}/manifest.json").read())["inputs"]["policy"]
+    first = m.wait(m.submit("selftest", FAST, job_id="base").job_id, 60)
+    manifest = f"{first.run_dir}/manifest.json"
+    for i, ref in enumerate([manifest, first.run_dir, "job:base"]):
+        job = m.wait(m.submit("needs_policy", {"policy": ref, "note": str(i)}).job_id, 30)
+        assert job.state is JobState.SUCCEEDED, job.error
+        recorded = json.loads(open(f"{job.run_dir}/manifest.json").read())["inputs"]["policy"]
         assert recorded == {"path": manifest, "sha256": sha256_file(manifest)}
     assert str(needs_policy_stage["inputs"]["policy"]) == manifest
 
 
 def test_input_chain_uses_earlier_weights(managers):
     m = managers()
-    m.wait(m.submit("selftest", FAST, job_id="a")["job_id"], 60)
-    b = m.wait(m.submit("selftest", {**FAST, "init_from": "job:a", "steps": 10})["job_id"], 60)
-    assert b["state"] == "SUCCEEDED", b["error"]
+    m.wait(m.submit("selftest", FAST, job_id="a").job_id, 60)
+    b = m.wait(m.submit("selftest", {**FAST, "init_from": "job:a", "steps": 10}).job_id, 60)
+    assert b.state is JobState.SUCCEEDED, b.error
 
 
 # ---------------------------------------------------------------- running
 def test_failed_stage_records_error_and_traceback(managers, caplog):
     m = managers()
     with caplog.at_level(logging.ERROR, logger="prorag.trainer.jobs"):
-        job = m.wait(m.submit("selftest", {**FAST, "fail_at_step": 15})["job_id"], 60)
-    assert job["state"] == "FAILED"
-    assert "failing at step 15" in job["error"] and "Traceback" in job["traceback"]
+        job = m.wait(m.submit("selftest", {**FAST, "fail_at_step": 15}).job_id, 60)
+    assert job.state is JobState.FAILED
+    assert "failing at step 15" in job.error and "Traceback" in job.traceback
     assert "failing at step 15" in caplog.text
-    assert m.events_after(job["job_id"])[-1]["state"] == "FAILED"
-    assert not (m.store.run_dir(job["job_id"]) / "manifest.json").exists()
+    assert m.events_after(job.job_id)[-1]["state"] == "FAILED"
+    assert not (m.store.run_dir(job.job_id) / "manifest.json").exists()
 
 
 def test_cancel_running_queued_and_finished(managers):
@@ -229,18 +347,18 @@ def test_cancel_running_queued_and_finished(managers):
     slow = m.submit("selftest", {**FAST, "steps": 10_000, "step_sleep_s": 0.01}, job_id="slow")
     queued = m.submit("selftest", FAST, job_id="behind")
     deadline = threading.Event()
-    while m.get("slow")["step"] < 10 and not deadline.wait(0.05):
+    while m.get("slow").step < 10 and not deadline.wait(0.05):
         pass
-    assert m.cancel("behind")["state"] == "CANCELLED"  # never ran
-    assert m.cancel("slow")["state"] in ("RUNNING", "CANCELLED")
+    assert m.cancel("behind").state is JobState.CANCELLED  # never ran
+    assert m.cancel("slow").state in (JobState.RUNNING, JobState.CANCELLED)
     job = m.wait("slow", 30)
-    assert job["state"] == "CANCELLED" and job["step"] < 10_000
+    assert job.state is JobState.CANCELLED and job.step < 10_000
     assert not (m.store.run_dir("slow") / "manifest.json").exists()
     with pytest.raises(FailedPrecondition, match="already CANCELLED"):
         m.cancel("slow")
     with pytest.raises(NotFound):
         m.cancel("missing")
-    assert queued["state"] == "QUEUED"
+    assert queued.state is JobState.QUEUED
 
 
 def test_parallel_workers_run_jobs_side_by_side_in_fifo_order(managers):
@@ -249,28 +367,28 @@ def test_parallel_workers_run_jobs_side_by_side_in_fifo_order(managers):
     for name in ("first", "second", "third"):
         m.submit("selftest", slow, job_id=name)
     wait = threading.Event()
-    while not (m.get("first")["step"] >= 5 and m.get("second")["step"] >= 5) and not wait.wait(0.05):
+    while not (m.get("first").step >= 5 and m.get("second").step >= 5) and not wait.wait(0.05):
         pass
     assert m.running == {"first", "second"}  # both progress at once; the third waits for a free worker
-    assert m.get("third")["state"] == "QUEUED"
+    assert m.get("third").state is JobState.QUEUED
     m.cancel("first")
-    assert m.wait("first", 30)["state"] == "CANCELLED"
-    while m.get("third")["state"] == "QUEUED" and not wait.wait(0.05):
+    assert m.wait("first", 30).state is JobState.CANCELLED
+    while m.get("third").state is JobState.QUEUED and not wait.wait(0.05):
         pass
-    assert m.get("third")["state"] == "RUNNING" and m.get("second")["state"] == "RUNNING"
+    assert m.get("third").state is JobState.RUNNING and m.get("second").state is JobState.RUNNING
     for name in ("second", "third"):
         m.cancel(name)
-        assert m.wait(name, 30)["state"] == "CANCELLED"
+        assert m.wait(name, 30).state is JobState.CANCELLED
     with pytest.raises(ValueError, match="parallel_jobs"):
         JobManager(m.store.root, parallel_jobs=0)
 
 
 def test_list_filters_by_stage_and_get_unknown_is_not_found(managers, needs_policy_stage):
     m = managers()
-    m.wait(m.submit("selftest", FAST, job_id="s1")["job_id"], 60)
-    m.wait(m.submit("needs_policy", {"policy": "job:s1"}, job_id="n1")["job_id"], 60)
-    assert [j["job_id"] for j in m.list()] == ["s1", "n1"]
-    assert [j["job_id"] for j in m.list("needs_policy")] == ["n1"]
+    m.wait(m.submit("selftest", FAST, job_id="s1").job_id, 60)
+    m.wait(m.submit("needs_policy", {"policy": "job:s1"}, job_id="n1").job_id, 60)
+    assert [j.job_id for j in m.list()] == ["s1", "n1"]
+    assert [j.job_id for j in m.list("needs_policy")] == ["n1"]
     assert m.list("rl") == []
     with pytest.raises(NotFound, match="'zzz' not found"):
         m.get("zzz")
@@ -281,27 +399,27 @@ def test_graceful_stop_and_restart_resumes_to_identical_weights(tmp_path, manage
     m1 = JobManager(tmp_path / "a", tracking="local")
     m1.start()
     m1.submit("selftest", cfg, job_id="r")
-    while m1.get("r")["step"] < 60:
+    while m1.get("r").step < 60:
         threading.Event().wait(0.05)
     m1.stop(30)  # the stage checkpoints at its next step; the job stays RUNNING on disk
-    assert m1.get("r")["state"] == "RUNNING"
+    assert m1.get("r").state is JobState.RUNNING
     stopped_at = json.loads((tmp_path / "a" / "r" / "job.json").read_text())["step"]
     assert stopped_at < 200
 
     m2 = managers(tmp_path / "a")
     resumed = m2.wait("r", 60)
-    assert resumed["state"] == "SUCCEEDED" and resumed["attempts"] == 2
+    assert resumed.state is JobState.SUCCEEDED and resumed.attempts == 2
     msgs = [e["message"] for e in m2.events_after("r")]
     assert any(msg.startswith("resumed from step") for msg in msgs)
-    assert resumed["resumed_from_step"] >= 60
+    assert resumed.resumed_from_step >= 60
 
     ref = managers(tmp_path / "b")
-    straight = ref.wait(ref.submit("selftest", cfg, job_id="r")["job_id"], 60)
+    straight = ref.wait(ref.submit("selftest", cfg, job_id="r").job_id, 60)
     w1 = torch.load(tmp_path / "a" / "r" / "run" / "weights.pt", weights_only=True)
     w2 = torch.load(tmp_path / "b" / "r" / "run" / "weights.pt", weights_only=True)
     for k in w2:
         assert torch.allclose(w1[k], w2[k], atol=1e-6), k
-    assert resumed["metrics"]["final_loss"] == pytest.approx(straight["metrics"]["final_loss"], abs=1e-6)
+    assert resumed.metrics["final_loss"] == pytest.approx(straight.metrics["final_loss"], abs=1e-6)
     # metrics.jsonl was rewound at resume: each step logged once
     steps = [json.loads(line)["step"] for line in open(tmp_path / "a" / "r" / "run" / "metrics.jsonl")]
     assert steps == sorted(set(steps))
@@ -309,7 +427,7 @@ def test_graceful_stop_and_restart_resumes_to_identical_weights(tmp_path, manage
 
 def test_restart_recovers_a_job_killed_after_its_manifest(tmp_path, managers):
     m = managers(tmp_path / "jobs")
-    job = m.wait(m.submit("selftest", FAST, job_id="late")["job_id"], 60)
+    job = m.wait(m.submit("selftest", FAST, job_id="late").job_id, 60)
     m.stop(5)
     # Rewind the record as if the kill came after manifest.json but before job.json said SUCCEEDED.
     path = tmp_path / "jobs" / "late" / "job.json"
@@ -317,8 +435,8 @@ def test_restart_recovers_a_job_killed_after_its_manifest(tmp_path, managers):
     rec["state"] = "RUNNING"
     path.write_text(json.dumps(rec))
     again = managers(tmp_path / "jobs")
-    assert again.get("late")["state"] == "SUCCEEDED"
-    assert again.get("late")["metrics"]["final_loss"] == job["metrics"]["final_loss"]
+    assert again.get("late").state is JobState.SUCCEEDED
+    assert again.get("late").metrics["final_loss"] == job.metrics["final_loss"]
 
 
 # ---------------------------------------------------------------- one trainer per root, bounded retries
@@ -364,15 +482,15 @@ def test_a_job_whose_process_keeps_dying_fails_after_max_attempts(tmp_path):
         m = JobManager(root, tracking="local", max_attempts=3)
         m.load()
         job = m.get("doomed")
-        assert job["state"] == "QUEUED" and job.get("process_deaths", 0) == deaths
+        assert job.state is JobState.QUEUED and job.process_deaths == deaths
         m.stop()
         _left_running(root, "doomed")
     m = JobManager(root, tracking="local", max_attempts=3)
     m.load()
     job = m.get("doomed")
     m.stop()
-    assert job["state"] == "FAILED" and job["process_deaths"] == 3
-    assert job["error"] == (f"the job's process died 3 times while running (last at step {7 * 4}); not retried "
+    assert job.state is JobState.FAILED and job.process_deaths == 3
+    assert job.error == (f"the job's process died 3 times while running (last at step {7 * 4}); not retried "
                             f"(max_attempts 3): see {root / 'doomed' / 'job.log'} and the trainer's log")
     assert json.loads((root / "doomed" / "job.json").read_text())["state"] == "FAILED"  # persisted
     messages = [e["message"] for e in m.events_after("doomed")]
@@ -380,7 +498,7 @@ def test_a_job_whose_process_keeps_dying_fails_after_max_attempts(tmp_path):
     # and it stays failed: a later start neither re-queues nor counts it again
     again = JobManager(root, tracking="local", max_attempts=3)
     again.load()
-    assert again.get("doomed")["state"] == "FAILED" and not again._queue
+    assert again.get("doomed").state is JobState.FAILED and not again._queue
     again.stop()
 
 
@@ -420,8 +538,8 @@ def test_a_stage_that_kills_its_process_is_retried_then_failed(tmp_path):
     m.load()
     job = m.get("crasher")
     m.stop()
-    assert job["state"] == "FAILED" and job["attempts"] == 2
-    assert "the job's process died 2 times while running (last at step 5)" in job["error"]
+    assert job.state is JobState.FAILED and job.attempts == 2
+    assert "the job's process died 2 times while running (last at step 5)" in job.error
     assert (root / "crasher" / "job.log").read_text().count("about to die") == 2
 
 
@@ -440,8 +558,8 @@ def test_a_planted_checkpoint_that_would_run_code_fails_the_job_with_a_clear_err
     torch.save({"step": 10, "model": {}, "evil": RunsCode()}, ck / "step-000000010.pt")
     m.stop()
     job = managers(root).wait("planted", 60)
-    assert job["state"] == "FAILED"
-    assert "UnsafeFile: refusing to load" in job["error"] and "step-000000010.pt" in job["error"]
+    assert job.state is JobState.FAILED
+    assert "UnsafeFile: refusing to load" in job.error and "step-000000010.pt" in job.error
 
 
 # ---------------------------------------------------------------- tracking
@@ -487,8 +605,8 @@ def test_job_with_wandb_offline_tracking(tmp_path, managers, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     m = managers()
-    job = m.wait(m.submit("selftest", {**FAST, "tracking": "wandb"}, job_id="wb")["job_id"], 60)
-    assert job["state"] == "SUCCEEDED", job["error"]
+    job = m.wait(m.submit("selftest", {**FAST, "tracking": "wandb"}, job_id="wb").job_id, 60)
+    assert job.state is JobState.SUCCEEDED, job.error
     run = tmp_path / "jobs" / "wb" / "run"
     assert list((run / "wandb").glob("offline-run-*")), "wandb wrote its offline run into the run dir"
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
@@ -506,9 +624,9 @@ def test_service_addresses_fill_what_a_job_config_leaves_unset(managers):
         m = managers(service_addresses={"retriever": "retriever:50051", "judge": "judge:50054",
                                         "policy": "policy:50052"})
         job = m.submit("calls_services", {})
-        assert job["config"] == {"retriever": "retriever:50051", "judge": "judge:50054"}  # no field 'policy' here
+        assert job.config == {"retriever": "retriever:50051", "judge": "judge:50054"}  # no field 'policy' here
         job = m.submit("calls_services", {"judge": ""})
-        assert job["config"] == {"retriever": "retriever:50051", "judge": ""}  # what the job sets wins
+        assert job.config == {"retriever": "retriever:50051", "judge": ""}  # what the job sets wins
         with pytest.raises(InvalidArgument, match="allowed_endpoints"):  # the filled-in value is checked like any
             managers(root=m.store.root.parent / "other", service_addresses={"retriever": "evil.example:1"}).submit(
                 "calls_services", None)
@@ -523,13 +641,13 @@ def test_the_queue_and_a_config_have_bounds(managers):
     slow = {**FAST, "steps": 100_000, "step_sleep_s": 0.01}
     m.submit("selftest", slow, job_id="running")
     deadline = time.monotonic() + 30
-    while m.get("running")["state"] != "RUNNING" and time.monotonic() < deadline:
+    while m.get("running").state is not JobState.RUNNING and time.monotonic() < deadline:
         time.sleep(0.05)
     m.submit("selftest", slow, job_id="q1")
     m.submit("selftest", slow, job_id="q2")
     with pytest.raises(ResourceExhausted, match="max_queued_jobs 2"):
         m.submit("selftest", slow, job_id="q3")
-    assert m.submit("selftest", slow, job_id="q1")["job_id"] == "q1"  # an idempotent resubmission still answers
+    assert m.submit("selftest", slow, job_id="q1").job_id == "q1"  # an idempotent resubmission still answers
     m.cancel("q2")
     m.submit("selftest", slow, job_id="q3")  # room again
     for j in ("running", "q1", "q3"):

@@ -15,7 +15,7 @@ import torch
 from prorag.rpc.clients import wait_for_health
 from prorag.rpc.clients_trainer import TrainerClient, state_name
 from prorag.io import sha256_file
-from services.trainer.jobs import JobManager
+from services.trainer.jobs import JobManager, JobState
 from services.trainer.server import SERVICE
 
 REPO = Path(__file__).resolve().parents[3]
@@ -119,10 +119,10 @@ def test_kill_dash_nine_then_resume_matches_uninterrupted_run(tmp_path, referenc
     assert steps == list(range(10, 301, 10))  # rewound at resume: no step logged twice
 
     straight = reference.wait("kill-me", 60)
-    assert straight["state"] == "SUCCEEDED"
+    assert straight.state is JobState.SUCCEEDED
     w_resumed = torch.load(run / "weights.pt", weights_only=True)
-    w_straight = torch.load(Path(straight["run_dir"]) / "weights.pt", weights_only=True)
+    w_straight = torch.load(Path(straight.run_dir) / "weights.pt", weights_only=True)
     assert w_resumed.keys() == w_straight.keys()
     for k in w_straight:
         assert torch.allclose(w_resumed[k], w_straight[k], atol=1e-6), k
-    assert job.metrics["final_loss"] == pytest.approx(straight["metrics"]["final_loss"], abs=1e-6)
+    assert job.metrics["final_loss"] == pytest.approx(straight.metrics["final_loss"], abs=1e-6)
