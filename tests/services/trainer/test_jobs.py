@@ -82,8 +82,8 @@ def test_torn_last_event_line_is_ignored_and_seq_continues(tmp_path, managers):
     assert any("re-queued after a trainer restart" in e["message"] for e in m2.events_after("torn"))
 
 
-# job.json as the trainer writes it: a finished job, and a queued one (no outputs, stopped_cleanly or
-# process_deaths yet); ROOT stands for the jobs root
+# job.json files as trainers have written them (existing job directories must keep loading): a finished job, and a
+# queued one (no outputs, stopped_cleanly or process_deaths yet); ROOT stands for the jobs root
 FINISHED_JOB_JSON = """{
   "artifacts": [
     {
@@ -158,7 +158,7 @@ QUEUED_JOB_JSON = """{
 """
 
 
-def test_job_json_files_load_into_typed_records_and_save_back_the_same(tmp_path, caplog):
+def test_existing_job_json_files_load_into_typed_records_and_keep_their_keys_and_values(tmp_path, caplog):
     root = tmp_path / "jobs"
     texts = {"done": FINISHED_JOB_JSON, "waiting": QUEUED_JOB_JSON,
              "odd": QUEUED_JOB_JSON.replace('"QUEUED"', '"PAUSED"').replace("waiting", "odd")}
