@@ -47,7 +47,7 @@ from prorag.io import atomic_dir, write_json
 from prorag.runs import code_version
 from prorag.training.context import JobContext, sha256_tree
 from prorag.validation import DEFAULT_ALLOWED_ENDPOINTS, check_allowed_endpoints, data_roots
-from services.trainer.stages import Stage, check_job_config, get_stage, resolve_inputs, validate_config
+from services.trainer.stages import Stage, check_job_config, get_stage, known_stages, resolve_inputs, validate_config
 from services.trainer.tracking import Tracker
 
 log = logging.getLogger("prorag.trainer.jobs")
@@ -324,6 +324,8 @@ class JobManager:
 
     # -- API
     def submit(self, stage_name: str, config: str | dict | None = None, job_id: str = "") -> dict:
+        if not stage_name:
+            raise InvalidArgument(f"stage is required; known stages: {', '.join(known_stages())}")
         self._ready()
         stage = get_stage(stage_name)
         if isinstance(config, str):
