@@ -545,7 +545,7 @@ def bench_policy(args) -> dict:
     retr_engine = open_engine(RetrieverConfig(world=world))
 
     def search(queries, k):
-        return retr_engine.search(queries, k, "", enforce_max_batch=False)
+        return retr_engine.search(queries, k)
 
     engine = TransformersEngine(model, max_batch_size=512)
     spec = SamplingSpec(n=n, temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=seed)

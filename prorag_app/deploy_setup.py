@@ -152,7 +152,7 @@ def say(msg: str) -> None:
 def index_present(root: Path) -> bool:
     """A finished doc store, dense and BM25 index under ``root``, and the corpus the doc store reads, unchanged
     in size. (Cheap: no scan of a 13 GB corpus.)"""
-    from services.retriever.indexing import DocStore, read_meta
+    from services.retriever.docstore import DocStore, read_meta
 
     if not all(read_meta(root / part) for part in ("docstore", "dense", "bm25")):
         return False

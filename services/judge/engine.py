@@ -52,6 +52,8 @@ class ReferenceJudge:
     def __init__(self, questions: Sequence[Question]):
         self.by_id = {q.id: q for q in questions}
         self.by_text = {normalize_answer(q.question): q for q in questions}
+        self._requests_answered = 0
+        self._count_lock = threading.Lock()  # judge() runs on several threads at once
 
     @classmethod
     def from_world(cls, world_dir: str | Path) -> "ReferenceJudge":
@@ -86,11 +88,13 @@ class ReferenceJudge:
             else:
                 reasons = "; ".join(f"candidate {i}: {v.reason}" for i, v in enumerate(verdicts))
                 out.append(Judgement(item.id, -1, -1, f"no contrast ({reasons})"))
+        with self._count_lock:
+            self._requests_answered += 1
         return out
 
     def info(self) -> dict:
-        # no paid calls: the service reports the requests it answered
-        return {"cache_entries": 0, "budget_left_usd": 0.0, "cost_usd": 0.0}
+        # no paid calls: calls_made counts the requests it answered
+        return {"cache_entries": 0, "calls_made": self._requests_answered, "budget_left_usd": 0.0, "cost_usd": 0.0}
 
 
 class JudgeCache:

@@ -13,7 +13,6 @@ from services.judge.engine import PairRequest
 class JudgeServicer(judge_pb2_grpc.JudgeServicer):
     def __init__(self, engine, max_items: int, max_candidates: int):
         self.engine, self.max_items, self.max_candidates = engine, max_items, max_candidates
-        self.calls = 0
 
     def _items(self, request) -> list[PairRequest]:
         if not request.items:
@@ -38,7 +37,6 @@ class JudgeServicer(judge_pb2_grpc.JudgeServicer):
     async def JudgePairs(self, request, context):
         items = self._items(request)
         results = await asyncio.to_thread(self.engine.judge, items)
-        self.calls += 1
         return judge_pb2.JudgePairsResponse(verdicts=[
             judge_pb2.Verdict(id=r.id, chosen=r.chosen, rejected=r.rejected, rationale=r.rationale,
                               cached=r.cached, backend=self.engine.backend)
@@ -47,5 +45,5 @@ class JudgeServicer(judge_pb2_grpc.JudgeServicer):
     async def GetJudgeInfo(self, request, context):
         info = self.engine.info()
         return judge_pb2.JudgeInfo(backend=self.engine.backend, model=self.engine.model,
-                                   cache_entries=info["cache_entries"], calls_made=info.get("calls_made", self.calls),
+                                   cache_entries=info["cache_entries"], calls_made=info["calls_made"],
                                    budget_left_usd=info["budget_left_usd"])

@@ -10,24 +10,56 @@ draining, and one adapter has at most one unload in progress. Unloading the acti
 refused (FAILED_PRECONDITION) rather than silently falling back to the base model: a push that
 unloads what serves traffic is almost always a mistake, and the fix (activate another version or
 the base first) is one call away.
+
+Every activation is recorded in the adapter root (one file per base model), so a replica that (re)starts
+restores what the others serve.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client import Info
 
-from prorag.errors import FailedPrecondition, NotFound
+from prorag.errors import FailedPrecondition, NotFound, ProragError
+from prorag.io import write_json
 from prorag.registry import ArtifactRef, Manifest, Registry
 from prorag.engine import GenerationEngine, SamplingSpec
 
 
 ADAPTER_INFO = Info("prorag_policy_adapter", "What new policy requests run: the active adapter name@version ('' = "
                     "the base model alone) and the base model (first 16 hex digits of its weights' sha256)")
+
+
+ACTIVE_FILE = "ACTIVE.json"
+
+
+def active_file(adapter_root, base_sha256: str) -> Path:
+    """Where the active adapter of replicas serving the base model ``base_sha256`` is recorded.
+
+    One file per base model: one adapter root (a world's) holds adapters of several bases (the SFT model's
+    outcome-only GRPO, the RFT model's ProRAG RL), and a replica started on one base must not restore an
+    adapter trained on another."""
+    return Path(adapter_root) / (f"ACTIVE-{base_sha256[:16]}.json" if base_sha256 else ACTIVE_FILE)
+
+
+def record_active(adapter_root, ref: ArtifactRef | None, base_sha256: str = "") -> None:
+    """Write what is active into the shared adapter root, so that a replica of the same base model that
+    (re)starts serves the same version as the others (see :func:`read_active`). Every replica of a push writes
+    the same content."""
+    write_json(active_file(adapter_root, base_sha256), {"name": ref.name, "version": ref.version} if ref else {})
+
+
+def read_active(adapter_root, base_sha256: str = "") -> ArtifactRef | None:
+    path = active_file(adapter_root, base_sha256)
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return ArtifactRef.of(data["name"], data["version"]) if data.get("name") else None
 
 
 @dataclass
@@ -82,18 +114,41 @@ class AdapterManager:
 
         Load and switch happen under one lock hold, so an Unload of ``ref`` cannot slip in between
         and leave an unloaded adapter active. An adapter that is being unloaded cannot be activated
-        (FAILED_PRECONDITION): load it again after the unload returns."""
+        (FAILED_PRECONDITION): load it again after the unload returns. The record in the adapter root
+        (:func:`record_active`) is written under the same hold, so concurrent activations leave it naming
+        the last one."""
         async with self._lock:
-            if ref is None:
-                self.active = None
-                self._publish_active()
-                return None
-            entry = await self._load_locked(ref, path)
-            if entry.draining:  # defensive: _load_locked refuses a draining entry already
-                raise FailedPrecondition(f"adapter {ref} is being unloaded; load it again once UnloadAdapter returns")
-            self.active = ref.key
+            key = await self._switch_locked(ref, path)
+            await asyncio.to_thread(record_active, self.root, ref, self.base_model_sha256)
+            return key
+
+    async def restore_active(self) -> ArtifactRef | None:
+        """At a replica's start: activate the adapter the adapter root records for this base model (None when it
+        records none). Not recorded again: an activation on the running replicas meanwhile keeps its record."""
+        ref = await asyncio.to_thread(read_active, self.root, self.base_model_sha256)
+        if ref is None:
+            return None
+        async with self._lock:
+            try:
+                await self._switch_locked(ref, "")
+            except ProragError as e:
+                raise FailedPrecondition(
+                    f"{active_file(self.root, self.base_model_sha256)} says {ref} is the active adapter, but it "
+                    f"cannot be loaded: {e}; publish it again, or activate another version on the running replicas "
+                    "(or start with restore_active=false)") from e
+        return ref
+
+    async def _switch_locked(self, ref: ArtifactRef | None, path: str) -> str | None:
+        if ref is None:
+            self.active = None
             self._publish_active()
-            return self.active
+            return None
+        entry = await self._load_locked(ref, path)
+        if entry.draining:  # defensive: _load_locked refuses a draining entry already
+            raise FailedPrecondition(f"adapter {ref} is being unloaded; load it again once UnloadAdapter returns")
+        self.active = ref.key
+        self._publish_active()
+        return self.active
 
     async def unload(self, ref: ArtifactRef, drain_timeout_s: float = 30.0) -> None:
         """Drain, then unload: new requests can no longer pin ``ref``; those in flight finish first

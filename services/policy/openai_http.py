@@ -17,7 +17,6 @@ from prorag.rpc.jsonbody import read_json
 from prorag.trajectory import IM_END
 from prorag.engine import SamplingSpec, derive_seed
 from prorag.rollout import decode
-from services.policy.servicer import check_work
 
 
 def _err(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
@@ -67,8 +66,8 @@ def make_app(servicer, model_name: str, max_body_mb: int = 16) -> web.Applicatio
                             stop_token_ids=tuple(stop_ids), seed=seed or 0).validate()
 
     async def run(prompts: list[list[int]], spec: SamplingSpec, adapter_req: str):
-        check_work(len(prompts) * spec.n * spec.max_tokens, limits.max_request_tokens,
-                   f"{len(prompts)} prompts x n={spec.n} x max_tokens={spec.max_tokens}")
+        limits.check_work(len(prompts) * spec.n * spec.max_tokens,
+                          f"{len(prompts)} prompts x n={spec.n} x max_tokens={spec.max_tokens}")
         for i, p in enumerate(prompts):
             if not p:
                 raise InvalidArgument(f"prompt {i} is empty")

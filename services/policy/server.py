@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from prorag import paths
 from prorag.config import ConfigError, cfg_field
-from prorag.errors import FailedPrecondition, ProragError
+from prorag.data.loaders import Document
+from prorag.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from prorag.rpc.clients import RetrieverClient
 from prorag.rpc.grpc_server import ServerSpec, start_server
 from prorag.pb import policy_pb2_grpc
 from prorag.rpc.service import ServeConfig, Started
@@ -81,6 +86,13 @@ class PolicyConfig:
     http_timeout_s: float = cfg_field(300.0, help="deadline of one HTTP completion request (enforced between "
                                                   "engine calls and while queued)", min=0.1)
 
+    def check_work(self, requested_tokens: int, what: str) -> None:
+        """Refuse a request whose worst case generates more than max_request_tokens (split it instead)."""
+        if requested_tokens > self.max_request_tokens:
+            raise ResourceExhausted(f"{what} may generate up to {requested_tokens:,} tokens; this server accepts at "
+                                    f"most {self.max_request_tokens:,} per request (max_request_tokens): split it "
+                                    "into smaller requests")
+
     def validate(self) -> None:
         from prorag.config import ConfigError
 
@@ -121,6 +133,42 @@ def build_engine(cfg: PolicyConfig, model_path: Path):
                               compile_decode=cfg.compile_decode)
 
 
+class RetrieverSearch:
+    """Rollouts' search over the live retriever service (``target``), with its errors turned into ours."""
+
+    def __init__(self, target: str, timeout: float):
+        self.target, self.timeout = target, timeout
+        self.client = RetrieverClient(target, timeout=timeout)
+        self._known: dict[str, float] = {}  # index -> when the retriever last listed it
+
+    def check_index(self, index: str) -> None:
+        """Refuse an unknown retriever index before any rollout starts (cached for a minute)."""
+        if not index or time.monotonic() - self._known.get(index, -1e9) < 60:
+            return
+        try:
+            names = [i.name for i in self.client.list_indexes(timeout=min(self.timeout, 10)).indexes]
+        except grpc.RpcError as e:
+            raise Unavailable(f"retriever at {self.target} failed ({e.code().name}): {e.details()}") from None
+        if index not in names:
+            raise NotFound(f"retriever index {index!r} not found; the retriever at {self.target} serves {names}")
+        self._known[index] = time.monotonic()
+
+    def search_fn(self, index: str, deadline: float | None):
+        """The ``search_fn`` of one rollout: ``index`` searched, each call within the rollout's deadline."""
+        def search(queries: list[str], topk: int) -> list[list[Document]]:
+            remaining = self.timeout if deadline is None else max(0.1, deadline - time.monotonic())
+            try:
+                return self.client.search(queries, topk=topk, index=index, timeout=min(self.timeout, remaining))
+            except grpc.RpcError as e:
+                code = e.code()
+                if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+                    err = InvalidArgument if code == grpc.StatusCode.INVALID_ARGUMENT else NotFound
+                    raise err(f"retriever: {e.details()}") from None
+                raise Unavailable(f"retriever at {self.target} failed ({code.name}): {e.details()}") from None
+
+        return search
+
+
 async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None) -> Started:
     import asyncio
 
@@ -128,7 +176,7 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
     from prorag.registry import artifact_name, weights_sha256
     from services.policy.openai_http import make_app
     from services.policy.scheduler import GenerationScheduler
-    from services.policy.servicer import PolicyServicer, retriever_search_factory
+    from services.policy.servicer import PolicyServicer
     from prorag.rpc.http_server import start_http
 
     cfg = cfg or PolicyConfig()
@@ -140,21 +188,13 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
     root.mkdir(parents=True, exist_ok=True)
     manager = AdapterManager(engine, root, str(model_path), model_info["sha256"])
     if cfg.restore_active:
-        from services.policy.servicer import active_file, read_active
-
-        active = read_active(root, sha)
-        if active is not None:
-            try:
-                await manager.activate(active)
-            except ProragError as e:
-                raise FailedPrecondition(f"{active_file(root, sha)} says {active} is the active adapter, but it cannot be "
-                                         f"loaded: {e}; publish it again, or activate another version on the "
-                                         "running replicas (or start with restore_active=false)") from e
-            log.info("restored the active adapter %s", active)
+        restored = await manager.restore_active()
+        if restored is not None:
+            log.info("restored the active adapter %s", restored)
     scheduler = GenerationScheduler(engine, max_items=cfg.max_batch_items)
     scheduler.bind(asyncio.get_running_loop())
-    servicer = PolicyServicer(engine, scheduler, manager, cfg,
-                              retriever_search_factory(cfg.retriever, cfg.retriever_timeout_s), model_info)
+    servicer = PolicyServicer(engine, scheduler, manager, cfg, RetrieverSearch(cfg.retriever, cfg.retriever_timeout_s),
+                              model_info)
     spec = ServerSpec(name="policy", services=[(SERVICE, lambda s: policy_pb2_grpc.add_PolicyServicer_to_server(servicer, s))])
     security = serve.security()
     running = await start_server(spec, serve.port, serve.host, serve.max_message_mb, serve.max_concurrent_rpcs,

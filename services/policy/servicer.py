@@ -9,63 +9,22 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import grpc
-
-from prorag.errors import (Cancelled, DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted,
-                           Unavailable)
+from prorag.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
 from prorag.pb import common_pb2, policy_pb2, policy_pb2_grpc
-from prorag.data.loaders import Document
 from prorag.rpc.pbconv import step_pb, token_trace_pb
 from prorag.trajectory import STOP_TAGS
 from prorag.registry import ArtifactRef
 from prorag.engine import SamplingSpec, derive_seed
 from prorag.rollout import TrajectoryResult, decode, run_rollouts
-
+from services.policy.manager import AdapterManager
+from services.policy.scheduler import GenerationScheduler
+from services.policy.server import PolicyConfig, RetrieverSearch
 
 
 def _deadline(context) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
-
-
-ACTIVE_FILE = "ACTIVE.json"
-
-
-def active_file(adapter_root, base_sha256: str) -> Path:
-    """Where the active adapter of replicas serving the base model ``base_sha256`` is recorded.
-
-    One file per base model: one adapter root (a world's) holds adapters of several bases (the SFT model's
-    outcome-only GRPO, the RFT model's ProRAG RL), and a replica started on one base must not restore an
-    adapter trained on another."""
-    return Path(adapter_root) / (f"ACTIVE-{base_sha256[:16]}.json" if base_sha256 else ACTIVE_FILE)
-
-
-def record_active(adapter_root, ref: ArtifactRef | None, base_sha256: str = "") -> None:
-    """Write what is active into the shared adapter root, so that a replica of the same base model that
-    (re)starts serves the same version as the others (see :func:`read_active`). Every replica of a push writes
-    the same content."""
-    from prorag.io import write_json
-
-    write_json(active_file(adapter_root, base_sha256), {"name": ref.name, "version": ref.version} if ref else {})
-
-
-def read_active(adapter_root, base_sha256: str = "") -> ArtifactRef | None:
-    import json
-
-    path = active_file(adapter_root, base_sha256)
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    return ArtifactRef.of(data["name"], data["version"]) if data.get("name") else None
-
-
-def check_work(requested_tokens: int, limit: int, what: str) -> None:
-    """Refuse a request whose worst case generates more than ``limit`` tokens (split it instead)."""
-    if requested_tokens > limit:
-        raise ResourceExhausted(f"{what} may generate up to {requested_tokens:,} tokens; this server accepts at most "
-                                f"{limit:,} per request (max_request_tokens): split it into smaller requests")
 
 
 class RolloutGuard:
@@ -109,12 +68,13 @@ def trajectory_pb(t: TrajectoryResult, adapter_version: str) -> policy_pb2.Traje
 
 
 class PolicyServicer(policy_pb2_grpc.PolicyServicer):
-    def __init__(self, engine, scheduler, manager, limits, search_fn_factory, model_info: dict):
+    def __init__(self, engine, scheduler: GenerationScheduler, manager: AdapterManager, limits: PolicyConfig,
+                 retriever: RetrieverSearch, model_info: dict):
         self.engine = engine
         self.scheduler = scheduler
         self.manager = manager
         self.limits = limits
-        self.search_fn_factory = search_fn_factory
+        self.retriever = retriever
         self.model_info = model_info
         self.tokenizer = engine.tokenizer
         self._stop_ids = {}
@@ -174,8 +134,8 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         if len(request.prefixes) > self.limits.max_prefixes:
             raise InvalidArgument(f"{len(request.prefixes)} prefixes; at most {self.limits.max_prefixes} per request")
         spec = self._sampling(request.sampling, default_max_tokens=self.limits.default_step_tokens)
-        check_work(len(request.prefixes) * spec.n * spec.max_tokens, self.limits.max_request_tokens,
-                   f"{len(request.prefixes)} prefixes x n={spec.n} x max_tokens={spec.max_tokens}")
+        self.limits.check_work(len(request.prefixes) * spec.n * spec.max_tokens,
+                               f"{len(request.prefixes)} prefixes x n={spec.n} x max_tokens={spec.max_tokens}")
         prompts = [self._prefix_ids(i, p) for i, p in enumerate(request.prefixes)]
         seeds = [derive_seed(spec.seed, i) for i in range(len(prompts))]
         with self.manager.acquire(request.adapter) as adapter:
@@ -207,9 +167,9 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         topk = request.topk or L.default_topk
         if not 1 <= topk <= L.max_topk:
             raise InvalidArgument(f"topk is {request.topk}; allowed 1..{L.max_topk} (0 = default)")
-        check_work(len(request.questions) * spec.n * max_steps * spec.max_tokens, L.max_request_tokens,
-                   f"{len(request.questions)} questions x n={spec.n} x max_steps={max_steps} x "
-                   f"max_tokens={spec.max_tokens}")
+        L.check_work(len(request.questions) * spec.n * max_steps * spec.max_tokens,
+                     f"{len(request.questions)} questions x n={spec.n} x max_steps={max_steps} x "
+                     f"max_tokens={spec.max_tokens}")
         if self._rollouts_admitted >= L.max_concurrent_rollouts + L.max_queued_rollouts:
             raise ResourceExhausted(f"the policy is busy: {self._rollouts_admitted} rollout requests running or "
                                     f"queued (max_concurrent_rollouts {L.max_concurrent_rollouts} + "
@@ -224,14 +184,13 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
     async def _rollout(self, request, context, spec, max_steps: int, topk: int):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        check = getattr(self.search_fn_factory, "check_index", None)
-        if check is not None:
-            await asyncio.to_thread(check, request.retriever_index)  # in this context: the request id goes along
+        # in this context: the request id goes along
+        await asyncio.to_thread(self.retriever.check_index, request.retriever_index)
         deadline = _deadline(context)
         started = time.monotonic()
         with self.manager.acquire(request.adapter) as adapter:
             guard = RolloutGuard(self.scheduler.sync_engine(deadline),
-                                 self.search_fn_factory(request.retriever_index, deadline), deadline)
+                                 self.retriever.search_fn(request.retriever_index, deadline), deadline)
             version = adapter or ""
 
             searches: dict = {}
@@ -275,11 +234,9 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
     async def ActivateAdapter(self, request, context):
         if not request.ref.name:
             await self.manager.activate(None)
-            await asyncio.to_thread(record_active, self.manager.root, None, self.manager.base_model_sha256)
             return policy_pb2.AdapterStatus(active=True)
         ref = ArtifactRef.of(request.ref.name, request.ref.version)
         await self.manager.activate(ref)
-        await asyncio.to_thread(record_active, self.manager.root, ref, self.manager.base_model_sha256)
         return self._status(ref.key)
 
     async def UnloadAdapter(self, request, context):
@@ -315,41 +272,3 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
 
     def close(self) -> None:
         self._rollout_pool.shutdown(wait=False, cancel_futures=True)
-
-
-def retriever_search_factory(target: str, timeout: float):
-    """search_fn for rollouts: the live retriever service, with its errors turned into ours."""
-    from prorag.rpc.clients import RetrieverClient
-
-    client = RetrieverClient(target, timeout=timeout)
-
-    known: dict[str, float] = {}
-
-    def check_index(index: str) -> None:
-        """Refuse an unknown retriever index before any rollout starts (cached for a minute)."""
-        if not index or time.monotonic() - known.get(index, -1e9) < 60:
-            return
-        try:
-            names = [i.name for i in client.list_indexes(timeout=min(timeout, 10)).indexes]
-        except grpc.RpcError as e:
-            raise Unavailable(f"retriever at {target} failed ({e.code().name}): {e.details()}") from None
-        if index not in names:
-            raise NotFound(f"retriever index {index!r} not found; the retriever at {target} serves {names}")
-        known[index] = time.monotonic()
-
-    def factory(index: str, deadline: float | None):
-        def search(queries: list[str], topk: int) -> list[list[Document]]:
-            remaining = timeout if deadline is None else max(0.1, deadline - time.monotonic())
-            try:
-                return client.search(queries, topk=topk, index=index, timeout=min(timeout, remaining))
-            except grpc.RpcError as e:
-                code = e.code()
-                if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
-                    err = InvalidArgument if code == grpc.StatusCode.INVALID_ARGUMENT else NotFound
-                    raise err(f"retriever: {e.details()}") from None
-                raise Unavailable(f"retriever at {target} failed ({code.name}): {e.details()}") from None
-
-        return search
-
-    factory.check_index = check_index
-    return factory

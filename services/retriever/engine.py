@@ -1,10 +1,11 @@
 """Search over the built indexes: dense (FAISS), BM25 (bm25s), hybrid fusion, optional Lucene.
 
 Every retriever answers a batch of queries with scored rows (higher = better); the
-:class:`RetrievalEngine` validates requests, picks the index by name and hydrates rows
-into documents (:class:`prorag.data.loaders.Document`, with score and rank) from the shared
-:class:`~services.retriever.indexing.DocStore`. Row indexes stay inside the engine. It holds
-no transport code: the gRPC and HTTP front ends call it.
+:class:`RetrievalEngine` picks the index by name and hydrates rows into documents
+(:class:`prorag.data.loaders.Document`, with score and rank) from the shared
+:class:`~services.retriever.docstore.DocStore`. Row indexes stay inside the engine. It holds
+no transport code and checks no requests: the front end (:mod:`services.retriever.frontend`) checks
+them for the gRPC and HTTP callers.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import numpy as np
 from prorag.data.loaders import Document
 from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
 
-from .encoders import Encoder, EncoderConfig
-from .indexing import BM25Config, DocStore, build_all, make_bm25_tokenizer, read_meta, resolve_use_gpu
+from .docstore import DocStore, read_meta
+from .encoders import Encoder, EncoderConfig, make_bm25_tokenizer, resolve_use_gpu
 
 __all__ = ["Retriever", "DenseRetriever", "BM25Retriever", "HybridRetriever",
-           "PyseriniBM25Retriever", "RetrievalEngine", "build_all"]
+           "PyseriniBM25Retriever", "RetrievalEngine"]
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ class BM25Retriever(Retriever):
         _check_same_corpus(meta, docstore, self.path)
         self.meta = meta
         self.model = bm25s.BM25.load(str(self.path), mmap=mmap, load_vocab=True, show_progress=False)
-        self.tokenizer = make_bm25_tokenizer(BM25Config(**meta["config"]))
+        self.tokenizer = make_bm25_tokenizer(meta["config"]["stopwords"], meta["config"]["stemmer"])
         self.tokenizer.load_vocab(str(self.path))
         self.tokenizer.load_stopwords(str(self.path))
         self.n_threads = n_threads
@@ -321,10 +322,9 @@ class PyseriniBM25Retriever(Retriever):
 
 
 class RetrievalEngine:
-    """Named retrievers over one doc store, with request validation."""
+    """Named retrievers over one doc store."""
 
-    def __init__(self, indexes: dict[str, Retriever], docstore: DocStore, default: str = "hybrid", *,
-                 max_topk: int = 100, max_batch: int = 512, max_query_chars: int = 4096):
+    def __init__(self, indexes: dict[str, Retriever], docstore: DocStore, default: str = "hybrid"):
         if not indexes:
             raise FailedPrecondition("no index to serve; build some with `prorag index`")
         if default not in indexes:
@@ -333,55 +333,17 @@ class RetrievalEngine:
         self.indexes = dict(indexes)
         self.docstore = docstore
         self.default = default
-        self.max_topk, self.max_batch, self.max_query_chars = max_topk, max_batch, max_query_chars
 
-    def resolve_index(self, index_name: str = "") -> str:
-        name = index_name or self.default
-        if name not in self.indexes:
-            raise NotFound(f"unknown index {name!r}; known indexes: {', '.join(sorted(self.indexes))}")
-        return name
-
-    def validate(self, queries: list[str], topk: int, index_name: str = "", *, enforce_max_batch: bool = True) -> str:
-        """Raise InvalidArgument / NotFound for a bad request; return the index name that will answer."""
-        name = self.resolve_index(index_name)
-        if isinstance(queries, (str, bytes)) or not isinstance(queries, (list, tuple)):
-            raise InvalidArgument(f"queries must be a list of strings, got {type(queries).__name__}")
-        if not queries:
-            raise InvalidArgument("no queries given; send 1 to max_batch queries")
-        if enforce_max_batch and len(queries) > self.max_batch:
-            raise InvalidArgument(f"{len(queries)} queries in one call; the limit is {self.max_batch} (max_batch): "
-                                  "split the batch")
-        for i, q in enumerate(queries):
-            if not isinstance(q, str):
-                raise InvalidArgument(f"queries[{i}] is a {type(q).__name__}, not a string")
-            if not q.strip():
-                raise InvalidArgument(f"queries[{i}] is blank; every query needs text")
-            if len(q) > self.max_query_chars:
-                raise InvalidArgument(f"queries[{i}] has {len(q)} characters; the limit is {self.max_query_chars} "
-                                      "(max_query_chars): shorten it")
-        if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or not 1 <= topk <= self.max_topk:
-            raise InvalidArgument(f"topk must be an integer from 1 to {self.max_topk} (max_topk), got {topk!r}")
-        return name
-
-    def search(self, queries: list[str], topk: int, index_name: str = "", *,
-               enforce_max_batch: bool = True) -> list[list[Document]]:
-        """Top ``topk`` documents per query, best first, in request order (fewer when the corpus is smaller).
-
-        ``enforce_max_batch=False`` is for a batcher that merged several already validated
-        requests into one call (max_batch limits a caller's request, not the merged call).
-        """
-        name = self.validate(queries, topk, index_name, enforce_max_batch=enforce_max_batch)
-        return self.indexes[name].search(list(queries), int(topk))
+    def search(self, queries: list[str], topk: int, index_name: str = "") -> list[list[Document]]:
+        """Top ``topk`` documents per query from ``index_name`` ('' = the default), best first, in request order
+        (fewer when the corpus is smaller)."""
+        return self.indexes[index_name or self.default].search(list(queries), int(topk))
 
     def list_indexes(self) -> list[dict]:
         return [{"name": name, **r.info(), "is_default": name == self.default} for name, r in self.indexes.items()]
 
     def get_documents(self, ids: list[str]) -> list[Document]:
         """Documents by id, in the order asked; NotFound names every unknown id (up to 10)."""
-        if isinstance(ids, (str, bytes)):
-            raise InvalidArgument("ids must be a list of document ids, not a single string")
-        if len(ids) > self.max_batch:
-            raise InvalidArgument(f"{len(ids)} ids in one call; the limit is {self.max_batch} (max_batch)")
         rows, missing = [], []
         for doc_id in ids:
             try:
@@ -397,10 +359,9 @@ class RetrievalEngine:
         self.docstore.close()
 
     @classmethod
-    def from_dir(cls, index_root: str | Path, default: str = "hybrid", *, max_topk: int = 100, max_batch: int = 512,
-                 max_query_chars: int = 4096, device: str = "auto", use_gpu: str = "auto", nprobe: int | None = None,
-                 ef_search: int | None = None, hybrid_method: str = "rrf", rrf_k: int = 60, candidate_k: int = 100,
-                 alpha: float = 0.5, bm25_threads: int = 0, bm25_mmap: bool = False,
+    def from_dir(cls, index_root: str | Path, default: str = "hybrid", *, device: str = "auto", use_gpu: str = "auto",
+                 nprobe: int | None = None, ef_search: int | None = None, hybrid_method: str = "rrf", rrf_k: int = 60,
+                 candidate_k: int = 100, alpha: float = 0.5, bm25_threads: int = 0, bm25_mmap: bool = False,
                  corpus_path: str | Path | None = None, lucene_index: str | Path | None = None,
                  encoder: Encoder | None = None, faiss_threads: int = 0) -> "RetrievalEngine":
         """Open what ``build_all`` wrote: ``docstore/``, ``dense/`` and ``dense-*/`` variants, ``bm25/``.
@@ -437,6 +398,5 @@ class RetrievalEngine:
                                                 candidate_k=candidate_k, alpha=alpha)
         if lucene_index is not None:
             indexes["bm25-lucene"] = PyseriniBM25Retriever(lucene_index, docstore)
-        return cls(indexes, docstore, default, max_topk=max_topk, max_batch=max_batch,
-                   max_query_chars=max_query_chars)
+        return cls(indexes, docstore, default)
 

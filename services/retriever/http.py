@@ -6,7 +6,8 @@ retrieval server, so existing rollout code calls this service unchanged:
 
 Scores are always returned: Search-R1's own server fails when ``return_scores`` is
 false, and clients read ``item["document"]["contents"]`` either way.
-Client mistakes get 4xx with ``{"error": message}``; the server keeps serving.
+Client mistakes get 4xx with ``{"error": message}``; the server keeps serving. This module only turns
+JSON into typed values (and back); the front end checks the request as it does for gRPC.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def make_app(frontend: SearchFrontend, default_topk: int = 3, max_body_mb: int =
             for docs in results]})
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "indexes": [i["name"] for i in frontend.engine.list_indexes()]})
+        return web.json_response({"status": "ok", "indexes": [i["name"] for i in frontend.list_indexes()]})
 
     app = web.Application(client_max_size=max_body_mb * 1024 * 1024)
     app.router.add_post("/retrieve", retrieve)

@@ -1,6 +1,7 @@
 """Building the retriever's indexes from a wiki-18 style corpus, with progress and resume.
 
-Layout under one index root (``prorag index`` writes it, the engine reads it)::
+Layout under one index root (``prorag index`` writes it; the engine reads it through
+:mod:`services.retriever.docstore`, never importing this module)::
 
     docstore/  offsets.npy ids.npy ids_sorted.npy ids_order.npy meta.json
     dense/     emb/manifest.json emb/shard-00000.npy ... index.faiss meta.json
@@ -33,7 +34,8 @@ from prorag.data.loaders import Document
 from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
 from prorag.io import atomic_dir, atomic_path, write_json
 
-from .encoders import Encoder, EncoderConfig
+from .docstore import parse_row, read_json, read_meta
+from .encoders import Encoder, EncoderConfig, make_bm25_tokenizer, resolve_use_gpu
 
 #: progress(stage, done, total); stages: scan, docstore, embed, train, add, write, bm25-tokenize, bm25-index
 Progress = Callable[[str, int, int], None]
@@ -53,18 +55,6 @@ def _now() -> str:
 
 def _key(obj: dict) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def read_meta(index_dir: str | Path) -> dict | None:
-    """``index_dir/meta.json``, or None while the directory holds no finished artifact."""
-    return _read_json(Path(index_dir) / "meta.json")
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 # ----------------------------------------------------------------------------- corpus scan
@@ -125,14 +115,6 @@ def scan_corpus(corpus_path: str | Path, progress: Progress | None = None) -> Co
     return scan
 
 
-def _parse_line(raw: bytes, where: str) -> Document:
-    try:
-        row = json.loads(raw)
-    except ValueError as e:
-        raise InvalidArgument(f"{where}: not valid JSON ({e})") from None
-    return Document.from_row(row, where)
-
-
 def read_docs(scan: CorpusScan, start: int, stop: int) -> list[Document]:
     """Documents ``start..stop-1`` with one contiguous read."""
     if stop <= start:
@@ -145,97 +127,16 @@ def read_docs(scan: CorpusScan, start: int, stop: int) -> list[Document]:
     with open(scan.path, "rb") as fh:
         fh.seek(lo)
         buf = fh.read(hi - lo)
-    return [_parse_line(buf[int(a) - lo:int(b) - lo], f"{scan.path} row {i}")
+    return [parse_row(buf[int(a) - lo:int(b) - lo], f"{scan.path} row {i}")
             for i, a, b in zip(range(start, stop), starts, ends)]
 
 
 # ----------------------------------------------------------------------------- doc store
 
-class DocStore:
-    """Random access to corpus rows by row index or id, without loading the corpus.
-
-    Offsets and ids are memory-mapped numpy arrays; a lookup by id is a binary search
-    over the sorted ids; a document read is one ``os.pread`` (thread-safe, no shared
-    file position).
-    """
-
-    def __init__(self, path: str | Path, corpus_path: str | Path | None = None):
-        self.path = Path(path)
-        meta = read_meta(self.path)
-        if meta is None or meta.get("kind") != "docstore":
-            raise FailedPrecondition(f"{self.path} is not a finished doc store (no meta.json); run `prorag index`")
-        self.meta = meta
-        self.corpus_path = Path(corpus_path) if corpus_path else _recorded_corpus(self.path, meta)
-        if not self.corpus_path.is_file():
-            raise FailedPrecondition(
-                f"doc store {self.path} reads its corpus {self.corpus_path}, which is missing; "
-                "restore it or pass corpus_path")
-        size = self.corpus_path.stat().st_size
-        if size != meta["corpus_size"]:
-            raise FailedPrecondition(
-                f"corpus {self.corpus_path} changed since the doc store was built "
-                f"({size} bytes, built from {meta['corpus_size']}); rebuild with `prorag index`")
-        self.offsets = np.load(self.path / "offsets.npy", mmap_mode="r")
-        self.ids = np.load(self.path / "ids.npy", mmap_mode="r")
-        self._ids_sorted = np.load(self.path / "ids_sorted.npy", mmap_mode="r")
-        self._ids_order = np.load(self.path / "ids_order.npy", mmap_mode="r")
-        self._size = size
-        self._fd = os.open(self.corpus_path, os.O_RDONLY)
-
-    @property
-    def corpus_sha256(self) -> str:
-        return self.meta["corpus_sha256"]
-
-    def __len__(self) -> int:
-        return len(self.offsets)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def get(self, idx: int) -> Document:
-        idx = int(idx)
-        if not 0 <= idx < len(self):
-            raise NotFound(f"document row {idx} is out of range (the store holds {len(self)} documents)")
-        start = int(self.offsets[idx])
-        end = int(self.offsets[idx + 1]) if idx + 1 < len(self) else self._size
-        return _parse_line(os.pread(self._fd, end - start, start), f"{self.corpus_path} row {idx}")
-
-    def index_of(self, doc_id: str) -> int:
-        """Row index of ``doc_id``; NotFound when the corpus has no such id."""
-        key = str(doc_id).encode()
-        if len(key) > self._ids_sorted.dtype.itemsize:
-            raise NotFound(f"unknown document id {doc_id!r}")
-        pos = int(np.searchsorted(self._ids_sorted, key))
-        if pos >= len(self._ids_sorted) or self._ids_sorted[pos] != key:
-            raise NotFound(f"unknown document id {doc_id!r}")
-        return int(self._ids_order[pos])
-
-    def get_by_id(self, doc_id: str) -> Document:
-        return self.get(self.index_of(doc_id))
-
-
 def _corpus_relpath(corpus: Path, docstore_dir: Path) -> str:
     """The corpus as seen from the doc store's directory: what still finds it when the tree both live in (a data
     volume, PRORAG_HOME) is mounted or copied somewhere else."""
     return os.path.relpath(corpus, Path(docstore_dir).resolve())
-
-
-def _recorded_corpus(docstore_dir: Path, meta: dict) -> Path:
-    """The corpus a doc store reads: the absolute path it recorded, else (that path gone, e.g. the volume is mounted
-    elsewhere now) the same file relative to the doc store, as recorded next to it."""
-    recorded = Path(meta["corpus_path"])
-    rel = meta.get("corpus_relpath")
-    if not recorded.is_file() and rel and (docstore_dir / rel).is_file():
-        return (docstore_dir / rel).resolve()
-    return recorded
 
 
 def build_docstore(corpus_path: str | Path, out_dir: str | Path, progress: Progress | None = None) -> dict:
@@ -314,22 +215,6 @@ class DenseIndexConfig:
         return {**self.embed_key(), **c}
 
 
-def faiss_gpu_available() -> bool:
-    import faiss
-
-    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
-
-
-def resolve_use_gpu(use_gpu: str) -> bool:
-    if use_gpu == "false":
-        return False
-    ok = faiss_gpu_available()
-    if use_gpu == "true" and not ok:
-        raise FailedPrecondition("use_gpu=true but this faiss build sees no GPU "
-                                 "(install faiss-gpu on a GPU host, or use auto)")
-    return ok
-
-
 def _shard_path(emb: Path, s: int) -> Path:
     return emb / f"shard-{s:05d}.npy"
 
@@ -352,7 +237,7 @@ def _embed_corpus(scan: CorpusScan, out_dir: Path, cfg: DenseIndexConfig, encode
     """Encode missing shards; return (shard paths, dim, model id)."""
     emb = out_dir / "emb"
     key = {"corpus_sha256": scan.sha256, **cfg.embed_key()}
-    manifest = _read_json(emb / "manifest.json")
+    manifest = read_json(emb / "manifest.json")
     if manifest is None or manifest.get("key") != key:
         # Shards from another corpus or encoder are useless; start over cleanly.
         shutil.rmtree(emb, ignore_errors=True)
@@ -541,19 +426,6 @@ class BM25Config:
     stemmer: str = cfg_field("none", help="'english' needs PyStemmer installed", choices=("none", "english"))
 
 
-def make_bm25_tokenizer(cfg: BM25Config):
-    import bm25s
-
-    stemmer = None
-    if cfg.stemmer == "english":
-        try:
-            import Stemmer
-        except ImportError:
-            raise FailedPrecondition("stemmer='english' needs PyStemmer: pip install PyStemmer") from None
-        stemmer = Stemmer.Stemmer("english")
-    return bm25s.tokenization.Tokenizer(stopwords="en" if cfg.stopwords == "en" else None, stemmer=stemmer)
-
-
 def build_bm25_index(corpus_path: str | Path, out_dir: str | Path, cfg: BM25Config | None = None,
                      progress: Progress | None = None) -> dict:
     """Tokenise title + text and index with bm25s into ``out_dir`` (one atomic directory swap)."""
@@ -569,7 +441,7 @@ def build_bm25_index(corpus_path: str | Path, out_dir: str | Path, cfg: BM25Conf
     meta = read_meta(out_dir)
     if meta and meta.get("config_key") == key:
         return meta
-    tok = make_bm25_tokenizer(cfg)
+    tok = make_bm25_tokenizer(cfg.stopwords, cfg.stemmer)
     ids: list[list[int]] = []
     step = 20_000
     for start in range(0, scan.n_docs, step):

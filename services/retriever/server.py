@@ -40,14 +40,15 @@ class RetrieverConfig:
 def open_engine(cfg: RetrieverConfig):
     from services.retriever.engine import RetrievalEngine
 
-    return RetrievalEngine.from_dir(cfg.resolved_index_root(), default=cfg.default_index, max_topk=cfg.max_topk,
-                                    max_batch=cfg.max_batch, max_query_chars=cfg.max_query_chars)
+    return RetrievalEngine.from_dir(cfg.resolved_index_root(), default=cfg.default_index)
 
 
 async def start(serve: ServeConfig, cfg: RetrieverConfig | None = None, engine=None) -> Started:
     cfg = cfg or RetrieverConfig()
     engine = engine or open_engine(cfg)
-    frontend = SearchFrontend(engine, max_items=cfg.max_batch_items, max_queue=cfg.max_queue)
+    frontend = SearchFrontend(engine, max_topk=cfg.max_topk, max_batch=cfg.max_batch,
+                              max_query_chars=cfg.max_query_chars, max_items=cfg.max_batch_items,
+                              max_queue=cfg.max_queue)
     servicer = RetrieverServicer(frontend)
     spec = ServerSpec(name="retriever",
                       services=[(SERVICE, lambda s: retriever_pb2_grpc.add_RetrieverServicer_to_server(servicer, s))])

@@ -1,4 +1,4 @@
-"""Thin gRPC servicer for prorag.v1.Retriever: validate, convert, call the batched engine."""
+"""Thin gRPC servicer for prorag.v1.Retriever: convert, call the front end (which checks and batches)."""
 
 from __future__ import annotations
 
@@ -26,18 +26,18 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             results=[retriever_pb2.QueryResult(documents=[scored_document_pb(d) for d in docs]) for docs in results])
 
     async def ListIndexes(self, request, context):
-        engine = self.frontend.engine
+        frontend = self.frontend
         infos = []
-        for info in engine.list_indexes():
+        for info in frontend.list_indexes():
             infos.append(retriever_pb2.IndexInfo(
                 name=info["name"], kind=info["kind"], num_documents=int(info.get("num_documents", 0)),
                 encoder=info.get("encoder") or "", faiss_type=info.get("faiss_type") or "",
                 is_default=bool(info.get("is_default")),
                 extra={k: str(v) for k, v in (info.get("extra") or {}).items()}))
-        return retriever_pb2.ListIndexesResponse(indexes=infos, max_topk=engine.max_topk,
-                                                 max_batch=engine.max_batch,
-                                                 max_query_chars=engine.max_query_chars)
+        return retriever_pb2.ListIndexesResponse(indexes=infos, max_topk=frontend.max_topk,
+                                                 max_batch=frontend.max_batch,
+                                                 max_query_chars=frontend.max_query_chars)
 
     async def GetDocuments(self, request, context):
-        docs = self.frontend.engine.get_documents(list(request.ids))
+        docs = self.frontend.get_documents(list(request.ids))
         return retriever_pb2.GetDocumentsResponse(documents=[document_pb(d) for d in docs])

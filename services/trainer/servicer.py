@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from prorag.errors import InvalidArgument, NotFound, Unavailable
+from prorag.errors import NotFound, Unavailable
 from prorag.pb import trainer_pb2, trainer_pb2_grpc
 from services.trainer.jobs import Artifact, Job, JobManager, JobState
-from services.trainer.stages import known_stages
 
 STATE_TO_PB = {state: trainer_pb2.JobState.Value(f"JOB_STATE_{state.value}") for state in JobState}
 
@@ -48,8 +47,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self._closing.set()
 
     async def StartJob(self, request, context):
-        if not request.stage:
-            raise InvalidArgument(f"stage is required; known stages: {', '.join(known_stages())}")
         # Submission touches the disk (fsync); keep the event loop free for watchers.
         job = await asyncio.to_thread(self.manager.submit, request.stage, request.config_json, request.job_id)
         return job_to_pb(job)

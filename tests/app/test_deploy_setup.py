@@ -129,7 +129,7 @@ def mount(setup_env) -> Path:
 def test_setup_gpu_imports_everything_into_the_volume_and_then_does_nothing(setup_env, mount, monkeypatch, capsys):
     from prorag_app.deploy_setup import check_tags, run
     from services.retriever.engine import RetrievalEngine
-    from services.retriever.indexing import read_meta
+    from services.retriever.docstore import read_meta
 
     data = (setup_env / "home" / "data").resolve()
     monkeypatch.setenv("PRORAG_MODELS_FROM", str(mount))
@@ -194,7 +194,7 @@ def test_setup_refuses_paths_outside_the_volume(setup_env, monkeypatch, capsys):
 
 def test_setup_cpu_indexes_an_imported_corpus_where_the_retriever_is_told_to_look(setup_env, mount, monkeypatch):
     from prorag_app.deploy_setup import EXIT_BAD_INPUT, run
-    from services.retriever.indexing import read_meta
+    from services.retriever.docstore import read_meta
 
     data = (setup_env / "home" / "data").resolve()
     monkeypatch.setenv("WIKI18_IMPORT", str(mount / "wiki-18.jsonl.gz"))
@@ -237,7 +237,7 @@ def test_setup_gpu_imports_a_dataset_folder_as_the_world_and_never_overwrites_it
 
 def test_prorag_index_fp16_is_recorded_with_the_index(setup_env, mount, capsys):
     from prorag_app.cli import main
-    from services.retriever.indexing import read_meta
+    from services.retriever.docstore import read_meta
 
     corpus = setup_env / "c.jsonl"
     with gzip.open(mount / "wiki-18.jsonl.gz", "rb") as f:

@@ -203,8 +203,9 @@ def stack(request, tiny_policy, secrets, tmp_path_factory):
     loop = LoopThread()
     with single_thread():
         started = {
-            "retriever": loop.run(start_retriever(serve(True), RetrieverConfig(), engine=RetrievalEngine.from_dir(
-                tmp / "index", default="bm25", max_topk=10, max_batch=8, max_query_chars=256))),
+            "retriever": loop.run(start_retriever(
+                serve(True), RetrieverConfig(max_topk=10, max_batch=8, max_query_chars=256),
+                engine=RetrievalEngine.from_dir(tmp / "index", default="bm25"))),
             "prm": loop.run(start_prm(serve(False), PRMServeConfig(max_items=4, max_steps=8),
                                       engine=PRMEngine(str(tmp / "prm"), max_len=0))),
             "judge": loop.run(start_judge(serve(False), JudgeConfig(max_items=4, max_candidates=4),

@@ -12,14 +12,14 @@ import traceback
 from pathlib import Path
 from typing import Callable, Sequence
 
-from prorag.errors import AlreadyExists, FailedPrecondition, ResourceExhausted, Unavailable
+from prorag.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from prorag.validation import DEFAULT_ALLOWED_ENDPOINTS
 from services.trainer.jobs.admission import Admission, paths_of_the_config
 from services.trainer.jobs.ledger import JobLedger
 from services.trainer.jobs.record import Job, JobState, now_iso
 from services.trainer.jobs.runner import JobRunner
 from services.trainer.jobs.store import JobStore
-from services.trainer.stages import get_stage, resolve_inputs
+from services.trainer.stages import get_stage, known_stages, resolve_inputs
 
 log = logging.getLogger("prorag.trainer.jobs")
 
@@ -150,6 +150,8 @@ class JobManager:
 
     # -- API
     def submit(self, stage_name: str, config: str | dict | None = None, job_id: str = "") -> Job:
+        if not stage_name:
+            raise InvalidArgument(f"stage is required; known stages: {', '.join(known_stages())}")
         self._ready()
         stage = get_stage(stage_name)
         cfg, cfg_dict, cfg_json = self.admission.config(stage, config)

@@ -168,7 +168,7 @@ def index_root(tmp_path_factory, corpus_path, encoder) -> Path:
 def engine(index_root, encoder):
     from services.retriever.engine import RetrievalEngine
 
-    return RetrievalEngine.from_dir(index_root, encoder=encoder, max_topk=50, max_batch=100, max_query_chars=300)
+    return RetrievalEngine.from_dir(index_root, encoder=encoder)
 
 
 def topic_ids() -> list[str]:
