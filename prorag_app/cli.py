@@ -406,12 +406,13 @@ def cmd_eval(args) -> int:
 def cmd_run(args) -> int:
     import dataclasses
 
-    from prorag_app.pipeline import PLANS, PROFILES, run_ablation, run_main_job, with_overrides
+    from prorag_app.pipeline import run_ablation, run_main_job
+    from prorag_app.profiles import PLANS, PROFILES, with_overrides
 
     if args.profile == "ablation":
         if args.stage34_seed is not None or args.beta is not None or args.set or args.split != "test":
             raise SystemExit("--profile ablation runs its own seeds and betas on the test split "
-                             "(prorag_app.pipeline.ABLATION); --stage34-seed, --beta, --set and --split are for "
+                             "(prorag_app.profiles.ABLATION); --stage34-seed, --beta, --set and --split are for "
                              "single runs")
         run_ablation(world=args.world, port_offset=args.port_offset)
         return 0
@@ -476,7 +477,7 @@ def _add_health_parser(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from prorag.methods import METHODS
-    from prorag_app.pipeline import PROFILES
+    from prorag_app.profiles import PROFILES
 
     p = argparse.ArgumentParser(prog="prorag", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
