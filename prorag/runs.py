@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from prorag import paths
@@ -48,3 +51,12 @@ def write_results(run_dir: Path, results: dict) -> Path:
     write_json(run_dir / "results.json", results)
     point_latest(run_dir)
     return run_dir / "results.json"
+
+
+@contextlib.contextmanager
+def timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    """Records under ``timings[name]`` the seconds the block took (monotonic clock), once it completes: the
+    phases of a run in results.json's "timings"."""
+    start = time.monotonic()
+    yield
+    timings[name] = time.monotonic() - start

@@ -146,13 +146,13 @@ def sft_throughput(shape: dict, placement, batch: int, seq_len: int, steps: int,
 def decode_throughput(shape: dict, placement, tokenizer, batch: int, prompt_len: int, new_tokens: int,
                       bandwidth: float, compile_modes: tuple[str, ...]) -> dict:
     """The transformers engine decoding ``batch`` distinct random prompts of ``prompt_len`` tokens, ``new_tokens``
-    each, against the bare batched forward pass of the same model (prorag_app.bench.bare_decode_tokens_per_s) and
+    each, against the bare batched forward pass of the same model (prorag_app.bench.decode.bare_decode_tokens_per_s) and
     the memory-bandwidth limit (prorag.perf.decode_bandwidth_limit at the measured bandwidth)."""
     import torch
 
     from prorag.engine import SamplingSpec
     from prorag.perf import decode_bandwidth_limit
-    from prorag_app.bench import bare_decode_tokens_per_s
+    from prorag_app.bench.decode import bare_decode_tokens_per_s
     from services.policy.engine import TransformersEngine
 
     model = random_qwen3(shape, placement.device, placement.dtype)

@@ -333,16 +333,11 @@ def cmd_up(args) -> int:
 
 # ---------------------------------------------------------------- bench / run
 def cmd_bench(args) -> int:
-    from prorag_app import bench
+    from prorag_app.bench import BENCHES
 
-    if args.target in ("load", "soak"):  # services under load and over time (issue 31): prorag_app.bench_load
-        from prorag_app import bench_load
-
-        fn = getattr(bench_load, f"bench_{args.target}")
-    else:
-        fn = getattr(bench, f"bench_{args.target}", None)
+    fn = BENCHES.get(args.target)
     if fn is None:
-        raise SystemExit(f"unknown bench target {args.target!r}; known: {', '.join(bench.TARGETS)}, load, soak")
+        raise SystemExit(f"unknown bench target {args.target!r}; known: {', '.join(BENCHES)}")
     result = fn(args)
     if args.json:
         print(json.dumps(result, sort_keys=True))
@@ -406,12 +401,13 @@ def cmd_eval(args) -> int:
 def cmd_run(args) -> int:
     import dataclasses
 
-    from prorag_app.pipeline import PLANS, PROFILES, run_ablation, run_main_job, with_overrides
+    from prorag_app.pipeline import run_ablation, run_main_job
+    from prorag_app.profiles import PLANS, PROFILES, with_overrides
 
     if args.profile == "ablation":
         if args.stage34_seed is not None or args.beta is not None or args.set or args.split != "test":
             raise SystemExit("--profile ablation runs its own seeds and betas on the test split "
-                             "(prorag_app.pipeline.ABLATION); --stage34-seed, --beta, --set and --split are for "
+                             "(prorag_app.profiles.ABLATION); --stage34-seed, --beta, --set and --split are for "
                              "single runs")
         run_ablation(world=args.world, port_offset=args.port_offset)
         return 0
@@ -476,7 +472,7 @@ def _add_health_parser(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from prorag.methods import METHODS
-    from prorag_app.pipeline import PROFILES
+    from prorag_app.profiles import PROFILES
 
     p = argparse.ArgumentParser(prog="prorag", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -609,7 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="retriever: requests of the one-client one-query shape (the other shapes scale from it)")
     b.add_argument("--no-secure", action="store_true",
                    help="retriever: skip the TLS + bearer-token server in the load shapes")
-    # load / soak (prorag_app.bench_load): services started by the bench on free loopback ports
+    # load / soak (prorag_app.bench.load): services started by the bench on free loopback ports
     b.add_argument("--services", default="retriever,policy,prm", help="load: services driven, comma-separated")
     b.add_argument("--levels", default="", help="load: concurrency levels, e.g. 1,2,4 (default: 1, 2, 4, ... up to "
                                                 "--max-concurrency)")

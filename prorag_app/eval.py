@@ -348,7 +348,7 @@ def eval_prm(args) -> int:
     from prorag.io import write_json
     from prorag.registry import MANIFEST, Manifest, registry
     from prorag.runs import new_run_dir, point_latest
-    from prorag_app.pipeline import PROFILES
+    from prorag_app.profiles import PROFILES
 
     prm_dir = registry("prm", args.world).resolve(args.model or "prm")
     world_dir = paths.world_dir(args.world)

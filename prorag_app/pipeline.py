@@ -16,17 +16,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-
-from rich.console import Console
-from rich.table import Table
 
 from prorag import paths
 from prorag.rpc.clients import PolicyClient, RetrieverClient
@@ -37,213 +34,13 @@ from prorag.evaluation import grouped_mean_ci, recall_at_k, retrieval_queries
 from prorag.errors import InvalidArgument
 from prorag.methods import base_method, get_method
 from prorag.registry import registry
-from prorag.runs import code_version, new_run_dir, write_results
+from prorag.runs import code_version, new_run_dir, point_latest, timed, write_results
+from prorag_app.profiles import ABLATION, PROFILES, AblationPlan, Profile, with_overrides, with_stage34
+from prorag_app.run_tables import console, print_diagnostics, print_figure, print_retrieval_table, print_stage34
 from prorag_app.stack import ServiceStack
 
 KS = (1, 3, 5, 10)
 INDEXES = ("dense", "bm25", "hybrid")
-console = Console()
-
-
-@dataclass(frozen=True)
-class Profile:
-    """What `make run` trains and evaluates; `tiny` is what the end-to-end test runs.
-
-    Typed: at definition every method must be in the method table, every SFT setting a valid SFTConfig
-    field and value, every warm-up setting a valid WarmupConfig one, so a typo fails at import, not an
-    hour into a run."""
-
-    world: str
-    model_preset: str
-    vocab_size: int
-    sft: dict                      # SFT job settings shared by the policy and the baselines
-    eval_questions: int = 0        # 0 = the whole test split
-    methods: tuple[str, ...] = ("no_retrieval", "standard_rag", "sft")
-    base_warmup: dict | None = None  # base warm-up (WarmupConfig overrides); None = the world's default base
-    base_variant: str = ""           # directory suffix of a base other than the world's default
-    method_sft: dict = field(default_factory=dict)  # {method: SFT settings on top of ``sft`` for that method only}
-    stage2: dict | None = None  # MCTS, judging, PRM and its validation (prorag_app.stage2.Stage2Settings); None = off
-    stage34: dict | None = None  # RFT, ProRAG's RL and outcome-only GRPO (prorag_app.stage34.Stage34Settings)
-    #: questions of the world's extra 3+ hop split (prorag.data.world.ensure_deep_split) on which the SFT agent
-    #: and the stage 3-4 methods are also evaluated, so their paired comparisons see enough deep questions
-    deep_questions: int = 0
-    #: the split methods are evaluated and compared on: test for reported figures, dev for choosing settings
-    #: (`prorag run --split dev`, with the dev deep split: drawn after the test one, sharing no question with it)
-    eval_split: str = "test"
-
-    def __post_init__(self) -> None:
-        from prorag.config import check_fields
-        from prorag.modeling import WarmupConfig
-        from services.trainer.stage_sft import SFTConfig
-
-        for m in self.methods:
-            method = get_method(m)
-            if method.reader and method.reader not in self.methods:
-                raise InvalidArgument(f"profile method {m!r} reads with {method.reader!r}'s model: list "
-                                      f"{method.reader!r} in the profile's methods too")
-        for m in (*(m for m in self.methods if not get_method(m).reader), *self.method_sft):
-            if get_method(m).stage != "sft":
-                what = (f"reads with {get_method(m).reader!r}'s model and is not trained" if get_method(m).reader
-                        else f"is trained by stage {get_method(m).stage!r}")
-                raise InvalidArgument(f"profile method {m!r} {what}, not SFT: stages 3-4 are asked for by the "
-                                      "profile's stage34 settings")
-        if self.eval_split not in ("test", "dev"):
-            raise InvalidArgument(f"eval_split: {self.eval_split!r} is not test or dev")
-        check_fields(SFTConfig, self.sft, prefix="sft.")
-        for m, settings in self.method_sft.items():
-            check_fields(SFTConfig, settings, prefix=f"method_sft.{m}.")
-        if self.base_warmup is not None:
-            check_fields(WarmupConfig, self.base_warmup, prefix="base_warmup.")
-        if self.stage2 is not None:
-            from prorag.search.mcts import MCTSConfig
-            from prorag_app.stage2 import Stage2Settings
-            from services.trainer.stage_mcts import MCTSStageConfig
-            from services.trainer.stage_prm import PRMConfig
-
-            from services.trainer.stage_siblings import SiblingsStageConfig
-
-            check_fields(Stage2Settings, {k: v for k, v in self.stage2.items()
-                                          if k not in ("mcts", "prm", "siblings")}, prefix="stage2.")
-            check_fields(SiblingsStageConfig, self.stage2.get("siblings", {}), prefix="stage2.siblings.")
-            mcts = dict(self.stage2.get("mcts", {}))
-            check_fields(MCTSConfig, mcts.pop("mcts", {}), prefix="stage2.mcts.mcts.")
-            check_fields(MCTSStageConfig, mcts, prefix="stage2.mcts.")
-            check_fields(PRMConfig, self.stage2.get("prm", {}), prefix="stage2.prm.")
-        if self.stage34 is not None:
-            from prorag_app.stage34 import Stage34Settings
-            from services.trainer.stage_rft import RFTConfig
-            from services.trainer.stage_rl import RLConfig
-
-            from services.trainer.stage_rlpool import RLPoolConfig
-
-            check_fields(Stage34Settings, {k: v for k, v in self.stage34.items()
-                                           if k not in ("rft", "rl", "dpo", "pool")}, prefix="stage34.")
-            check_fields(RLPoolConfig, self.stage34.get("pool", {}), prefix="stage34.pool.")
-            for m in self.stage34.get("methods", ()):
-                if get_method(m).stage not in ("rft", "rl", "dpo"):
-                    raise InvalidArgument(f"stage34.methods: {m!r} is not a stage 3-4 method")
-            check_fields(RFTConfig, self.stage34.get("rft", {}), prefix="stage34.rft.")
-            check_fields(RLConfig, self.stage34.get("rl", {}), prefix="stage34.rl.")
-            from services.trainer.stage_dpo import DPOConfig
-
-            check_fields(DPOConfig, self.stage34.get("dpo", {}), prefix="stage34.dpo.")
-
-    @property
-    def trained_methods(self) -> tuple[str, ...]:
-        """The methods the SFT stage trains (the others read with one of these models)."""
-        return tuple(m for m in self.methods if get_method(m).stage == "sft")
-
-    def model_of(self, method: str) -> str:
-        """The trained method whose model ``method`` is evaluated with (itself, or its reader)."""
-        return get_method(base_method(method)).reader or method
-
-    def sft_for(self, method: str) -> dict:
-        """The SFT job settings of ``method``: its table entry's, the profile's shared ones, then its own."""
-        return {**get_method(method).train, **self.sft, **self.method_sft.get(method, {})}
-
-
-#: The recipe that reaches the SFT figure (docs/BENCHMARKS.md, "One document per subquery, 1,200 SFT steps,
-#: canonical subqueries" and "The SFT figure on worlds built with other seeds"): the default world's base
-#: (prorag_app.embedded: the induction-wired `cpu-induction` preset with the gap and paraphrase warm-up phases),
-#: restated questions, plan-carrying thoughts, 1,200 SFT steps over the whole train split for the agent and the
-#: no-retrieval baseline, the agent reading one document per subquery written in its relation's one phrasing, and
-#: standard RAG reading with the agent's model (one search with the question). standard_rag_ft, the separately
-#: fine-tuned standard RAG (also trained on each gold hop's reading sample), is not in the default methods: its
-#: reading depended on the world (docs/BENCHMARKS.md).
-RECIPE = Profile(world="default", model_preset="cpu-induction", vocab_size=8192,
-                 sft={"max_questions": 0, "max_steps": 1200, "batch_size": 8, "lr": 3e-3, "log_every": 10,
-                      "checkpoint_every": 200, "restate_question": True, "plan_thoughts": True},
-                 # the agent reads one document per subquery: the top-1 of the default (hybrid) index holds a
-                 # gold sub-question's document 98.6% of the time, and the small policy reads one document far
-                 # better than three; and it writes each relation's subquery one way (dev 2+ hops 32.1 -> 51.1)
-                 method_sft={"sft": {"topk": 1, "canonical_subqueries": True},
-                             # when trained (not by default): also on each gold hop's answer read out of its
-                             # documents, as the agent's subanswers are, from the one top document the agent reads
-                             "standard_rag_ft": {"hop_samples": True, "topk": 1}},
-                 # stage 2 on the trained agent: MCTS on 200 train questions (ProRAG: 200 simulations x 5
-                 # expansions on 728; cut to what 2 cores finish in minutes), pairs labelled by the reference judge,
-                 # the PRM (Bradley-Terry) on them, validated on 250 questions of the split (the gate reads it)
-                 stage2={"mcts": {"max_questions": 200, "concurrency": 32, "max_step_tokens": 96, "seed": 1,
-                                  "mcts": {"simulations": 12, "expansions": 4, "max_children": 4}},
-                         "prm": {"epochs": 2, "batch_size": 8, "lr": 5e-4, "label_source": "judge"},
-                         # every corruption family on 250 questions (the whole split: 2.5x the cases of the four
-                         # in-distribution families, whose validation took 134 s; an estimate, not measured)
-                         "eval_questions": 250},
-                 # stages 3-4 and outcome-only GRPO from the same agent, with the same RL questions, iterations,
-                 # group size and learning rate for both RL methods (sized for 2 cores; docs/BENCHMARKS.md)
-                 # RFT as the reference does it (RFTConfig's defaults: per step, questions even over hop counts):
-                 # every correct trajectory, the loss on its steps among the PRM's better half (a Bradley-Terry
-                 # PRM's logits carry an offset, so a fixed threshold 0 kept nothing); one gold SFT trajectory
-                 # replayed per kept one at a 5x lower rate (docs/BENCHMARKS.md: RFT alone taught stopping early)
-                 # the headline is ProRAG without RFT against outcome GRPO (the same start, questions and budget);
-                 # the full ProRAG (RFT first) and ReasonRAG beside it (issue 30)
-                 stage34={"methods": ("rft", "prorag", "outcome_grpo", "prorag_no_rft", "reasonrag"),
-                          "rft": {"max_questions": 400, "samples_per_question": 4, "temperature": 0.8,
-                                  "max_step_tokens": 96, "batch_size": 8, "lr": 1e-4, "replay": 1.0, "seed": 1,
-                                  "prm_keep_fraction": 0.5},
-                          "rl": {"iterations": 10, "questions_per_iteration": 16, "group_size": 8, "lr": 5e-4,
-                                 "max_step_tokens": 96, "checkpoint_every": 5, "seed": 1},
-                          # ReasonRAG: DPO on the value-labelled pairs of the same MCTS trees, at the RL methods'
-                          # learning rate (its 1 epoch at 1e-6 is for full fine-tuning of a 7B model)
-                          "dpo": {"epochs": 3, "batch_size": 8, "lr": 5e-4, "seed": 1},
-                          "beta": 0.3},
-                 # with the test split's 175 questions of 3+ hops, 625 for the stage 3-4 comparisons (issue 19: 600)
-                 deep_questions=450)
-
-PROFILES = {
-    "tiny": Profile(world="tiny", model_preset="tiny", vocab_size=2048,
-                    sft={"max_steps": 24, "batch_size": 8, "lr": 3e-3, "log_every": 4, "checkpoint_every": 12},
-                    stage2={"mcts": {"max_questions": 6, "concurrency": 3, "max_step_tokens": 64, "seed": 1,
-                                     "mcts": {"simulations": 4, "expansions": 2, "max_children": 2, "max_depth": 6}},
-                            "prm": {"epochs": 1, "batch_size": 4, "log_every": 1, "checkpoint_every": 10,
-                                    "label_source": "judge"},
-                            "eval_questions": 20},
-                    stage34={"rft": {"max_questions": 8, "samples_per_question": 2, "max_step_tokens": 32,
-                                     "max_train_steps": 2, "batch_size": 2, "checkpoint_every": 1},
-                             "rl": {"iterations": 2, "questions_per_iteration": 4, "group_size": 2,
-                                    "max_step_tokens": 32, "max_steps": 4, "lr": 1e-3, "lora_r": 4, "lora_alpha": 8,
-                                    "checkpoint_every": 1},
-                             "dpo": {"epochs": 1, "batch_size": 4, "lora_r": 4, "lora_alpha": 8}},
-                    deep_questions=8),
-    "default": RECIPE,
-    # stage 1 of the recipe alone: the agent and standard RAG read by it, no stages 2-4 (~25 minutes on 2 cores);
-    # what the SFT figure on worlds built with other seeds is measured with
-    "stage1": dataclasses.replace(RECIPE, methods=("standard_rag", "sft"), stage2=None, stage34=None),
-    # the name the recipe had while it was not the default; outside scripts call it
-    "full": RECIPE,
-    # The earlier default, sized for a 20-minute budget (~12 minutes): the plain `cpu` base warmed up by the copy
-    # task and reading curriculum only, 240 SFT steps over 3,000 questions. Its agent does not reach the figure
-    # (test F1 1.3-1.8, docs/BENCHMARKS.md); kept for quick checks of the whole pipeline.
-    "quick": Profile(world="default", model_preset="cpu", vocab_size=8192, base_warmup={}, base_variant="quick",
-                     sft={"max_questions": 3000, "max_steps": 240, "batch_size": 8, "lr": 3e-3, "log_every": 10,
-                          "checkpoint_every": 60}),
-}
-
-#: issue 30's experiment, sized for hours rather than `make run`'s hour (`prorag run --profile research` runs it over
-#: RESEARCH's three stage 3-4 seeds, then `prorag report`; a single seed with --stage34-seed). Each choice and why:
-#: - pairs that contain reading: the sibling sampler on 2,000 train questions beside the MCTS trees (stage 2's PRM
-#:   saw ~100 judged pairs per run before), the PRM validated on the whole split, and the gate enforced: a PRM below
-#:   it guides nothing and the report says so;
-#: - the same start for the headline: outcome GRPO and ProRAG without RFT both from the SFT agent, on one learnable
-#:   pool (3+ hop train questions the SFT agent sometimes answers: 78-86% of deep groups had no right answer);
-#: - a budget RL can learn in: 100 iterations of 16 questions (the default profile runs 10);
-#: - the oracle ceiling (prorag_oracle) beside them, a diagnostic and never a headline;
-#: - RFT as the reference does it (per step, questions even over hop counts).
-RESEARCH_PROFILE = dataclasses.replace(
-    RECIPE,
-    stage2={**RECIPE.stage2,
-            "siblings": {"max_questions": 2000, "samples": 4, "concurrency": 32, "max_step_tokens": 96,
-                         "max_steps": 10, "seed": 1},
-            "eval_questions": 0},
-    stage34={**RECIPE.stage34,
-             "methods": ("rft", "prorag", "outcome_grpo", "prorag_no_rft", "prorag_oracle", "reasonrag"),
-             "rft": {**RECIPE.stage34["rft"], "filter": "step", "hop_balanced": True},
-             "rl": {**RECIPE.stage34["rl"], "iterations": 100, "min_hops": 3, "checkpoint_every": 10,
-                    "prm_centering": "per_kind"},
-             "pool": {"samples": 8, "max_questions": 1500},
-             "eval_iterations": (33,),  # a third of the RL questions: the data-efficiency point
-             "prm_gate": "enforce"})
-PROFILES["research"] = RESEARCH_PROFILE
 
 
 # ---------------------------------------------------------------- retrieval quality
@@ -264,24 +61,6 @@ def evaluate_retrieval(client: RetrieverClient, questions, indexes=INDEXES, ks=K
             res[name] = {f"recall@{k}": grouped_mean_ci(recall_at_k(ranked, gold, k), groups) for k in ks}
         out[index] = res
     return out
-
-
-def print_retrieval_table(results: dict, ks=KS) -> None:
-    for name, title in (("subquery", "gold sub-question per hop (what a step-by-step agent searches)"),
-                        ("question", "whole question (what standard RAG searches)")):
-        table = Table(title=f"Retrieval recall@k: {title}")
-        table.add_column("index")
-        table.add_column("group")
-        for k in ks:
-            table.add_column(f"R@{k}", justify="right")
-        table.add_column("n", justify="right")
-        for index, res in results.items():
-            cells = res[name]
-            for g in cells[f"recall@{ks[0]}"]:
-                table.add_row(index, g, *[f"{cells[f'recall@{k}'][g]['mean']:.3f}" for k in ks],
-                              str(cells[f"recall@{ks[0]}"][g]["n"]))
-            table.add_section()
-        console.print(table)
 
 
 # ---------------------------------------------------------------- training through the trainer
@@ -388,9 +167,9 @@ def training_parallelism(n_jobs: int, cores: int | None = None) -> tuple[int, in
     return parallel, max(1, cores // parallel)
 
 
-def train(stack: ServiceStack, method: str, profile: Profile, base_model: str, world: str) -> dict:
-    """Run (or reuse) the training job of one method (:func:`train_methods`)."""
-    return train_methods(stack, [method], profile, base_model, world)[method]
+def published_dir(world: str, job: dict) -> str:
+    """The directory of the model a finished training job published."""
+    return str(registry("model", world).resolve(job["model"]))
 
 
 def eval_options(method: str, model_dir: str) -> dict:
@@ -458,13 +237,12 @@ def evaluate_methods(models: dict[str, str], world: str, stack: ServiceStack, qu
     (docs/BENCHMARKS.md). Returns method -> result in the order of ``models``; timings gets eval_<method>_s."""
     from concurrent.futures import ThreadPoolExecutor
 
+    timings = {} if timings is None else timings
+
     def one(i: int, method: str) -> dict:
-        t = time.monotonic()
-        out = evaluate_method(method, models[method], world, stack, questions, run_dir, port_offset + 10 * i,
-                              adapter=(adapters or {}).get(method, ""))
-        if timings is not None:
-            timings[f"eval_{method}_s"] = time.monotonic() - t
-        return out
+        with timed(timings, f"eval_{method}_s"):
+            return evaluate_method(method, models[method], world, stack, questions, run_dir, port_offset + 10 * i,
+                                   adapter=(adapters or {}).get(method, ""))
 
     with ThreadPoolExecutor(max_workers=len(models)) as pool:
         futures = {m: pool.submit(one, i, m) for i, m in enumerate(models)}
@@ -479,14 +257,12 @@ def stage2(prof: Profile, stack: ServiceStack, world: str, sft_model: str, run_d
     from prorag_app.stage2 import Stage2Settings, run_stage2
 
     settings = from_dict(Stage2Settings, prof.stage2)
-    t = time.monotonic()
     serving = ServiceStack(port_offset=port_offset, world=world, services=("policy",),
                            overrides={"policy": {"model": sft_model, "retriever": stack.grpc_target("retriever")}},
                            log_dir=str(run_dir / "logs" / "stage2-policy"))
-    with serving:
+    with timed(timings, "stage2_s"), serving:
         out = run_stage2(stack, serving.grpc_target("policy"), world, sft_model, prof.sft_for("sft"), settings,
                          run_dir, f"{world}-stage2", timings, split=prof.eval_split)
-    timings["stage2_s"] = time.monotonic() - t
     if "auc_gold_vs_corrupted" in out:
         print_prm_families(out)
     return out
@@ -503,22 +279,21 @@ def stage34(prof: Profile, stack: ServiceStack, world: str, sft_ref: str, prm: d
     settings = from_dict(Stage34Settings, prof.stage34)
     prm_dir = (str(registry("prm", world).resolve(prm["model"])) if prm is not None and "model" in prm else None)
     sft_dir = str(registry("model", world).resolve(sft_ref))
-    t = time.monotonic()
-    out = run_stage34(stack, world, sft_ref, sft_dir, prm_dir, prof.sft_for("sft"), settings, run_dir,
-                      port_offset + 200, timings, pairs_path=(prm or {}).get("pairs_path"),
-                      prm_gate=(prm or {}).get("gate"))
-    models = out["models"]
-    evaluated = evaluate_methods({m: v["model"] for m, v in models.items()}, world, stack, questions, run_dir,
-                                 port_offset + 100, timings, adapters={m: v["adapter"] for m, v in models.items()})
     deep_scores = {}
-    if deep:
-        t_deep = time.monotonic()
-        # the RL adapters of earlier iterations too: the data-efficiency curve then counts the deep questions
-        deep_models = {"sft": sft_dir, **{m: v["model"] for m, v in models.items()}}
-        deep_scores = evaluate_methods(deep_models, world, stack, list(deep), Path(run_dir) / "deep",
-                                       port_offset + 100, adapters={m: v["adapter"] for m, v in models.items()})
-        timings["eval_deep_s"] = time.monotonic() - t_deep
-    timings["stage34_s"] = time.monotonic() - t
+    with timed(timings, "stage34_s"):
+        out = run_stage34(stack, world, sft_ref, sft_dir, prm_dir, prof.sft_for("sft"), settings, run_dir,
+                          port_offset + 200, timings, pairs_path=(prm or {}).get("pairs_path"),
+                          prm_gate=(prm or {}).get("gate"))
+        models = out["models"]
+        adapters = {m: v["adapter"] for m, v in models.items()}
+        evaluated = evaluate_methods({m: v["model"] for m, v in models.items()}, world, stack, questions, run_dir,
+                                     port_offset + 100, timings, adapters=adapters)
+        if deep:
+            # the RL adapters of earlier iterations too: the data-efficiency curve then counts the deep questions
+            with timed(timings, "eval_deep_s"):
+                deep_models = {"sft": sft_dir, **{m: v["model"] for m, v in models.items()}}
+                deep_scores = evaluate_methods(deep_models, world, stack, list(deep), Path(run_dir) / "deep",
+                                               port_offset + 100, adapters=adapters)
     return out, evaluated, deep_scores
 
 
@@ -560,21 +335,6 @@ def diagnostics(methods: dict[str, dict], probes: dict[str, dict]) -> dict[str, 
     return out
 
 
-def print_diagnostics(diag: dict[str, dict]) -> None:
-    table = Table(title="Diagnostics: format, the agent's first subquery, copying names read earlier (greedy)")
-    for col in ("model", "format-valid", "1st subquery names the entity", "copy probe: names", "tokens"):
-        table.add_column(col, justify="left" if col == "model" else "right")
-
-    def pct(v):
-        return "-" if v is None else f"{100 * v:.1f}%"
-
-    for name, d in diag.items():
-        probe = d.get("copy_probe") or {}
-        table.add_row(name, pct(d.get("format_valid_rate")), pct(d.get("first_subquery_entity_rate")),
-                      pct(probe.get("name_accuracy")), pct(probe.get("token_accuracy")))
-    console.print(table)
-
-
 def multi_hop_figure(methods: dict) -> dict | None:
     """Issue #4's figure from evaluated methods: sft vs standard_rag on 2+ hop questions (None when
     either is missing or the split has no multi-hop question)."""
@@ -587,133 +347,73 @@ def multi_hop_figure(methods: dict) -> dict | None:
             "standard_rag_f1": rag["f1"], "standard_rag_f1_ci": rag["f1_ci"], **margin_beyond_cis(sft, rag)}
 
 
-def with_stage34(prof: Profile, seed: int | None = None, beta: float | None = None) -> Profile:
-    """``prof`` with its stage 3-4 jobs' seed (RFT, RL, DPO) and ProRAG's beta replaced where given: the knobs
-    of the headline comparison's seeds and of the beta sweep (``prorag report`` pools such runs)."""
-    if prof.stage34 is None or (seed is None and beta is None):
-        return prof
-    s34 = {k: (dict(v) if isinstance(v, dict) else v) for k, v in prof.stage34.items()}
-    if seed is not None:
-        for job in ("rft", "rl", "dpo"):
-            s34[job] = {**s34.get(job, {}), "seed": int(seed)}
-    if beta is not None:
-        s34["beta"] = float(beta)
-    return dataclasses.replace(prof, stage34=s34)
+def deep_questions(world: str, prof: Profile) -> list:
+    """The world's extra split of 3+ hop questions that ``prof`` asks for (built when missing; a dev run gets its
+    own, drawn after the test one and disjoint from it); [] when it asks for none."""
+    if not prof.deep_questions:
+        return []
+    from prorag.data.world import DEEP_SPLITS, ensure_deep_split
 
-
-def with_overrides(prof: Profile, assignments: list[str] | tuple[str, ...]) -> Profile:
-    """``prof`` with ``KEY=VALUE`` assignments applied (`prorag run --set`): KEY is a dotted path into the profile
-    (``stage34.rft.lr``, ``stage34.methods``), VALUE is JSON (a bare word is taken as a string). The result is
-    checked like any profile, so an unknown field or a bad value fails before anything runs."""
-    fields_ = {f.name for f in dataclasses.fields(Profile)}
-    changes: dict = {}
-    for assignment in assignments:
-        key, sep, raw = assignment.partition("=")
-        path = [k for k in key.strip().split(".") if k]
-        if not sep or not path:
-            raise InvalidArgument(f"--set {assignment!r}: write KEY=VALUE, e.g. stage34.rft.lr=1e-4")
-        if path[0] not in fields_:
-            raise InvalidArgument(f"--set {key}: the profile has no field {path[0]!r} (it has {sorted(fields_)})")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        if isinstance(value, list):
-            value = tuple(value)
-        if len(path) == 1:
-            changes[path[0]] = value
-            continue
-        root = changes.get(path[0], getattr(prof, path[0]))
-        if not isinstance(root, dict):
-            raise InvalidArgument(f"--set {key}: profile field {path[0]!r} is not a settings dict")
-        root = node = json.loads(json.dumps(root))  # a deep copy: the profile's own dicts stay as they are
-        for k in path[1:-1]:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise InvalidArgument(f"--set {key}: {k!r} is not a settings dict")
-        node[path[-1]] = value
-        changes[path[0]] = root
-    return dataclasses.replace(prof, **changes) if changes else prof
+    ensure_deep_split(paths.world_dir(world), prof.deep_questions, prof.eval_split)
+    return load_split(paths.world_dir(world), DEEP_SPLITS[prof.eval_split])
 
 
 def run_main_job(profile: str = "default", world: str | None = None, port_offset: int = 0,
                  stage34_seed: int | None = None, beta: float | None = None, prof: Profile | None = None) -> dict:
     """`prorag run`: the profile named ``profile`` (or ``prof``, reported under that name) on its world or
-    ``world``; returns what results.json holds."""
+    ``world``; returns what results.json holds, its phases timed in order under "timings"."""
     from prorag_app.eval import format_table
+    from prorag_app.report import build_report
 
     prof = with_stage34(prof or PROFILES[profile], stage34_seed, beta)
     world = world or prof.world
     timings: dict[str, float] = {}
-    t0 = time.monotonic()
-    ensure_indexes(world)
-    with progress_bars() as progress:
-        base = ensure_policy_model(world, preset=prof.model_preset, vocab_size=prof.vocab_size, progress=progress,
-                                   warmup=prof.base_warmup, variant=prof.base_variant)
-    timings["build_world_indexes_model_s"] = time.monotonic() - t0
+    started = time.monotonic()
+    with timed(timings, "build_world_indexes_model_s"):
+        ensure_indexes(world)
+        with progress_bars() as progress:
+            base = ensure_policy_model(world, preset=prof.model_preset, vocab_size=prof.vocab_size,
+                                       progress=progress, warmup=prof.base_warmup, variant=prof.base_variant)
     run_dir = new_run_dir(f"run-{profile.replace('/', '-')}" + ("-dev" if prof.eval_split == "dev" else ""))
-    t1 = time.monotonic()
     test = load_split(paths.world_dir(world), prof.eval_split)
     eval_qs = test[:prof.eval_questions] if prof.eval_questions else test
-    methods, jobs = {}, {}
     trained = prof.trained_methods
     parallel, threads = training_parallelism(len(trained))
-    with ServiceStack(port_offset=port_offset, world=world, log_dir=str(run_dir / "logs" / "stack"),
-                      overrides={"policy": {"model": str(base)}, "trainer": {"parallel_jobs": parallel}}) as stack:
-        timings["start_services_s"] = time.monotonic() - t1
-        t2 = time.monotonic()
-        with RetrieverClient(stack.grpc_target("retriever")) as client:
+    prm, stage34_out, comparisons, deep, deep_scores = None, None, {}, [], {}
+    with contextlib.ExitStack() as running:
+        with timed(timings, "start_services_s"):
+            stack = running.enter_context(ServiceStack(
+                port_offset=port_offset, world=world, log_dir=str(run_dir / "logs" / "stack"),
+                overrides={"policy": {"model": str(base)}, "trainer": {"parallel_jobs": parallel}}))
+        with timed(timings, "evaluate_retrieval_s"), RetrieverClient(stack.grpc_target("retriever")) as client:
             retrieval = evaluate_retrieval(client, test)
-        timings["evaluate_retrieval_s"] = time.monotonic() - t2
-        print_retrieval_table(retrieval)
-        t3 = time.monotonic()
-        # the agent's job is the longest: started first, the baselines share the other worker(s) meanwhile
-        order = sorted(trained, key=lambda m: prof.sft_for(m).get("mode") != "agent")
-        jobs = train_methods(stack, order, prof, str(base), world, threads=threads)
-        timings["train_all_s"] = time.monotonic() - t3
-        for method in trained:
-            timings[f"train_{method}_s"] = jobs[method]["train_s"]
-        t4 = time.monotonic()
-        methods = evaluate_methods({m: str(registry("model", world).resolve(jobs[prof.model_of(m)]["model"]))
-                                    for m in prof.methods}, world, stack, eval_qs, run_dir, port_offset + 100, timings)
-        timings["eval_all_s"] = time.monotonic() - t4
+        print_retrieval_table(retrieval, KS)
+        with timed(timings, "train_all_s"):
+            # the agent's job is the longest: started first, the baselines share the other worker(s) meanwhile
+            order = sorted(trained, key=lambda m: prof.sft_for(m).get("mode") != "agent")
+            jobs = train_methods(stack, order, prof, str(base), world, threads=threads)
+        timings.update({f"train_{method}_s": jobs[method]["train_s"] for method in trained})
+        with timed(timings, "eval_all_s"):
+            methods = evaluate_methods({m: published_dir(world, jobs[prof.model_of(m)]) for m in prof.methods},
+                                       world, stack, eval_qs, run_dir, port_offset + 100, timings)
         console.print(format_table(methods, prof.eval_split))
-        prm = None
         if prof.stage2 is not None and "sft" in jobs:
-            prm = stage2(prof, stack, world, str(registry("model", world).resolve(jobs["sft"]["model"])), run_dir,
-                         port_offset + 100, timings)
-        stage34_out, comparisons, deep, deep_scores = None, {}, [], {}
+            prm = stage2(prof, stack, world, published_dir(world, jobs["sft"]), run_dir, port_offset + 100, timings)
         if prof.stage34 is not None and "sft" in jobs:
-            deep = []
-            if prof.deep_questions:
-                from prorag.data.world import DEEP_SPLITS, ensure_deep_split
-
-                # a dev run gets its own deep split, drawn after the test one and disjoint from it
-                ensure_deep_split(paths.world_dir(world), prof.deep_questions, prof.eval_split)
-                deep = load_split(paths.world_dir(world), DEEP_SPLITS[prof.eval_split])
+            deep = deep_questions(world, prof)
             stage34_out, later, deep_scores = stage34(prof, stack, world, jobs["sft"]["model"], prm, eval_qs,
                                                       run_dir, port_offset, timings, deep=deep)
             methods.update(later)
             comparisons = compare(run_dir, methods, [*eval_qs, *deep])
-    t5 = time.monotonic()
-    probes = copy_probes({"base": str(base), **{m: str(registry("model", world).resolve(jobs[m]["model"]))
-                                                 for m in methods if m in jobs}}, test)
-    diag = diagnostics(methods, probes)
-    timings["diagnostics_s"] = time.monotonic() - t5
+    with timed(timings, "diagnostics_s"):
+        probes = copy_probes({"base": str(base), **{m: published_dir(world, jobs[m]) for m in methods if m in jobs}},
+                             test)
+        diag = diagnostics(methods, probes)
     print_diagnostics(diag)
     if stage34_out is not None:
-        from prorag_app.stage34 import print_comparisons, print_rl
-
-        console.print(format_table(methods, prof.eval_split))
-        print_rl(stage34_out["rl"])
-        print_comparisons(comparisons, prof.eval_split)
-        for m, why in stage34_out["skipped"].items():
-            console.print(f"[yellow]{m}: skipped: {why}[/yellow]")
+        print_stage34(methods, stage34_out, comparisons, prof.eval_split)
     figure = multi_hop_figure(methods)
-    if figure:
-        console.print(f"{figure['group']}: sft - standard_rag = {100 * figure['margin']:+.1f} F1; CI widths "
-                      f"{100 * figure['better_ci_width']:.1f} / {100 * figure['baseline_ci_width']:.1f}; "
-                      f"figure {'reached' if figure['reached'] else 'NOT reached'}")
+    print_figure(figure)
     results = {
         "methods": {m: {**{k: v for k, v in r.items()
                            if k in ("overall", "by_hops", "by_type", "multi_hop", "format_valid_rate",
@@ -737,12 +437,10 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         "base_model": str(base),
         "code_version": code_version(),
         "timings": timings,
-        "total_s": time.monotonic() - t0,
+        "total_s": time.monotonic() - started,
     }
     path = write_results(run_dir, results)
     console.print(f"results: {path} (runs/latest/results.json)")
-    from prorag_app.report import build_report
-
     # the run's report beside its results: runs/latest/report/index.html opens from disk in a browser
     console.print(f"html report: {build_report([run_dir], run_dir / 'report')['html']}")
     console.print(json.dumps({k: round(v, 1) for k, v in timings.items()}))
@@ -750,32 +448,11 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
 
 
 # ---------------------------------------------------------------- the ablation report
-@dataclass(frozen=True)
-class AblationPlan:
-    """What a multi-run plan runs on top of a profile: `prorag run --profile ablation` (issue 19's report: the headline
-    comparison over several stage 3-4 seeds, the first with ProRAG without RFT and the RL adapters of earlier
-    iterations evaluated too, and ProRAG at other betas) or `--profile research` (issue 30's experiment over three
-    seeds); then `prorag report` over all of them."""
-
-    profile: str = "default"
-    name: str = "ablation"  # the runs' names: <name>/seed<k>, <name>/beta<b>
-    seeds: tuple[int, ...] = (1, 2, 3)  # stage 3-4 seeds; 1 is the profile's own, so `make run`'s jobs are reused
-    betas: tuple[float, ...] = (0.0, 0.1, 0.5, 0.9)  # besides the profile's 0.3, at the first seed
-    eval_iterations: tuple[int, ...] = (3, 5)  # RL adapters evaluated after these iterations (3 of 10: a third)
-
-
-ABLATION = AblationPlan()
-#: issue 30's table: the research profile over three seeds (its own eval_iterations), no beta sweep
-RESEARCH = AblationPlan(profile="research", name="research", betas=(), eval_iterations=())
-PLANS = {"ablation": ABLATION, "research": RESEARCH}
-
-
 def run_ablation(plan: AblationPlan = ABLATION, world: str | None = None, port_offset: int = 0, split: str = "test",
                  overrides: tuple[str, ...] = ()) -> dict:
     """Every run of ``plan`` on ``split`` with ``overrides`` (`--set`) applied (each run reusing what earlier runs
     trained: the SFT agent, stage 2, RFT, the pool), then one report over them in a new run directory; returns the
     report (prorag_app.report.build_report)."""
-    from prorag.runs import new_run_dir, point_latest
     from prorag_app.report import build_report
 
     base = with_overrides(dataclasses.replace(PROFILES[plan.profile], eval_split=split), overrides)

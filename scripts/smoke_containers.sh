@@ -176,7 +176,7 @@ if [ "${SMOKE_TRAIN:-1}" = 1 ]; then
   MODEL="$("${DC[@]}" exec -T trainer-cpu python - "$WORLD" "${SMOKE_SFT_STEPS:-200}" <<'PYEOF' 2>"$LOG_DIR/sft.err"
 import sys
 from prorag.rpc.clients_trainer import TrainerClient, state_name
-from prorag_app.pipeline import PROFILES
+from prorag_app.profiles import PROFILES
 
 world = sys.argv[1]
 config = {"world": world, "base_model": f"/data/data/models/{world}/policy-base", "retriever": "prorag-retriever:50051",

@@ -164,7 +164,8 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
 
     # the ablation report in small: two stage 3-4 seeds (the SFT agent and stage 2 reused), the RL adapter after its
     # first iteration evaluated too, and one report pooling the seeds
-    from prorag_app.pipeline import AblationPlan, run_ablation
+    from prorag_app.pipeline import run_ablation
+    from prorag_app.profiles import AblationPlan
 
     report = run_ablation(AblationPlan(profile="tiny", seeds=(1, 2), betas=(), eval_iterations=(1,)),
                           world="tiny-s7", port_offset=_free_offset())

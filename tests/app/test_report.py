@@ -74,7 +74,7 @@ def test_runs_of_other_worlds_or_unfinished_runs_are_refused(tmp_path):
 
 
 def test_stage34_seed_and_beta_replace_the_profiles_and_change_the_jobs():
-    from prorag_app.pipeline import PROFILES, with_stage34
+    from prorag_app.profiles import PROFILES, with_stage34
 
     base = PROFILES["default"]
     assert with_stage34(base) is base

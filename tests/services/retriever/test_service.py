@@ -188,7 +188,7 @@ def test_concurrent_callers_are_batched(server, test_questions):
 def test_service_answers_equal_the_in_process_engine(server, test_questions):
     """gRPC and HTTP, one query or many, alone or merged with concurrent callers: the same documents and
     scores as the engine called directly."""
-    from prorag_app.bench import _GrpcCaller, _HttpCaller, _run_shape, _shape_plan
+    from prorag_app.bench.retriever import GrpcCaller, HttpCaller, run_shape, shape_plan
     from services.retriever.server import RetrieverConfig, open_engine
 
     engine = open_engine(RetrieverConfig(world="tiny"))
@@ -204,9 +204,9 @@ def test_service_answers_equal_the_in_process_engine(server, test_questions):
     assert status == 200
     assert [[d["document"]["id"] for d in r] for r in payload["result"]] == [[d.id for d in r] for r in want]
     # the benchmark's load shapes run against this server without errors (16 concurrent one-query callers)
-    plan = _shape_plan(queries, 16, 1, 3)
-    grpc_res = _run_shape(lambda: _GrpcCaller(f"127.0.0.1:{server.grpc_port}", 3, "dense"), plan, warmup=1)
-    http_res = _run_shape(lambda: _HttpCaller(f"http://127.0.0.1:{server.http_port}/retrieve", 3), plan, warmup=1)
+    plan = shape_plan(queries, 16, 1, 3)
+    grpc_res = run_shape(lambda: GrpcCaller(f"127.0.0.1:{server.grpc_port}", 3, "dense"), plan, warmup=1)
+    http_res = run_shape(lambda: HttpCaller(f"http://127.0.0.1:{server.http_port}/retrieve", 3), plan, warmup=1)
     for res in (grpc_res, http_res):
         assert res["errors"] == 0 and res["qps"] > 0 and res["p50_ms"] <= res["p95_ms"]
     engine.close()

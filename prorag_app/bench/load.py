@@ -1,7 +1,7 @@
 """`prorag bench load --json` and `prorag bench soak --json` (issue 31 item 3): services under load, measured.
 
 ``load`` drives the retriever, the policy and the PRM, each started by the bench on free loopback ports (the harness
-of :mod:`prorag_app.bench`: ``_serve``, ``_free_port``, ``_stop``), at rising concurrency (1, 2, 4, ... up to
+of :mod:`prorag_app.bench.harness`: ``serve``, ``free_port``, ``stop``), at rising concurrency (1, 2, 4, ... up to
 ``--max-concurrency`` or the ``--levels`` given; ``--level-seconds`` each). Per level: calls, status codes,
 throughput, p50/p99 latency and the largest batcher queue depth scraped from the service's /metrics. The highest
 level with 0 errors is reported as held. Then past capacity: the service started again with
@@ -20,9 +20,6 @@ Nothing here asserts a timing; the last output line is one JSON object (`prorag 
 
 from __future__ import annotations
 
-import abc
-import os
-import platform
 import statistics
 import tempfile
 import threading
@@ -34,210 +31,41 @@ import grpc
 
 from prorag import paths
 from prorag.rpc.clients import channel, wait_for_health
-from prorag_app import bench
+from prorag_app.bench.harness import free_port, load_average, machine, percentile, serve, stop
+from prorag_app.bench.workloads import LOAD_SERVICES, BadAnswer, Workload, workload
 
-LOAD_SERVICES = ("retriever", "policy", "prm")
 HEALTH_NAMES = {"retriever": "prorag.v1.Retriever", "policy": "prorag.v1.Policy",
                 "prm": "prorag.v1.ProcessRewardModel"}
 #: what a caller may get past capacity: an answer (within its deadline) or a refusal to retry later
 ALLOWED_PAST_CAPACITY = ("OK", "RESOURCE_EXHAUSTED")
 #: the most callers (threads, one channel each) one level may start
 MAX_CLIENTS = 256
-#: soak: the second half's RSS slope under which memory counts as flat, MB per minute
-FLAT_MB_PER_MIN = 2.0
-#: a call that got an answer of the wrong shape (counted as an error, like a status)
+#: the status a BadAnswer is counted under, beside the gRPC codes
 BAD_ANSWER = "BAD_ANSWER"
-
-
-# ---------------------------------------------------------------- what each service is asked
-class _Workload(abc.ABC):
-    """One service's requests: how it is started (``sets``) and a caller per client (``make_caller(target)`` ->
-    ``call(deadline_s)`` that raises grpc.RpcError or returns the number of items it carried)."""
-
-    service = ""
-    items = "requests"
-
-    def sets(self) -> dict:
-        return {}
-
-    def overload_sets(self, limit: int) -> dict:
-        return {}
-
-    @abc.abstractmethod
-    def make_caller(self, target: str):
-        """A function that makes one call to the service at ``target`` (each workload's own request)."""
-
-
-class _RetrieverLoad(_Workload):
-    """One query per request (a rollout's search), top-3, on the index given; queries are the test split's
-    sub-questions, round-robin."""
-
-    service, items = "retriever", "queries"
-
-    def __init__(self, world: str, index: str):
-        from prorag.data.loaders import load_split
-        from prorag_app.embedded import ensure_indexes
-
-        ensure_indexes(world, dense=index != "bm25", bm25=index != "dense")
-        qs = load_split(paths.world_dir(world), "test")
-        self.pool = [s.question for q in qs for s in q.decomposition] or [q.question for q in qs]
-        self.world, self.index = world, index
-        self._next = 0
-
-    def sets(self) -> dict:
-        return {"world": self.world, "default_index": self.index}
-
-    def overload_sets(self, limit: int) -> dict:
-        # the batcher's own bound below the server's, so both refusals are exercised: the server's at its RPC limit
-        # and the batcher's "server busy" when admitted calls find its queue full
-        return {"max_queue": batcher_queue_limit(limit)}
-
-    def make_caller(self, target: str):
-        from prorag.pb import retriever_pb2, retriever_pb2_grpc
-
-        ch = channel(target)
-        stub = retriever_pb2_grpc.RetrieverStub(ch)
-        i = [self._next]  # each caller starts elsewhere in the pool
-        self._next += 7
-
-        def call(deadline_s: float) -> int:
-            q = self.pool[i[0] % len(self.pool)]
-            i[0] += 1
-            resp = stub.Search(retriever_pb2.SearchRequest(queries=[q], topk=3, index=self.index), timeout=deadline_s)
-            if len(resp.results) != 1 or not resp.results[0].documents:
-                raise _BadAnswer("no documents")
-            return 1
-
-        return call, ch
-
-
-class _PolicyLoad(_Workload):
-    """GenerateSteps of one agent prompt (a test question), one sample of ``tokens`` tokens at temperature 1."""
-
-    service, items = "policy", "tokens"
-
-    def __init__(self, world: str, model: str, tokens: int):
-        from prorag.data.loaders import load_split
-        from prorag.trajectory import render_prompt
-
-        self.world, self.model, self.tokens = world, bench._bench_model(world, model), tokens
-        self.prompts = [render_prompt(q.question) for q in load_split(paths.world_dir(world), "test")[:64]]
-        self._next = 0
-
-    def sets(self) -> dict:
-        # restore_active off: the bare model, whatever adapter an RL run activated; rollouts (and so the retriever)
-        # are not used by GenerateSteps
-        return {"world": self.world, "model": self.model, "restore_active": "false"}
-
-    def make_caller(self, target: str):
-        from prorag.pb import policy_pb2, policy_pb2_grpc
-
-        ch = channel(target)
-        stub = policy_pb2_grpc.PolicyStub(ch)
-        i = [self._next]
-        self._next += 5
-
-        def call(deadline_s: float) -> int:
-            p = self.prompts[i[0] % len(self.prompts)]
-            i[0] += 1
-            resp = stub.GenerateSteps(policy_pb2.GenerateStepsRequest(
-                prefixes=[policy_pb2.Prefix(text=p)],
-                sampling=policy_pb2.SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=self.tokens,
-                                                   seed=1 + i[0])), timeout=deadline_s)
-            if len(resp.results) != 1 or len(resp.results[0].completions) != 1:
-                raise _BadAnswer("not one completion")
-            return len(resp.results[0].completions[0].token_ids)
-
-        return call, ch
-
-
-class _PRMLoad(_Workload):
-    """ScoreSteps of one gold trajectory (every step scored) of a test question."""
-
-    service, items = "prm", "steps"
-
-    def __init__(self, world: str, model: str):
-        from prorag.data.loaders import load_corpus, load_split
-        from prorag.rpc.pbconv import step_pb
-        from prorag.pb import prm_pb2
-        from prorag_app.pipeline import PROFILES
-        from prorag_app.stage2 import gold_trajectories
-
-        self.world = world
-        self.model = bench._bench_prm_model(world, model if model != "sft" else "prm")
-        world_dir = paths.world_dir(world)
-        qs = [q for q in load_split(world_dir, "test") if any(s.doc_id for s in q.decomposition)][:64]
-        docs = {d.id: d for d in load_corpus(world_dir / "corpus.jsonl")}
-        trajs = gold_trajectories(qs, docs, PROFILES["default"].sft_for("sft"))
-        self.requests = [prm_pb2.ScoreStepsRequest(inputs=[prm_pb2.ScoringInput(
-            question=q.question, steps=[step_pb(s) for s in steps])]) for q, steps in zip(qs, trajs) if steps]
-        if not self.requests:
-            raise SystemExit(f"world {world!r} has no test question with a gold trajectory to score")
-        self._next = 0
-
-    def sets(self) -> dict:
-        return {"world": self.world, "model": self.model}
-
-    def make_caller(self, target: str):
-        from prorag.pb import prm_pb2_grpc
-
-        ch = channel(target)
-        stub = prm_pb2_grpc.ProcessRewardModelStub(ch)
-        i = [self._next]
-        self._next += 3
-
-        def call(deadline_s: float) -> int:
-            req = self.requests[i[0] % len(self.requests)]
-            i[0] += 1
-            resp = stub.ScoreSteps(req, timeout=deadline_s)
-            if len(resp.results) != 1 or len(resp.results[0].scores) != len(req.inputs[0].steps):
-                raise _BadAnswer("wrong number of scores")
-            return len(resp.results[0].scores)
-
-        return call, ch
-
-
-class _BadAnswer(Exception):
-    pass
-
-
-def batcher_queue_limit(rpc_limit: int) -> int:
-    """The retriever batcher's max_queue in the past-capacity phase, for a server limit of ``rpc_limit`` calls."""
-    return max(1, rpc_limit // 2)
-
-
-def workload(service: str, args) -> _Workload:
-    if service == "retriever":
-        return _RetrieverLoad(args.world, args.index)
-    if service == "policy":
-        return _PolicyLoad(args.world, args.model, args.load_tokens)
-    if service == "prm":
-        return _PRMLoad(args.world, args.model)
-    raise SystemExit(f"bench load/soak drives {', '.join(LOAD_SERVICES)}; not {service!r}")
 
 
 # ---------------------------------------------------------------- the service process
 class _Served:
-    """One service process started for the bench (bench._serve: stopped with the bench, even a killed one), its
+    """One service process started for the bench (harness.serve: stopped with the bench, even a killed one), its
     gRPC target, /metrics URL and pid."""
 
-    def __init__(self, w: _Workload, log_dir: Path, tag: str, max_concurrent_rpcs: int | None = None,
+    def __init__(self, w: Workload, log_dir: Path, tag: str, max_concurrent_rpcs: int | None = None,
                  extra_sets: dict | None = None, start_timeout: float = 300.0):
         offset = {"retriever": 0, "policy": 1, "prm": 2}[w.service] * 20
-        self.port = bench._free_port(paths.GRPC_PORTS[w.service] + 1300 + offset)
-        metrics = bench._free_port(paths.METRICS_PORTS[w.service] + 1300 + offset)
+        self.port = free_port(paths.GRPC_PORTS[w.service] + 1300 + offset)
+        metrics = free_port(paths.METRICS_PORTS[w.service] + 1300 + offset)
         while metrics == self.port:
-            metrics = bench._free_port(metrics + 1)
+            metrics = free_port(metrics + 1)
         extra = ["--metrics-port", str(metrics)]
         if max_concurrent_rpcs is not None:
             extra += ["--max-concurrent-rpcs", str(max_concurrent_rpcs)]
         self.log = log_dir / f"{w.service}-{tag}.log"
         self.service, self.target = w.service, f"127.0.0.1:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
-        self.proc = bench._serve(w.service, self.port, {**w.sets(), **(extra_sets or {})}, self.log, extra)
+        self.proc = serve(w.service, self.port, {**w.sets(), **(extra_sets or {})}, self.log, extra)
         if not wait_for_health(self.target, HEALTH_NAMES[w.service], timeout=start_timeout):
             code = self.proc.poll()
-            bench._stop(self.proc)
+            stop(self.proc)
             raise SystemExit(f"{w.service} did not start for the load bench (exit code {code}); its log "
                              f"{self.log}:\n{_tail(self.log)}")
 
@@ -277,7 +105,7 @@ class _Served:
         return {k[2]: v for k, v in s.items() if k[0] == "prorag_batcher_rejected_total" and k[1] == self.service}
 
     def stop(self) -> None:
-        bench._stop(self.proc)
+        stop(self.proc)
 
 
 def _scrape(url: str) -> dict:
@@ -320,16 +148,12 @@ def rss_mb(pid: int) -> float | None:
 def _code(exc: BaseException) -> str:
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return exc.code().name
-    if isinstance(exc, _BadAnswer):
+    if isinstance(exc, BadAnswer):
         return BAD_ANSWER
     return type(exc).__name__
 
 
-def _pct(sorted_lat: list[float], q: float) -> float:
-    return sorted_lat[min(len(sorted_lat) - 1, int(len(sorted_lat) * q))]
-
-
-def drive(w: _Workload, served: _Served, clients: int, seconds: float, deadline_s: float,
+def drive(w: Workload, served: _Served, clients: int, seconds: float, deadline_s: float,
           sample_every: float = 0.2) -> dict:
     """``clients`` callers (a thread and a channel each, connected before the clock starts) call back to back for
     ``seconds``; each call has the caller's deadline ``deadline_s``. Counts per status code, throughput (OK calls and
@@ -400,7 +224,8 @@ def drive(w: _Workload, served: _Served, clients: int, seconds: float, deadline_
     out = {"concurrency": clients, "seconds": round(wall, 3), "calls": sum(total.values()), "ok": ok,
            "errors": sum(v for k, v in total.items() if k != "OK"), "codes": dict(sorted(total.items())),
            "throughput_rps": ok / wall, f"{w.items}_per_s": sum(items) / wall,
-           "p50_ms": 1e3 * _pct(lat, 0.5) if lat else None, "p99_ms": 1e3 * _pct(lat, 0.99) if lat else None,
+           "p50_ms": 1e3 * percentile(lat, 0.5) if lat else None,
+           "p99_ms": 1e3 * percentile(lat, 0.99) if lat else None,
            "max_ms": 1e3 * lat[-1] if lat else None,
            "max_queue_depth": max(depths) if depths else None, "queue_samples": len(depths),
            "stuck_clients": sum(t.is_alive() for t in threads)}
@@ -422,7 +247,7 @@ def _levels(args) -> list[int]:
     return levels
 
 
-def _warm(w: _Workload, served: _Served, n: int, deadline_s: float) -> None:
+def _warm(w: Workload, served: _Served, n: int, deadline_s: float) -> None:
     call, ch = w.make_caller(served.target)
     try:
         for _ in range(n):
@@ -431,7 +256,7 @@ def _warm(w: _Workload, served: _Served, n: int, deadline_s: float) -> None:
         ch.close()
 
 
-def load_service(w: _Workload, args, log_dir: Path) -> dict:
+def load_service(w: Workload, args, log_dir: Path) -> dict:
     """The rising levels on a service with its default limits, then the past-capacity phase on a fresh one."""
     levels = _levels(args)
     served = _Served(w, log_dir, "levels")
@@ -487,10 +312,6 @@ def load_service(w: _Workload, args, log_dir: Path) -> dict:
     return out
 
 
-def _machine() -> str:
-    return " ".join(x for x in (platform.machine(), platform.processor(), f"cpus={os.cpu_count()}") if x)
-
-
 def bench_load(args) -> dict:
     """`prorag bench load`: per service of ``--services`` (default all three) the rising levels and the
     past-capacity phase (module docstring)."""
@@ -499,13 +320,13 @@ def bench_load(args) -> dict:
         if s not in LOAD_SERVICES:
             raise SystemExit(f"--services: {s!r} is not one of {', '.join(LOAD_SERVICES)}")
     log_dir = Path(tempfile.mkdtemp(prefix="bench-load-"))
-    loads = [bench._load_average()]
+    loads = [load_average()]
     results = {}
     t0 = time.perf_counter()
     for s in services:
         w = workload(s, args)
         results[s] = {"items": w.items, **load_service(w, args, log_dir)}
-    loads.append(bench._load_average())
+    loads.append(load_average())
     return {"target": "load", "world": args.world, "services": results, "levels_requested": _levels(args),
             "level_seconds": args.level_seconds, "deadline_s": args.deadline_s,
             "policy_tokens": args.load_tokens if "policy" in services else None,
@@ -513,7 +334,7 @@ def bench_load(args) -> dict:
             "all_past_capacity_held": all(r["past_capacity"]["held"] for r in results.values()),
             "goal": "past capacity only OK (within the deadline) or RESOURCE_EXHAUSTED, queue depth <= "
                     "max_concurrent_rpcs, process alive and SERVING afterwards",
-            "machine": _machine(), "load_average": loads, "wall_s": time.perf_counter() - t0, "logs": str(log_dir)}
+            "machine": machine(), "load_average": loads, "wall_s": time.perf_counter() - t0, "logs": str(log_dir)}
 
 
 # ---------------------------------------------------------------- soak
@@ -575,5 +396,5 @@ def bench_soak(args) -> dict:
             "load": {k: result.get(k) for k in ("calls", "ok", "errors", "codes", "throughput_rps",
                                                 f"{w.items}_per_s", "p50_ms", "p99_ms", "max_queue_depth",
                                                 "stuck_clients", "error_sample") if k in result},
-            "alive_after": alive, "health_after": health, "machine": _machine(),
-            "load_average": bench._load_average(), "log": str(served.log)}
+            "alive_after": alive, "health_after": health, "machine": machine(),
+            "load_average": load_average(), "log": str(served.log)}

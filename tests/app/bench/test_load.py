@@ -40,7 +40,8 @@ def _live_servers() -> set[int]:
 def test_bench_load_reports_levels_and_what_happens_past_capacity(data):
     import json
 
-    from prorag_app.bench_load import ALLOWED_PAST_CAPACITY, bench_load, batcher_queue_limit
+    from prorag_app.bench.load import ALLOWED_PAST_CAPACITY, bench_load
+    from prorag_app.bench.workloads import batcher_queue_limit
 
     before = _live_servers()
     out = bench_load(_args())
@@ -79,7 +80,7 @@ def test_bench_load_reports_levels_and_what_happens_past_capacity(data):
 
 
 def test_bench_soak_samples_the_service_rss_and_fits_the_second_half(data):
-    from prorag_app.bench_load import bench_soak, rss_slope
+    from prorag_app.bench.load import bench_soak, rss_slope
 
     before = _live_servers()
     out = bench_soak(_args())
@@ -106,7 +107,7 @@ def test_bench_soak_samples_the_service_rss_and_fits_the_second_half(data):
 
 
 def test_rss_slope_is_megabytes_per_minute_of_a_least_squares_fit():
-    from prorag_app.bench_load import rss_slope
+    from prorag_app.bench.load import rss_slope
 
     assert rss_slope([(0, 100.0), (30, 101.0), (60, 102.0), (90, 103.0)]) == pytest.approx(2.0)
     assert rss_slope([(0, 100.0), (60, 100.0), (120, 100.0)]) == pytest.approx(0.0)
@@ -114,7 +115,7 @@ def test_rss_slope_is_megabytes_per_minute_of_a_least_squares_fit():
 
 
 def test_levels_double_up_to_the_bound_or_are_given():
-    from prorag_app.bench_load import MAX_CLIENTS, _levels
+    from prorag_app.bench.load import MAX_CLIENTS, _levels
 
     assert _levels(_args(levels="", max_concurrency=20)) == [1, 2, 4, 8, 16]
     assert _levels(_args(levels="4,1,2")) == [1, 2, 4]

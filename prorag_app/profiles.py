@@ -1,0 +1,267 @@
+"""The run profiles of `prorag run` and the multi-run plans over them, as typed data.
+
+A profile's settings name its training jobs (prorag_app.pipeline.job_id_for hashes them), so changing a value
+trains anew. Each choice carries a one-line reason; the measurements behind them are in docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from prorag.errors import InvalidArgument
+from prorag.methods import base_method, get_method
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What `make run` trains and evaluates; `tiny` is what the end-to-end test runs.
+
+    Typed: at definition every method must be in the method table, every SFT setting a valid SFTConfig
+    field and value, every warm-up setting a valid WarmupConfig one, so a typo fails at import, not an
+    hour into a run."""
+
+    world: str
+    model_preset: str
+    vocab_size: int
+    sft: dict                      # SFT job settings shared by the policy and the baselines
+    eval_questions: int = 0        # 0 = the whole test split
+    methods: tuple[str, ...] = ("no_retrieval", "standard_rag", "sft")
+    base_warmup: dict | None = None  # base warm-up (WarmupConfig overrides); None = the world's default base
+    base_variant: str = ""           # directory suffix of a base other than the world's default
+    method_sft: dict = field(default_factory=dict)  # {method: SFT settings on top of ``sft`` for that method only}
+    stage2: dict | None = None  # MCTS, judging, PRM and its validation (prorag_app.stage2.Stage2Settings); None = off
+    stage34: dict | None = None  # RFT, ProRAG's RL and outcome-only GRPO (prorag_app.stage34.Stage34Settings)
+    #: questions of the world's extra 3+ hop split (prorag.data.world.ensure_deep_split) on which the SFT agent
+    #: and the stage 3-4 methods are also evaluated, so their paired comparisons see enough deep questions
+    deep_questions: int = 0
+    #: the split methods are evaluated and compared on: test for reported figures, dev for choosing settings
+    #: (`prorag run --split dev`, with the dev deep split: drawn after the test one, sharing no question with it)
+    eval_split: str = "test"
+
+    def __post_init__(self) -> None:
+        from prorag.config import check_fields
+        from prorag.modeling import WarmupConfig
+        from services.trainer.stage_sft import SFTConfig
+
+        for m in self.methods:
+            method = get_method(m)
+            if method.reader and method.reader not in self.methods:
+                raise InvalidArgument(f"profile method {m!r} reads with {method.reader!r}'s model: list "
+                                      f"{method.reader!r} in the profile's methods too")
+        for m in (*(m for m in self.methods if not get_method(m).reader), *self.method_sft):
+            if get_method(m).stage != "sft":
+                what = (f"reads with {get_method(m).reader!r}'s model and is not trained" if get_method(m).reader
+                        else f"is trained by stage {get_method(m).stage!r}")
+                raise InvalidArgument(f"profile method {m!r} {what}, not SFT: stages 3-4 are asked for by the "
+                                      "profile's stage34 settings")
+        if self.eval_split not in ("test", "dev"):
+            raise InvalidArgument(f"eval_split: {self.eval_split!r} is not test or dev")
+        check_fields(SFTConfig, self.sft, prefix="sft.")
+        for m, settings in self.method_sft.items():
+            check_fields(SFTConfig, settings, prefix=f"method_sft.{m}.")
+        if self.base_warmup is not None:
+            check_fields(WarmupConfig, self.base_warmup, prefix="base_warmup.")
+        if self.stage2 is not None:
+            from prorag.search.mcts import MCTSConfig
+            from prorag_app.stage2 import Stage2Settings
+            from services.trainer.stage_mcts import MCTSStageConfig
+            from services.trainer.stage_prm import PRMConfig
+
+            from services.trainer.stage_siblings import SiblingsStageConfig
+
+            check_fields(Stage2Settings, {k: v for k, v in self.stage2.items()
+                                          if k not in ("mcts", "prm", "siblings")}, prefix="stage2.")
+            check_fields(SiblingsStageConfig, self.stage2.get("siblings", {}), prefix="stage2.siblings.")
+            mcts = dict(self.stage2.get("mcts", {}))
+            check_fields(MCTSConfig, mcts.pop("mcts", {}), prefix="stage2.mcts.mcts.")
+            check_fields(MCTSStageConfig, mcts, prefix="stage2.mcts.")
+            check_fields(PRMConfig, self.stage2.get("prm", {}), prefix="stage2.prm.")
+        if self.stage34 is not None:
+            from prorag_app.stage34 import Stage34Settings
+            from services.trainer.stage_rft import RFTConfig
+            from services.trainer.stage_rl import RLConfig
+
+            from services.trainer.stage_rlpool import RLPoolConfig
+
+            check_fields(Stage34Settings, {k: v for k, v in self.stage34.items()
+                                           if k not in ("rft", "rl", "dpo", "pool")}, prefix="stage34.")
+            check_fields(RLPoolConfig, self.stage34.get("pool", {}), prefix="stage34.pool.")
+            for m in self.stage34.get("methods", ()):
+                if get_method(m).stage not in ("rft", "rl", "dpo"):
+                    raise InvalidArgument(f"stage34.methods: {m!r} is not a stage 3-4 method")
+            check_fields(RFTConfig, self.stage34.get("rft", {}), prefix="stage34.rft.")
+            check_fields(RLConfig, self.stage34.get("rl", {}), prefix="stage34.rl.")
+            from services.trainer.stage_dpo import DPOConfig
+
+            check_fields(DPOConfig, self.stage34.get("dpo", {}), prefix="stage34.dpo.")
+
+    @property
+    def trained_methods(self) -> tuple[str, ...]:
+        """The methods the SFT stage trains (the others read with one of these models)."""
+        return tuple(m for m in self.methods if get_method(m).stage == "sft")
+
+    def model_of(self, method: str) -> str:
+        """The trained method whose model ``method`` is evaluated with (itself, or its reader)."""
+        return get_method(base_method(method)).reader or method
+
+    def sft_for(self, method: str) -> dict:
+        """The SFT job settings of ``method``: its table entry's, the profile's shared ones, then its own."""
+        return {**get_method(method).train, **self.sft, **self.method_sft.get(method, {})}
+
+
+#: the recipe that reaches the SFT figure (docs/BENCHMARKS.md, "One document per subquery, 1,200 SFT steps,
+#: canonical subqueries")
+RECIPE = Profile(
+    world="default",
+    model_preset="cpu-induction",  # the induction-wired base with the gap and paraphrase warm-ups (prorag_app.embedded)
+    vocab_size=8192,
+    # restated questions and plan-carrying thoughts, 1,200 steps over the whole train split for every SFT method
+    sft={"max_questions": 0, "max_steps": 1200, "batch_size": 8, "lr": 3e-3, "log_every": 10,
+         "checkpoint_every": 200, "restate_question": True, "plan_thoughts": True},
+    method_sft={
+        # one document per subquery, each relation asked one way: the small policy reads one far better than three
+        "sft": {"topk": 1, "canonical_subqueries": True},
+        # only when listed (its reading depended on the world): also each gold hop's answer read from its document
+        "standard_rag_ft": {"hop_samples": True, "topk": 1}},
+    stage2={
+        # MCTS on 200 train questions: ProRAG's search cut to what 2 cores finish in minutes
+        "mcts": {"max_questions": 200, "concurrency": 32, "max_step_tokens": 96, "seed": 1,
+                 "mcts": {"simulations": 12, "expansions": 4, "max_children": 4}},
+        # a Bradley-Terry PRM on the pairs the reference judge labelled
+        "prm": {"epochs": 2, "batch_size": 8, "lr": 5e-4, "label_source": "judge"},
+        "eval_questions": 250},  # every corruption family on the whole split, which the PRM gate reads
+    stage34={
+        # the headline: ProRAG without RFT against outcome GRPO (same start, questions, budget); the rest beside it
+        "methods": ("rft", "prorag", "outcome_grpo", "prorag_no_rft", "reasonrag"),
+        # as the reference does it, plus a gold SFT trajectory per kept one at a 5x lower rate: RFT alone stops early
+        "rft": {"max_questions": 400, "samples_per_question": 4, "temperature": 0.8, "max_step_tokens": 96,
+                "batch_size": 8, "lr": 1e-4, "replay": 1.0, "seed": 1, "prm_keep_fraction": 0.5},
+        # the same questions, iterations, group size and rate for both RL methods, sized for 2 cores
+        "rl": {"iterations": 10, "questions_per_iteration": 16, "group_size": 8, "lr": 5e-4, "max_step_tokens": 96,
+               "checkpoint_every": 5, "seed": 1},
+        # ReasonRAG's DPO at the RL methods' rate: its 1 epoch at 1e-6 is for full fine-tuning of a 7B model
+        "dpo": {"epochs": 3, "batch_size": 8, "lr": 5e-4, "seed": 1},
+        "beta": 0.3},
+    deep_questions=450)  # with the test split's 175 questions of 3+ hops, 625 for the comparisons (issue 19: 600)
+
+#: issue 30's experiment, sized for hours rather than `make run`'s hour (run over RESEARCH's three seeds)
+RESEARCH_PROFILE = dataclasses.replace(
+    RECIPE,
+    stage2={**RECIPE.stage2,
+            # pairs that contain reading: the sibling sampler on 2,000 train questions beside the MCTS trees
+            "siblings": {"max_questions": 2000, "samples": 4, "concurrency": 32, "max_step_tokens": 96,
+                         "max_steps": 10, "seed": 1},
+            "eval_questions": 0},  # the PRM validated on the whole split
+    stage34={**RECIPE.stage34,
+             # the oracle ceiling (prorag_oracle) beside them: a diagnostic, never a headline
+             "methods": ("rft", "prorag", "outcome_grpo", "prorag_no_rft", "prorag_oracle", "reasonrag"),
+             # RFT as the reference does it: per step, questions even over hop counts
+             "rft": {**RECIPE.stage34["rft"], "filter": "step", "hop_balanced": True},
+             # a budget RL can learn in (100 iterations; the default runs 10), on 3+ hop questions
+             "rl": {**RECIPE.stage34["rl"], "iterations": 100, "min_hops": 3, "checkpoint_every": 10,
+                    "prm_centering": "per_kind"},
+             # one learnable pool for both headline methods: 3+ hop questions the SFT agent sometimes answers
+             "pool": {"samples": 8, "max_questions": 1500},
+             "eval_iterations": (33,),  # a third of the RL questions: the data-efficiency point
+             "prm_gate": "enforce"})  # a PRM below the gate guides nothing, and the report says so
+
+PROFILES = {
+    # what the end-to-end test runs: every stage, in minutes
+    "tiny": Profile(world="tiny", model_preset="tiny", vocab_size=2048,
+                    sft={"max_steps": 24, "batch_size": 8, "lr": 3e-3, "log_every": 4, "checkpoint_every": 12},
+                    stage2={"mcts": {"max_questions": 6, "concurrency": 3, "max_step_tokens": 64, "seed": 1,
+                                     "mcts": {"simulations": 4, "expansions": 2, "max_children": 2, "max_depth": 6}},
+                            "prm": {"epochs": 1, "batch_size": 4, "log_every": 1, "checkpoint_every": 10,
+                                    "label_source": "judge"},
+                            "eval_questions": 20},
+                    stage34={"rft": {"max_questions": 8, "samples_per_question": 2, "max_step_tokens": 32,
+                                     "max_train_steps": 2, "batch_size": 2, "checkpoint_every": 1},
+                             "rl": {"iterations": 2, "questions_per_iteration": 4, "group_size": 2,
+                                    "max_step_tokens": 32, "max_steps": 4, "lr": 1e-3, "lora_r": 4, "lora_alpha": 8,
+                                    "checkpoint_every": 1},
+                             "dpo": {"epochs": 1, "batch_size": 4, "lora_r": 4, "lora_alpha": 8}},
+                    deep_questions=8),
+    "default": RECIPE,
+    # stage 1 of the recipe alone (~25 minutes on 2 cores): the SFT figure on worlds built with other seeds
+    "stage1": dataclasses.replace(RECIPE, methods=("standard_rag", "sft"), stage2=None, stage34=None),
+    "full": RECIPE,  # the recipe's other name, which outside scripts call
+    # a quick check of the whole pipeline (~12 minutes): the plain `cpu` base, 240 SFT steps; its agent stays below
+    # the figure (docs/BENCHMARKS.md)
+    "quick": Profile(world="default", model_preset="cpu", vocab_size=8192, base_warmup={}, base_variant="quick",
+                     sft={"max_questions": 3000, "max_steps": 240, "batch_size": 8, "lr": 3e-3, "log_every": 10,
+                          "checkpoint_every": 60}),
+    "research": RESEARCH_PROFILE,
+}
+
+
+@dataclass(frozen=True)
+class AblationPlan:
+    """What a multi-run plan runs on top of a profile: `prorag run --profile ablation` (issue 19's report: the headline
+    comparison over several stage 3-4 seeds, the first with ProRAG without RFT and the RL adapters of earlier
+    iterations evaluated too, and ProRAG at other betas) or `--profile research` (issue 30's experiment over three
+    seeds); then `prorag report` over all of them."""
+
+    profile: str = "default"
+    name: str = "ablation"  # the runs' names: <name>/seed<k>, <name>/beta<b>
+    seeds: tuple[int, ...] = (1, 2, 3)  # stage 3-4 seeds; 1 is the profile's own, so `make run`'s jobs are reused
+    betas: tuple[float, ...] = (0.0, 0.1, 0.5, 0.9)  # besides the profile's 0.3, at the first seed
+    eval_iterations: tuple[int, ...] = (3, 5)  # RL adapters evaluated after these iterations (3 of 10: a third)
+
+
+#: issue 19's report: the headline comparison over three seeds, and ProRAG at other betas
+ABLATION = AblationPlan()
+#: issue 30's table: the research profile over three seeds (its own eval_iterations), no beta sweep
+RESEARCH = AblationPlan(profile="research", name="research", betas=(), eval_iterations=())
+PLANS = {"ablation": ABLATION, "research": RESEARCH}
+
+
+# ---------------------------------------------------------------- a profile changed for one run
+def with_stage34(prof: Profile, seed: int | None = None, beta: float | None = None) -> Profile:
+    """``prof`` with its stage 3-4 jobs' seed (RFT, RL, DPO) and ProRAG's beta replaced where given: the knobs
+    of the headline comparison's seeds and of the beta sweep (``prorag report`` pools such runs)."""
+    if prof.stage34 is None or (seed is None and beta is None):
+        return prof
+    s34 = {k: (dict(v) if isinstance(v, dict) else v) for k, v in prof.stage34.items()}
+    if seed is not None:
+        for job in ("rft", "rl", "dpo"):
+            s34[job] = {**s34.get(job, {}), "seed": int(seed)}
+    if beta is not None:
+        s34["beta"] = float(beta)
+    return dataclasses.replace(prof, stage34=s34)
+
+
+def with_overrides(prof: Profile, assignments: list[str] | tuple[str, ...]) -> Profile:
+    """``prof`` with ``KEY=VALUE`` assignments applied (`prorag run --set`): KEY is a dotted path into the profile
+    (``stage34.rft.lr``, ``stage34.methods``), VALUE is JSON (a bare word is taken as a string). The result is
+    checked like any profile, so an unknown field or a bad value fails before anything runs."""
+    fields_ = {f.name for f in dataclasses.fields(Profile)}
+    changes: dict = {}
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        path = [k for k in key.strip().split(".") if k]
+        if not sep or not path:
+            raise InvalidArgument(f"--set {assignment!r}: write KEY=VALUE, e.g. stage34.rft.lr=1e-4")
+        if path[0] not in fields_:
+            raise InvalidArgument(f"--set {key}: the profile has no field {path[0]!r} (it has {sorted(fields_)})")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        if isinstance(value, list):
+            value = tuple(value)
+        if len(path) == 1:
+            changes[path[0]] = value
+            continue
+        root = changes.get(path[0], getattr(prof, path[0]))
+        if not isinstance(root, dict):
+            raise InvalidArgument(f"--set {key}: profile field {path[0]!r} is not a settings dict")
+        root = node = json.loads(json.dumps(root))  # a deep copy: the profile's own dicts stay as they are
+        for k in path[1:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise InvalidArgument(f"--set {key}: {k!r} is not a settings dict")
+        node[path[-1]] = value
+        changes[path[0]] = root
+    return dataclasses.replace(prof, **changes) if changes else prof

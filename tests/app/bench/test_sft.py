@@ -1,0 +1,19 @@
+"""`prorag bench sft`: training tokens/s and MFU against the peak of the dtype the steps compute in."""
+
+import pytest
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bench_sft_measures_mfu_against_the_peak_of_the_dtype_it_computes_in(tiny_policy, dtype):
+    import argparse
+
+    import torch
+
+    from prorag.training.flops import peak_matmul_flops
+    from prorag_app.bench.sft import bench_sft
+
+    out = bench_sft(argparse.Namespace(world="tiny", model=str(tiny_policy[0]), batch=2, seq_len=32, iters=3,
+                                       repeats=1, device="cpu", dtype=dtype, compile=False))
+    assert out["dtype"] == dtype and out["device"] == "cpu" and out["steps_per_repeat"] == 3
+    assert out["tokens_per_s"] > 0 and out["mfu"] > 0
+    assert out["peak_matmul_flops"] == peak_matmul_flops("cpu", getattr(torch, dtype))
