@@ -14,21 +14,16 @@ import json
 
 import pytest
 
-from prorag.data.loaders import Document, Question
+from prorag.data.loaders import Document
 from prorag.training.context import local_context
 from prorag.trajectory import Step
+from tests.search.test_judging import DOC1, Q  # the judging tests' two-hop question and its first document
 from tests.services.trainer.scripted_stack import scripted_stack
 from tests.services.trainer.test_rl_stage import RecordingGoldWalk, _config, _journal, _push_zero_adapter
 
 #: nothing listens here: a job that asked this "PRM" anything would fail (service_wait_s=0)
 DEAD_PRM = "127.0.0.1:9"
 
-Q = Question(id="q1", question="In which country was the founder of Mai Brewery born?", golden_answers=["Edraand"],
-             metadata={"decomposition": [
-                 {"question": "Who founded Mai Brewery?", "answer": "Tova Lunn", "doc_id": "d1", "title": "Mai Brewery"},
-                 {"question": "Where was Tova Lunn born?", "answer": "Edraand", "doc_id": "d2", "title": "Tova Lunn"}]})
-DOC1 = Document(id="d1", title="Mai Brewery", text="Mai Brewery was founded by Tova Lunn.",
-                contents='"Mai Brewery"\nMai Brewery was founded by Tova Lunn.')
 DOC2 = Document(id="d2", title="Tova Lunn", text="Tova Lunn was born in Edraand.",
                 contents='"Tova Lunn"\nTova Lunn was born in Edraand.')
 DOC3 = Document(id="d3", title="Kest", text="Kest was founded by Aro Vell.", contents='"Kest"\nKest was founded by Aro Vell.')
