@@ -428,6 +428,6 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
 
 __all__ = ["ANSWER_CREDIT_F1", "EPS", "OUTCOME_REWARDS", "PRM_CENTERINGS", "center_per_kind", "clipped_policy_loss",
            "credit_counts", "dpo_loss", "dual_granularity_advantages", "group_normalized", "group_step_advantages",
-           "hop_balanced_sample", "outcome_reward_paper", "outcome_reward_reference", "process_advantages",
+           "hop_balanced_sample", "outcome_reward_f1", "outcome_reward_paper", "outcome_reward_reference", "process_advantages",
            "reference_step_scores", "rft_keep", "rft_kept_steps", "rft_threshold", "step_loss_mask",
            "step_score_reference", "step_score_stats", "step_weights", "token_advantages"]
