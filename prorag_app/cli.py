@@ -308,26 +308,27 @@ def cmd_up(args) -> int:
     from prorag_app import procs
 
     # SIGTERM and Ctrl-C arrive as procs.Stopped (main installs the handlers, with the watchdog that SIGKILLs a
-    # service still running after the grace period); while serving, that is how `up` is meant to end: exit code 0
+    # service still running after the grace period). That is how `up` is meant to end, while serving or while
+    # still starting (a `docker stop` does not wait for readiness): every service is stopped and the exit code is 0
     stack = ServiceStack(host=args.host, port_offset=args.port_offset, world=args.world,
                          start_timeout=args.start_timeout,
                          overrides={"policy": {"model": policy_model},
                                     **({"prm": {"model": prm_model}} if prm_model else {})})
-    with stack:
-        print(f"all services up (policy serves {policy_model}):")
-        for svc in paths.SERVICES:
-            http = f"  {stack.http_url(svc)}" if svc in paths.HTTP_PORTS else ""
-            print(f"  {svc:10s} grpc {stack.grpc_target(svc)}{http}")
-        sys.stdout.flush()
-        try:
+    try:
+        with stack:
+            print(f"all services up (policy serves {policy_model}):")
+            for svc in paths.SERVICES:
+                http = f"  {stack.http_url(svc)}" if svc in paths.HTTP_PORTS else ""
+                print(f"  {svc:10s} grpc {stack.grpc_target(svc)}{http}")
+            sys.stdout.flush()
             while True:
                 dead = stack.dead()
                 if dead:
                     print(f"{dead[0][0]} exited with code {dead[0][1]}; stopping the others", file=sys.stderr)
                     return 1
                 time.sleep(0.2)
-        except procs.Stopped as e:
-            print(f"prorag up: {e}: stopping every service", file=sys.stderr, flush=True)
+    except procs.Stopped as e:
+        print(f"prorag up: {e}: every service stopped", file=sys.stderr, flush=True)
     return 0
 
 

@@ -51,6 +51,17 @@ def outcome_reward_paper(f1: float, format_valid: bool, nu: float = 1.0) -> floa
     return f1 + (nu if format_valid else 0.0)
 
 
+def outcome_reward_f1(f1: float, format_valid: bool) -> float:
+    """The answer's F1 alone, with no format term (Search-R1 rewards exact match alone): a term a policy earns
+    without answering right (the format's +/-1) can outweigh the answer's, and on dev the reference reward taught
+    the greedy agent valid format at the cost of right answers (docs/BENCHMARKS.md).
+
+    >>> outcome_reward_f1(0.5, True), outcome_reward_f1(0.5, False), outcome_reward_f1(0.0, True)
+    (0.5, 0.5, 0.0)
+    """
+    return f1
+
+
 def step_score_reference(prm_logit: float, step_valid: bool) -> float:
     """The reference code's step score: sigmoid(PRM logit) + (+1 for a valid step / -2 for an invalid one).
 
@@ -62,7 +73,7 @@ def step_score_reference(prm_logit: float, step_valid: bool) -> float:
 
 #: name -> outcome reward, for configuration (the reference code's is the default of the RL stage)
 OUTCOME_REWARDS: dict[str, Callable[..., float]] = {"reference": outcome_reward_reference,
-                                                    "paper": outcome_reward_paper}
+                                                    "paper": outcome_reward_paper, "f1": outcome_reward_f1}
 
 
 def credit_counts(groups: dict[str, list[int]], f1s: Sequence[float], hops: dict[str, int],
@@ -417,6 +428,6 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
 
 __all__ = ["ANSWER_CREDIT_F1", "EPS", "OUTCOME_REWARDS", "PRM_CENTERINGS", "center_per_kind", "clipped_policy_loss",
            "credit_counts", "dpo_loss", "dual_granularity_advantages", "group_normalized", "group_step_advantages",
-           "hop_balanced_sample", "outcome_reward_paper", "outcome_reward_reference", "process_advantages",
+           "hop_balanced_sample", "outcome_reward_f1", "outcome_reward_paper", "outcome_reward_reference", "process_advantages",
            "reference_step_scores", "rft_keep", "rft_kept_steps", "rft_threshold", "step_loss_mask",
            "step_score_reference", "step_score_stats", "step_weights", "token_advantages"]

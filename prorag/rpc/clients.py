@@ -24,6 +24,10 @@ MiB = 1024 * 1024
 ROUND_ROBIN = ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]}))
 
 
+FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                  ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
 def channel(target: str, max_message_mb: int = 64, security: ClientSecurity | None = None,
             extra_options: list | None = None) -> grpc.Channel:
     """A channel with the servers' message limits, round-robin over the target's addresses, and the TLS and
@@ -40,7 +44,9 @@ def channel(target: str, max_message_mb: int = 64, security: ClientSecurity | No
 def wait_for_health(target: str, service: str = "", timeout: float = 60.0) -> bool:
     """Poll grpc.health.v1 until ``service`` is SERVING or ``timeout`` passes; True if serving."""
     deadline = time.monotonic() + timeout
-    with channel(target) as ch:
+    # This loop is the backoff. gRPC's own reconnect backoff grows to minutes (1 s x 1.6 per failure), so a
+    # channel that failed while a slow service loaded its model would notice it live only tens of seconds late.
+    with channel(target, extra_options=FAST_RECONNECT) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             try:

@@ -92,7 +92,8 @@ class RLConfig(TrainRunConfig):
     max_steps: int = cfg_field(11, help="steps of a trajectory at most (ProRAG: 11 for RL)", min=1, max=64)
     questions_per_request: int = cfg_field(32, help="questions in one Rollout request", min=1, max=4096)
     reward: str = cfg_field("reference", help="outcome reward (prorag.algorithms.rl.OUTCOME_REWARDS): reference = "
-                                              "(2 F1 if F1 >= 0.2) +/- 1 format; paper = F1 + 1 valid format",
+                                              "(2 F1 if F1 >= 0.2) +/- 1 format; paper = F1 + 1 valid format; f1 = "
+                                              "the answer's F1 alone (no format term)",
                             choices=tuple(OUTCOME_REWARDS))
     beta: float = cfg_field(0.3, help="weight of the process advantage (ProRAG: 0.3; 0 = outcome only)",
                             min=0.0, max=10.0)

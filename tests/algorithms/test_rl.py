@@ -11,13 +11,16 @@ from prorag.algorithms.rl import (OUTCOME_REWARDS, clipped_policy_loss, dpo_loss
 from prorag.tokens import StepSpan
 
 
-def test_outcome_rewards_reference_and_paper():
+def test_outcome_rewards_reference_paper_and_f1():
     assert outcome_reward_reference(0.2, True) == pytest.approx(1.4)   # at the threshold: 2 * 0.2 + 1
     assert outcome_reward_reference(0.19, True) == 1.0                 # below it: only the format term
     assert outcome_reward_reference(0.0, False) == -1.0
     assert outcome_reward_paper(0.3, True, nu=0.5) == pytest.approx(0.8)
     assert outcome_reward_paper(0.3, False, nu=0.5) == pytest.approx(0.3)
-    assert set(OUTCOME_REWARDS) == {"reference", "paper"}
+    # the answer alone: an invalid format that still answers keeps its F1, a valid one earns nothing for it
+    assert OUTCOME_REWARDS["f1"](0.3, False) == OUTCOME_REWARDS["f1"](0.3, True) == pytest.approx(0.3)
+    assert OUTCOME_REWARDS["f1"](0.0, True) == 0.0
+    assert set(OUTCOME_REWARDS) == {"reference", "paper", "f1"}
 
 
 def test_step_score_reference():

@@ -246,6 +246,14 @@ def test_up_killed_with_sigkill_takes_its_services_with_it(home, tmp_path):
                     servers=len(paths.SERVICES), expect_code=-signal.SIGKILL)
 
 
+def test_up_stopped_by_sigterm_while_still_starting_stops_what_it_started_and_exits_0(home, tmp_path):
+    """`docker stop` does not wait for readiness: SIGTERM once the first service listens, the others still
+    loading, ends `up` as a stop while serving does."""
+    off = _free_offset()
+    _stop_and_check(["up", "--world", "tiny", "--port-offset", str(off)], home, tmp_path, signal.SIGTERM,
+                    servers=1, expect_code=0)
+
+
 def test_bench_policy_stopped_by_sigterm(home, tmp_path):
     """What a timeout's SIGTERM left serving for 23 minutes."""
     _stop_and_check(["bench", "policy", "--world", "tiny", "--model", "base", "--questions", "4", "--samples", "4",

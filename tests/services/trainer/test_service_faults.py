@@ -191,6 +191,14 @@ class Outage:
         except BaseException as e:  # noqa: BLE001 - reported by finish()
             self.errors.append(e)
 
+    def on_step(self, step: int):
+        """A job's emit that begins the outage at the progress event of ``step`` finished questions (a journalled
+        one is kept; the next one is being worked on when the kill lands)."""
+        def emit(ev):
+            if ev.get("step") == step and not self.threads:
+                self.begin()
+        return emit
+
     def finish(self, timeout: float = 200.0) -> None:
         """The job ended: start what it never waited for, join, raise what went wrong in the threads."""
         self.done.set()
@@ -293,9 +301,7 @@ def test_mcts_policy_and_retriever_killed_mid_search_come_back_and_the_trees_are
     policy, retriever = stack["policy"], stack["retriever"]
     outage = Outage([policy, retriever], waits)
 
-    def emit(ev):
-        if ev.get("step") == 1 and not outage.threads:  # the first question is journalled; the second is searched
-            outage.begin()
+    emit = outage.on_step(1)  # the first question is journalled; the kill lands in the second
 
     try:
         metrics = run_mcts(local_context(tmp_path / "killed", _mcts_config(stack), emit=emit, stage="mcts"))
@@ -322,9 +328,7 @@ def test_a_service_that_never_comes_back_fails_the_job_within_its_wait_and_the_j
     work = tmp_path / "gone"
     cfg = _mcts_config(stack, service_wait_s=3)
 
-    def emit(ev):
-        if ev.get("step") == 1 and not outage.threads:
-            outage.begin()
+    emit = outage.on_step(1)  # the first question is journalled; the kill lands in the second
 
     try:
         with pytest.raises(Unavailable) as err:
@@ -373,9 +377,7 @@ def test_siblings_policy_and_judge_killed_mid_job_come_back_and_the_pairs_are_th
     policy, judge = stack["policy"], stack["judge"]
     outage = Outage([policy, judge], waits)
 
-    def emit(ev):
-        if ev.get("step") == 1 and not outage.threads:  # the first question is journalled; the second is sampled
-            outage.begin()
+    emit = outage.on_step(1)  # the first question is journalled; the kill lands in the second
 
     work = tmp_path / "killed"
     try:
