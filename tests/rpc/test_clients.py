@@ -1,4 +1,4 @@
-"""prorag.clients.wait_for_health notices a service that comes up late promptly: its own poll loop is the
+"""prorag.rpc.clients.wait_for_health notices a service that comes up late promptly: its own poll loop is the
 backoff, not gRPC's reconnect backoff, which after a dozen seconds of failures waits ~10 s between tries (that
 made `prorag up` still be waiting for a slow policy while clients already used it)."""
 
@@ -12,7 +12,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from prorag.clients import wait_for_health
+from prorag.rpc.clients import wait_for_health
 
 
 def _free_port() -> int:
