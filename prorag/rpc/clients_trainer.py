@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import grpc
 
-from prorag.rpc.clients import channel
+from prorag.rpc.clients import FAST_RECONNECT, channel
 from prorag.pb import trainer_pb2, trainer_pb2_grpc
 
 MiB = 1024 * 1024
@@ -30,11 +30,7 @@ class TrainerClient:
         self.timeout = timeout
         self.reconnect_backoff_s = reconnect_backoff_s
         # Short reconnect backoff: a restarted trainer is picked up within a second.
-        self._channel = channel(target, max_message_mb, extra_options=[
-            ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.min_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 2000),
-        ])
+        self._channel = channel(target, max_message_mb, extra_options=FAST_RECONNECT)
         self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
 
     # -- unary calls
