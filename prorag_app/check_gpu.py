@@ -35,11 +35,24 @@ GOALS = {"sft_mfu": 0.45, "decode_fraction_of_bandwidth_limit": 0.20}
 
 
 class Check:
-    """Runs named phases, recording each one's result or error and its time."""
+    """Runs named phases, recording each one's result or error and its time.
 
-    def __init__(self) -> None:
+    progress: a JSON file rewritten (atomically) after every phase, so a check stopped part-way (a lent machine's
+    time running out under ``timeout``) still leaves every figure it reached."""
+
+    def __init__(self, progress: Path | None = None) -> None:
         self.results: dict[str, Any] = {}
         self.failed: list[str] = []
+        self.progress = progress
+
+    def _save(self) -> None:
+        if self.progress is not None:
+            import json
+
+            from prorag.io import write_text
+
+            write_text(self.progress, json.dumps({"phases": self.results, "failed": self.failed}, sort_keys=True,
+                                                 default=str) + "\n")
 
     def phase(self, name: str, fn: Callable[[], dict]) -> dict | None:
         t0 = time.perf_counter()
@@ -52,8 +65,10 @@ class Check:
             self.results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                                   "trace": traceback.format_exc(limit=6)[-2000:],
                                   "seconds": round(time.perf_counter() - t0, 2)}
+            self._save()
             return None
         self.results[name] = {"ok": True, **out, "seconds": round(time.perf_counter() - t0, 2)}
+        self._save()
         return out
 
 
@@ -220,7 +235,7 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
     t_start = time.perf_counter()
     placement = resolve(object())  # auto everything: the first GPU in bf16, else the CPU in float32
     on_gpu = placement.device.type == "cuda"
-    check = Check()
+    check = Check(work / "progress.json")
     report: dict[str, Any] = {
         "target": "check-gpu", "ran_on": placement.device.type, "placement": placement.describe(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),

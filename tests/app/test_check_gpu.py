@@ -44,3 +44,6 @@ def test_check_gpu_runs_every_phase_on_the_cpu_and_says_so(tmp_path):
     assert 0 < fig["decode_engine_compile_off_fraction_of_bandwidth_limit"] < 1
     assert ph["sft_eager"]["peak_flops"] == pytest.approx(ph["peaks"]["matmul_flops"])
     assert out["goals"] == {"sft_mfu": 0.45, "decode_fraction_of_bandwidth_limit": 0.20}
+    # what a check stopped part-way would have left: every phase's result as it finished
+    progress = json.loads((tmp_path / "check" / "progress.json").read_text())
+    assert progress["phases"] == json.loads(json.dumps(ph)) and progress["failed"] == []
