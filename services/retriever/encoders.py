@@ -253,9 +253,24 @@ class Encoder:
         return vec.cpu().numpy()
 
 
+def import_bm25s():
+    """The ``bm25s`` module, imported so that it cannot take the GPU from the policy and PRM.
+
+    Why: bm25s runs a JAX top-k when it is imported, if JAX is installed (it is on many GPU hosts), and JAX then
+    preallocates 75% of the GPU's free memory in that process. On a lent H200 the check's process and the
+    retriever took 111 GB and 31 GB that way, and the PRM service could not load a 1M-parameter model. BM25 is
+    CPU work here, so JAX is kept on the CPU (``JAX_PLATFORMS``; an operator's own setting wins)."""
+    import os
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import bm25s
+
+    return bm25s
+
+
 def make_bm25_tokenizer(stopwords: str, stemmer: str):
     """The BM25 tokenizer of an index's config: ``stopwords`` 'en' or 'none', ``stemmer`` 'english' or 'none'."""
-    import bm25s
+    bm25s = import_bm25s()
 
     word_stemmer = None
     if stemmer == "english":

@@ -24,7 +24,7 @@ from prorag.data.loaders import Document
 from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
 
 from .docstore import DocStore, read_meta
-from .encoders import Encoder, EncoderConfig, make_bm25_tokenizer, resolve_use_gpu
+from .encoders import Encoder, EncoderConfig, import_bm25s, make_bm25_tokenizer, resolve_use_gpu
 
 __all__ = ["Retriever", "DenseRetriever", "BM25Retriever", "HybridRetriever",
            "PyseriniBM25Retriever", "RetrievalEngine"]
@@ -182,7 +182,7 @@ class BM25Retriever(Retriever):
     kind = "bm25"
 
     def __init__(self, index_dir: str | Path, docstore: DocStore, *, n_threads: int = 0, mmap: bool = False):
-        import bm25s
+        bm25s = import_bm25s()
 
         super().__init__(docstore)
         self.path = Path(index_dir)

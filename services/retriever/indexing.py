@@ -35,7 +35,7 @@ from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
 from prorag.io import atomic_dir, atomic_path, write_json
 
 from .docstore import parse_row, read_json, read_meta
-from .encoders import Encoder, EncoderConfig, make_bm25_tokenizer, resolve_use_gpu
+from .encoders import Encoder, EncoderConfig, import_bm25s, make_bm25_tokenizer, resolve_use_gpu
 
 #: progress(stage, done, total); stages: scan, docstore, embed, train, add, write, bm25-tokenize, bm25-index
 Progress = Callable[[str, int, int], None]
@@ -429,7 +429,7 @@ class BM25Config:
 def build_bm25_index(corpus_path: str | Path, out_dir: str | Path, cfg: BM25Config | None = None,
                      progress: Progress | None = None) -> dict:
     """Tokenise title + text and index with bm25s into ``out_dir`` (one atomic directory swap)."""
-    import bm25s
+    bm25s = import_bm25s()
 
     cfg = cfg or BM25Config()
     out_dir = Path(out_dir)

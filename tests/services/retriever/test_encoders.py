@@ -104,3 +104,39 @@ def test_default_encoder_chooses_threads_per_size(encoder):
     assert fresh.threads.options == encoder.threads.options == sorted({1, cpu_thread_budget()})
     fresh.encode_queries(["who built the lighthouse"])
     assert fresh.threads.snapshot() or cpu_thread_budget() == 1  # timed (a 1-CPU machine has nothing to choose)
+
+
+def test_bm25s_imported_by_the_retriever_keeps_jax_on_the_cpu(tmp_path):
+    """bm25s runs a JAX top-k at import when JAX is installed, and JAX on a GPU host then preallocates 75% of the
+    GPU (seen on a lent H200: the PRM service could not load). JAX with a GPU cannot exist here, so a stand-in
+    ``jax`` package records the platform setting it is initialised under; the real bm25s imports it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "site" / "jax"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "import json, os\n"
+        f"open({str(tmp_path / 'seen.json')!r}, 'a').write(json.dumps(os.environ.get('JAX_PLATFORMS')) + '\\n')\n")
+    (fake / "lax.py").write_text("def top_k(x, k):\n    return x[:k], list(range(k))\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env.get("PYTHONPATH", "")])
+    code = ("from services.retriever.encoders import import_bm25s, make_bm25_tokenizer\n"
+            "import sys\n"
+            "assert 'bm25s' not in sys.modules\n"
+            "import_bm25s(); make_bm25_tokenizer('en', 'none')\n"
+            "import bm25s.selection as s; print(s.JAX_IS_AVAILABLE)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"  # bm25s did find the stand-in and ran its top-k
+    assert [json.loads(x) for x in (tmp_path / "seen.json").read_text().split()] == ["cpu"]
+    # an operator's own setting wins
+    env["JAX_PLATFORMS"] = "cuda"
+    (tmp_path / "seen.json").unlink()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [json.loads(x) for x in (tmp_path / "seen.json").read_text().split()] == ["cuda"]
