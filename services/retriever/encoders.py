@@ -177,8 +177,6 @@ class Encoder:
         self.cfg = cfg = cfg or EncoderConfig()
         path, self.model_id = resolve_model_path(cfg.model)
         self.device = _resolve_device(cfg.device)
-        if cfg.num_threads and self.device == "cpu":
-            torch.set_num_threads(cfg.num_threads)
         # Keep the Rust tokenizer from spawning its own pool on top of torch's threads.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -231,11 +229,23 @@ class Encoder:
 
         tokens = int(batch["input_ids"].numel())
         threads = self.threads.choose(tokens)
-        if len(self.threads.options) > 1:
-            torch.set_num_threads(threads)
-        start = time.perf_counter()
-        vec = self._pool(batch)
-        self.threads.record(tokens, threads, time.perf_counter() - start)
+        want = self.cfg.num_threads if self.device == "cpu" else 0
+        if not want and len(self.threads.options) > 1:
+            want = threads
+        # torch's thread count is process-wide: it is put back after the forward, so what runs next in this
+        # process keeps its own (`prorag run` builds the dense index, then warms up the base in one process:
+        # the warm-up's result depends on its thread count, and it used to inherit whatever the chooser last
+        # picked, 1 or 2 threads by the load of the moment)
+        before = torch.get_num_threads()
+        if want and want != before:
+            torch.set_num_threads(want)
+        try:
+            start = time.perf_counter()
+            vec = self._pool(batch)
+            self.threads.record(tokens, threads, time.perf_counter() - start)
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
         return vec
 
     def _pool(self, batch) -> np.ndarray:

@@ -140,3 +140,26 @@ def test_bm25s_imported_by_the_retriever_keeps_jax_on_the_cpu(tmp_path):
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
     assert out.returncode == 0, out.stderr[-2000:]
     assert [json.loads(x) for x in (tmp_path / "seen.json").read_text().split()] == ["cuda"]
+
+
+def test_encoding_leaves_the_process_thread_count_as_it_found_it(encoder, monkeypatch):
+    """The encoder picks its threads per batch (or uses its configured count) and puts torch's process-wide count
+    back: `prorag run` warms the base up right after building the dense index in one process, and the warm-up's
+    result depends on its thread count."""
+    import torch
+
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    pool = encoder._pool
+    monkeypatch.setattr(encoder, "_pool", lambda batch: (seen.append(torch.get_num_threads()), pool(batch))[1])
+    monkeypatch.setattr(encoder.threads, "options", [1, 2])
+    monkeypatch.setattr(encoder.threads, "choose", lambda tokens: 1)
+    try:
+        torch.set_num_threads(2)
+        encoder.encode_queries(["who built the lighthouse"])
+        assert seen == [1] and torch.get_num_threads() == 2
+        monkeypatch.setattr(encoder, "cfg", dataclasses.replace(encoder.cfg, num_threads=3))
+        encoder.encode_docs(["A stone lighthouse on a rocky cape."])
+        assert seen == [1, 3] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
