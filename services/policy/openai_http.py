@@ -27,52 +27,35 @@ def make_app(servicer, model_name: str, max_body_mb: int = 16) -> web.Applicatio
     tok = servicer.tokenizer
     limits = servicer.limits
 
+    checks = servicer.checks  # the limits and messages of the gRPC API (services.policy.requests)
+
     def sampling(body: dict, default_stop: list[str]) -> SamplingSpec:
+        """The body's sampling: JSON types checked here, values by the shared checks."""
         n = body.get("n", 1)
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens", limits.default_step_tokens))
         temperature = body.get("temperature", 1.0)
         top_p = body.get("top_p", 1.0)
+        seed = body.get("seed")
         for name, v in (("n", n), ("max_tokens", max_tokens)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise InvalidArgument(f"{name} must be an integer")
         for name, v in (("temperature", temperature), ("top_p", top_p)):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise InvalidArgument(f"{name} must be a number")
-        if not 1 <= n <= limits.max_n:
-            raise InvalidArgument(f"n must be in 1..{limits.max_n}")
-        if not 1 <= max_tokens <= limits.max_tokens:
-            raise InvalidArgument(f"max_tokens must be in 1..{limits.max_tokens}")
-        # JSON integers are unbounded (float() of 10**400 overflows) and Python's json reads NaN and Infinity
-        if not 0 <= temperature <= 10:
-            raise InvalidArgument(f"temperature must be in [0, 10], got {temperature!r}")
-        if not 0 <= top_p <= 1:
-            raise InvalidArgument(f"top_p must be in (0, 1] (0 means 1), got {top_p!r}")
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not
-                                 -2 ** 63 <= seed < 2 ** 63):
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise InvalidArgument(f"seed must be a 64-bit integer, got {seed!r}")
         stop = body.get("stop") or default_stop
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, list):
             raise InvalidArgument(f'"stop" must be a string or a list of strings, got {type(stop).__name__}')
-        stop_ids = []
-        for s in stop:
-            ids = tok.encode(s, add_special_tokens=False) if isinstance(s, str) else []
-            if len(ids) != 1:
-                raise InvalidArgument(f"stop {s!r} is not a single token of this model; use the format tags or {IM_END}")
-            stop_ids.append(ids[0])
-        return SamplingSpec(n=n, temperature=float(temperature), top_p=float(top_p) or 1.0, max_tokens=max_tokens,
-                            stop_token_ids=tuple(stop_ids), seed=seed or 0).validate()
+        return checks.sampling(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed or 0,
+                               stops=stop)
 
     async def run(prompts: list[list[int]], spec: SamplingSpec, adapter_req: str):
         limits.check_work(len(prompts) * spec.n * spec.max_tokens,
                           f"{len(prompts)} prompts x n={spec.n} x max_tokens={spec.max_tokens}")
-        for i, p in enumerate(prompts):
-            if not p:
-                raise InvalidArgument(f"prompt {i} is empty")
-            if len(p) >= min(limits.max_prefix_tokens, servicer.engine.max_model_len):
-                raise InvalidArgument(f"prompt {i} has {len(p)} tokens; too long for this model")
+        prompts = [checks.prompt_ids(i, p, "prompt") for i, p in enumerate(prompts)]
         with servicer.manager.acquire(adapter_req) as adapter:
             outs = await servicer.scheduler.generate(prompts, spec, adapter,
                                                      [derive_seed(spec.seed, i) for i in range(len(prompts))],
@@ -80,13 +63,10 @@ def make_app(servicer, model_name: str, max_body_mb: int = 16) -> web.Applicatio
         return outs, adapter
 
     def check_prompts(texts: list[str], what: str = "prompt") -> None:
-        # Checked before tokenising: a huge string would hold the event loop in the tokenizer.
-        if len(texts) > limits.max_prefixes:
-            raise InvalidArgument(f"{len(texts)} {what}s; at most {limits.max_prefixes} per request")
-        max_chars = limits.max_prefix_tokens * 16
+        # checked before tokenising: a huge string would hold the event loop in the tokenizer
+        checks.count(len(texts), what + "s", limits.max_prefixes)
         for i, t in enumerate(texts):
-            if len(t) > max_chars:
-                raise InvalidArgument(f"{what} {i} has {len(t):,} characters; at most {max_chars:,}")
+            checks.text(i, t, what)
 
     def usage(prompts, outs):
         p = sum(len(x) for x in prompts)

@@ -18,6 +18,7 @@ from prorag.registry import ArtifactRef
 from prorag.engine import SamplingSpec, derive_seed
 from prorag.rollout import TrajectoryResult, decode, run_rollouts
 from services.policy.manager import AdapterManager
+from services.policy.requests import RequestChecks
 from services.policy.scheduler import GenerationScheduler
 from services.policy.server import PolicyConfig, RetrieverSearch
 
@@ -82,57 +83,26 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
             ids = self.tokenizer.encode(tag, add_special_tokens=False)
             if len(ids) == 1:
                 self._stop_ids[tag] = ids[0]
+        vocab = engine.vocab_size if hasattr(engine, "vocab_size") else len(self.tokenizer)
+        self.checks = RequestChecks(limits, self.tokenizer, vocab, engine.max_model_len, self._stop_ids)
         self._rollout_pool = ThreadPoolExecutor(max_workers=limits.max_concurrent_rollouts,
                                                 thread_name_prefix="rollout")
         self._rollouts_admitted = 0  # running + queued; touched only on the event loop
 
-    # -- validation --
+    # -- validation (the checks themselves: services.policy.requests, shared with the HTTP API) --
     def _sampling(self, sp: policy_pb2.SamplingParams, *, default_max_tokens: int) -> SamplingSpec:
-        L = self.limits
-        if sp.n < 1:
-            raise InvalidArgument(f"sampling.n must be >= 1, got {sp.n}")
-        if sp.n > L.max_n:
-            raise InvalidArgument(f"sampling.n is {sp.n}; this server allows at most {L.max_n}")
-        max_tokens = sp.max_tokens or default_max_tokens
-        if max_tokens < 0 or max_tokens > L.max_tokens:
-            raise InvalidArgument(f"sampling.max_tokens is {sp.max_tokens}; allowed 1..{L.max_tokens} (0 = default)")
-        if not (sp.temperature >= 0) or sp.temperature > 10:
-            raise InvalidArgument(f"sampling.temperature must be in [0, 10], got {sp.temperature}")
-        top_p = sp.top_p or 1.0
-        if not 0 < top_p <= 1:
-            raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {sp.top_p}")
-        if sp.stop:
-            unknown = [s for s in sp.stop if s not in self._stop_ids]
-            if unknown:
-                raise InvalidArgument(f"unknown stop tag(s) {unknown}; allowed: {sorted(self._stop_ids)}")
-            stops = tuple(self._stop_ids[s] for s in sp.stop)
-        else:
-            stops = tuple(self._stop_ids.values())
-        return SamplingSpec(n=sp.n, temperature=sp.temperature, top_p=top_p, max_tokens=max_tokens,
-                            stop_token_ids=stops, seed=sp.seed)
+        return self.checks.sampling(n=sp.n, max_tokens=sp.max_tokens or default_max_tokens,
+                                    temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed, stops=list(sp.stop),
+                                    field="sampling.", default_hint=True)
 
     def _prefix_ids(self, i: int, prefix: policy_pb2.Prefix) -> list[int]:
         if prefix.token_ids:
-            ids = list(prefix.token_ids)
-            vocab = self.engine.vocab_size if hasattr(self.engine, "vocab_size") else len(self.tokenizer)
-            bad = [t for t in ids if t < 0 or t >= vocab]
-            if bad:
-                raise InvalidArgument(f"prefix {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
-        elif prefix.text:
-            ids = self.tokenizer.encode(prefix.text, add_special_tokens=False)
-        else:
-            raise InvalidArgument(f"prefix {i} is empty: give token_ids or text")
-        if len(ids) > self.limits.max_prefix_tokens or len(ids) >= self.engine.max_model_len:
-            raise InvalidArgument(f"prefix {i} has {len(ids)} tokens; at most "
-                                  f"{min(self.limits.max_prefix_tokens, self.engine.max_model_len - 1)} allowed")
-        return ids
+            return self.checks.prompt_ids(i, prefix.token_ids)
+        return self.checks.encode(i, prefix.text)
 
     # -- RPCs --
     async def GenerateSteps(self, request, context):
-        if not request.prefixes:
-            raise InvalidArgument("prefixes is empty")
-        if len(request.prefixes) > self.limits.max_prefixes:
-            raise InvalidArgument(f"{len(request.prefixes)} prefixes; at most {self.limits.max_prefixes} per request")
+        self.checks.count(len(request.prefixes), "prefixes", self.limits.max_prefixes)
         spec = self._sampling(request.sampling, default_max_tokens=self.limits.default_step_tokens)
         self.limits.check_work(len(request.prefixes) * spec.n * spec.max_tokens,
                                f"{len(request.prefixes)} prefixes x n={spec.n} x max_tokens={spec.max_tokens}")
@@ -140,21 +110,19 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         seeds = [derive_seed(spec.seed, i) for i in range(len(prompts))]
         with self.manager.acquire(request.adapter) as adapter:
             outs = await self.scheduler.generate(prompts, spec, adapter, seeds, _deadline(context))
-        stop_tag = {v: k for k, v in self._stop_ids.items()}
+        stop_tag = {v: k for k, v in self._stop_ids.items()}  # a stop that is no tag is reported as its token
         results = []
         for seqs in outs:
             results.append(policy_pb2.PrefixCompletions(completions=[
                 policy_pb2.Completion(token_ids=s.token_ids, logprobs=s.logprobs, text=decode(self.tokenizer, s.token_ids),
-                                      finish_reason=s.finish_reason, stop=stop_tag.get(s.stop_token_id, ""))
+                                      finish_reason=s.finish_reason, stop=stop_tag.get(s.stop_token_id) or (
+                                          "" if s.stop_token_id is None else decode(self.tokenizer, [s.stop_token_id])))
                 for s in seqs]))
         return policy_pb2.GenerateStepsResponse(results=results, adapter_version=adapter or "")
 
     async def Rollout(self, request, context):
         L = self.limits
-        if not request.questions:
-            raise InvalidArgument("questions is empty")
-        if len(request.questions) > L.max_questions:
-            raise InvalidArgument(f"{len(request.questions)} questions; at most {L.max_questions} per request")
+        self.checks.count(len(request.questions), "questions", L.max_questions)
         for i, q in enumerate(request.questions):
             if not q.question.strip():
                 raise InvalidArgument(f"question {i} ({q.id!r}) is empty")
