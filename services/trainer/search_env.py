@@ -168,4 +168,52 @@ class ServiceEnv:
         return f1_score(last.content, self.golden)
 
 
-__all__ = ["CachedSearch", "EnvTimes", "ServiceEnv"]
+class SearchServices:
+    """What a searching stage (MCTS, siblings) calls, set up once per job: the policy and retriever clients, the
+    run-wide search cache, the time spent waiting on each, and per service how many calls were asked again after
+    it came back. A context manager: the clients are closed at the end.
+
+    cfg: the stage's config (policy, retriever, topk, retriever_index, service_wait_s; for :meth:`env` also
+    temperature, max_step_tokens, max_len, adapter, seed)."""
+
+    SERVICES = ("policy", "retriever", "judge")
+
+    def __init__(self, cfg):
+        from prorag.rpc.clients import PolicyClient, RetrieverClient
+
+        self.cfg = cfg
+        self.policy = PolicyClient(cfg.policy, timeout=600)
+        self.retriever = RetrieverClient(cfg.retriever, timeout=300)
+        self.waits: dict[str, dict] = {what: {"service_retries": 0} for what in self.SERVICES}
+        self.cache = CachedSearch(self.retriever, topk=cfg.topk, index=cfg.retriever_index,
+                                  service_wait_s=cfg.service_wait_s, stats=self.waits["retriever"])
+        self.times = EnvTimes()
+
+    def env(self, tokenizer, question, seed: int, max_steps: int, **kwargs) -> ServiceEnv:
+        """The environment of one question (a :class:`prorag.data.loaders.Question`); seed 0 = unseeded."""
+        cfg = self.cfg
+        return ServiceEnv(self.policy, self.cache, tokenizer, question.question, question.golden_answers,
+                          temperature=cfg.temperature, max_step_tokens=cfg.max_step_tokens, max_steps=max_steps,
+                          max_len=cfg.max_len, adapter=cfg.adapter, seed=seed, times=self.times,
+                          service_wait_s=cfg.service_wait_s, stats=self.waits["policy"], **kwargs)
+
+    def metrics(self) -> dict:
+        """The job metrics about the services: cache, waits, calls, retries (in all and per service)."""
+        return {"retrieval_cache_hit_rate": self.cache.hit_rate, "retrieval_searches": self.cache.misses,
+                "policy_wait_s": self.times.generate_s, "retriever_wait_s": self.times.search_s,
+                "policy_calls": self.times.generate_calls,
+                "service_retries": sum(w["service_retries"] for w in self.waits.values()),
+                **{f"{what}_retries": w["service_retries"] for what, w in self.waits.items()}}
+
+    def close(self) -> None:
+        self.policy.close()
+        self.retriever.close()
+
+    def __enter__(self) -> "SearchServices":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["CachedSearch", "EnvTimes", "SearchServices", "ServiceEnv"]

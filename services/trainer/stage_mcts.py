@@ -45,18 +45,7 @@ class MCTSStageConfig(PolicySamplingConfig):
                                       "rollouts, per-question budgets", factory=MCTSConfig)
     temperature: float = cfg_field(1.0, help="sampling temperature of expansions", min=0.0, max=5.0)
     rollout_temperature: float = cfg_field(1.0, help="sampling temperature of rollouts", min=0.0, max=5.0)
-    max_step_tokens: int = cfg_field(128, help="most tokens of one generated step", min=8, max=4096)
-    max_len: int = cfg_field(2048, help="longest prefix sent to the policy (tokens)", min=64)
     min_margin: float = cfg_field(0.01, help="value margin from which a pair gets a value label", min=0.0)
-    concurrency: int = cfg_field(16, help="questions searched at once", min=1, max=512)
-    seed: int = cfg_field(0, help="base of the per-call sampling seeds (0 = unseeded)", min=0, max=2 ** 31 - 1)
-    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
-
-    def validate(self) -> None:
-        from prorag.config import ConfigError
-
-        if not self.policy_model:
-            raise ConfigError("policy_model", "required: the policy's model directory or name@version")
 
 
 def _append(path: Path, row: dict) -> None:
@@ -113,11 +102,11 @@ def flat_counts(by_kind: dict[str, dict[str, int]], prefix: str = "pairs_by_kind
 def run_mcts(ctx: JobContext) -> dict:
     from transformers import AutoTokenizer
 
-    from prorag.rpc.clients import JudgeClient, PolicyClient, RetrieverClient
+    from prorag.rpc.clients import JudgeClient
     from prorag.data.loaders import load_split
     from prorag.io import write_jsonl
     from prorag.search.mcts import extract_pairs, search
-    from services.trainer.search_env import CachedSearch, EnvTimes, ServiceEnv
+    from services.trainer.search_env import SearchServices
     from prorag.search.pairs import StepPair, label_agreement
 
     cfg: MCTSStageConfig = ctx.config
@@ -137,13 +126,7 @@ def run_mcts(ctx: JobContext) -> dict:
     ctx.emit(len(done), len(qs), message=f"{len(qs)} questions, {len(done)} already searched, "
                                          f"{cfg.concurrency} at a time")
 
-    policy = PolicyClient(cfg.policy, timeout=600)
-    retriever = RetrieverClient(cfg.retriever, timeout=300)
-    # calls asked again after a service that went away came back, per service
-    waits: dict[str, dict] = {what: {"service_retries": 0} for what in ("policy", "retriever", "judge")}
-    cache = CachedSearch(retriever, topk=cfg.topk, index=cfg.retriever_index, service_wait_s=cfg.service_wait_s,
-                         stats=waits["retriever"])
-    times = EnvTimes()
+    clients = SearchServices(cfg)
     lock = threading.Lock()
     started = time.monotonic()
     sims_here = [0]
@@ -152,11 +135,8 @@ def run_mcts(ctx: JobContext) -> dict:
     def one(q) -> None:
         if ctx.should_stop() or failed.is_set():
             return
-        env = ServiceEnv(policy, cache, tokenizer, q.question, q.golden_answers, temperature=cfg.temperature,
-                         rollout_temperature=cfg.rollout_temperature, max_step_tokens=cfg.max_step_tokens,
-                         max_steps=cfg.mcts.max_depth, max_len=cfg.max_len, adapter=cfg.adapter,
-                         seed=(cfg.seed * 7919 + hash_id(q.id)) if cfg.seed else 0, times=times,
-                         service_wait_s=cfg.service_wait_s, stats=waits["policy"])
+        env = clients.env(tokenizer, q, (cfg.seed * 7919 + hash_id(q.id)) if cfg.seed else 0, cfg.mcts.max_depth,
+                           rollout_temperature=cfg.rollout_temperature)
         try:
             root, stats = search(env.expand, env.rollout, env.reward, cfg.mcts)
         except BaseException:
@@ -172,7 +152,7 @@ def run_mcts(ctx: JobContext) -> dict:
             sims_here[0] += stats.simulations
             ctx.emit(len(done), len(qs), message="")
 
-    try:
+    with clients:
         with ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="mcts") as pool:
             for fut in [pool.submit(one, q) for q in todo]:
                 fut.result()
@@ -186,10 +166,7 @@ def run_mcts(ctx: JobContext) -> dict:
             with JudgeClient(cfg.judge, timeout=600) as judge:
                 # asked again whole: the pairs a first try labelled get the same verdicts again
                 call_with_service_wait(lambda: judge_pairs(judge, by_id, pairs), cfg.judge, "judge",
-                                       cfg.service_wait_s, waits["judge"])
-    finally:
-        policy.close()
-        retriever.close()
+                                       cfg.service_wait_s, clients.waits["judge"])
 
     with ctx.artifact_file("pairs", "pairs.jsonl") as tmp:
         write_jsonl(tmp, (p.to_dict() for p in pairs))
@@ -205,19 +182,16 @@ def run_mcts(ctx: JobContext) -> dict:
         "value_labelled": sum(p.value_choice is not None for p in pairs),
         "judge_labelled": sum(p.judge_choice is not None for p in pairs),
         "both_labelled": agreement["both_labelled"],
-        "retrieval_cache_hit_rate": cache.hit_rate, "retrieval_searches": cache.misses,
         "simulations_per_s": sims_here[0] / wall if wall > 0 else 0.0, "wall_s": wall,
-        "policy_wait_s": times.generate_s, "retriever_wait_s": times.search_s, "policy_calls": times.generate_calls,
         "stopped_by_budget": sum(r["stats"]["stopped_by"] != "simulations" for r in rows),
-        "service_retries": sum(w["service_retries"] for w in waits.values()),
-        **{f"{what}_retries": w["service_retries"] for what, w in waits.items()},
+        **clients.metrics(),
         # the nested counts reach the manifest; a job's metrics over the API are numbers, so they also go flat
         "pairs_by_kind": by_kind, **flat_counts(by_kind),
     }
     if agreement["both_labelled"]:
         metrics["judge_value_agreement"] = agreement["agreement"]
     ctx.emit(len(qs), len(qs), message=f"{len(pairs)} pairs from {len(rows)} questions; cache hit rate "
-                                       f"{cache.hit_rate:.0%}")
+                                       f"{clients.cache.hit_rate:.0%}")
     return {**metrics, "pairs_path": str(ctx.run_dir / "pairs.jsonl")}
 
 

@@ -48,19 +48,13 @@ class SiblingsStageConfig(PolicySamplingConfig):
     samples: int = cfg_field(4, help="next steps sampled at each prefix beside the trajectory's own", min=1, max=63)
     temperature: float = cfg_field(1.0, help="sampling temperature of the trajectory and of its siblings",
                                    min=0.0, max=5.0)
-    max_step_tokens: int = cfg_field(128, help="most tokens of one generated step", min=8, max=4096)
     max_steps: int = cfg_field(10, help="deepest step of a trajectory (its prefixes: 0 .. max_steps - 1 steps)",
                                min=1, max=64)
-    max_len: int = cfg_field(2048, help="longest prefix sent to the policy (tokens)", min=64)
-    concurrency: int = cfg_field(16, help="questions sampled at once", min=1, max=512)
-    seed: int = cfg_field(0, help="base of the per-question sampling seeds (0 = unseeded)", min=0, max=2 ** 31 - 1)
-    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
 
     def validate(self) -> None:
         from prorag.config import ConfigError
 
-        if not self.policy_model:
-            raise ConfigError("policy_model", "required: the policy's model directory or name@version")
+        super().validate()
         if not self.judge:
             raise ConfigError("judge", "required: the judge service (host:port) that labels the sibling pairs; "
                                        "they carry no value label")
@@ -124,10 +118,10 @@ def reason_counts(pairs: list, top: int = 8) -> dict[str, dict[str, int]]:
 def run_siblings(ctx: JobContext) -> dict:
     from transformers import AutoTokenizer
 
-    from prorag.rpc.clients import JudgeClient, PolicyClient, RetrieverClient, call_with_service_wait
+    from prorag.rpc.clients import JudgeClient, call_with_service_wait
     from prorag.data.loaders import load_split
     from prorag.io import write_jsonl
-    from services.trainer.search_env import CachedSearch, EnvTimes, ServiceEnv
+    from services.trainer.search_env import SearchServices
     from prorag.search.pairs import StepPair
 
     cfg: SiblingsStageConfig = ctx.config
@@ -145,14 +139,8 @@ def run_siblings(ctx: JobContext) -> dict:
     ctx.emit(len(done), len(qs), message=f"{len(qs)} questions, {len(done)} already sampled, "
                                          f"{cfg.concurrency} at a time")
 
-    policy = PolicyClient(cfg.policy, timeout=600)
-    retriever = RetrieverClient(cfg.retriever, timeout=300)
+    clients = SearchServices(cfg)
     judge = JudgeClient(cfg.judge, timeout=600)
-    # calls asked again after a service that went away came back, per service
-    waits: dict[str, dict] = {what: {"service_retries": 0} for what in ("policy", "retriever", "judge")}
-    cache = CachedSearch(retriever, topk=cfg.topk, index=cfg.retriever_index, service_wait_s=cfg.service_wait_s,
-                         stats=waits["retriever"])
-    times = EnvTimes()
     lock = threading.Lock()
     started = time.monotonic()
     judge_s = [0.0]
@@ -161,17 +149,14 @@ def run_siblings(ctx: JobContext) -> dict:
     def one(q) -> None:
         if ctx.should_stop() or failed.is_set():
             return
-        env = ServiceEnv(policy, cache, tokenizer, q.question, q.golden_answers, temperature=cfg.temperature,
-                         max_step_tokens=cfg.max_step_tokens, max_steps=cfg.max_steps, max_len=cfg.max_len,
-                         adapter=cfg.adapter, seed=(cfg.seed * 7919 + hash_id(q.id)) if cfg.seed else 0,
-                         times=times, service_wait_s=cfg.service_wait_s, stats=waits["policy"])
+        env = clients.env(tokenizer, q, (cfg.seed * 7919 + hash_id(q.id)) if cfg.seed else 0, cfg.max_steps)
         try:
             pairs, stats = sample_question(env, q.id, q.question, cfg.samples, cfg.max_steps)
             # judged before the question is journalled: a resumed job never pays for a verdict twice (a judge
             # cache answers a question asked again after a restart)
             t = time.monotonic()
             call_with_service_wait(lambda: judge_pairs(judge, by_id, pairs), cfg.judge, "judge",
-                                   cfg.service_wait_s, waits["judge"])
+                                   cfg.service_wait_s, clients.waits["judge"])
         except BaseException:
             failed.set()
             raise
@@ -189,8 +174,7 @@ def run_siblings(ctx: JobContext) -> dict:
                 fut.result()
         ctx.check_stop()
     finally:
-        policy.close()
-        retriever.close()
+        clients.close()
         judge.close()
     wall = time.monotonic() - started
     rows = [done[q.id] for q in qs]
@@ -208,11 +192,7 @@ def run_siblings(ctx: JobContext) -> dict:
         "prefixes": total("prefixes"), "siblings_sampled": total("sampled"), "siblings_invalid": total("invalid"),
         "siblings_duplicate": total("duplicates"), "generated_tokens": total("tokens"),
         "trajectory_steps_mean": total("steps") / len(rows), "trajectory_f1_mean": total("f1") / len(rows),
-        "retrieval_cache_hit_rate": cache.hit_rate, "retrieval_searches": cache.misses, "wall_s": wall,
-        "policy_wait_s": times.generate_s, "retriever_wait_s": times.search_s, "policy_calls": times.generate_calls,
-        "judge_wait_s": judge_s[0],
-        "service_retries": sum(w["service_retries"] for w in waits.values()),
-        **{f"{what}_retries": w["service_retries"] for what, w in waits.items()},
+        "wall_s": wall, "judge_wait_s": judge_s[0], **clients.metrics(),
         # the nested counts reach the manifest; a job's metrics over the API are numbers, so they also go flat
         "pairs_by_kind": by_kind, **flat_counts(by_kind), "judge_reasons_by_kind": reason_counts(pairs),
     }

@@ -62,7 +62,8 @@ CHECK_KINDS = ("name", "path", "model", "endpoint", "url", "input")
 
 @dataclass
 class PolicySamplingConfig:
-    """The services a stage that samples steps from a served policy talks to (MCTS, the sibling sampler), shared."""
+    """What a stage that samples steps from a served policy (MCTS, the sibling sampler) shares: the services it
+    talks to and how it samples from them."""
 
     policy: str = cfg_field("127.0.0.1:50052", help="policy service that samples steps")
     policy_model: str = cfg_field("", help="required: the model the policy serves (directory, or name@version in "
@@ -78,6 +79,18 @@ class PolicySamplingConfig:
                                                   "journal keeps the finished questions); the call is made again "
                                                   "with the same seed, so a seeded job ends as it would have (for "
                                                   "MCTS: unless mcts.max_seconds counts the wait)", min=0.0)
+    max_step_tokens: int = cfg_field(128, help="most tokens of one generated step", min=8, max=4096)
+    max_len: int = cfg_field(2048, help="longest prefix sent to the policy (tokens)", min=64)
+    concurrency: int = cfg_field(16, help="questions worked on at once (the policy service merges their step "
+                                          "requests)", min=1, max=512)
+    seed: int = cfg_field(0, help="base of the per-question sampling seeds (0 = unseeded)", min=0, max=2 ** 31 - 1)
+    tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
+
+    def validate(self) -> None:
+        from prorag.config import ConfigError
+
+        if not self.policy_model:
+            raise ConfigError("policy_model", "required: the policy's model directory or name@version")
 
 
 @dataclass(frozen=True)
