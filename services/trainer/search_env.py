@@ -168,6 +168,23 @@ class ServiceEnv:
         return f1_score(last.content, self.golden)
 
 
+def questions_to_search(cfg) -> list:
+    """A searching stage's questions: the first ``cfg.max_questions`` (0 = all) of split ``cfg.split`` of world
+    ``cfg.world``; never the test split, since what is found there becomes training data."""
+    from prorag import paths
+    from prorag.data.loaders import load_split
+    from prorag.errors import FailedPrecondition, InvalidArgument
+
+    if cfg.split == "test":
+        raise InvalidArgument("split 'test' is held out for evaluation; search the train (or dev) split")
+    qs = load_split(paths.world_dir(cfg.world), cfg.split)
+    if cfg.max_questions:
+        qs = qs[:cfg.max_questions]
+    if not qs:
+        raise FailedPrecondition(f"no questions in split {cfg.split!r} of world {cfg.world!r}")
+    return qs
+
+
 class SearchServices:
     """What a searching stage (MCTS, siblings) calls, set up once per job: the policy and retriever clients, the
     run-wide search cache, the time spent waiting on each, and per service how many calls were asked again after
@@ -216,4 +233,4 @@ class SearchServices:
         self.close()
 
 
-__all__ = ["CachedSearch", "EnvTimes", "SearchServices", "ServiceEnv"]
+__all__ = ["CachedSearch", "EnvTimes", "SearchServices", "ServiceEnv", "questions_to_search"]

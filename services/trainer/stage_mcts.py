@@ -19,9 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from prorag import paths
 from prorag.config import cfg_field
-from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag.search.mcts import MCTSConfig
 from prorag.training.context import JobContext
 from services.trainer.stages import PolicySamplingConfig, register_stage, resolve_model
@@ -103,20 +101,13 @@ def run_mcts(ctx: JobContext) -> dict:
     from transformers import AutoTokenizer
 
     from prorag.rpc.clients import JudgeClient
-    from prorag.data.loaders import load_split
     from prorag.io import write_jsonl
     from prorag.search.mcts import extract_pairs, search
-    from services.trainer.search_env import SearchServices
+    from services.trainer.search_env import SearchServices, questions_to_search
     from prorag.search.pairs import StepPair, label_agreement
 
     cfg: MCTSStageConfig = ctx.config
-    if cfg.split == "test":
-        raise InvalidArgument("split 'test' is held out for evaluation; search the train (or dev) split")
-    qs = load_split(paths.world_dir(cfg.world), cfg.split)
-    if cfg.max_questions:
-        qs = qs[:cfg.max_questions]
-    if not qs:
-        raise FailedPrecondition(f"no questions in split {cfg.split!r} of world {cfg.world!r}")
+    qs = questions_to_search(cfg)
     by_id = {q.id: q for q in qs}
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(cfg.world, cfg.policy_model, "policy_model")))
     journal = ctx.checkpoint_dir / "mcts-journal.jsonl"

@@ -23,9 +23,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from prorag import paths
 from prorag.config import cfg_field
-from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
 from services.trainer.stage_mcts import _append, _read_journal, flat_counts, hash_id, judge_pairs, pair_counts
 from services.trainer.stages import PolicySamplingConfig, register_stage, resolve_model
@@ -119,17 +117,12 @@ def run_siblings(ctx: JobContext) -> dict:
     from transformers import AutoTokenizer
 
     from prorag.rpc.clients import JudgeClient, call_with_service_wait
-    from prorag.data.loaders import load_split
     from prorag.io import write_jsonl
-    from services.trainer.search_env import SearchServices
+    from services.trainer.search_env import SearchServices, questions_to_search
     from prorag.search.pairs import StepPair
 
     cfg: SiblingsStageConfig = ctx.config
-    qs = load_split(paths.world_dir(cfg.world), cfg.split)
-    if cfg.max_questions:
-        qs = qs[:cfg.max_questions]
-    if not qs:
-        raise FailedPrecondition(f"no questions in split {cfg.split!r} of world {cfg.world!r}")
+    qs = questions_to_search(cfg)
     by_id = {q.id: q for q in qs}
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(cfg.world, cfg.policy_model, "policy_model")))
     journal = ctx.checkpoint_dir / "siblings-journal.jsonl"

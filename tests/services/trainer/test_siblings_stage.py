@@ -222,3 +222,18 @@ def test_reason_counts_name_the_rejected_candidates_flaw():
         "subanswer": {"rejected: unsupported claim": 2, "declined: no contrast": 1},
         "subquery": {"rejected: Step 1 names the right director.": 1, "declined: -": 1}}
     assert reason_counts(pairs, top=1)["subanswer"] == {"rejected: unsupported claim": 2}
+
+
+def test_the_sibling_sampler_refuses_the_test_split_as_mcts_does(tmp_path):
+    """Pairs found on a split become training data: neither searching stage reads the test split."""
+    import pytest
+
+    from prorag.errors import InvalidArgument
+    from services.trainer.search_env import questions_to_search
+    from services.trainer.stage_mcts import MCTSStageConfig
+    from services.trainer.stage_siblings import SiblingsStageConfig
+
+    for cfg in (MCTSStageConfig(policy_model="m", split="test"),
+                SiblingsStageConfig(policy_model="m", judge="127.0.0.1:1", split="test")):
+        with pytest.raises(InvalidArgument, match="split 'test' is held out"):
+            questions_to_search(cfg)
