@@ -86,63 +86,15 @@ DEFAULT_WARMUP = {"tiny": {"copy_steps": 6, "sentence_steps": 2, "document_steps
                               "paraphrase_steps": 150, "copy_final_steps": 200}}
 
 
-#: the base must copy names it has read: after the warm-up, the name-copy probe (prorag.probes) on the train
-#: questions' entities must reach min_names, else copy-task steps are added, `steps` at a time (at `lr`, a fresh
-#: optimizer), at most `rounds` times. Why: the warm-up's outcome is a draw that depends even on the thread
-#: count, and the agents of bases that copied 33-63% of names failed where those at 66-81% worked; 200 such steps
-#: took seed 2's base from 38% to 73% and its agent's dev 2+ hop F1 from 6 to 20, and a base warmed on 1 thread
-#: from 61% to 72% in 400 (docs/BENCHMARKS.md). A base that passes (the 2-thread base: 81%) is left as it is.
-COPY_GATE = {"default": {"min_names": 0.75, "steps": 100, "lr": 1e-3, "rounds": 8}}
-
-
-def copy_gate(base: Path, world: str, gate: dict, work: Path, seed: int = 0, progress=None) -> dict:
-    """Apply ``gate`` (a :data:`COPY_GATE` entry) to the base in ``base``, in place; returns what was measured:
-    {"settings", "names_before", "names_after", "rounds", "passed"}. Each round is the trainer's warm-up stage
-    from the base with only the copy task (its own work directory, so a killed build resumes the round)."""
-    from dataclasses import asdict
-
-    from prorag.data.loaders import load_split
-    from prorag.evaluation import question_entity
-    from prorag.modeling import WarmupConfig, load_policy
-    from prorag.probes import name_copy_accuracy
-    from prorag.training.context import local_context
-    from services.trainer.stage_warmup import WarmupStageConfig, run_warmup
-
-    names = [e for e in dict.fromkeys(question_entity(q) for q in load_split(paths.world_dir(world), "train")) if e]
-
-    def probe() -> float:
-        model, tokenizer = load_policy(str(base))
-        return float(name_copy_accuracy(model, tokenizer, names)["name_accuracy"])
-
-    before = after = probe()
-    rounds = 0
-    only_copy = asdict(from_dict(WarmupConfig, {"copy_steps": gate["steps"], "sentence_steps": 0, "document_steps": 0,
-                                                "lr": gate["lr"], "copy_min_length": 8}))
-    while after < gate["min_names"] and rounds < gate["rounds"]:
-        rounds += 1
-        cfg = from_dict(WarmupStageConfig, {"world": world, "seed": seed + rounds, "base_model": str(base),
-                                            "warmup": only_copy, "output": str(base)})
-        if progress:
-            progress("copy gate", rounds, gate["rounds"])
-        run_warmup(local_context(work / f"copy-gate-{rounds}", cfg, stage="warmup"))
-        after = probe()
-    return {"settings": gate, "names_before": round(before, 4), "names_after": round(after, 4), "rounds": rounds,
-            "passed": after >= gate["min_names"]}
-
-
 def ensure_policy_model(world: str = "default", preset: str | None = None, vocab_size: int | None = None,
-                        seed: int = 0, warmup: dict | None = None, progress=None, variant: str = "",
-                        gate: dict | None = None) -> Path:
+                        seed: int = 0, warmup: dict | None = None, progress=None, variant: str = "") -> Path:
     """The embedded policy: a BPE tokenizer trained on the world's corpus, questions and the format's
     text (plus its special tokens), and a Qwen3-architecture model warmed up from random init with the
     copy task and reading curriculum (prorag.modeling.WarmupConfig; ``warmup`` overrides it,
     {"copy_steps": 0, ...} turns phases off), saved in HF format. Rebuilt when any setting changes.
     variant: build into :func:`policy_base_dir` (world, variant) instead of the world's default base.
     progress(stage, done, total) reports the warm-up, which is the trainer's `warmup` stage run in this
-    process: its checkpoints are kept beside the base until it is done, so a killed build resumes.
-    gate: the :func:`copy_gate` applied after the warm-up (None = the world size's :data:`COPY_GATE` for the
-    world's own warm-up, none for a ``warmup`` given; {} = none);
-    a base built before the gate existed is probed and, if it must, topped up, not rebuilt."""
+    process: its checkpoints are kept beside the base until it is done, so a killed build resumes."""
     import json
     import shutil
     from dataclasses import asdict
@@ -155,7 +107,7 @@ def ensure_policy_model(world: str = "default", preset: str | None = None, vocab
 
     out = policy_base_dir(world, variant)
     marker = out / "embedded.json"
-    if preset is None and vocab_size is None and warmup is None and gate is None and marker.exists() \
+    if preset is None and vocab_size is None and warmup is None and marker.exists() \
             and json.loads(marker.read_text()).get("tokenizer") == TOKENIZER_VERSION:
         return out  # whatever current base exists is the one services and jobs share
     size = ensure_world(world)["size"]  # the defaults follow the world's size, whatever its name
@@ -165,33 +117,17 @@ def ensure_policy_model(world: str = "default", preset: str | None = None, vocab
     wcfg = from_dict(WarmupConfig, warmup if warmup is not None else DEFAULT_WARMUP.get(size, {}))
     want = {"world": world, "preset": preset, "model": asdict(model_config(preset)), "vocab_size": vocab_size,
             "seed": seed, "warmup": asdict(wcfg), "tokenizer": TOKENIZER_VERSION}
-    if gate is None:  # the gate belongs to the world's own warm-up; a caller's warm-up is taken as asked
-        gate = COPY_GATE.get(size, {}) if warmup is None else {}
-    have = json.loads(marker.read_text()) if marker.exists() else None
-    warmed = have is not None and {k: v for k, v in have.items() if k != "copy_gate"} == want
-    if warmed and (have.get("copy_gate") or {}).get("settings", {}) == gate:
+    if marker.exists() and json.loads(marker.read_text()) == want:
         return out
+    cfg = from_dict(WarmupStageConfig, {"world": world, "preset": preset, "vocab_size": vocab_size, "seed": seed,
+                                        "warmup": asdict(wcfg), "output": str(out)})
+
+    def emit(event: dict) -> None:
+        if progress and event.get("loss") is not None:
+            progress("warm up base policy", event["step"], event["total_steps"])
+
     work = out.with_name(f".{out.name}.build")  # a dot name: model listings skip it
-    if not warmed:
-        cfg = from_dict(WarmupStageConfig, {"world": world, "preset": preset, "vocab_size": vocab_size,
-                                            "seed": seed, "warmup": asdict(wcfg), "output": str(out)})
-
-        def emit(event: dict) -> None:
-            if progress and event.get("loss") is not None:
-                progress("warm up base policy", event["step"], event["total_steps"])
-
-        run_warmup(local_context(work, cfg, emit=emit if progress else None, stage="warmup"))
-        write_json(marker, want)  # warmed: a build killed in the gate resumes there, not from scratch
-    if gate:
-        measured = copy_gate(out, world, gate, work, seed=seed, progress=progress)
-        if not measured["passed"]:
-            import logging
-
-            logging.getLogger(__name__).warning(
-                "the base %s copies %.0f%% of names after %d copy-gate rounds, under the gate's %.0f%%: its agent "
-                "may not learn the format (docs/BENCHMARKS.md)", out, 100 * measured["names_after"],
-                measured["rounds"], 100 * gate["min_names"])
-        want = {**want, "copy_gate": measured}
+    run_warmup(local_context(work, cfg, emit=emit if progress else None, stage="warmup"))
     write_json(marker, want)
     shutil.rmtree(work, ignore_errors=True)
     return out
