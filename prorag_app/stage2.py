@@ -156,7 +156,8 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
         sib_summary = {k: sm.get(k) for k in ("questions", "prefixes", "pairs", "pairs_per_question", "judge_labelled",
                                               "siblings_sampled", "siblings_invalid", "siblings_duplicate",
                                               "trajectory_f1_mean", "wall_s", "policy_wait_s", "judge_wait_s",
-                                              "generated_tokens")}
+                                              "generated_tokens", "reading_sampled", "reading_pairs",
+                                              "reading_judge_labelled")}
         by_kind["siblings"] = counts_by_kind(sm)
     # the jobs whose pairs the PRM trains on: (name, finished job)
     use = [("mcts", mcts)] if settings.prm_pairs in ("all", "mcts") else []

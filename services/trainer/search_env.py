@@ -97,6 +97,8 @@ class ServiceEnv:
         self.prompt_ids = tokenizer.encode(render_prompt(question), add_special_tokens=False)
         # id(step) -> its generated ids + its glue ids; steps live in the tree for the whole search
         self._ids: dict[int, list[int]] = {}
+        # id(step) -> how many of those ids the policy generated (the rest is glue)
+        self._generated: dict[int, int] = {}
 
     # -- helpers
     def prefix(self, history: Sequence[Step]) -> list[int]:
@@ -135,6 +137,7 @@ class ServiceEnv:
             self.times.add("search_s", time.monotonic() - t)
         glue = glue_after(step)
         self._ids[id(step)] = list(gen_ids) + (self.tok.encode(glue, add_special_tokens=False) if glue else [])
+        self._generated[id(step)] = len(gen_ids)
         return step
 
     # -- the three callables of prorag.search.mcts.search
@@ -145,6 +148,25 @@ class ServiceEnv:
         completions = self._generate(prefix, n, self.temperature)
         steps = [self._finish_step(list(c.token_ids)) for c in completions]
         return steps, sum(len(c.token_ids) for c in completions)
+
+    def expand_reading(self, history: Sequence[Step], docs: Sequence[Document], n: int) -> tuple[list[Step], int]:
+        """``n`` next steps sampled after ``history`` (which ends with a searched subquery) as if that search had
+        returned ``docs``: what the policy writes when it reads other documents. The steps are not searched and
+        not remembered as prefixes: they are siblings to judge in the real context (where what they name is, or is
+        not, what the real documents say)."""
+        from prorag.rollout import decode
+        from prorag.trajectory import retrieval_block
+
+        if not history or history[-1].kind != "subquery" or history[-1].docs is None:
+            raise ValueError("expand_reading continues a searched subquery")
+        last = history[-1]
+        ids = self.prefix(history[:-1]) + self._ids[id(last)][:self._generated[id(last)]]
+        ids += self.tok.encode(retrieval_block(docs), add_special_tokens=False)
+        if len(ids) >= self.max_len:
+            return [], 0
+        completions = self._generate(ids, n, self.temperature)
+        return ([parse_step(decode(self.tok, list(c.token_ids))) for c in completions],
+                sum(len(c.token_ids) for c in completions))
 
     def rollout(self, history: Sequence[Step]) -> tuple[float, int]:
         """One sampled completion from ``history`` to a final answer (or the step/length limit)."""

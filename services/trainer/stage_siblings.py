@@ -10,6 +10,12 @@ pair of the rest is a StepPair (no values or visits, no value label, ``meta = {"
 "siblings"}``) that the judge service labels. The output is the MCTS stage's ``pairs.jsonl`` format, so the PRM
 stage trains on it as it is (alone, or with the MCTS pairs through its ``extra_pairs``).
 
+On-policy siblings almost never hold the contrast a PRM most needs on deep questions: a name the documents do not
+support (the agent's wrong sub-answers are wrong names it read, rarely unsupported ones). With ``reading_samples``,
+each prefix that ends with a search also gets sub-answers sampled as if the search had returned other documents
+(:func:`reading_contexts`) and judged in the real context: pairs that contrast reading with not reading, made by
+the policy itself (the PRM's validation builds its cases by rewriting gold trajectories, not by sampling).
+
 Many questions run at once (``concurrency`` threads) so the policy service merges their step requests; each
 question's pairs are judged and appended (fsynced) to a journal in the checkpoint directory as soon as the question
 is done, so a stopped or killed job resumes with the questions it has not finished and never judges a pair twice.
@@ -48,6 +54,11 @@ class SiblingsStageConfig(PolicySamplingConfig):
                                    min=0.0, max=5.0)
     max_steps: int = cfg_field(10, help="deepest step of a trajectory (its prefixes: 0 .. max_steps - 1 steps)",
                                min=1, max=64)
+    reading_samples: int = cfg_field(
+        0, help="at each prefix that ends with a search: sub-answers sampled as if the search had returned other "
+                "documents (its top document removed; another question's documents), judged in the real context, "
+                "so pairs contrast a sub-answer the documents support with one they do not (0 = none)",
+        min=0, max=32)
 
     def validate(self) -> None:
         from prorag.config import ConfigError
@@ -60,17 +71,33 @@ class SiblingsStageConfig(PolicySamplingConfig):
             raise ConfigError("split", "'test' is held out for evaluation; sample the train (or dev) split")
 
 
-def sample_question(env, question_id: str, question: str, samples: int, max_steps: int):
+def reading_contexts(docs: list, decoy: list) -> list[list]:
+    """The other documents a search's sub-answer is sampled under (stage option reading_samples): ``docs`` without
+    their top document (when more than one: the policy must read further down, or names what is left), and
+    ``decoy``, another question's documents (what it then names the real documents mostly do not contain). Empty
+    sets are left out."""
+    return [d for d in (docs[1:] if len(docs) > 1 else [], decoy) if d]
+
+
+def sample_question(env, question_id: str, question: str, samples: int, max_steps: int, reading_samples: int = 0,
+                    decoy=None):
     """One question's pairs: walk one trajectory through ``env`` (a services.trainer.search_env.ServiceEnv, or anything with
     its ``expand(history, n) -> (steps, tokens)`` and ``reward(steps)``), and at each prefix pair the trajectory's
-    own step with ``samples`` more, keeping valid, distinct siblings (prorag.search.mcts.pairable). Returns (pairs
-    [StepPair], stats {"prefixes", "sampled", "invalid", "duplicates", "tokens", "steps", "f1"})."""
+    own step with ``samples`` more, keeping valid, distinct siblings (prorag.search.mcts.pairable).
+
+    reading_samples: at a prefix that ends with a searched subquery, also ``reading_samples`` sub-answers per
+    :func:`reading_contexts` set (``env.expand_reading``; ``decoy()`` gives the other question's documents), paired
+    with the rest in the real context (``meta["source"] = "siblings-reading"`` when a pair holds one). The trajectory
+    still continues with the real context's first sample.
+
+    Returns (pairs [StepPair], stats {"prefixes", "sampled", "invalid", "duplicates", "tokens", "reading_sampled",
+    "steps", "f1"})."""
     from prorag.algorithms.mcts import pair_kind, sibling_pairs
     from prorag.search.mcts import pairable
     from prorag.search.pairs import StepPair
 
     history, pairs = [], []
-    stats = {"prefixes": 0, "sampled": 0, "invalid": 0, "duplicates": 0, "tokens": 0}
+    stats = {"prefixes": 0, "sampled": 0, "invalid": 0, "duplicates": 0, "tokens": 0, "reading_sampled": 0}
     while len(history) < max_steps:
         # one call: the first completion continues the trajectory, the others are its siblings (i.i.d. samples)
         steps, tokens = env.expand(history, samples + 1)
@@ -79,20 +106,42 @@ def sample_question(env, question_id: str, question: str, samples: int, max_step
             break
         stats["prefixes"] += 1
         stats["sampled"] += len(steps)
-        valid = [s for s in steps if s.valid and not s.empty]
-        keep = pairable(steps)
-        stats["invalid"] += len(steps) - len(valid)
+        real = len(steps)
+        candidates = list(steps)
+        if reading_samples and history and history[-1].kind == "subquery" and history[-1].docs:
+            for docs in reading_contexts(list(history[-1].docs), list(decoy() if decoy else [])):
+                other, tokens = env.expand_reading(history, docs, reading_samples)
+                stats["tokens"] += tokens
+                stats["reading_sampled"] += len(other)
+                # only sub-answers: a contrast in reading; another kind would be judged on a search never made
+                candidates += [s for s in other if s.kind == "subanswer"]
+        valid = [s for s in candidates if s.valid and not s.empty]
+        keep = pairable(candidates)
+        stats["invalid"] += len(candidates) - len(valid)
         stats["duplicates"] += len(valid) - len(keep)
         for i, j in sibling_pairs(len(keep)):
-            a, b = steps[keep[i]], steps[keep[j]]
+            a, b = candidates[keep[i]], candidates[keep[j]]
+            source = "siblings-reading" if keep[j] >= real else "siblings"
             pairs.append(StepPair(question_id, question, list(history), (a, b),
-                                  meta={"step_kind": pair_kind(a.kind, b.kind), "source": "siblings"}))
+                                  meta={"step_kind": pair_kind(a.kind, b.kind), "source": source}))
         history.append(steps[0])
         if steps[0].kind in ("answer", "invalid"):
             break
     stats["steps"] = len(history)
     stats["f1"] = env.reward(history) if history else 0.0
     return pairs, stats
+
+
+def decoy_question(questions: list, question):
+    """Another question of ``questions`` than ``question``, fixed by its id (a resumed or repeated job picks the
+    same one): the search whose documents stand in for the real ones in reading_contexts."""
+    others = [q for q in questions if q.id != question.id]
+    if not others:
+        from prorag.errors import InvalidArgument
+
+        raise InvalidArgument("reading_samples needs at least two questions (another question's documents are the "
+                              "decoy); raise max_questions")
+    return others[hash_id(question.id) % len(others)]
 
 
 def reason_counts(pairs: list, top: int = 8) -> dict[str, dict[str, int]]:
@@ -144,7 +193,8 @@ def run_siblings(ctx: JobContext) -> dict:
             return
         env = clients.env(tokenizer, q, (cfg.seed * 7919 + hash_id(q.id)) if cfg.seed else 0, cfg.max_steps)
         try:
-            pairs, stats = sample_question(env, q.id, q.question, cfg.samples, cfg.max_steps)
+            pairs, stats = sample_question(env, q.id, q.question, cfg.samples, cfg.max_steps, cfg.reading_samples,
+                                           lambda: clients.cache(decoy_question(qs, q).question))
             # judged before the question is journalled: a resumed job never pays for a verdict twice (a judge
             # cache answers a question asked again after a restart)
             t = time.monotonic()
@@ -184,6 +234,10 @@ def run_siblings(ctx: JobContext) -> dict:
         "judge_labelled": sum(p.judge_choice is not None for p in pairs),
         "prefixes": total("prefixes"), "siblings_sampled": total("sampled"), "siblings_invalid": total("invalid"),
         "siblings_duplicate": total("duplicates"), "generated_tokens": total("tokens"),
+        "reading_sampled": sum(r["stats"].get("reading_sampled", 0) for r in rows),
+        "reading_pairs": sum(p.meta.get("source") == "siblings-reading" for p in pairs),
+        "reading_judge_labelled": sum(p.meta.get("source") == "siblings-reading" and p.judge_choice is not None
+                                      for p in pairs),
         "trajectory_steps_mean": total("steps") / len(rows), "trajectory_f1_mean": total("f1") / len(rows),
         "wall_s": wall, "judge_wait_s": judge_s[0], **clients.metrics(),
         # the nested counts reach the manifest; a job's metrics over the API are numbers, so they also go flat

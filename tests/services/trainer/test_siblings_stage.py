@@ -26,8 +26,18 @@ class JunkyWalkEngine(GoldWalkEngine):
     extra punctuation (a copy of a sibling under the answer normaliser)."""
 
     name = "junky-walk"
+    #: set by a test: at a sub-answer, read the last retrieval block (the hop's answer when it is there, else the
+    #: first document's title: a name read, not the answer), so other documents make it write another name
+    reads = False
 
     def _next(self, q, generated: str, rng) -> str:
+        if self.reads and generated.rstrip().removesuffix("<step>").rstrip().endswith("</retrieval>"):
+            block = generated.rsplit("<retrieval>", 1)[-1]
+            hops = [h for h in q.decomposition if h.doc_id]
+            hop = hops[min(generated.count("</subanswer>"), len(hops) - 1)]
+            title = block.split("(Title: ", 1)[-1].split(")", 1)[0] if "(Title: " in block else "Nobody"
+            said = hop.answer if hop.answer in block else title
+            return f"The document says.</step>\n<subanswer>\n{said}</subanswer>"
         step = super()._next(q, generated, rng)
         r = rng.random()
         if r < 0.2:
@@ -100,6 +110,69 @@ def test_siblings_stage_pairs_every_valid_distinct_sibling_and_the_judge_labels_
     assert metrics["judge_reasons_by_kind"]["subanswer"].get("rejected: wrong answer", 0) > 0
     assert all(r.startswith(("rejected: ", "declined: ")) for c in metrics["judge_reasons_by_kind"].values()
                for r in c)
+
+
+def test_reading_samples_pair_the_sub_answer_read_from_the_real_documents_with_ones_read_from_others(
+        services, tmp_path, one_thread):
+    from services.trainer.stage_siblings import run_siblings
+
+    engine = services["engine"]
+    engine.reads = True
+    try:
+        plain = run_siblings(local_context(tmp_path / "plain", _config(services, topk=2), stage="siblings"))
+        metrics = run_siblings(local_context(tmp_path / "reading", _config(services, topk=2, reading_samples=2),
+                                             stage="siblings"))
+    finally:
+        engine.reads = False
+    assert plain["reading_sampled"] == plain["reading_pairs"] == 0
+    # two other document sets (the top document removed, another question's) at every prefix after a search
+    assert metrics["reading_sampled"] > 0 and metrics["reading_sampled"] % 2 == 0
+    pairs = load_pairs(metrics["pairs_path"])
+    reading = [p for p in pairs if p.meta["source"] == "siblings-reading"]
+    assert len(reading) == metrics["reading_pairs"] > 0
+    assert metrics["pairs"] == len(pairs) > plain["pairs"]
+    for p in reading:
+        # after a search, in the real context: a sub-answer read elsewhere against the rest
+        assert p.context[-1].kind == "subquery" and p.context[-1].docs
+        assert "subanswer" in p.meta["step_kind"].split("|")
+    # the judge prefers the name the real documents give: the chosen sub-answer is in them, the other is not the
+    # hop's answer (read from documents that lack it)
+    labelled = [p for p in reading if p.judge_choice is not None]
+    assert len(labelled) == metrics["reading_judge_labelled"] > 0
+    for p in labelled:
+        chosen = p.steps[p.judge_choice]
+        if chosen.kind == "subanswer":
+            assert any(chosen.content in f"{d.title} {d.text}" for d in p.context[-1].docs)
+    assert any("rejected: wrong answer" in r for r in reason_counts_of(reading))
+
+
+def reason_counts_of(pairs) -> dict:
+    from services.trainer.stage_siblings import reason_counts
+
+    return {r: n for by_kind in reason_counts(pairs).values() for r, n in by_kind.items()}
+
+
+def test_reading_contexts_drop_the_top_document_and_add_the_decoy():
+    from services.trainer.stage_siblings import reading_contexts
+
+    assert reading_contexts(["d1", "d2", "d3"], ["x1"]) == [["d2", "d3"], ["x1"]]
+    assert reading_contexts(["d1"], ["x1", "x2"]) == [["x1", "x2"]]  # one document: nothing left without it
+    assert reading_contexts(["d1", "d2"], []) == [["d2"]]
+
+
+def test_decoy_question_is_another_fixed_by_id_and_needs_two():
+    from types import SimpleNamespace as NS
+
+    from prorag.errors import InvalidArgument
+    from services.trainer.stage_siblings import decoy_question
+
+    qs = [NS(id=f"q{i}", question=f"Q{i}?") for i in range(5)]
+    for q in qs:
+        d = decoy_question(qs, q)
+        assert d.id != q.id and decoy_question(list(reversed(qs)), q).id in {x.id for x in qs} - {q.id}
+        assert decoy_question(qs, q) is d
+    with pytest.raises(InvalidArgument, match="two questions"):
+        decoy_question(qs[:1], qs[0])
 
 
 def test_a_seeded_job_samples_the_same_pairs_again(services, tmp_path, one_thread):
@@ -176,6 +249,10 @@ class _ScriptedEnv:
     def reward(self, steps):
         return 1.0 if steps[-1].content == "Edraand" else 0.0
 
+    def expand_reading(self, history, docs, n):
+        self.calls.append(("reading", len(history), [d.title for d in docs], n))
+        return [Step("subanswer", content=d.title) for d in docs][:n] + [Step("subquery", content="Who?")], 2 * n
+
 
 def test_sample_question_pairs_the_trajectory_step_with_its_distinct_valid_siblings():
     from services.trainer.stage_siblings import sample_question
@@ -200,10 +277,40 @@ def test_sample_question_pairs_the_trajectory_step_with_its_distinct_valid_sibli
     assert [p.meta["step_kind"] for p in pairs] == ["subquery", "subanswer", "answer|subquery"]
     assert pairs[2].context == [q1, a1]  # the trajectory continues with each prefix's first sample
     assert stats == {"prefixes": 3, "sampled": 10, "invalid": 1, "duplicates": 3, "tokens": 36, "steps": 3,
-                     "f1": 1.0}
+                     "f1": 1.0, "reading_sampled": 0}
     # the depth limit
     pairs, stats = sample_question(_ScriptedEnv(script), "q1", "Q?", samples=3, max_steps=1)
     assert stats["steps"] == 1 and len(pairs) == 1
+
+
+def test_sample_question_adds_sub_answers_read_from_other_documents_after_a_search():
+    from prorag.data.loaders import Document
+    from services.trainer.stage_siblings import sample_question
+
+    docs = [Document.from_parts("d1", "Mai Brewery", "founded by Tova Lunn"),
+            Document.from_parts("d2", "Lunn Hall", "a hall")]
+    q1 = Step("subquery", content="Who founded Mai Brewery?", docs=docs)
+    a1, a2 = Step("subanswer", content="Tova Lunn"), Step("subanswer", content="Tova Lind")
+    script = [[q1, Step("subquery", content="Who is Kora?", docs=[])], [a1, a2],
+              [Step("answer", content="Edraand")]]
+    env = _ScriptedEnv(script)
+    decoys = []
+    pairs, stats = sample_question(env, "q1", "Q?", samples=1, max_steps=6, reading_samples=2,
+                                   decoy=lambda: decoys.append(1) or [Document.from_parts("x", "Kora Fen", "-")])
+    # only the prefix that ends with a search asks for other readings: the top document dropped, then the decoy;
+    # the walk still continues with the real context's first sample
+    assert env.calls == [(0, 2), (1, 2), ("reading", 1, ["Lunn Hall"], 2), ("reading", 1, ["Kora Fen"], 2), (2, 2)]
+    assert decoys == [1] and stats["reading_sampled"] == 4 and stats["tokens"] == 3 * 6 + 2 * 4
+    after_search = [p for p in pairs if len(p.context) == 1]
+    # the real siblings' pair, then each reading against the real ones and each other; the subquery a reading
+    # sampled is left out (it would be judged on a search never made)
+    assert [(p.steps[0].content, p.steps[1].content, p.meta["source"]) for p in after_search] == [
+        ("Tova Lunn", "Tova Lind", "siblings"),
+        ("Tova Lunn", "Lunn Hall", "siblings-reading"), ("Tova Lunn", "Kora Fen", "siblings-reading"),
+        ("Tova Lind", "Lunn Hall", "siblings-reading"), ("Tova Lind", "Kora Fen", "siblings-reading"),
+        ("Lunn Hall", "Kora Fen", "siblings-reading")]
+    assert all(p.context == [q1] for p in after_search)
+    assert [p.meta["source"] for p in pairs if len(p.context) != 1] == ["siblings"]
 
 
 def test_reason_counts_name_the_rejected_candidates_flaw():
