@@ -37,7 +37,7 @@ from services.trainer.stages import PolicySamplingConfig, register_stage, resolv
 
 #: what the stage samples and pairs, for job reuse (prorag_app.stage2): a change that makes other pairs from the
 #: same settings bumps it
-SIBLINGS_VERSION = 1
+SIBLINGS_VERSION = 2
 
 
 @dataclass
@@ -56,7 +56,8 @@ class SiblingsStageConfig(PolicySamplingConfig):
                                min=1, max=64)
     reading_samples: int = cfg_field(
         0, help="at each prefix that ends with a search: sub-answers sampled as if the search had returned other "
-                "documents (its top document removed; another question's documents), judged in the real context, "
+                "documents (its top document removed; the sentences naming the trajectory's sub-answer removed; "
+                "another question's documents), judged in the real context, "
                 "so pairs contrast a sub-answer the documents support with one they do not (0 = none)",
         min=0, max=32)
 
@@ -71,12 +72,33 @@ class SiblingsStageConfig(PolicySamplingConfig):
             raise ConfigError("split", "'test' is held out for evaluation; sample the train (or dev) split")
 
 
-def reading_contexts(docs: list, decoy: list) -> list[list]:
-    """The other documents a search's sub-answer is sampled under (stage option reading_samples): ``docs`` without
-    their top document (when more than one: the policy must read further down, or names what is left), and
-    ``decoy``, another question's documents (what it then names the real documents mostly do not contain). Empty
-    sets are left out."""
-    return [d for d in (docs[1:] if len(docs) > 1 else [], decoy) if d]
+def without_sentences_naming(docs: list, name: str) -> list:
+    """``docs`` with every sentence that names ``name`` (case-insensitive) taken out of their text; [] when no
+    document names it, or nothing would be left. Where the policy read its sub-answer, it must then name something
+    else the same documents say."""
+    import re
+
+    from prorag.data.loaders import Document
+
+    needle = name.strip().lower()
+    if not needle or not any(needle in f"{d.title} {d.text}".lower() for d in docs):
+        return []
+    out = []
+    for d in docs:
+        kept = [x for x in re.split(r"(?<=[.!?])\s+", d.text) if needle not in x.lower()]
+        if kept:
+            out.append(Document.from_parts(d.id, d.title, " ".join(kept)))
+    return out
+
+
+def reading_contexts(docs: list, decoy: list, said: str = "") -> list[list]:
+    """The other documents a search's sub-answer is sampled under (stage option reading_samples), each set left out
+    when empty: ``docs`` without their top document (when more than one: the policy must read further down, or
+    names what is left); ``docs`` without the sentences that name ``said`` (the sub-answer the policy gave from
+    the real documents: it then names something else those documents say, a name in them that is not what it
+    read); and ``decoy``, another question's documents (what it names there the real documents mostly lack)."""
+    return [d for d in (docs[1:] if len(docs) > 1 else [], without_sentences_naming(docs, said) if said else [],
+                        decoy) if d]
 
 
 def sample_question(env, question_id: str, question: str, samples: int, max_steps: int, reading_samples: int = 0,
@@ -109,7 +131,8 @@ def sample_question(env, question_id: str, question: str, samples: int, max_step
         real = len(steps)
         candidates = list(steps)
         if reading_samples and history and history[-1].kind == "subquery" and history[-1].docs:
-            for docs in reading_contexts(list(history[-1].docs), list(decoy() if decoy else [])):
+            said = steps[0].content if steps[0].kind == "subanswer" else ""
+            for docs in reading_contexts(list(history[-1].docs), list(decoy() if decoy else []), said):
                 other, tokens = env.expand_reading(history, docs, reading_samples)
                 stats["tokens"] += tokens
                 stats["reading_sampled"] += len(other)

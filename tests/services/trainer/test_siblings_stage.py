@@ -152,12 +152,25 @@ def reason_counts_of(pairs) -> dict:
     return {r: n for by_kind in reason_counts(pairs).values() for r, n in by_kind.items()}
 
 
-def test_reading_contexts_drop_the_top_document_and_add_the_decoy():
-    from services.trainer.stage_siblings import reading_contexts
+def test_reading_contexts_drop_the_top_document_and_what_was_read_and_add_the_decoy():
+    from prorag.data.loaders import Document
+    from services.trainer.stage_siblings import reading_contexts, without_sentences_naming
 
     assert reading_contexts(["d1", "d2", "d3"], ["x1"]) == [["d2", "d3"], ["x1"]]
     assert reading_contexts(["d1"], ["x1", "x2"]) == [["x1", "x2"]]  # one document: nothing left without it
     assert reading_contexts(["d1", "d2"], []) == [["d2"]]
+    d1 = Document.from_parts("d1", "Wol Pictures", "Wol Pictures makes films. It was founded by Ana Berg in 1921! "
+                                                   "ANA BERG lived in Maiwa. Its studio is in Old Town.")
+    d2 = Document.from_parts("d2", "Ana Berg", "Ana Berg was a director.")
+    left = without_sentences_naming([d1, d2], "Ana Berg")
+    # every sentence naming it goes (any case); a document with nothing left goes; ids and titles are kept
+    assert [(d.id, d.title, d.text) for d in left] == [
+        ("d1", "Wol Pictures", "Wol Pictures makes films. Its studio is in Old Town.")]
+    assert left[0].contents.startswith('"Wol Pictures"')
+    assert without_sentences_naming([d1], "Edraand") == []  # not read from these documents: no such set
+    assert without_sentences_naming([d2], "Ana Berg") == []  # nothing would be left
+    assert without_sentences_naming([d1], "  ") == []
+    assert reading_contexts([d1], ["x1"], said="Ana Berg") == [left, ["x1"]]
 
 
 def test_decoy_question_is_another_fixed_by_id_and_needs_two():
@@ -287,7 +300,7 @@ def test_sample_question_adds_sub_answers_read_from_other_documents_after_a_sear
     from prorag.data.loaders import Document
     from services.trainer.stage_siblings import sample_question
 
-    docs = [Document.from_parts("d1", "Mai Brewery", "founded by Tova Lunn"),
+    docs = [Document.from_parts("d1", "Mai Brewery", "Mai Brewery is a brewery. It was founded by Tova Lunn."),
             Document.from_parts("d2", "Lunn Hall", "a hall")]
     q1 = Step("subquery", content="Who founded Mai Brewery?", docs=docs)
     a1, a2 = Step("subanswer", content="Tova Lunn"), Step("subanswer", content="Tova Lind")
@@ -297,18 +310,21 @@ def test_sample_question_adds_sub_answers_read_from_other_documents_after_a_sear
     decoys = []
     pairs, stats = sample_question(env, "q1", "Q?", samples=1, max_steps=6, reading_samples=2,
                                    decoy=lambda: decoys.append(1) or [Document.from_parts("x", "Kora Fen", "-")])
-    # only the prefix that ends with a search asks for other readings: the top document dropped, then the decoy;
-    # the walk still continues with the real context's first sample
-    assert env.calls == [(0, 2), (1, 2), ("reading", 1, ["Lunn Hall"], 2), ("reading", 1, ["Kora Fen"], 2), (2, 2)]
-    assert decoys == [1] and stats["reading_sampled"] == 4 and stats["tokens"] == 3 * 6 + 2 * 4
+    # only the prefix that ends with a search asks for other readings: the top document dropped, the sentence
+    # naming the trajectory's sub-answer (Tova Lunn) dropped, then the decoy; the walk still continues with the
+    # real context's first sample
+    assert env.calls == [(0, 2), (1, 2), ("reading", 1, ["Lunn Hall"], 2),
+                         ("reading", 1, ["Mai Brewery", "Lunn Hall"], 2), ("reading", 1, ["Kora Fen"], 2), (2, 2)]
+    assert decoys == [1] and stats["reading_sampled"] == 2 + 3 + 2 and stats["tokens"] == 3 * 6 + 3 * 4
     after_search = [p for p in pairs if len(p.context) == 1]
-    # the real siblings' pair, then each reading against the real ones and each other; the subquery a reading
-    # sampled is left out (it would be judged on a search never made)
-    assert [(p.steps[0].content, p.steps[1].content, p.meta["source"]) for p in after_search] == [
-        ("Tova Lunn", "Tova Lind", "siblings"),
-        ("Tova Lunn", "Lunn Hall", "siblings-reading"), ("Tova Lunn", "Kora Fen", "siblings-reading"),
-        ("Tova Lind", "Lunn Hall", "siblings-reading"), ("Tova Lind", "Kora Fen", "siblings-reading"),
-        ("Lunn Hall", "Kora Fen", "siblings-reading")]
+    # the real siblings' pair, then each reading against the real ones and each other; a copy (Lunn Hall read
+    # twice) is paired once, and the subquery a reading sampled is left out (judged on a search never made)
+    assert [(p.steps[0].content, p.steps[1].content) for p in after_search] == [
+        ("Tova Lunn", "Tova Lind"), ("Tova Lunn", "Lunn Hall"), ("Tova Lunn", "Mai Brewery"),
+        ("Tova Lunn", "Kora Fen"), ("Tova Lind", "Lunn Hall"), ("Tova Lind", "Mai Brewery"),
+        ("Tova Lind", "Kora Fen"), ("Lunn Hall", "Mai Brewery"), ("Lunn Hall", "Kora Fen"),
+        ("Mai Brewery", "Kora Fen")]
+    assert [p.meta["source"] for p in after_search] == ["siblings"] + ["siblings-reading"] * 9
     assert all(p.context == [q1] for p in after_search)
     assert [p.meta["source"] for p in pairs if len(p.context) != 1] == ["siblings"]
 
