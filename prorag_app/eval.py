@@ -329,7 +329,10 @@ def print_prm_families(prm: dict) -> None:
     console = Console()
     console.print(table)
     pa = prm.get("pairwise_accuracy")
-    console.print(f"held-out pairwise accuracy: {pa:.3f}" if pa is not None else "held-out pairwise accuracy: -")
+    by_kind = prm.get("pairwise_accuracy_by_kind") or {}
+    console.print((f"held-out pairwise accuracy: {pa:.3f}" if pa is not None else "held-out pairwise accuracy: -")
+                  + ("" if not by_kind else " (" + ", ".join(f"{k} {v:.3f}" for k, v in sorted(by_kind.items()))
+                                                + ")"))
     gate = prm.get("gate")
     if gate:
         console.print(f"gate for PRM-guided stages (unsupported sub-answer AUC >= {gate['min_unsupported']}, "
@@ -364,6 +367,8 @@ def eval_prm(args) -> int:
            "auc_gold_vs_corrupted": {k: validation[k] for k in ("overall", "by_kind", "n", "in_distribution",
                                                                   "held_out")},
            "pairwise_accuracy": metrics.get("heldout_pairwise_accuracy"), "png": validation["png"],
+           "pairwise_accuracy_by_kind": {k.split(".", 1)[1]: v for k, v in metrics.items()
+                                         if k.startswith("heldout_pairwise_accuracy.")},
            # additive: the verdict before any PRM-guided stage, and what the validation left out
            "gate": gate_verdict(validation), "cases_dropped": validation["dropped"],
            "questions": validation["questions"]}

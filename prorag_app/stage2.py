@@ -212,6 +212,8 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
         "gate": gate_verdict(validation),
         "cases_dropped": validation.get("dropped"),
         "pairwise_accuracy": prm["metrics"].get("heldout_pairwise_accuracy"),
+        "pairwise_accuracy_by_kind": {k.split(".", 1)[1]: v for k, v in prm["metrics"].items()
+                                      if k.startswith("heldout_pairwise_accuracy.")},
         "png": validation["png"],
         "validation_split": split,
         "jobs": jobs,

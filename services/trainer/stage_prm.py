@@ -91,6 +91,7 @@ def pair_scores(model, batch, max_len: int, pad_id: int, keep_prefix: int = 0):
 def run_prm(ctx: JobContext) -> dict:
     import torch
 
+    from prorag.algorithms.mcts import pair_kind
     from prorag.algorithms.prm import bradley_terry_loss, pairwise_accuracy
     from prorag.modeling import save_pretrained
     from prorag.search.pairs import load_pairs
@@ -107,7 +108,8 @@ def run_prm(ctx: JobContext) -> dict:
     model, tokenizer = prm_from_policy(policy, seed=cfg.seed, attn_implementation=placement.attn_implementation)
     model = prepare_for_training(model, placement, gradient_checkpointing=cfg.gradient_checkpointing)
     train = encode_pairs(tokenizer, [p for p in pairs if not _held_out(p.question_id, cfg.holdout)], cfg.label_source)
-    held = encode_pairs(tokenizer, [p for p in pairs if _held_out(p.question_id, cfg.holdout)], cfg.label_source)
+    held_pairs = [p for p in pairs if _held_out(p.question_id, cfg.holdout) and p.label(cfg.label_source) is not None]
+    held = encode_pairs(tokenizer, held_pairs, cfg.label_source)
     if not train:
         raise FailedPrecondition(f"no {cfg.label_source}-labelled pairs to train on in "
                                  f"{' and '.join(p for p in (cfg.pairs, cfg.extra_pairs) if p)} "
@@ -135,6 +137,12 @@ def run_prm(ctx: JobContext) -> dict:
                 c += sc.tolist()
                 r += sr.tolist()
         metrics["heldout_pairwise_accuracy"] = pairwise_accuracy(c, r)
+        # per step kind: one kind's pairs can outnumber the rest, and the overall figure then hides another's
+        kinds = [p.meta.get("step_kind") or pair_kind(p.steps[0].kind, p.steps[1].kind) for p in held_pairs]
+        for kind in sorted(set(kinds)):
+            idx = [i for i, k in enumerate(kinds) if k == kind]
+            metrics[f"heldout_pairwise_accuracy.{kind}"] = pairwise_accuracy([c[i] for i in idx], [r[i] for i in idx])
+            metrics[f"heldout_pairs.{kind}"] = len(idx)
     weights = full_state_dict(ctx.accelerator, model)  # every process of a launch takes part in the gather
     if not ctx.is_main:  # the other processes of a launch publish nothing
         return {}

@@ -31,6 +31,10 @@ def test_prm_stage_learns_publishes_and_scores(tiny_policy, tmp_path, monkeypatc
     assert out["heldout_pairs"] > 5 and out["train_pairs"] + out["heldout_pairs"] == 80
     assert out["final_loss"] < 0.3  # from ln 2 = 0.69 at a random head
     assert out["heldout_pairwise_accuracy"] >= 0.9
+    # per step kind too (these pairs are all sub-answers), adding up to the whole
+    by_kind = {k.split(".", 1)[1]: v for k, v in out.items() if k.startswith("heldout_pairs.")}
+    assert by_kind == {"subanswer": out["heldout_pairs"]}
+    assert out["heldout_pairwise_accuracy.subanswer"] == out["heldout_pairwise_accuracy"]
     published = registry("prm", "tiny").resolve(out["prm"])
     prm, ptok = load_prm(published)
     fresh = _pairs(1, seed=99)[0]
