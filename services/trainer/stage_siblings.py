@@ -204,6 +204,8 @@ def run_siblings(ctx: JobContext) -> dict:
     ctx.emit(len(done), len(qs), message=f"{len(qs)} questions, {len(done)} already sampled, "
                                          f"{cfg.concurrency} at a time")
 
+    # drawn before anything is sampled: a job that cannot have decoys fails at its start
+    decoys = {q.id: decoy_question(qs, q) for q in qs} if cfg.reading_samples else {}
     clients = SearchServices(cfg)
     judge = JudgeClient(cfg.judge, timeout=600)
     lock = threading.Lock()
@@ -217,7 +219,7 @@ def run_siblings(ctx: JobContext) -> dict:
         env = clients.env(tokenizer, q, (cfg.seed * 7919 + hash_id(q.id)) if cfg.seed else 0, cfg.max_steps)
         try:
             pairs, stats = sample_question(env, q.id, q.question, cfg.samples, cfg.max_steps, cfg.reading_samples,
-                                           lambda: clients.cache(decoy_question(qs, q).question))
+                                           lambda: clients.cache(decoys[q.id].question))
             # judged before the question is journalled: a resumed job never pays for a verdict twice (a judge
             # cache answers a question asked again after a restart)
             t = time.monotonic()

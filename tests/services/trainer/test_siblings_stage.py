@@ -146,6 +146,16 @@ def test_reading_samples_pair_the_sub_answer_read_from_the_real_documents_with_o
     assert any("rejected: wrong answer" in r for r in reason_counts_of(reading))
 
 
+def test_reading_samples_on_one_question_fail_before_anything_is_sampled(services, tmp_path, one_thread):
+    from prorag.errors import InvalidArgument
+    from services.trainer.stage_siblings import run_siblings
+
+    with pytest.raises(InvalidArgument, match="two questions"):
+        run_siblings(local_context(tmp_path / "job", _config(services, max_questions=1, reading_samples=2),
+                                   stage="siblings"))
+    assert not (tmp_path / "job" / "checkpoints" / "siblings-journal.jsonl").exists()
+
+
 def reason_counts_of(pairs) -> dict:
     from services.trainer.stage_siblings import reason_counts
 
