@@ -115,23 +115,14 @@ def train_methods(stack: ServiceStack, methods, profile: Profile, base_model: st
                 fresh.append(method)
         with progress_bars() as progress:
             errors: list[BaseException] = []
-            began: dict[str, float] = {}
             seconds = {m: 0.0 for m in methods}
 
             def watch(method: str) -> None:
+                from prorag_app.stage2 import follow_job
+
                 try:
                     with TrainerClient(stack.grpc_target("trainer"), timeout=60) as own:
-                        for ev in own.watch(ids[method]):
-                            if state_name(ev.state) == "RUNNING":
-                                began.setdefault(method, time.monotonic())
-                            if ev.total_steps:
-                                progress(f"train {method}", int(ev.step), int(ev.total_steps))
-                            if ev.message and not ev.message.startswith("checkpoint"):
-                                console.print(f"[dim]{method}: {ev.message[:200]}[/dim]")
-                            if state_name(ev.state) in ("SUCCEEDED", "FAILED", "CANCELLED"):
-                                if method in began:
-                                    seconds[method] = time.monotonic() - began[method]
-                                break
+                        seconds[method] = follow_job(own, ids[method], f"train {method}", progress)
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                     errors.append(exc)
 

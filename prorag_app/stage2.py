@@ -61,17 +61,34 @@ def run_job(stack, stage: str, config: dict, job_id: str) -> dict:
         else:
             client.start(stage, config, job_id=job_id)
             with progress_bars() as progress:
-                for ev in client.watch(job_id):
-                    if ev.total_steps:
-                        progress(stage, int(ev.step), int(ev.total_steps))
-                    if ev.message and not ev.message.startswith("checkpoint"):
-                        console.print(f"[dim]{stage}: {ev.message[:200]}[/dim]")
-                    if state_name(ev.state) in ("SUCCEEDED", "FAILED", "CANCELLED"):
-                        break
+                follow_job(client, job_id, stage, progress)
         job = client.get(job_id)
         if state_name(job.state) != "SUCCEEDED":
             raise SystemExit(f"{stage} job {job_id} ended {state_name(job.state)}: {job.error}")
         return {"job_id": job_id, "metrics": dict(job.metrics), "outputs": dict(job.outputs), "run_dir": job.run_dir}
+
+
+def follow_job(client, job_id: str, label: str, progress) -> float:
+    """Show ``job_id``'s events (progress bar ``label``, messages) until the trainer ends the watch, which it
+    does once the job is terminal; returns the seconds the job ran since it was last queued (0.0 if it never ran).
+
+    The watch replays the job's past events first, and a job submitted again after it FAILED or was CANCELLED
+    has that end among them: so the end is the stream's end, never a terminal event seen on the way (stopping
+    there left a resumed job running unwatched)."""
+    from prorag.rpc.clients_trainer import state_name
+
+    began = None
+    for ev in client.watch(job_id):
+        state = state_name(ev.state)
+        if state == "QUEUED":
+            began = None  # (re-)queued: its running time starts when it next runs
+        elif state == "RUNNING" and began is None:
+            began = time.monotonic()
+        if ev.total_steps:
+            progress(label, int(ev.step), int(ev.total_steps))
+        if ev.message and not ev.message.startswith("checkpoint"):
+            console.print(f"[dim]{label}: {ev.message[:200]}[/dim]")
+    return time.monotonic() - began if began is not None else 0.0
 
 
 #: settings that say where a job's services are, or how fast it runs, not what it trains
