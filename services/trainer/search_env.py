@@ -168,6 +168,23 @@ class ServiceEnv:
         return ([parse_step(decode(self.tok, list(c.token_ids))) for c in completions],
                 sum(len(c.token_ids) for c in completions))
 
+    def expand_bridge(self, history: Sequence[Step], name: str, n: int) -> tuple[list[Step], int]:
+        """``n`` next steps sampled after ``history`` (which ends with a sub-answer) as if that sub-answer had said
+        ``name``: what the policy asks next when it carries another name forward. Not searched, not remembered as
+        prefixes: siblings to judge in the real context (where a search for that name is the wrong entity)."""
+        from prorag.rollout import decode
+        from prorag.trajectory import render_step
+
+        if not history or history[-1].kind != "subanswer":
+            raise ValueError("expand_bridge continues a sub-answer")
+        said = Step("subanswer", thought=history[-1].thought, content=name)
+        ids = self.prefix(history[:-1]) + self.tok.encode(render_step(said), add_special_tokens=False)
+        if len(ids) >= self.max_len:
+            return [], 0
+        completions = self._generate(ids, n, self.temperature)
+        return ([parse_step(decode(self.tok, list(c.token_ids))) for c in completions],
+                sum(len(c.token_ids) for c in completions))
+
     def rollout(self, history: Sequence[Step]) -> tuple[float, int]:
         """One sampled completion from ``history`` to a final answer (or the step/length limit)."""
         steps, tokens = list(history), 0

@@ -14,7 +14,11 @@ On-policy siblings almost never hold the contrast a PRM most needs on deep quest
 support (the agent's wrong sub-answers are wrong names it read, rarely unsupported ones). With ``reading_samples``,
 each prefix that ends with a search also gets sub-answers sampled as if the search had returned other documents
 (:func:`reading_contexts`) and judged in the real context: pairs that contrast reading with not reading, made by
-the policy itself (the PRM's validation builds its cases by rewriting gold trajectories, not by sampling).
+the policy itself (the PRM's validation builds its cases by rewriting gold trajectories, not by sampling). With
+``bridge_samples``, each prefix that ends with a sub-answer also gets next steps sampled as if that sub-answer had
+named another question's hop answer; the subqueries among them, judged in the real context, search the wrong
+entity: pairs that contrast carrying the name just read forward with carrying another (reading pairs alone taught
+the PRM sub-answers and left it ranking gold bridge subqueries below corrupted ones).
 
 Many questions run at once (``concurrency`` threads) so the policy service merges their step requests; each
 question's pairs are judged and appended (fsynced) to a journal in the checkpoint directory as soon as the question
@@ -61,6 +65,12 @@ class SiblingsStageConfig(PolicySamplingConfig):
                 "so pairs contrast a sub-answer the documents support with one they do not (0 = none)",
         min=0, max=32)
 
+    bridge_samples: int = cfg_field(
+        0, help="at each prefix that ends with a sub-answer: next steps sampled as if that sub-answer had named "
+                "another question's hop answer; the subqueries among them are judged in the real context, so pairs "
+                "contrast a search for the entity just read with a search for another (0 = none)",
+        min=0, max=32)
+
     def validate(self) -> None:
         from prorag.config import ConfigError
 
@@ -101,8 +111,24 @@ def reading_contexts(docs: list, decoy: list, said: str = "") -> list[list]:
                         decoy) if d]
 
 
+def bridge_name(decoy_answers: list, history: list) -> str:
+    """The name a bridge sample carries forward instead of ``history``'s last sub-answer: the decoy question's
+    hop answer at the same hop (the last one when the decoy has fewer), "" when none differs from what was said.
+
+    >>> from prorag.trajectory import Step
+    >>> bridge_name(["Ekroa", "Lasar"], [Step("subanswer", content="Yxine")])
+    'Ekroa'
+    """
+    from prorag.metrics import normalize_answer
+
+    said = normalize_answer(history[-1].content)
+    hop = sum(s.kind == "subanswer" for s in history) - 1
+    names = [a for a in decoy_answers if a and normalize_answer(a) != said]
+    return names[min(hop, len(names) - 1)] if names else ""
+
+
 def sample_question(env, question_id: str, question: str, samples: int, max_steps: int, reading_samples: int = 0,
-                    decoy=None):
+                    decoy=None, bridge_samples: int = 0, decoy_answers: list | None = None):
     """One question's pairs: walk one trajectory through ``env`` (a services.trainer.search_env.ServiceEnv, or anything with
     its ``expand(history, n) -> (steps, tokens)`` and ``reward(steps)``), and at each prefix pair the trajectory's
     own step with ``samples`` more, keeping valid, distinct siblings (prorag.search.mcts.pairable).
@@ -112,6 +138,10 @@ def sample_question(env, question_id: str, question: str, samples: int, max_step
     with the rest in the real context (``meta["source"] = "siblings-reading"`` when a pair holds one). The trajectory
     still continues with the real context's first sample.
 
+    bridge_samples: at a prefix that ends with a sub-answer, also ``bridge_samples`` next steps as if it had named
+    :func:`bridge_name` of ``decoy_answers`` (``env.expand_bridge``); the subqueries among them are paired with the
+    rest (``meta["source"] = "siblings-bridge"``).
+
     Returns (pairs [StepPair], stats {"prefixes", "sampled", "invalid", "duplicates", "tokens", "reading_sampled",
     "steps", "f1"})."""
     from prorag.algorithms.mcts import pair_kind, sibling_pairs
@@ -119,7 +149,8 @@ def sample_question(env, question_id: str, question: str, samples: int, max_step
     from prorag.search.pairs import StepPair
 
     history, pairs = [], []
-    stats = {"prefixes": 0, "sampled": 0, "invalid": 0, "duplicates": 0, "tokens": 0, "reading_sampled": 0}
+    stats = {"prefixes": 0, "sampled": 0, "invalid": 0, "duplicates": 0, "tokens": 0, "reading_sampled": 0,
+             "bridge_sampled": 0}
     while len(history) < max_steps:
         # one call: the first completion continues the trajectory, the others are its siblings (i.i.d. samples)
         steps, tokens = env.expand(history, samples + 1)
@@ -138,13 +169,23 @@ def sample_question(env, question_id: str, question: str, samples: int, max_step
                 stats["reading_sampled"] += len(other)
                 # only sub-answers: a contrast in reading; another kind would be judged on a search never made
                 candidates += [s for s in other if s.kind == "subanswer"]
+        reading_end = len(candidates)
+        name = bridge_name(list(decoy_answers or []), history) if bridge_samples and history and \
+            history[-1].kind == "subanswer" else ""
+        if name:
+            other, tokens = env.expand_bridge(history, name, bridge_samples)
+            stats["tokens"] += tokens
+            stats["bridge_sampled"] += len(other)
+            # only subqueries: they are judged as searches from the real context (the wrong entity, or not)
+            candidates += [s for s in other if s.kind == "subquery"]
         valid = [s for s in candidates if s.valid and not s.empty]
         keep = pairable(candidates)
         stats["invalid"] += len(candidates) - len(valid)
         stats["duplicates"] += len(valid) - len(keep)
         for i, j in sibling_pairs(len(keep)):
             a, b = candidates[keep[i]], candidates[keep[j]]
-            source = "siblings-reading" if keep[j] >= real else "siblings"
+            source = ("siblings-bridge" if keep[j] >= reading_end else "siblings-reading" if keep[j] >= real
+                      else "siblings")
             pairs.append(StepPair(question_id, question, list(history), (a, b),
                                   meta={"step_kind": pair_kind(a.kind, b.kind), "source": source}))
         history.append(steps[0])
@@ -157,13 +198,14 @@ def sample_question(env, question_id: str, question: str, samples: int, max_step
 
 def decoy_question(questions: list, question):
     """Another question of ``questions`` than ``question``, fixed by its id (a resumed or repeated job picks the
-    same one): the search whose documents stand in for the real ones in reading_contexts."""
+    same one): the search whose documents stand in for the real ones in reading_contexts, and whose hop answers
+    the bridge samples carry forward."""
     others = [q for q in questions if q.id != question.id]
     if not others:
         from prorag.errors import InvalidArgument
 
-        raise InvalidArgument("reading_samples needs at least two questions (another question's documents are the "
-                              "decoy); raise max_questions")
+        raise InvalidArgument("reading_samples and bridge_samples need at least two questions (another question's "
+                              "documents and hop answers are the decoy); raise max_questions")
     return others[hash_id(question.id) % len(others)]
 
 
@@ -205,7 +247,7 @@ def run_siblings(ctx: JobContext) -> dict:
                                          f"{cfg.concurrency} at a time")
 
     # drawn before anything is sampled: a job that cannot have decoys fails at its start
-    decoys = {q.id: decoy_question(qs, q) for q in qs} if cfg.reading_samples else {}
+    decoys = {q.id: decoy_question(qs, q) for q in qs} if cfg.reading_samples or cfg.bridge_samples else {}
     clients = SearchServices(cfg)
     judge = JudgeClient(cfg.judge, timeout=600)
     lock = threading.Lock()
@@ -218,8 +260,10 @@ def run_siblings(ctx: JobContext) -> dict:
             return
         env = clients.env(tokenizer, q, (cfg.seed * 7919 + hash_id(q.id)) if cfg.seed else 0, cfg.max_steps)
         try:
-            pairs, stats = sample_question(env, q.id, q.question, cfg.samples, cfg.max_steps, cfg.reading_samples,
-                                           lambda: clients.cache(decoys[q.id].question))
+            pairs, stats = sample_question(
+                env, q.id, q.question, cfg.samples, cfg.max_steps, cfg.reading_samples,
+                lambda: clients.cache(decoys[q.id].question), cfg.bridge_samples,
+                [h.answer for h in decoys[q.id].decomposition if h.answer] if cfg.bridge_samples else [])
             # judged before the question is journalled: a resumed job never pays for a verdict twice (a judge
             # cache answers a question asked again after a restart)
             t = time.monotonic()
@@ -263,6 +307,10 @@ def run_siblings(ctx: JobContext) -> dict:
         "reading_pairs": sum(p.meta.get("source") == "siblings-reading" for p in pairs),
         "reading_judge_labelled": sum(p.meta.get("source") == "siblings-reading" and p.judge_choice is not None
                                       for p in pairs),
+        "bridge_sampled": sum(r["stats"].get("bridge_sampled", 0) for r in rows),
+        "bridge_pairs": sum(p.meta.get("source") == "siblings-bridge" for p in pairs),
+        "bridge_judge_labelled": sum(p.meta.get("source") == "siblings-bridge" and p.judge_choice is not None
+                                     for p in pairs),
         "trajectory_steps_mean": total("steps") / len(rows), "trajectory_f1_mean": total("f1") / len(rows),
         "wall_s": wall, "judge_wait_s": judge_s[0], **clients.metrics(),
         # the nested counts reach the manifest; a job's metrics over the API are numbers, so they also go flat

@@ -29,8 +29,18 @@ class JunkyWalkEngine(GoldWalkEngine):
     #: set by a test: at a sub-answer, read the last retrieval block (the hop's answer when it is there, else the
     #: first document's title: a name read, not the answer), so other documents make it write another name
     reads = False
+    #: set by a test: a subquery after a sub-answer asks the gold hop's question about the name the context last
+    #: stated (the gold previous answer replaced by it), so another stated name makes it search another entity
+    bridges = False
 
     def _next(self, q, generated: str, rng) -> str:
+        hops = [h for h in q.decomposition if h.doc_id]
+        hop = generated.count("</subanswer>")
+        if self.bridges and 0 < hop < len(hops) and generated.rstrip().endswith("<step>") and \
+                generated.count("</subquery>") == hop:
+            stated = generated.rsplit("<subanswer>\n", 1)[-1].split("</subanswer>")[0]
+            sub = hops[hop].question.replace(hops[hop - 1].answer, stated)
+            return f"Next I search.</step>\n<subquery>\n{sub}</subquery>"
         if self.reads and generated.rstrip().removesuffix("<step>").rstrip().endswith("</retrieval>"):
             block = generated.rsplit("<retrieval>", 1)[-1]
             hops = [h for h in q.decomposition if h.doc_id]
@@ -146,12 +156,13 @@ def test_reading_samples_pair_the_sub_answer_read_from_the_real_documents_with_o
     assert any("rejected: wrong answer" in r for r in reason_counts_of(reading))
 
 
-def test_reading_samples_on_one_question_fail_before_anything_is_sampled(services, tmp_path, one_thread):
+@pytest.mark.parametrize("option", ["reading_samples", "bridge_samples"])
+def test_decoys_on_one_question_fail_before_anything_is_sampled(services, tmp_path, one_thread, option):
     from prorag.errors import InvalidArgument
     from services.trainer.stage_siblings import run_siblings
 
     with pytest.raises(InvalidArgument, match="two questions"):
-        run_siblings(local_context(tmp_path / "job", _config(services, max_questions=1, reading_samples=2),
+        run_siblings(local_context(tmp_path / "job", _config(services, max_questions=1, **{option: 2}),
                                    stage="siblings"))
     assert not (tmp_path / "job" / "checkpoints" / "siblings-journal.jsonl").exists()
 
@@ -276,6 +287,11 @@ class _ScriptedEnv:
         self.calls.append(("reading", len(history), [d.title for d in docs], n))
         return [Step("subanswer", content=d.title) for d in docs][:n] + [Step("subquery", content="Who?")], 2 * n
 
+    def expand_bridge(self, history, name, n):
+        self.calls.append(("bridge", len(history), name, n))
+        return [Step("subquery", content=f"Where was {name} born?"), Step("subanswer", content=name),
+                Step("subquery", content=f"where was {name.upper()} born")][:n + 1], 5 * n
+
 
 def test_sample_question_pairs_the_trajectory_step_with_its_distinct_valid_siblings():
     from services.trainer.stage_siblings import sample_question
@@ -300,7 +316,7 @@ def test_sample_question_pairs_the_trajectory_step_with_its_distinct_valid_sibli
     assert [p.meta["step_kind"] for p in pairs] == ["subquery", "subanswer", "answer|subquery"]
     assert pairs[2].context == [q1, a1]  # the trajectory continues with each prefix's first sample
     assert stats == {"prefixes": 3, "sampled": 10, "invalid": 1, "duplicates": 3, "tokens": 36, "steps": 3,
-                     "f1": 1.0, "reading_sampled": 0}
+                     "f1": 1.0, "reading_sampled": 0, "bridge_sampled": 0}
     # the depth limit
     pairs, stats = sample_question(_ScriptedEnv(script), "q1", "Q?", samples=3, max_steps=1)
     assert stats["steps"] == 1 and len(pairs) == 1
@@ -370,3 +386,62 @@ def test_the_sibling_sampler_refuses_the_test_split_as_mcts_does(tmp_path):
                 SiblingsStageConfig(policy_model="m", judge="127.0.0.1:1", split="test")):
         with pytest.raises(InvalidArgument, match="split 'test' is held out"):
             questions_to_search(cfg)
+
+
+def test_sample_question_adds_subqueries_that_carry_another_name_after_a_sub_answer():
+    from services.trainer.stage_siblings import sample_question
+
+    q1 = Step("subquery", content="Who founded Mai Brewery?", docs=[])
+    a1, a2 = Step("subanswer", content="Tova Lunn"), Step("subanswer", content="Tova Lind")
+    q2, q3 = Step("subquery", content="Where was Tova Lunn born?", docs=[]), Step("subquery", content="Who?", docs=[])
+    script = [[q1, Step("subquery", content="Who is Kora?", docs=[])], [a1, a2], [q2, q3],
+              [Step("answer", content="Edraand")]]
+    env = _ScriptedEnv(script)
+    pairs, stats = sample_question(env, "q1", "Q?", samples=1, max_steps=6, bridge_samples=2,
+                                   decoy_answers=["Tova Lunn", "Kora Fen", "Osk"])
+    # only the prefix that ends with a sub-answer asks for bridges; the name is the decoy's hop answer at that hop
+    # unless it is what was said (then the next one); the walk continues with the real context's first sample
+    assert env.calls == [(0, 2), (1, 2), (2, 2), ("bridge", 2, "Kora Fen", 2), (3, 2)]
+    assert stats["bridge_sampled"] == 3 and stats["tokens"] == 4 * 6 + 10
+    after_answer = [p for p in pairs if len(p.context) == 2]
+    # the bridge's sub-answer is left out (it is no search), its copy under the normaliser is paired once
+    assert [(p.steps[0].content, p.steps[1].content, p.meta["source"]) for p in after_answer] == [
+        ("Where was Tova Lunn born?", "Who?", "siblings"),
+        ("Where was Tova Lunn born?", "Where was Kora Fen born?", "siblings-bridge"),
+        ("Who?", "Where was Kora Fen born?", "siblings-bridge")]
+    assert all(p.context == [q1, a1] and p.meta["step_kind"] == "subquery" for p in after_answer)
+    assert {p.meta["source"] for p in pairs if len(p.context) != 2} == {"siblings"}
+
+
+def test_bridge_name_is_the_decoys_answer_at_the_same_hop_and_never_what_was_said():
+    from services.trainer.stage_siblings import bridge_name
+
+    said = [Step("subquery", content="q"), Step("subanswer", content="Ana"), Step("subquery", content="q2"),
+            Step("subanswer", content="Bo")]
+    assert bridge_name(["Cid", "Dee", "Eve"], said) == "Dee"       # the second sub-answer: the decoy's second hop
+    assert bridge_name(["Cid"], said) == "Cid"                    # fewer hops: the decoy's last
+    assert bridge_name(["bo.", "Cid"], said) == "Cid"             # what was said (normalised) is never carried
+    assert bridge_name(["BO"], said) == bridge_name([], said) == ""
+
+
+def test_bridge_samples_pair_the_search_for_the_name_read_with_searches_for_another(services, tmp_path, one_thread):
+    from services.trainer.stage_siblings import run_siblings
+
+    engine = services["engine"]
+    engine.bridges = True
+    try:
+        metrics = run_siblings(local_context(tmp_path / "bridge", _config(services, bridge_samples=2,
+                                                                             max_questions=16),
+                                             stage="siblings"))
+    finally:
+        engine.bridges = False
+    assert metrics["bridge_sampled"] > 0
+    pairs = load_pairs(metrics["pairs_path"])
+    bridge = [p for p in pairs if p.meta["source"] == "siblings-bridge"]
+    assert len(bridge) == metrics["bridge_pairs"] > 0
+    for p in bridge:
+        assert p.context[-1].kind == "subanswer" and p.meta["step_kind"] == "subquery"
+    # the judge prefers the search for the entity the context stated where the other names another question's
+    labelled = [p for p in bridge if p.judge_choice is not None]
+    assert len(labelled) == metrics["bridge_judge_labelled"] > 0
+    assert reason_counts_of(labelled) == {"rejected: wrong entity": len(labelled)}
