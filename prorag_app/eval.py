@@ -236,7 +236,7 @@ def validate_prm_families(prm_dir: str, questions, docs_by_id: dict, sft_setting
 
     trajectories: one correct trajectory (list of Steps) per question, e.g. the agent's own; None = each
     question's gold trajectory written as the SFT agent was trained to write it (``sft_settings``)."""
-    from prorag.prm.evaluation import FAMILIES, auc_by_kind, validation_cases
+    from prorag.prm.evaluation import FAMILIES, auc_by_kind, centred_per_kind, validation_cases
     from prorag_app.stage2 import gold_trajectories
 
     if trajectories is None:
@@ -251,7 +251,10 @@ def validate_prm_families(prm_dir: str, questions, docs_by_id: dict, sft_setting
                                  "questions with a gold decomposition whose documents are in the corpus")
     gold, bad, version = score_cases(prm_dir, cases)
     out = auc_by_kind(cases, gold, bad)
-    out.update(questions=len(questions), version=version, dropped=dropped)
+    centred_gold, centred_bad, means = centred_per_kind(cases, gold, bad)
+    centred = auc_by_kind(cases, centred_gold, centred_bad)
+    out.update(questions=len(questions), version=version, dropped=dropped,
+               centred={"overall": centred["overall"], "by_kind": centred["by_kind"], "kind_means": means})
     if png is not None:
         plot_family_scores(cases, gold, bad, out, png)
         out["png"] = str(png)
@@ -315,17 +318,23 @@ def print_prm_families(prm: dict) -> None:
     from prorag.prm.evaluation import HELD_OUT
 
     auc = prm["auc_gold_vs_corrupted"]
+    centred = prm.get("auc_centred_per_kind") or {}
     split = prm.get("split", prm.get("validation_split", "test"))  # eval prm's key, and stage 2's
     table = Table(title=f"PRM validation: gold steps against corrupted ones ({split} split)")
-    for col in ("family", "group", "AUC", "cases"):
+    for col in ("family", "group", "AUC", "centred per kind", "cases"):
         table.add_column(col, justify="left" if col in ("family", "group") else "right")
+
+    def shown(v) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
     for kind, v in auc["by_kind"].items():
-        table.add_row(kind, "held out" if kind in HELD_OUT else "in distribution", f"{v['auc']:.3f}", str(v["n"]))
+        table.add_row(kind, "held out" if kind in HELD_OUT else "in distribution", shown(v["auc"]),
+                      shown((centred.get("by_kind") or {}).get(kind, {}).get("auc")), str(v["n"]))
     for group in ("in_distribution", "held_out"):
         v = auc.get(group) or {}
-        table.add_row(f"[b]{group.replace('_', ' ')}[/b]", "pooled",
-                      "-" if v.get("auc") is None else f"{v['auc']:.3f}", str(v.get("n", 0)))
-    table.add_row("[b]overall[/b]", "every family", f"{auc['overall']:.3f}", str(auc["n"]))
+        table.add_row(f"[b]{group.replace('_', ' ')}[/b]", "pooled", shown(v.get("auc")), "", str(v.get("n", 0)))
+    table.add_row("[b]overall[/b]", "every family", shown(auc["overall"]), shown(centred.get("overall")),
+                  str(auc["n"]))
     console = Console()
     console.print(table)
     pa = prm.get("pairwise_accuracy")
@@ -366,6 +375,8 @@ def eval_prm(args) -> int:
     prm = {"model": validation["version"], "split": args.split,
            "auc_gold_vs_corrupted": {k: validation[k] for k in ("overall", "by_kind", "n", "in_distribution",
                                                                   "held_out")},
+           # additive: the same with scores centred per step kind, as the process advantage reads them
+           "auc_centred_per_kind": validation["centred"],
            "pairwise_accuracy": metrics.get("heldout_pairwise_accuracy"), "png": validation["png"],
            "pairwise_accuracy_by_kind": {k.split(".", 1)[1]: v for k, v in metrics.items()
                                          if k.startswith("heldout_pairwise_accuracy.")},

@@ -226,6 +226,9 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
         "model": prm["outputs"]["prm"],
         "auc_gold_vs_corrupted": {k: validation[k] for k in ("overall", "by_kind", "n", "in_distribution", "held_out")
                                   if k in validation},
+        # the same with scores centred per step kind, as the process advantage reads them (a diagnostic: the gate
+        # reads the raw scores)
+        "auc_centred_per_kind": validation.get("centred"),
         # whether this PRM may guide stages 3-4 (prorag.prm.evaluation.prm_gate: unsupported sub-answers and overall)
         "gate": gate_verdict(validation),
         "cases_dropped": validation.get("dropped"),

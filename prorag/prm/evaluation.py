@@ -371,6 +371,29 @@ def auc_by_kind(cases: Sequence[ProbeCase], gold_scores: Sequence[float],
     return out
 
 
+def centred_per_kind(cases: Sequence[ProbeCase], gold_scores: Sequence[float],
+                     corrupted_scores: Sequence[float]) -> tuple[list[float], list[float], dict[str, float]]:
+    """(gold [N], corrupted [N], {step kind: mean}) with each score minus the mean score of its step's kind over
+    every scored step of ``cases`` [N] (gold and corrupted alike): the scores as the RL's process advantage reads
+    them (prm_centering=per_kind centres within its batch). A family that compares two kinds (premature_answer:
+    a subquery against an answer) then measures the steps rather than the kinds' offsets. A diagnostic beside
+    :func:`auc_by_kind` on raw scores, which the gate reads.
+
+    >>> c = [ProbeCase("q", "Q?", "premature_answer", 1, [], Step("subquery"), Step("answer"))]
+    >>> centred_per_kind(c, [-2.0], [1.0])
+    ([0.0], [0.0], {'subquery': -2.0, 'answer': 1.0})
+    """
+    if not (len(cases) == len(gold_scores) == len(corrupted_scores)):
+        raise ValueError("one gold and one corrupted score per case")
+    by_kind: dict[str, list[float]] = {}
+    for c, g, b in zip(cases, gold_scores, corrupted_scores):
+        by_kind.setdefault(c.gold.kind, []).append(g)
+        by_kind.setdefault(c.corrupted.kind, []).append(b)
+    means = {k: sum(v) / len(v) for k, v in by_kind.items()}
+    return ([g - means[c.gold.kind] for c, g in zip(cases, gold_scores)],
+            [b - means[c.corrupted.kind] for c, b in zip(cases, corrupted_scores)], means)
+
+
 def prm_gate(auc_report: Mapping, min_unsupported: float = 0.8, min_overall: float = 0.9, min_cases: int = 20,
              unsupported_families: Sequence[str] = UNSUPPORTED_FAMILIES) -> tuple[bool, list[str]]:
     """Whether a PRM may guide a stage (RFT's filter, RL's process term): (passed, reasons it failed; [] when
@@ -411,5 +434,6 @@ def prm_gate(auc_report: Mapping, min_unsupported: float = 0.8, min_overall: flo
     return not reasons, reasons
 
 
-__all__ = ["CORRUPTIONS", "FAMILIES", "HELD_OUT", "ProbeCase", "UNSUPPORTED_FAMILIES", "auc_by_kind", "corrupt",
+__all__ = ["CORRUPTIONS", "FAMILIES", "HELD_OUT", "ProbeCase", "UNSUPPORTED_FAMILIES", "auc_by_kind", "centred_per_kind",
+           "corrupt",
            "corrupt_held_out", "document_names", "prm_gate", "validation_cases"]

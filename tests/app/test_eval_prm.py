@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 
 def test_eval_prm_writes_auc_per_kind_and_a_png(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PRORAG_HOME", str(tmp_path))
@@ -39,6 +41,11 @@ def test_eval_prm_writes_auc_per_kind_and_a_png(tmp_path, monkeypatch, capsys):
     assert auc["in_distribution"]["kinds"] == list(CORRUPTIONS) and auc["held_out"]["kinds"] == list(HELD_OUT)
     assert auc["in_distribution"]["n"] + auc["held_out"]["n"] == auc["n"]
     assert auc["held_out"]["n"] == sum(auc["by_kind"][k]["n"] for k in HELD_OUT)
+    # additive: the scores centred per step kind; a family of one kind keeps its AUC (both sides move alike)
+    centred = results["auc_centred_per_kind"]
+    assert set(centred["kind_means"]) <= {"subquery", "subanswer", "answer"} and 0.0 <= centred["overall"] <= 1.0
+    for family in ("swapped_entity", "unsupported_subanswer", "redundant_search"):
+        assert centred["by_kind"][family]["auc"] == pytest.approx(auc["by_kind"][family]["auc"])
     gate = results["gate"]
     assert (gate["passed"], gate["reasons"]) == prm_gate(auc)
     assert gate["min_unsupported"] == 0.8 and gate["min_overall"] == 0.9
@@ -47,7 +54,7 @@ def test_eval_prm_writes_auc_per_kind_and_a_png(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "out" / "prm" / "scores.png").read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
     assert json.loads(printed.strip().splitlines()[-1])["prm"] == results
-    assert "held out" in printed and "gate for PRM-guided stages" in printed
+    assert "held out" in printed and "gate for PRM-guided stages" in printed and "centred per kind" in printed
 
     # on dev (where settings are chosen), a different set of questions
     assert main(["eval", "prm", "--world", "tiny", "--limit", "30", "--profile", "tiny", "--split", "dev", "--out",

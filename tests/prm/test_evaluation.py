@@ -285,3 +285,22 @@ def test_the_gate_reads_its_thresholds_and_refuses_what_is_not_a_report():
         prm_gate(_report(), min_overall=90)
     with pytest.raises(InvalidArgument, match="auc_by_kind"):
         prm_gate({"auc": 0.9})
+
+
+def test_centring_per_kind_moves_only_what_compares_two_kinds():
+    from prorag.algorithms.prm import auc
+    from prorag.prm.evaluation import centred_per_kind
+
+    def case(kind, gold_kind, bad_kind):
+        return ProbeCase("q", "Q?", kind, 1, [], Step(gold_kind, content="a"), Step(bad_kind, content="b"))
+
+    # subqueries score low, answers high: raw, every early answer beats its subquery; within a kind the order holds
+    cases = [case("premature_answer", "subquery", "answer")] * 2 + [case("swapped_entity", "subquery", "subquery")] * 2
+    gold, bad = [-2.0, -1.0, -1.5, -2.5], [1.0, 0.5, -3.0, -2.8]
+    g, b, means = centred_per_kind(cases, gold, bad)
+    assert means == {"subquery": pytest.approx((-2.0 - 1.0 - 1.5 - 2.5 - 3.0 - 2.8) / 6), "answer": 0.75}
+    assert auc(gold[:2], bad[:2]) == 0.0 and auc(g[:2], b[:2]) == 0.75  # mostly the offset: 3 of 4 orders flip
+    assert auc(g[2:], b[2:]) == auc(gold[2:], bad[2:]) == 1.0
+    assert [round(x - y, 9) for x, y in zip(gold, g)][2:] == [round(means["subquery"], 9)] * 2
+    with pytest.raises(ValueError, match="one gold and one corrupted"):
+        centred_per_kind(cases, gold, bad[:3])
