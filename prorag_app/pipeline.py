@@ -101,6 +101,7 @@ def train_methods(stack: ServiceStack, methods, profile: Profile, base_model: st
     Returns method -> {"job_id", "metrics", "run_dir", "model", "train_s"}: "model" is the registry reference the
     job published; "train_s" the job's own running time (its queue wait left out)."""
     from prorag.rpc.clients_trainer import TrainerClient, state_name
+    from prorag_app.stage2 import follow_job
 
     ids, fresh = {}, []
     with TrainerClient(stack.grpc_target("trainer"), timeout=60) as client:
@@ -118,8 +119,6 @@ def train_methods(stack: ServiceStack, methods, profile: Profile, base_model: st
             seconds = {m: 0.0 for m in methods}
 
             def watch(method: str) -> None:
-                from prorag_app.stage2 import follow_job
-
                 try:
                     with TrainerClient(stack.grpc_target("trainer"), timeout=60) as own:
                         seconds[method] = follow_job(own, ids[method], f"train {method}", progress)

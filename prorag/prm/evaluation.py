@@ -435,5 +435,4 @@ def prm_gate(auc_report: Mapping, min_unsupported: float = 0.8, min_overall: flo
 
 
 __all__ = ["CORRUPTIONS", "FAMILIES", "HELD_OUT", "ProbeCase", "UNSUPPORTED_FAMILIES", "auc_by_kind", "centred_per_kind",
-           "corrupt",
-           "corrupt_held_out", "document_names", "prm_gate", "validation_cases"]
+           "corrupt", "corrupt_held_out", "document_names", "prm_gate", "validation_cases"]

@@ -143,7 +143,7 @@ def sample_question(env, question_id: str, question: str, samples: int, max_step
     rest (``meta["source"] = "siblings-bridge"``).
 
     Returns (pairs [StepPair], stats {"prefixes", "sampled", "invalid", "duplicates", "tokens", "reading_sampled",
-    "steps", "f1"})."""
+    "bridge_sampled", "steps", "f1"})."""
     from prorag.algorithms.mcts import pair_kind, sibling_pairs
     from prorag.search.mcts import pairable
     from prorag.search.pairs import StepPair
