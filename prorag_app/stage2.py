@@ -175,7 +175,8 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
                                               "trajectory_f1_mean", "wall_s", "policy_wait_s", "judge_wait_s",
                                               "generated_tokens", "reading_sampled", "reading_pairs",
                                               "reading_judge_labelled", "bridge_sampled", "bridge_pairs",
-                                              "bridge_judge_labelled")}
+                                              "bridge_judge_labelled", "relation_sampled", "relation_pairs",
+                                              "relation_judge_labelled")}
         by_kind["siblings"] = counts_by_kind(sm)
     # the jobs whose pairs the PRM trains on: (name, finished job)
     use = [("mcts", mcts)] if settings.prm_pairs in ("all", "mcts") else []

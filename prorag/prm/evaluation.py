@@ -186,7 +186,7 @@ def _hop_answers(hop) -> list[str]:
     return [a for a in [hop.answer, *hop.answer_aliases] if a]
 
 
-def _entity_surface(title: str) -> str:
+def entity_surface(title: str) -> str:
     """A document title as text names it: without a trailing disambiguation ("Grethmouth (city)" -> "Grethmouth")."""
     return _PARENTHETICAL.sub("", title).strip()
 
@@ -226,11 +226,11 @@ def _options_held_out(question, steps: Sequence[Step], entities: Sequence[str]) 
         k = open_hop(question, context)
         hop = hops[k] if k is not None else None
         stated = [s.content for s in context if s.kind == "subanswer" and s.content]
-        echo = stated[-1] if stated else _entity_surface(question_entity(question))
+        echo = stated[-1] if stated else entity_surface(question_entity(question))
         if gold.kind == "subanswer" and hop is not None and context and context[-1].kind == "subquery":
             docs = context[-1].docs or []
             answers = _hop_answers(hop)
-            searched = [_entity_surface(hop.title), *stated, _entity_surface(question_entity(question))]
+            searched = [entity_surface(hop.title), *stated, entity_surface(question_entity(question))]
             # names of the documents (other documents' titles too) that neither are nor echo what is known
             names = [n for d in docs for n in ([d.title] if d.title != hop.title else []) + document_names(d.text)]
             own = [_tokens(x) for x in [*answers, *searched] if x]
@@ -249,7 +249,7 @@ def _options_held_out(question, steps: Sequence[Step], entities: Sequence[str]) 
             for s in dict.fromkeys(stated):
                 opts["wrong_final_from_chain"].append((pos, Step("answer", thought=gold.thought, content=s)))
         if gold.kind == "subquery" and hop is not None:
-            entity = _entity_surface(hop.title)
+            entity = entity_surface(hop.title)
             if entity and entity in gold.content:
                 for near in _near_misses(entity, entities):
                     opts["partial_entity"].append((pos, Step("subquery", thought=gold.thought.replace(entity, near),
@@ -319,7 +319,7 @@ def validation_cases(questions: Sequence, trajectories: Sequence[Sequence[Step]]
     if answers is None:
         answers = sorted({s.answer for q in questions for s in q.decomposition if s.doc_id})
     # near misses come from every entity the questions name, hop answers included ("Yxine" for "Yxine City")
-    world = sorted({*entities, *(_entity_surface(s.title) for q in questions for s in q.decomposition if s.title),
+    world = sorted({*entities, *(entity_surface(s.title) for q in questions for s in q.decomposition if s.title),
                     *(s.answer for q in questions for s in q.decomposition if s.answer)} - {""})
     rng_in, rng_out = random.Random(seed), random.Random(f"{seed}/held_out")
     held = [f for f in HELD_OUT if f in families]
@@ -435,4 +435,4 @@ def prm_gate(auc_report: Mapping, min_unsupported: float = 0.8, min_overall: flo
 
 
 __all__ = ["CORRUPTIONS", "FAMILIES", "HELD_OUT", "ProbeCase", "UNSUPPORTED_FAMILIES", "auc_by_kind", "centred_per_kind",
-           "corrupt", "corrupt_held_out", "document_names", "prm_gate", "validation_cases"]
+           "corrupt", "corrupt_held_out", "document_names", "entity_surface", "prm_gate", "validation_cases"]

@@ -168,6 +168,24 @@ class ServiceEnv:
         return ([parse_step(decode(self.tok, list(c.token_ids))) for c in completions],
                 sum(len(c.token_ids) for c in completions))
 
+    def expand_relation(self, history: Sequence[Step], asked: str, n: int) -> tuple[list[Step], int]:
+        """``n`` next steps sampled after ``history`` (which ends with a searched subquery) as if that subquery had
+        asked ``asked`` and the search had returned the same documents: what the policy reads there about another
+        relation. Not searched, not remembered as prefixes: siblings to judge in the real context."""
+        from prorag.rollout import decode
+        from prorag.trajectory import render_step
+
+        if not history or history[-1].kind != "subquery" or history[-1].docs is None:
+            raise ValueError("expand_relation continues a searched subquery")
+        last = history[-1]
+        other = Step("subquery", thought=last.thought, content=asked, docs=list(last.docs))
+        ids = self.prefix(history[:-1]) + self.tok.encode(render_step(other), add_special_tokens=False)
+        if len(ids) >= self.max_len:
+            return [], 0
+        completions = self._generate(ids, n, self.temperature)
+        return ([parse_step(decode(self.tok, list(c.token_ids))) for c in completions],
+                sum(len(c.token_ids) for c in completions))
+
     def expand_bridge(self, history: Sequence[Step], name: str, n: int) -> tuple[list[Step], int]:
         """``n`` next steps sampled after ``history`` (which ends with a sub-answer) as if that sub-answer had said
         ``name``: what the policy asks next when it carries another name forward. Not searched, not remembered as

@@ -18,7 +18,10 @@ the policy itself (the PRM's validation builds its cases by rewriting gold traje
 ``bridge_samples``, each prefix that ends with a sub-answer also gets next steps sampled as if that sub-answer had
 named another question's hop answer; the subqueries among them, judged in the real context, search the wrong
 entity: pairs that contrast carrying the name just read forward with carrying another (reading pairs alone taught
-the PRM sub-answers and left it ranking gold bridge subqueries below corrupted ones).
+the PRM sub-answers and left it ranking gold bridge subqueries below corrupted ones). With ``relation_samples``, each
+prefix that ends with a search also gets sub-answers sampled as if the subquery had asked another relation of the
+same entity (another train question's hop, its entity replaced) over the same documents: judged in the real
+context, they name what the documents say about something else, the in-document distractor a PRM must read past.
 
 Many questions run at once (``concurrency`` threads) so the policy service merges their step requests; each
 question's pairs are judged and appended (fsynced) to a journal in the checkpoint directory as soon as the question
@@ -71,6 +74,13 @@ class SiblingsStageConfig(PolicySamplingConfig):
                 "contrast a search for the entity just read with a search for another (0 = none)",
         min=0, max=32)
 
+    relation_samples: int = cfg_field(
+        0, help="at each prefix that ends with a search: sub-answers sampled as if the subquery had asked another "
+                "relation of the same entity (another train question's hop, its entity replaced) over the same "
+                "documents, judged in the real context, so pairs contrast the name that answers the question asked "
+                "with another name the same documents give (0 = none)",
+        min=0, max=32)
+
     def validate(self) -> None:
         from prorag.config import ConfigError
 
@@ -111,6 +121,44 @@ def reading_contexts(docs: list, decoy: list, said: str = "") -> list[list]:
                         decoy) if d]
 
 
+#: stands for the entity in a relation template (no question contains braces)
+ENTITY = "{entity}"
+
+
+def relation_templates(questions: list) -> list[str]:
+    """Every hop question of ``questions`` that names its hop's entity (the document title as text names it), with
+    the entity replaced by :data:`ENTITY`: the relations the relation samples ask about another entity. Sorted and
+    distinct, so a job picks the same ones again."""
+    from prorag.prm.evaluation import entity_surface
+
+    out = set()
+    for q in questions:
+        for hop in q.decomposition:
+            name = entity_surface(hop.title) if hop.title else ""
+            if name and name in hop.question:
+                out.add(hop.question.replace(name, ENTITY))
+    return sorted(out)
+
+
+def relation_question(templates: list, asked: str, entity: str, key: int) -> str:
+    """Another relation of ``entity`` to ask over the documents ``asked`` retrieved: the template at ``key`` (mod
+    their number) among those that, filled with ``entity``, differ from ``asked``; "" when ``asked`` does not name
+    ``entity`` (a search about something else) or no template differs.
+
+    >>> relation_question(["Where was {entity} born?", "Who directed {entity}?"], "Where was Ana Berg born?",
+    ...                   "Ana Berg", 7)
+    'Who directed Ana Berg?'
+    """
+    from prorag.metrics import normalize_answer
+
+    if not entity or entity not in asked:
+        return ""
+    asked_norm = normalize_answer(asked)
+    other = [t.replace(ENTITY, entity) for t in templates]
+    other = [x for x in other if normalize_answer(x) != asked_norm]
+    return other[key % len(other)] if other else ""
+
+
 def bridge_name(decoy_answers: list, history: list) -> str:
     """The name a bridge sample carries forward instead of ``history``'s last sub-answer: the decoy question's
     hop answer at the same hop (the last one when the decoy has fewer), "" when none differs from what was said.
@@ -128,7 +176,8 @@ def bridge_name(decoy_answers: list, history: list) -> str:
 
 
 def sample_question(env, question_id: str, question: str, samples: int, max_steps: int, reading_samples: int = 0,
-                    decoy=None, bridge_samples: int = 0, decoy_answers: list | None = None):
+                    decoy=None, bridge_samples: int = 0, decoy_answers: list | None = None,
+                    relation_samples: int = 0, templates: list | None = None):
     """One question's pairs: walk one trajectory through ``env`` (a services.trainer.search_env.ServiceEnv, or anything with
     its ``expand(history, n) -> (steps, tokens)`` and ``reward(steps)``), and at each prefix pair the trajectory's
     own step with ``samples`` more, keeping valid, distinct siblings (prorag.search.mcts.pairable).
@@ -142,15 +191,20 @@ def sample_question(env, question_id: str, question: str, samples: int, max_step
     :func:`bridge_name` of ``decoy_answers`` (``env.expand_bridge``); the subqueries among them are paired with the
     rest (``meta["source"] = "siblings-bridge"``).
 
+    relation_samples: at a prefix that ends with a searched subquery that names its top document's entity, also
+    ``relation_samples`` sub-answers as if it had asked :func:`relation_question` of ``templates`` over the same
+    documents (``env.expand_relation``), paired with the rest (``meta["source"] = "siblings-relation"``).
+
     Returns (pairs [StepPair], stats {"prefixes", "sampled", "invalid", "duplicates", "tokens", "reading_sampled",
-    "bridge_sampled", "steps", "f1"})."""
+    "bridge_sampled", "relation_sampled", "steps", "f1"})."""
     from prorag.algorithms.mcts import pair_kind, sibling_pairs
+    from prorag.prm.evaluation import entity_surface
     from prorag.search.mcts import pairable
     from prorag.search.pairs import StepPair
 
     history, pairs = [], []
     stats = {"prefixes": 0, "sampled": 0, "invalid": 0, "duplicates": 0, "tokens": 0, "reading_sampled": 0,
-             "bridge_sampled": 0}
+             "bridge_sampled": 0, "relation_sampled": 0}
     while len(history) < max_steps:
         # one call: the first completion continues the trajectory, the others are its siblings (i.i.d. samples)
         steps, tokens = env.expand(history, samples + 1)
@@ -159,35 +213,41 @@ def sample_question(env, question_id: str, question: str, samples: int, max_step
             break
         stats["prefixes"] += 1
         stats["sampled"] += len(steps)
-        real = len(steps)
         candidates = list(steps)
-        if reading_samples and history and history[-1].kind == "subquery" and history[-1].docs:
+        sources = ["siblings"] * len(steps)  # per candidate: what it was sampled under
+
+        def add(other: list, tokens: int, kind: str, source: str) -> None:
+            stats["tokens"] += tokens
+            stats[source.split("-")[1] + "_sampled"] += len(other)
+            kept = [s for s in other if s.kind == kind]
+            candidates.extend(kept)
+            sources.extend([source] * len(kept))
+
+        searched = bool(history) and history[-1].kind == "subquery" and bool(history[-1].docs)
+        if reading_samples and searched:
             said = steps[0].content if steps[0].kind == "subanswer" else ""
             for docs in reading_contexts(list(history[-1].docs), list(decoy() if decoy else []), said):
-                other, tokens = env.expand_reading(history, docs, reading_samples)
-                stats["tokens"] += tokens
-                stats["reading_sampled"] += len(other)
                 # only sub-answers: a contrast in reading; another kind would be judged on a search never made
-                candidates += [s for s in other if s.kind == "subanswer"]
-        reading_end = len(candidates)
+                add(*env.expand_reading(history, docs, reading_samples), "subanswer", "siblings-reading")
+        asked = relation_question(list(templates or []), history[-1].content,
+                                  entity_surface(history[-1].docs[0].title),
+                                  hash_id(question_id) + len(history)) if relation_samples and searched else ""
+        if asked:
+            add(*env.expand_relation(history, asked, relation_samples), "subanswer", "siblings-relation")
         name = bridge_name(list(decoy_answers or []), history) if bridge_samples and history and \
             history[-1].kind == "subanswer" else ""
         if name:
-            other, tokens = env.expand_bridge(history, name, bridge_samples)
-            stats["tokens"] += tokens
-            stats["bridge_sampled"] += len(other)
             # only subqueries: they are judged as searches from the real context (the wrong entity, or not)
-            candidates += [s for s in other if s.kind == "subquery"]
+            add(*env.expand_bridge(history, name, bridge_samples), "subquery", "siblings-bridge")
         valid = [s for s in candidates if s.valid and not s.empty]
         keep = pairable(candidates)
         stats["invalid"] += len(candidates) - len(valid)
         stats["duplicates"] += len(valid) - len(keep)
         for i, j in sibling_pairs(len(keep)):
             a, b = candidates[keep[i]], candidates[keep[j]]
-            source = ("siblings-bridge" if keep[j] >= reading_end else "siblings-reading" if keep[j] >= real
-                      else "siblings")
+            # the later candidate's: a pair of the real siblings is "siblings", any other holds a counterfactual one
             pairs.append(StepPair(question_id, question, list(history), (a, b),
-                                  meta={"step_kind": pair_kind(a.kind, b.kind), "source": source}))
+                                  meta={"step_kind": pair_kind(a.kind, b.kind), "source": sources[keep[j]]}))
         history.append(steps[0])
         if steps[0].kind in ("answer", "invalid"):
             break
@@ -248,6 +308,7 @@ def run_siblings(ctx: JobContext) -> dict:
 
     # drawn before anything is sampled: a job that cannot have decoys fails at its start
     decoys = {q.id: decoy_question(qs, q) for q in qs} if cfg.reading_samples or cfg.bridge_samples else {}
+    templates = relation_templates(qs) if cfg.relation_samples else []
     clients = SearchServices(cfg)
     judge = JudgeClient(cfg.judge, timeout=600)
     lock = threading.Lock()
@@ -263,7 +324,8 @@ def run_siblings(ctx: JobContext) -> dict:
             pairs, stats = sample_question(
                 env, q.id, q.question, cfg.samples, cfg.max_steps, cfg.reading_samples,
                 lambda: clients.cache(decoys[q.id].question), cfg.bridge_samples,
-                [h.answer for h in decoys[q.id].decomposition if h.answer] if cfg.bridge_samples else [])
+                [h.answer for h in decoys[q.id].decomposition if h.answer] if cfg.bridge_samples else [],
+                cfg.relation_samples, templates)
             # judged before the question is journalled: a resumed job never pays for a verdict twice (a judge
             # cache answers a question asked again after a restart)
             t = time.monotonic()
@@ -311,6 +373,10 @@ def run_siblings(ctx: JobContext) -> dict:
         "bridge_pairs": sum(p.meta.get("source") == "siblings-bridge" for p in pairs),
         "bridge_judge_labelled": sum(p.meta.get("source") == "siblings-bridge" and p.judge_choice is not None
                                      for p in pairs),
+        "relation_sampled": sum(r["stats"].get("relation_sampled", 0) for r in rows),
+        "relation_pairs": sum(p.meta.get("source") == "siblings-relation" for p in pairs),
+        "relation_judge_labelled": sum(p.meta.get("source") == "siblings-relation" and p.judge_choice is not None
+                                       for p in pairs),
         "trajectory_steps_mean": total("steps") / len(rows), "trajectory_f1_mean": total("f1") / len(rows),
         "wall_s": wall, "judge_wait_s": judge_s[0], **clients.metrics(),
         # the nested counts reach the manifest; a job's metrics over the API are numbers, so they also go flat

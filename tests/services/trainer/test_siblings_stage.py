@@ -29,6 +29,9 @@ class JunkyWalkEngine(GoldWalkEngine):
     #: set by a test: at a sub-answer, read the last retrieval block (the hop's answer when it is there, else the
     #: first document's title: a name read, not the answer), so other documents make it write another name
     reads = False
+    #: set by a test: a sub-answer to a subquery that is none of the question's hops names the block's last name
+    #: that is not its title (what the document says about something else)
+    relations = False
     #: set by a test: a subquery after a sub-answer asks the gold hop's question about the name the context last
     #: stated (the gold previous answer replaced by it), so another stated name makes it search another entity
     bridges = False
@@ -36,6 +39,16 @@ class JunkyWalkEngine(GoldWalkEngine):
     def _next(self, q, generated: str, rng) -> str:
         hops = [h for h in q.decomposition if h.doc_id]
         hop = generated.count("</subanswer>")
+        if self.relations and generated.rstrip().removesuffix("<step>").rstrip().endswith("</retrieval>"):
+            import re
+
+            asked = generated.rsplit("<subquery>\n", 1)[-1].split("</subquery>")[0]
+            if all(asked != h.question for h in hops):
+                block = generated.rsplit("<retrieval>", 1)[-1].split("</retrieval>")[0]
+                title = block.split("(Title: ", 1)[-1].split(")", 1)[0]
+                names = [n for n in re.findall(r"[A-Z][a-z]+(?: [A-Z][a-z]+)*|\d{3,}", block.split(")", 1)[-1])
+                         if n not in title and not title.startswith(n)]
+                return f"The document says.</step>\n<subanswer>\n{names[-1] if names else 'Nobody'}</subanswer>"
         if self.bridges and 0 < hop < len(hops) and generated.rstrip().endswith("<step>") and \
                 generated.count("</subquery>") == hop:
             stated = generated.rsplit("<subanswer>\n", 1)[-1].split("</subanswer>")[0]
@@ -287,6 +300,10 @@ class _ScriptedEnv:
         self.calls.append(("reading", len(history), [d.title for d in docs], n))
         return [Step("subanswer", content=d.title) for d in docs][:n] + [Step("subquery", content="Who?")], 2 * n
 
+    def expand_relation(self, history, asked, n):
+        self.calls.append(("relation", len(history), asked, n))
+        return [Step("subanswer", content="1941"), Step("subquery", content=asked)][:n], 4 * n
+
     def expand_bridge(self, history, name, n):
         self.calls.append(("bridge", len(history), name, n))
         return [Step("subquery", content=f"Where was {name} born?"), Step("subanswer", content=name),
@@ -316,7 +333,7 @@ def test_sample_question_pairs_the_trajectory_step_with_its_distinct_valid_sibli
     assert [p.meta["step_kind"] for p in pairs] == ["subquery", "subanswer", "answer|subquery"]
     assert pairs[2].context == [q1, a1]  # the trajectory continues with each prefix's first sample
     assert stats == {"prefixes": 3, "sampled": 10, "invalid": 1, "duplicates": 3, "tokens": 36, "steps": 3,
-                     "f1": 1.0, "reading_sampled": 0, "bridge_sampled": 0}
+                     "f1": 1.0, "reading_sampled": 0, "bridge_sampled": 0, "relation_sampled": 0}
     # the depth limit
     pairs, stats = sample_question(_ScriptedEnv(script), "q1", "Q?", samples=3, max_steps=1)
     assert stats["steps"] == 1 and len(pairs) == 1
@@ -445,3 +462,80 @@ def test_bridge_samples_pair_the_search_for_the_name_read_with_searches_for_anot
     labelled = [p for p in bridge if p.judge_choice is not None]
     assert len(labelled) == metrics["bridge_judge_labelled"] > 0
     assert reason_counts_of(labelled) == {"rejected: wrong entity": len(labelled)}
+
+
+def test_sample_question_adds_sub_answers_to_another_relation_over_the_same_documents():
+    from prorag.data.loaders import Document
+    from services.trainer.stage_siblings import sample_question
+
+    docs = [Document.from_parts("d1", "Zestron Ekandmont (banker)", "He was born in Cekexford in 1941.")]
+    q1 = Step("subquery", content="Where was Zestron Ekandmont born?", docs=docs)
+    a1, a2 = Step("subanswer", content="Cekexford"), Step("subanswer", content="Lasar")
+    script = [[q1, Step("subquery", content="Who is Kora?", docs=[])], [a1, a2], [Step("answer", content="Edraand")]]
+    env = _ScriptedEnv(script)
+    templates = ["Where was {entity} born?", "When was {entity} born?", "What did {entity} do?"]
+    pairs, stats = sample_question(env, "q1", "Q?", samples=1, max_steps=6, relation_samples=2, templates=templates)
+    # only after the search, about its top document's entity (its title without the disambiguation), never the
+    # relation asked; the subquery a relation sample wrote is left out (judged on a search never made)
+    [call] = [c for c in env.calls if c[0] == "relation"]
+    assert call[:2] == ("relation", 1) and call[3] == 2
+    assert call[2] in ("When was Zestron Ekandmont born?", "What did Zestron Ekandmont do?")
+    assert stats["relation_sampled"] == 2 and stats["tokens"] == 3 * 6 + 8
+    after_search = [p for p in pairs if len(p.context) == 1]
+    assert [(p.steps[0].content, p.steps[1].content, p.meta["source"]) for p in after_search] == [
+        ("Cekexford", "Lasar", "siblings"), ("Cekexford", "1941", "siblings-relation"),
+        ("Lasar", "1941", "siblings-relation")]
+    # a search that does not name its top document's entity gets none
+    env = _ScriptedEnv([[Step("subquery", content="Who is Kora?", docs=docs)], [a1], [Step("answer", content="x")]])
+    sample_question(env, "q1", "Q?", samples=0, max_steps=6, relation_samples=2, templates=templates)
+    assert not [c for c in env.calls if c[0] == "relation"]
+
+
+def test_relation_templates_keep_the_hops_that_name_their_entity():
+    from prorag.data.loaders import Question
+    from services.trainer.stage_siblings import relation_question, relation_templates
+
+    def hop(question, answer, doc_id, title):
+        return {"question": question, "answer": answer, "doc_id": doc_id, "title": title}
+
+    qs = [Question("a", "?", ["x"], metadata={"decomposition": [
+              hop("Where was Ana Berg born?", "Lunn", "P1", "Ana Berg"),
+              hop("Which country is Lunn in?", "Kryland", "C1", "Lunn (city)")]}),
+          Question("b", "?", ["y"], metadata={"decomposition": [
+              hop("Who directed it?", "Bo", "W1", "Iron Parade"),  # names no entity: no template
+              hop("Where was Bo Lind born?", "Osk", "P2", "Bo Lind")]})]
+    assert relation_templates(qs) == ["Where was {entity} born?", "Which country is {entity} in?"]
+    assert relation_question(relation_templates(qs), "Where was Cy Moe born?", "Cy Moe", 4) == \
+        "Which country is Cy Moe in?"
+    assert relation_question(relation_templates(qs), "Where was Cy Moe born?", "Ana Berg", 4) == ""  # not asked of it
+    assert relation_question(["Where was {entity} born?"], "where was CY MOE born", "CY MOE", 0) == ""  # the same ask
+
+
+def test_relation_samples_pair_the_name_asked_for_with_what_the_documents_say_of_another_relation(
+        services, tmp_path, one_thread):
+    from services.trainer.stage_siblings import run_siblings
+
+    engine = services["engine"]
+    engine.reads = engine.relations = True
+    try:
+        metrics = run_siblings(local_context(tmp_path / "relation", _config(services, relation_samples=2,
+                                                                               max_questions=12),
+                                             stage="siblings"))
+    finally:
+        engine.reads = engine.relations = False
+    assert metrics["relation_sampled"] > 0
+    pairs = load_pairs(metrics["pairs_path"])
+    relation = [p for p in pairs if p.meta["source"] == "siblings-relation"]
+    assert len(relation) == metrics["relation_pairs"] > 0
+    for p in relation:
+        assert p.context[-1].kind == "subquery" and p.context[-1].docs and p.meta["step_kind"] == "subanswer"
+    # the judge prefers the hop's answer where the other sub-answer names something else the same document says
+    labelled = [p for p in relation if p.judge_choice is not None]
+    assert len(labelled) == metrics["relation_judge_labelled"] > 0
+    for p in labelled:
+        text = " ".join(f"{d.title} {d.text}" for d in p.context[-1].docs)
+        rejected = p.steps[1 - p.judge_choice]
+        if p.meta["source"] == "siblings-relation" and rejected.content in text:
+            break
+    else:
+        raise AssertionError("no labelled relation pair rejects a name its documents contain")
