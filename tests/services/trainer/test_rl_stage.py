@@ -496,8 +496,9 @@ def test_non_finite_prm_scores_stop_the_iteration_before_any_update(services, tm
 
 
 def test_a_prm_service_that_restarts_mid_iteration_is_waited_for_and_asked_again(services, tmp_path, one_thread):
-    """The PRM server goes away before the iteration's scoring call and comes back on the same port 1.5 s later:
-    collect() waits for its health, asks again, and the iteration is whole (every trajectory scored once)."""
+    """The PRM server goes away before the iteration's scoring call and comes back on the same port once that call
+    has found it down: collect() waits for its health, asks again, and the iteration is whole (every trajectory
+    scored once)."""
     import threading
     import time
 
@@ -516,17 +517,23 @@ def test_a_prm_service_that_restarts_mid_iteration_is_waited_for_and_asked_again
     loop, port = services["loop"], _free_port()
     srv = loop.run(start_prm(ServeConfig(port=port), PRMServeConfig(), engine=PRMEngine(tmp_path / "prm")))
     loop.run(srv.stop())  # down before the iteration scores its steps
-    back = {}
+    back, asked = {}, threading.Event()
+
+    class FirstCallSeen(PRMClient):
+        def score(self, inputs, timeout=None):
+            asked.set()  # on a timer the PRM could be back before a slow rollout ended: no wait, nothing tested
+            return super().score(inputs, timeout)
 
     def restart():
-        time.sleep(1.5)
+        asked.wait(300)
+        time.sleep(0.5)
         back["srv"] = loop.run(start_prm(ServeConfig(port=port), PRMServeConfig(), engine=PRMEngine(tmp_path / "prm")))
 
     threading.Thread(target=restart, daemon=True).start()
     key = _push_zero_adapter(services, tmp_path, "prmback")
     qs = load_split(paths.world_dir("tiny"), "train")[:2]
     try:
-        with PolicyClient(services["policy"]) as policy, PRMClient(f"127.0.0.1:{port}") as prm:
+        with PolicyClient(services["policy"]) as policy, FirstCallSeen(f"127.0.0.1:{port}") as prm:
             data = collect(_config(services, prm=f"127.0.0.1:{port}", service_wait_s=60), qs, 0, "prmback", key,
                            policy, prm)
         assert data.stats["service_retries"] >= 1
