@@ -149,12 +149,22 @@ class ServiceEnv:
         steps = [self._finish_step(list(c.token_ids)) for c in completions]
         return steps, sum(len(c.token_ids) for c in completions)
 
+    def _counterfactual(self, ids: list[int], n: int) -> tuple[list[Step], int]:
+        """``n`` steps sampled after the token ids of a context the trajectory never had (parsed, not searched, not
+        remembered as prefixes), and the tokens generated; none when the context is past the length limit."""
+        from prorag.rollout import decode
+
+        if len(ids) >= self.max_len:
+            return [], 0
+        completions = self._generate(ids, n, self.temperature)
+        return ([parse_step(decode(self.tok, list(c.token_ids))) for c in completions],
+                sum(len(c.token_ids) for c in completions))
+
     def expand_reading(self, history: Sequence[Step], docs: Sequence[Document], n: int) -> tuple[list[Step], int]:
         """``n`` next steps sampled after ``history`` (which ends with a searched subquery) as if that search had
         returned ``docs``: what the policy writes when it reads other documents. The steps are not searched and
         not remembered as prefixes: they are siblings to judge in the real context (where what they name is, or is
         not, what the real documents say)."""
-        from prorag.rollout import decode
         from prorag.trajectory import retrieval_block
 
         if not history or history[-1].kind != "subquery" or history[-1].docs is None:
@@ -162,17 +172,12 @@ class ServiceEnv:
         last = history[-1]
         ids = self.prefix(history[:-1]) + self._ids[id(last)][:self._generated[id(last)]]
         ids += self.tok.encode(retrieval_block(docs), add_special_tokens=False)
-        if len(ids) >= self.max_len:
-            return [], 0
-        completions = self._generate(ids, n, self.temperature)
-        return ([parse_step(decode(self.tok, list(c.token_ids))) for c in completions],
-                sum(len(c.token_ids) for c in completions))
+        return self._counterfactual(ids, n)
 
     def expand_relation(self, history: Sequence[Step], asked: str, n: int) -> tuple[list[Step], int]:
         """``n`` next steps sampled after ``history`` (which ends with a searched subquery) as if that subquery had
         asked ``asked`` and the search had returned the same documents: what the policy reads there about another
         relation. Not searched, not remembered as prefixes: siblings to judge in the real context."""
-        from prorag.rollout import decode
         from prorag.trajectory import render_step
 
         if not history or history[-1].kind != "subquery" or history[-1].docs is None:
@@ -180,28 +185,19 @@ class ServiceEnv:
         last = history[-1]
         other = Step("subquery", thought=last.thought, content=asked, docs=list(last.docs))
         ids = self.prefix(history[:-1]) + self.tok.encode(render_step(other), add_special_tokens=False)
-        if len(ids) >= self.max_len:
-            return [], 0
-        completions = self._generate(ids, n, self.temperature)
-        return ([parse_step(decode(self.tok, list(c.token_ids))) for c in completions],
-                sum(len(c.token_ids) for c in completions))
+        return self._counterfactual(ids, n)
 
     def expand_bridge(self, history: Sequence[Step], name: str, n: int) -> tuple[list[Step], int]:
         """``n`` next steps sampled after ``history`` (which ends with a sub-answer) as if that sub-answer had said
         ``name``: what the policy asks next when it carries another name forward. Not searched, not remembered as
         prefixes: siblings to judge in the real context (where a search for that name is the wrong entity)."""
-        from prorag.rollout import decode
         from prorag.trajectory import render_step
 
         if not history or history[-1].kind != "subanswer":
             raise ValueError("expand_bridge continues a sub-answer")
         said = Step("subanswer", thought=history[-1].thought, content=name)
         ids = self.prefix(history[:-1]) + self.tok.encode(render_step(said), add_special_tokens=False)
-        if len(ids) >= self.max_len:
-            return [], 0
-        completions = self._generate(ids, n, self.temperature)
-        return ([parse_step(decode(self.tok, list(c.token_ids))) for c in completions],
-                sum(len(c.token_ids) for c in completions))
+        return self._counterfactual(ids, n)
 
     def rollout(self, history: Sequence[Step]) -> tuple[float, int]:
         """One sampled completion from ``history`` to a final answer (or the step/length limit)."""
