@@ -35,6 +35,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 from prorag.config import cfg_field
 from prorag.training.context import JobContext
@@ -175,25 +176,37 @@ def bridge_name(decoy_answers: list, history: list) -> str:
     return names[min(hop, len(names) - 1)] if names else ""
 
 
-def sample_question(env, question_id: str, question: str, samples: int, max_steps: int, reading_samples: int = 0,
-                    decoy=None, bridge_samples: int = 0, decoy_answers: list | None = None,
-                    relation_samples: int = 0, templates: list | None = None):
-    """One question's pairs: walk one trajectory through ``env`` (a services.trainer.search_env.ServiceEnv, or anything with
-    its ``expand(history, n) -> (steps, tokens)`` and ``reward(steps)``), and at each prefix pair the trajectory's
-    own step with ``samples`` more, keeping valid, distinct siblings (prorag.search.mcts.pairable).
+@dataclass(frozen=True)
+class Counterfactuals:
+    """The counterfactual samples of one question (the stage's ``*_samples`` options, with what they draw on).
 
-    reading_samples: at a prefix that ends with a searched subquery, also ``reading_samples`` sub-answers per
-    :func:`reading_contexts` set (``env.expand_reading``; ``decoy()`` gives the other question's documents), paired
-    with the rest in the real context (``meta["source"] = "siblings-reading"`` when a pair holds one). The trajectory
-    still continues with the real context's first sample.
+    reading_samples: at a prefix that ends with a searched subquery, that many sub-answers per
+    :func:`reading_contexts` set (``env.expand_reading``; ``decoy_docs()`` gives the other question's documents),
+    paired with the rest in the real context (``meta["source"] = "siblings-reading"`` when a pair holds one).
 
-    bridge_samples: at a prefix that ends with a sub-answer, also ``bridge_samples`` next steps as if it had named
+    bridge_samples: at a prefix that ends with a sub-answer, that many next steps as if it had named
     :func:`bridge_name` of ``decoy_answers`` (``env.expand_bridge``); the subqueries among them are paired with the
     rest (``meta["source"] = "siblings-bridge"``).
 
-    relation_samples: at a prefix that ends with a searched subquery that names its top document's entity, also
-    ``relation_samples`` sub-answers as if it had asked :func:`relation_question` of ``templates`` over the same
-    documents (``env.expand_relation``), paired with the rest (``meta["source"] = "siblings-relation"``).
+    relation_samples: at a prefix that ends with a searched subquery that names its top document's entity, that
+    many sub-answers as if it had asked :func:`relation_question` of ``templates`` over the same documents
+    (``env.expand_relation``), paired with the rest (``meta["source"] = "siblings-relation"``).
+    """
+
+    reading_samples: int = 0
+    decoy_docs: Callable[[], list] | None = None
+    bridge_samples: int = 0
+    decoy_answers: tuple[str, ...] = ()
+    relation_samples: int = 0
+    templates: tuple[str, ...] = ()
+
+
+def sample_question(env, question_id: str, question: str, samples: int, max_steps: int,
+                    counterfactuals: Counterfactuals = Counterfactuals()):
+    """One question's pairs: walk one trajectory through ``env`` (a services.trainer.search_env.ServiceEnv, or anything with
+    its ``expand(history, n) -> (steps, tokens)`` and ``reward(steps)``), and at each prefix pair the trajectory's
+    own step with ``samples`` more, keeping valid, distinct siblings (prorag.search.mcts.pairable), and the
+    :class:`Counterfactuals` samples. The trajectory always continues with the real context's first sample.
 
     Returns (pairs [StepPair], stats {"prefixes", "sampled", "invalid", "duplicates", "tokens", "reading_sampled",
     "bridge_sampled", "relation_sampled", "steps", "f1"})."""
@@ -223,22 +236,24 @@ def sample_question(env, question_id: str, question: str, samples: int, max_step
             candidates.extend(kept)
             sources.extend([source] * len(kept))
 
+        cf = counterfactuals
         searched = bool(history) and history[-1].kind == "subquery" and bool(history[-1].docs)
-        if reading_samples and searched:
+        if cf.reading_samples and searched:
             said = steps[0].content if steps[0].kind == "subanswer" else ""
-            for docs in reading_contexts(list(history[-1].docs), list(decoy() if decoy else []), said):
+            decoy = list(cf.decoy_docs()) if cf.decoy_docs else []
+            for docs in reading_contexts(list(history[-1].docs), decoy, said):
                 # only sub-answers: a contrast in reading; another kind would be judged on a search never made
-                add(*env.expand_reading(history, docs, reading_samples), "subanswer", "siblings-reading")
-        asked = relation_question(list(templates or []), history[-1].content,
+                add(*env.expand_reading(history, docs, cf.reading_samples), "subanswer", "siblings-reading")
+        asked = relation_question(list(cf.templates), history[-1].content,
                                   entity_surface(history[-1].docs[0].title),
-                                  hash_id(question_id) + len(history)) if relation_samples and searched else ""
+                                  hash_id(question_id) + len(history)) if cf.relation_samples and searched else ""
         if asked:
-            add(*env.expand_relation(history, asked, relation_samples), "subanswer", "siblings-relation")
-        name = bridge_name(list(decoy_answers or []), history) if bridge_samples and history and \
+            add(*env.expand_relation(history, asked, cf.relation_samples), "subanswer", "siblings-relation")
+        name = bridge_name(list(cf.decoy_answers), history) if cf.bridge_samples and history and \
             history[-1].kind == "subanswer" else ""
         if name:
             # only subqueries: they are judged as searches from the real context (the wrong entity, or not)
-            add(*env.expand_bridge(history, name, bridge_samples), "subquery", "siblings-bridge")
+            add(*env.expand_bridge(history, name, cf.bridge_samples), "subquery", "siblings-bridge")
         valid = [s for s in candidates if s.valid and not s.empty]
         keep = pairable(candidates)
         stats["invalid"] += len(candidates) - len(valid)
@@ -321,11 +336,13 @@ def run_siblings(ctx: JobContext) -> dict:
             return
         env = clients.env(tokenizer, q, (cfg.seed * 7919 + hash_id(q.id)) if cfg.seed else 0, cfg.max_steps)
         try:
-            pairs, stats = sample_question(
-                env, q.id, q.question, cfg.samples, cfg.max_steps, cfg.reading_samples,
-                lambda: clients.cache(decoys[q.id].question), cfg.bridge_samples,
-                [h.answer for h in decoys[q.id].decomposition if h.answer] if cfg.bridge_samples else [],
-                cfg.relation_samples, templates)
+            decoy = decoys.get(q.id)
+            pairs, stats = sample_question(env, q.id, q.question, cfg.samples, cfg.max_steps, Counterfactuals(
+                reading_samples=cfg.reading_samples,
+                decoy_docs=(lambda: clients.cache(decoy.question)) if decoy else None,
+                bridge_samples=cfg.bridge_samples,
+                decoy_answers=tuple(h.answer for h in decoy.decomposition if h.answer) if decoy else (),
+                relation_samples=cfg.relation_samples, templates=tuple(templates)))
             # judged before the question is journalled: a resumed job never pays for a verdict twice (a judge
             # cache answers a question asked again after a restart)
             t = time.monotonic()

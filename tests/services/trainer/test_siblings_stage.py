@@ -341,7 +341,7 @@ def test_sample_question_pairs_the_trajectory_step_with_its_distinct_valid_sibli
 
 def test_sample_question_adds_sub_answers_read_from_other_documents_after_a_search():
     from prorag.data.loaders import Document
-    from services.trainer.stage_siblings import sample_question
+    from services.trainer.stage_siblings import Counterfactuals, sample_question
 
     docs = [Document.from_parts("d1", "Mai Brewery", "Mai Brewery is a brewery. It was founded by Tova Lunn."),
             Document.from_parts("d2", "Lunn Hall", "a hall")]
@@ -351,8 +351,8 @@ def test_sample_question_adds_sub_answers_read_from_other_documents_after_a_sear
               [Step("answer", content="Edraand")]]
     env = _ScriptedEnv(script)
     decoys = []
-    pairs, stats = sample_question(env, "q1", "Q?", samples=1, max_steps=6, reading_samples=2,
-                                   decoy=lambda: decoys.append(1) or [Document.from_parts("x", "Kora Fen", "-")])
+    pairs, stats = sample_question(env, "q1", "Q?", samples=1, max_steps=6, counterfactuals=Counterfactuals(
+        reading_samples=2, decoy_docs=lambda: decoys.append(1) or [Document.from_parts("x", "Kora Fen", "-")]))
     # only the prefix that ends with a search asks for other readings: the top document dropped, the sentence
     # naming the trajectory's sub-answer (Tova Lunn) dropped, then the decoy; the walk still continues with the
     # real context's first sample
@@ -406,7 +406,7 @@ def test_the_sibling_sampler_refuses_the_test_split_as_mcts_does(tmp_path):
 
 
 def test_sample_question_adds_subqueries_that_carry_another_name_after_a_sub_answer():
-    from services.trainer.stage_siblings import sample_question
+    from services.trainer.stage_siblings import Counterfactuals, sample_question
 
     q1 = Step("subquery", content="Who founded Mai Brewery?", docs=[])
     a1, a2 = Step("subanswer", content="Tova Lunn"), Step("subanswer", content="Tova Lind")
@@ -414,8 +414,8 @@ def test_sample_question_adds_subqueries_that_carry_another_name_after_a_sub_ans
     script = [[q1, Step("subquery", content="Who is Kora?", docs=[])], [a1, a2], [q2, q3],
               [Step("answer", content="Edraand")]]
     env = _ScriptedEnv(script)
-    pairs, stats = sample_question(env, "q1", "Q?", samples=1, max_steps=6, bridge_samples=2,
-                                   decoy_answers=["Tova Lunn", "Kora Fen", "Osk"])
+    pairs, stats = sample_question(env, "q1", "Q?", samples=1, max_steps=6, counterfactuals=Counterfactuals(
+        bridge_samples=2, decoy_answers=("Tova Lunn", "Kora Fen", "Osk")))
     # only the prefix that ends with a sub-answer asks for bridges; the name is the decoy's hop answer at that hop
     # unless it is what was said (then the next one); the walk continues with the real context's first sample
     assert env.calls == [(0, 2), (1, 2), (2, 2), ("bridge", 2, "Kora Fen", 2), (3, 2)]
@@ -466,15 +466,16 @@ def test_bridge_samples_pair_the_search_for_the_name_read_with_searches_for_anot
 
 def test_sample_question_adds_sub_answers_to_another_relation_over_the_same_documents():
     from prorag.data.loaders import Document
-    from services.trainer.stage_siblings import sample_question
+    from services.trainer.stage_siblings import Counterfactuals, sample_question
 
     docs = [Document.from_parts("d1", "Zestron Ekandmont (banker)", "He was born in Cekexford in 1941.")]
     q1 = Step("subquery", content="Where was Zestron Ekandmont born?", docs=docs)
     a1, a2 = Step("subanswer", content="Cekexford"), Step("subanswer", content="Lasar")
     script = [[q1, Step("subquery", content="Who is Kora?", docs=[])], [a1, a2], [Step("answer", content="Edraand")]]
     env = _ScriptedEnv(script)
-    templates = ["Where was {entity} born?", "When was {entity} born?", "What did {entity} do?"]
-    pairs, stats = sample_question(env, "q1", "Q?", samples=1, max_steps=6, relation_samples=2, templates=templates)
+    templates = ("Where was {entity} born?", "When was {entity} born?", "What did {entity} do?")
+    pairs, stats = sample_question(env, "q1", "Q?", samples=1, max_steps=6,
+                                   counterfactuals=Counterfactuals(relation_samples=2, templates=templates))
     # only after the search, about its top document's entity (its title without the disambiguation), never the
     # relation asked; the subquery a relation sample wrote is left out (judged on a search never made)
     [call] = [c for c in env.calls if c[0] == "relation"]
@@ -487,7 +488,8 @@ def test_sample_question_adds_sub_answers_to_another_relation_over_the_same_docu
         ("Lasar", "1941", "siblings-relation")]
     # a search that does not name its top document's entity gets none
     env = _ScriptedEnv([[Step("subquery", content="Who is Kora?", docs=docs)], [a1], [Step("answer", content="x")]])
-    sample_question(env, "q1", "Q?", samples=0, max_steps=6, relation_samples=2, templates=templates)
+    sample_question(env, "q1", "Q?", samples=0, max_steps=6,
+                    counterfactuals=Counterfactuals(relation_samples=2, templates=templates))
     assert not [c for c in env.calls if c[0] == "relation"]
 
 
