@@ -133,6 +133,16 @@ def gold_trajectories(questions, docs_by_id: dict, sft_settings: dict) -> list[l
                         plan=bool(sft_settings.get("plan_thoughts")), phrasing=phrasing) for q in questions]
 
 
+def siblings_job_id(job_prefix: str, sib_cfg: dict) -> str:
+    """The siblings job of ``sib_cfg``: its settings and the versions of the samplers it uses, so a finished job
+    whose pairs another rule made is not reused, and a sampler's new version re-runs only the jobs that use it."""
+    from services.trainer.stage_siblings import RELATION_VERSION, SIBLINGS_VERSION
+
+    versions = {"siblings": SIBLINGS_VERSION, **({"relation": RELATION_VERSION} if sib_cfg.get("relation_samples")
+                                                 else {})}
+    return settings_job_id(job_prefix, "siblings", sib_cfg, versions)
+
+
 def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settings: dict, settings: Stage2Settings,
                run_dir: Path, job_prefix: str, timings: dict, split: str = "test") -> dict:
     """MCTS -> judged pairs -> PRM -> validation, through the stack's trainer, retriever and judge and the policy
@@ -144,7 +154,6 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
     from services.trainer.stage_mcts import PAIRS_VERSION
     from prorag.prm.evaluation import FAMILIES
     from prorag_app.eval import gate_verdict, validate_prm_families
-    from services.trainer.stage_siblings import SIBLINGS_VERSION
 
     t = time.monotonic()
     services = {"world": world, "policy": policy_target, "policy_model": sft_model,
@@ -166,7 +175,7 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
         t = time.monotonic()
         sib_cfg = {**services, **settings.siblings}
         siblings = run_job(stack, "siblings", sib_cfg,
-                           settings_job_id(job_prefix, "siblings", sib_cfg, {"siblings": SIBLINGS_VERSION}))
+                           siblings_job_id(job_prefix, sib_cfg))
         timings["stage2_siblings_s"] = time.monotonic() - t
         jobs["siblings"] = siblings["job_id"]
         sm = siblings["metrics"]

@@ -20,7 +20,8 @@ named another question's hop answer; the subqueries among them, judged in the re
 entity: pairs that contrast carrying the name just read forward with carrying another (reading pairs alone taught
 the PRM sub-answers and left it ranking gold bridge subqueries below corrupted ones). With ``relation_samples``, each
 prefix that ends with a search also gets sub-answers sampled as if the subquery had asked another relation of the
-same entity (another train question's hop, its entity replaced) over the same documents: judged in the real
+same entity (a train question's hop about an entity of the same kind, of a relation this one has, its entity
+replaced) over the same documents: judged in the real
 context, they name what the documents say about something else, the in-document distractor a PRM must read past.
 
 Many questions run at once (``concurrency`` threads) so the policy service merges their step requests; each
@@ -34,8 +35,8 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 from prorag.config import cfg_field
 from prorag.training.context import JobContext
@@ -46,6 +47,9 @@ from services.trainer.stages import PolicySamplingConfig, register_stage, resolv
 #: what the stage samples and pairs, for job reuse (prorag_app.stage2): a change that makes other pairs from the
 #: same settings bumps it
 SIBLINGS_VERSION = 2
+#: the same for what relation_samples asks (part of a job's key only when it has relation samples, so a change here
+#: re-runs only those jobs): 2 = an entity is asked only the relations of its kind that it has
+RELATION_VERSION = 2
 
 
 @dataclass
@@ -77,9 +81,10 @@ class SiblingsStageConfig(PolicySamplingConfig):
 
     relation_samples: int = cfg_field(
         0, help="at each prefix that ends with a search: sub-answers sampled as if the subquery had asked another "
-                "relation of the same entity (another train question's hop, its entity replaced) over the same "
-                "documents, judged in the real context, so pairs contrast the name that answers the question asked "
-                "with another name the same documents give (0 = none)",
+                "relation of the same entity (a train question's hop about an entity of the same kind, of a relation "
+                "this entity has, its entity replaced) over the same documents, judged in the real context, so pairs "
+                "contrast the name that answers the question asked with another name the same documents give "
+                "(0 = none)",
         min=0, max=32)
 
     def validate(self) -> None:
@@ -126,19 +131,64 @@ def reading_contexts(docs: list, decoy: list, said: str = "") -> list[list]:
 ENTITY = "{entity}"
 
 
-def relation_templates(questions: list) -> list[str]:
+def hop_relations(question) -> dict[str, str]:
+    """document id -> the relation ``question``'s chain asks of it (a generated world records the chain as
+    ``DOCID.relation`` segments joined by ``>`` and ``&``); {} for a question without one.
+
+    >>> from prorag.data.loaders import Question
+    >>> hop_relations(Question("q", "?", ["x"], metadata={"chain": "W1.creator>P2.birth_year&P3.birth_year"}))
+    {'W1': 'creator', 'P2': 'birth_year', 'P3': 'birth_year'}
+    """
+    chain = question.metadata.get("chain") or ""
+    segments = [x.split(".", 1) for part in chain.split(">") for x in part.split("&")]
+    return {seg[0]: seg[1] for seg in segments if len(seg) == 2 and seg[0] and seg[1]}
+
+
+@dataclass(frozen=True)
+class RelationTemplates:
+    """The relations a relation sample may ask of an entity: hop questions with their entity replaced by
+    :data:`ENTITY`, by the kind of entity they were asked of and the relation they ask ("" where unknown), and the
+    kind and relations of each document's entity (prorag.data.world.files.entity_relations; empty for a corpus that
+    is not a generated world). Asking a city "Who directed {entity}?" gets a made-up name, not a name its document
+    gives, so an entity is asked only what entities of its kind are asked and it has."""
+
+    by_kind_relation: Mapping[tuple[str, str], tuple[str, ...]]
+    entities: Mapping[str, tuple[str, frozenset]] = field(default_factory=dict)
+
+    def of(self, doc_id: str, asked: str = "", entity: str = "") -> list[str]:
+        """The templates to ask of document ``doc_id``'s entity, sorted (every template when its entity is unknown),
+        less every phrasing of the relation ``asked`` asks of ``entity`` (known when one of its templates, filled
+        with ``entity``, is ``asked`` under the answer normaliser): another phrasing would get the same answer."""
+        from prorag.metrics import normalize_answer
+
+        known = self.entities.get(doc_id)
+        groups = [(relation, ts) for (kind, relation), ts in self.by_kind_relation.items()
+                  if known is None or (kind == known[0] and (not relation or relation in known[1]))]
+        if asked and entity:
+            said = normalize_answer(asked)
+            same = {r for r, ts in groups if r and any(normalize_answer(t.replace(ENTITY, entity)) == said for t in ts)}
+            groups = [(r, ts) for r, ts in groups if r not in same]
+        return sorted({t for _, ts in groups for t in ts})
+
+
+def relation_templates(questions: list, entities: Mapping[str, tuple[str, frozenset]] | None = None
+                       ) -> RelationTemplates:
     """Every hop question of ``questions`` that names its hop's entity (the document title as text names it), with
-    the entity replaced by :data:`ENTITY`: the relations the relation samples ask about another entity. Sorted and
-    distinct, so a job picks the same ones again."""
+    the entity replaced by :data:`ENTITY`, keyed by the kind of its document's entity in ``entities`` (doc id ->
+    (kind, relations)) and the relation its question's chain asks there. Sorted and distinct, so a job picks the same
+    ones again."""
     from prorag.prm.evaluation import entity_surface
 
-    out = set()
+    entities = dict(entities or {})
+    out: dict[tuple[str, str], set] = {}
     for q in questions:
+        relations = hop_relations(q)
         for hop in q.decomposition:
             name = entity_surface(hop.title) if hop.title else ""
             if name and name in hop.question:
-                out.add(hop.question.replace(name, ENTITY))
-    return sorted(out)
+                key = (entities.get(hop.doc_id, ("", frozenset()))[0], relations.get(hop.doc_id, ""))
+                out.setdefault(key, set()).add(hop.question.replace(name, ENTITY))
+    return RelationTemplates({k: tuple(sorted(v)) for k, v in sorted(out.items())}, entities)
 
 
 def relation_question(templates: list, asked: str, entity: str, key: int) -> str:
@@ -189,8 +239,8 @@ class Counterfactuals:
     rest (``meta["source"] = "siblings-bridge"``).
 
     relation_samples: at a prefix that ends with a searched subquery that names its top document's entity, that
-    many sub-answers as if it had asked :func:`relation_question` of ``templates`` over the same documents
-    (``env.expand_relation``), paired with the rest (``meta["source"] = "siblings-relation"``).
+    many sub-answers as if it had asked :func:`relation_question` of ``templates.of(top document id)`` over the
+    same documents (``env.expand_relation``), paired with the rest (``meta["source"] = "siblings-relation"``).
     """
 
     reading_samples: int = 0
@@ -198,7 +248,7 @@ class Counterfactuals:
     bridge_samples: int = 0
     decoy_answers: tuple[str, ...] = ()
     relation_samples: int = 0
-    templates: tuple[str, ...] = ()
+    templates: RelationTemplates | None = None
 
 
 def sample_question(env, question_id: str, question: str, samples: int, max_steps: int,
@@ -244,9 +294,11 @@ def sample_question(env, question_id: str, question: str, samples: int, max_step
             for docs in reading_contexts(list(history[-1].docs), decoy, said):
                 # only sub-answers: a contrast in reading; another kind would be judged on a search never made
                 add(*env.expand_reading(history, docs, cf.reading_samples), "subanswer", "siblings-reading")
-        asked = relation_question(list(cf.templates), history[-1].content,
-                                  entity_surface(history[-1].docs[0].title),
-                                  hash_id(question_id) + len(history)) if cf.relation_samples and searched else ""
+        asked = ""
+        if cf.relation_samples and cf.templates and searched:
+            top, entity = history[-1].docs[0], entity_surface(history[-1].docs[0].title)
+            asked = relation_question(cf.templates.of(top.id, history[-1].content, entity), history[-1].content,
+                                      entity, hash_id(question_id) + len(history))
         if asked:
             add(*env.expand_relation(history, asked, cf.relation_samples), "subanswer", "siblings-relation")
         name = bridge_name(list(cf.decoy_answers), history) if cf.bridge_samples and history and \
@@ -305,6 +357,9 @@ def reason_counts(pairs: list, top: int = 8) -> dict[str, dict[str, int]]:
 def run_siblings(ctx: JobContext) -> dict:
     from transformers import AutoTokenizer
 
+    from prorag import paths
+    from prorag.data.loaders import load_split
+    from prorag.data.world.files import entity_relations
     from prorag.rpc.clients import JudgeClient, call_with_service_wait
     from prorag.io import write_jsonl
     from services.trainer.search_env import SearchServices, questions_to_search
@@ -323,7 +378,9 @@ def run_siblings(ctx: JobContext) -> dict:
 
     # drawn before anything is sampled: a job that cannot have decoys fails at its start
     decoys = {q.id: decoy_question(qs, q) for q in qs} if cfg.reading_samples or cfg.bridge_samples else {}
-    templates = relation_templates(qs) if cfg.relation_samples else []
+    # the relations are read off the whole split, so a job on few questions still knows every relation of a kind
+    templates = relation_templates(load_split(paths.world_dir(cfg.world), cfg.split),
+                                   entity_relations(paths.world_dir(cfg.world))) if cfg.relation_samples else None
     clients = SearchServices(cfg)
     judge = JudgeClient(cfg.judge, timeout=600)
     lock = threading.Lock()
@@ -342,7 +399,7 @@ def run_siblings(ctx: JobContext) -> dict:
                 decoy_docs=(lambda: clients.cache(decoy.question)) if decoy else None,
                 bridge_samples=cfg.bridge_samples,
                 decoy_answers=tuple(h.answer for h in decoy.decomposition if h.answer) if decoy else (),
-                relation_samples=cfg.relation_samples, templates=tuple(templates)))
+                relation_samples=cfg.relation_samples, templates=templates))
             # judged before the question is journalled: a resumed job never pays for a verdict twice (a judge
             # cache answers a question asked again after a restart)
             t = time.monotonic()

@@ -11,7 +11,7 @@ import pytest
 from prorag.config import ConfigError, from_dict
 from prorag.search.pairs import StepPair
 from prorag.trajectory import Step
-from prorag_app.stage2 import Stage2Settings, counts_by_kind, run_stage2, settings_job_id
+from prorag_app.stage2 import Stage2Settings, counts_by_kind, run_stage2, settings_job_id, siblings_job_id
 from services.trainer.stage_mcts import PAIRS_VERSION, flat_counts, pair_counts
 
 
@@ -92,6 +92,19 @@ def test_siblings_pairs_join_the_mcts_pairs_and_each_choice_is_its_own_prm_job(t
     assert len({both[2][2], only[2][2], alone[2][2]}) == 3
     _, other = _run(tmp_path, monkeypatch, {"siblings": {**sib, "samples": 6}})
     assert other[1][2] != sib_id and other[0][2] == both[0][2]
+
+
+def test_a_siblings_job_id_carries_the_version_of_each_sampler_it_uses():
+    from services.trainer.stage_siblings import RELATION_VERSION, SIBLINGS_VERSION
+
+    plain = {"max_questions": 50, "reading_samples": 2, "bridge_samples": 2}
+    # without relation samples the id is what it was before the relation sampler had a version of its own, so
+    # finished jobs that never asked a relation are reused
+    assert siblings_job_id("w", plain) == settings_job_id("w", "siblings", plain, {"siblings": SIBLINGS_VERSION})
+    relation = {**plain, "relation_samples": 2}
+    assert siblings_job_id("w", relation) == settings_job_id(
+        "w", "siblings", relation, {"siblings": SIBLINGS_VERSION, "relation": RELATION_VERSION})
+    assert siblings_job_id("w", relation) != settings_job_id("w", "siblings", relation, {"siblings": SIBLINGS_VERSION})
 
 
 def test_stage2_reports_counts_per_kind_and_skips_the_prm_without_labels(tmp_path, monkeypatch):

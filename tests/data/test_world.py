@@ -348,3 +348,14 @@ def test_the_dev_deep_split_shares_nothing_with_the_test_one(world, tmp_path):
 
     with pytest.raises(InvalidArgument, match="no deep split for 'train'"):
         ensure_deep_split(out, 10, "train")
+
+
+def test_entity_relations_of_a_world_and_of_an_imported_corpus(tmp_path):
+    import json
+
+    from prorag.data.world.files import entity_relations
+
+    (tmp_path / "world.json").write_text(json.dumps({"entities": [
+        {"id": "C1", "kind": "city", "rels": {"country": "K1"}, "attrs": {"population": 5}}]}))
+    assert entity_relations(tmp_path) == {"C1": ("city", frozenset({"country", "population"}))}
+    assert entity_relations(tmp_path / "corpus-only") == {}

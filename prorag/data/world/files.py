@@ -154,6 +154,17 @@ def load_summary(out_dir: str | Path) -> dict:
     return _summary(cfg, out_dir, splits, meta["counts"]["entities"], 0.0, True).to_dict()
 
 
+def entity_relations(out_dir: str | Path) -> dict[str, tuple[str, frozenset]]:
+    """document id -> (its entity's kind, the relations and attributes it has) of a finished world folder, e.g.
+    ``{"C00001": ("city", frozenset({"country", "population", "capital_of"}))}``; {} for a folder that is not a
+    generated world (a corpus imported in the FlashRAG layout has no world.json)."""
+    path = Path(out_dir) / "world.json"
+    if not path.exists():
+        return {}
+    return {e["id"]: (e["kind"], frozenset([*e.get("rels", {}), *e.get("attrs", {})]))
+            for e in json.loads(path.read_text())["entities"]}
+
+
 def _check_disjoint(splits: dict[str, list[dict]]) -> None:
     """No dev/test chain or question text may occur in train (guaranteed by construction; checked anyway)."""
     train_chains = {r["metadata"]["chain"] for r in splits["train"]}

@@ -466,14 +466,15 @@ def test_bridge_samples_pair_the_search_for_the_name_read_with_searches_for_anot
 
 def test_sample_question_adds_sub_answers_to_another_relation_over_the_same_documents():
     from prorag.data.loaders import Document
-    from services.trainer.stage_siblings import Counterfactuals, sample_question
+    from services.trainer.stage_siblings import Counterfactuals, RelationTemplates, sample_question
 
     docs = [Document.from_parts("d1", "Zestron Ekandmont (banker)", "He was born in Cekexford in 1941.")]
     q1 = Step("subquery", content="Where was Zestron Ekandmont born?", docs=docs)
     a1, a2 = Step("subanswer", content="Cekexford"), Step("subanswer", content="Lasar")
     script = [[q1, Step("subquery", content="Who is Kora?", docs=[])], [a1, a2], [Step("answer", content="Edraand")]]
     env = _ScriptedEnv(script)
-    templates = ("Where was {entity} born?", "When was {entity} born?", "What did {entity} do?")
+    templates = RelationTemplates({("", ""): ("Where was {entity} born?", "When was {entity} born?",
+                                              "What did {entity} do?")})
     pairs, stats = sample_question(env, "q1", "Q?", samples=1, max_steps=6,
                                    counterfactuals=Counterfactuals(relation_samples=2, templates=templates))
     # only after the search, about its top document's entity (its title without the disambiguation), never the
@@ -506,11 +507,42 @@ def test_relation_templates_keep_the_hops_that_name_their_entity():
           Question("b", "?", ["y"], metadata={"decomposition": [
               hop("Who directed it?", "Bo", "W1", "Iron Parade"),  # names no entity: no template
               hop("Where was Bo Lind born?", "Osk", "P2", "Bo Lind")]})]
-    assert relation_templates(qs) == ["Where was {entity} born?", "Which country is {entity} in?"]
-    assert relation_question(relation_templates(qs), "Where was Cy Moe born?", "Cy Moe", 4) == \
-        "Which country is Cy Moe in?"
-    assert relation_question(relation_templates(qs), "Where was Cy Moe born?", "Ana Berg", 4) == ""  # not asked of it
+    # no world entities (an imported corpus): every template for every document
+    templates = relation_templates(qs).of("X9")
+    assert templates == ["Where was {entity} born?", "Which country is {entity} in?"]
+    assert relation_question(templates, "Where was Cy Moe born?", "Cy Moe", 4) == "Which country is Cy Moe in?"
+    assert relation_question(templates, "Where was Cy Moe born?", "Ana Berg", 4) == ""  # not asked of it
     assert relation_question(["Where was {entity} born?"], "where was CY MOE born", "CY MOE", 0) == ""  # the same ask
+
+
+def test_an_entity_is_asked_only_the_relations_of_its_kind_that_it_has():
+    from prorag.data.loaders import Question
+    from services.trainer.stage_siblings import relation_templates
+
+    def hop(question, doc_id, title):
+        return {"question": question, "answer": "-", "doc_id": doc_id, "title": title}
+
+    qs = [Question("a", "?", ["x"], metadata={"chain": "W1.creator>P1.birth_city>C1.country", "decomposition": [
+              hop("Who directed Iron Parade?", "W1", "Iron Parade"), hop("Where was Ana Berg born?", "P1", "Ana Berg"),
+              hop("Which country is Lunn in?", "C1", "Lunn (city)")]}),
+          Question("b", "?", ["y"], metadata={"chain": "P2.spouse&W2.creator", "decomposition": [
+              hop("Who is Bo Lind married to?", "P2", "Bo Lind"), hop("Who recorded Blue Hour?", "W2", "Blue Hour")]})]
+    entities = {"W1": ("film", frozenset({"creator", "genre"})), "W2": ("album", frozenset({"creator"})),
+                "W3": ("film", frozenset({"genre"})),
+                "P1": ("singer", frozenset({"birth_city", "spouse"})), "P2": ("singer", frozenset({"spouse"})),
+                "P3": ("singer", frozenset({"birth_city"})), "C1": ("city", frozenset({"country"}))}
+    templates = relation_templates(qs, entities)
+    assert templates.of("W1") == ["Who directed {entity}?"]           # a film: never "Who recorded"
+    assert templates.of("W2") == ["Who recorded {entity}?"]
+    assert templates.of("W3") == []                                 # a film without a creator
+    assert templates.of("P1") == ["Where was {entity} born?", "Who is {entity} married to?"]
+    assert templates.of("P3") == ["Where was {entity} born?"]       # no spouse: not asked for one
+    assert templates.of("C1") == ["Which country is {entity} in?"]
+    assert templates.of("Z9") == sorted({t for ts in templates.by_kind_relation.values() for t in ts})  # unknown
+    # never another phrasing of the relation the subquery asked: it would get the same answer
+    assert templates.of("P1", "where was ANA BERG born", "Ana Berg") == ["Who is {entity} married to?"]
+    assert templates.of("C1", "Which country is Lunn in?", "Lunn") == []
+    assert templates.of("P1", "Who is Ana Berg?", "Ana Berg") == templates.of("P1")  # a relation no template asks
 
 
 def test_relation_samples_pair_the_name_asked_for_with_what_the_documents_say_of_another_relation(
