@@ -252,7 +252,7 @@ def stage2(prof: Profile, stack: ServiceStack, world: str, sft_model: str, run_d
                            log_dir=str(run_dir / "logs" / "stage2-policy"))
     with timed(timings, "stage2_s"), serving:
         out = run_stage2(stack, serving.grpc_target("policy"), world, sft_model, prof.sft_for("sft"), settings,
-                         run_dir, f"{world}-stage2", timings, split=prof.eval_split)
+                         run_dir, f"{world}-stage2", timings)
     if "auc_gold_vs_corrupted" in out:
         print_prm_families(out)
     return out

@@ -4,7 +4,7 @@ Runs through the services of a ServiceStack: the trainer's ``mcts`` job searches
 service (serving the SFT agent) and the retriever, and labels the sibling pairs through the judge service; when the
 settings ask for it, its ``siblings`` job samples more judged pairs along the agent's own trajectories, without a
 tree (services.trainer.stage_siblings); its ``prm`` job trains the PRM on the MCTS pairs, the sibling pairs or both;
-the validation scores gold steps of the evaluation split against corrupted ones, in-distribution and held-out
+the validation scores gold steps of the dev split (whatever split the run evaluates on) against corrupted ones, in-distribution and held-out
 families (prorag.prm.evaluation), with the PRM in process, gives the gate's verdict (prm_gate) and writes a
 PNG of the score distributions.
 """
@@ -22,6 +22,9 @@ from prorag.config import cfg_field
 
 console = Console()
 
+#: where the PRM is validated and gated: the gate decides which stages run, so it never reads test
+VALIDATION_SPLIT = "dev"
+
 
 @dataclass
 class Stage2Settings:
@@ -36,7 +39,7 @@ class Stage2Settings:
                                            "value-labelled pairs are ReasonRAG's DPO data)",
                                choices=("all", "mcts", "siblings"))
     prm: dict = cfg_field(help="prm job settings (services.trainer.stage_prm.PRMConfig)", factory=dict)
-    eval_questions: int = cfg_field(0, help="test questions whose gold steps validate the PRM (0 = all)", min=0)
+    eval_questions: int = cfg_field(0, help="dev questions whose gold steps validate and gate the PRM (0 = all)", min=0)
     seed: int = cfg_field(0, help="seed of the corruptions", min=0)
 
     def validate(self) -> None:
@@ -144,7 +147,7 @@ def siblings_job_id(job_prefix: str, sib_cfg: dict) -> str:
 
 
 def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settings: dict, settings: Stage2Settings,
-               run_dir: Path, job_prefix: str, timings: dict, split: str = "test") -> dict:
+               run_dir: Path, job_prefix: str, timings: dict) -> dict:
     """MCTS -> judged pairs -> PRM -> validation, through the stack's trainer, retriever and judge and the policy
     service at ``policy_target`` (serving ``sft_model``). Returns results.json's "prm"."""
     from prorag.rpc.clients import RetrieverClient
@@ -213,22 +216,23 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
     jobs["prm"] = prm["job_id"]
     timings["stage2_prm_s"] = time.monotonic() - t
     t = time.monotonic()
-    # validated on the run's evaluation split: a dev run (settings being chosen) never looks at test
-    test = load_split(paths.world_dir(world), split)
-    test = test[:settings.eval_questions] if settings.eval_questions else test
+    # validated on dev whatever split the run evaluates on: the gate decides which stages run, and a decision never
+    # reads test (a test run reads it once, for its methods)
+    held = load_split(paths.world_dir(world), VALIDATION_SPLIT)
+    held = held[:settings.eval_questions] if settings.eval_questions else held
     with RetrieverClient(stack.grpc_target("retriever"), timeout=300) as client:
-        ids = sorted({s.doc_id for q in test for s in q.decomposition if s.doc_id})
+        ids = sorted({s.doc_id for q in held for s in q.decomposition if s.doc_id})
         docs = {d.id: d for d in client.get_documents(ids)}
     prm_dir = str(registry("prm", world).resolve(prm["outputs"]["prm"]))
     # the same PRM validated on the same questions by the same code is read back (prorag_app.memo)
     key = memo.memo_key("prm-validation", {"prm": weights_sha256(prm_dir), "sft": sft_settings, "seed": settings.seed,
                                            "families": list(FAMILIES),
                                            "corpus": memo.corpus_fingerprint(world),
-                                           "questions": memo.questions_fingerprint(test)})
+                                           "questions": memo.questions_fingerprint(held)})
     png = run_dir / "prm" / "scores.png"
     validation = memo.load("prm-validation", key, into=png.parent)
     if validation is None:
-        validation = validate_prm_families(prm_dir, test, docs, sft_settings, seed=settings.seed, png=png)
+        validation = validate_prm_families(prm_dir, held, docs, sft_settings, seed=settings.seed, png=png)
         memo.store("prm-validation", key, validation, [png])
     validation["png"] = str(png)
     timings["stage2_validate_s"] = time.monotonic() - t
@@ -246,7 +250,7 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
         "pairwise_accuracy_by_kind": {k.split(".", 1)[1]: v for k, v in prm["metrics"].items()
                                       if k.startswith("heldout_pairwise_accuracy.")},
         "png": validation["png"],
-        "validation_split": split,
+        "validation_split": VALIDATION_SPLIT,
         "jobs": jobs,
         "prm_train_pairs": prm["metrics"].get("train_pairs"),
         **common,

@@ -151,7 +151,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
                 == (Path(results["run_dir"]) / method / "predictions.jsonl").read_text())
     assert again["timings"]["eval_sft_s"] < results["timings"]["eval_sft_s"]
     if "auc_gold_vs_corrupted" in on_disk["prm"]:  # when stage 2 had pairs to train a PRM on
-        assert on_disk["prm"]["validation_split"] == "test"
+        assert on_disk["prm"]["validation_split"] == "dev"  # the gate decides stages: it never reads test
         assert again["prm"]["auc_gold_vs_corrupted"] == on_disk["prm"]["auc_gold_vs_corrupted"]
         assert again["timings"]["stage2_validate_s"] < results["timings"]["stage2_validate_s"]
 
