@@ -4,9 +4,9 @@ Runs through the services of a ServiceStack: the trainer's ``mcts`` job searches
 service (serving the SFT agent) and the retriever, and labels the sibling pairs through the judge service; when the
 settings ask for it, its ``siblings`` job samples more judged pairs along the agent's own trajectories, without a
 tree (services.trainer.stage_siblings); its ``prm`` job trains the PRM on the MCTS pairs, the sibling pairs or both;
-the validation scores gold steps of the dev split (whatever split the run evaluates on) against corrupted ones, in-distribution and held-out
-families (prorag.prm.evaluation), with the PRM in process, gives the gate's verdict (prm_gate) and writes a
-PNG of the score distributions.
+the validation scores gold steps of the dev split (whatever split the run evaluates on) against corrupted ones,
+in-distribution and held-out families (prorag.prm.evaluation), with the PRM in process, gives the gate's verdict
+(prm_gate) and writes a PNG of the score distributions.
 """
 
 from __future__ import annotations
@@ -257,4 +257,5 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
     }
 
 
-__all__ = ["ADDRESS_KEYS", "Stage2Settings", "counts_by_kind", "settings_job_id", "gold_trajectories", "run_stage2"]
+__all__ = ["ADDRESS_KEYS", "Stage2Settings", "VALIDATION_SPLIT", "counts_by_kind", "settings_job_id", "siblings_job_id",
+           "gold_trajectories", "run_stage2"]
