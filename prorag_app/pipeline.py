@@ -449,6 +449,8 @@ def run_ablation(plan: AblationPlan = ABLATION, world: str | None = None, port_o
     if base.stage34 is None:
         raise InvalidArgument(f"profile {plan.profile!r} has no stages 3-4 to ablate")
     run_dirs = []
+    if plan.methods:  # what the plan compares, whatever the profile leaves out for time
+        base = dataclasses.replace(base, stage34={**base.stage34, "methods": tuple(plan.methods)})
     for k, seed in enumerate(plan.seeds):
         prof = with_stage34(base, seed)
         if k == 0:

@@ -69,6 +69,9 @@ class Stage34Settings:
                            factory=dict)
     beta: float = cfg_field(0.3, help="ProRAG's weight of the process advantage (outcome_grpo: 0)", min=0.0,
                             max=10.0)
+    left_out: dict = cfg_field(help="stage 3-4 methods this profile leaves out on purpose, {method: why}: reported under "
+                                    "results.json's stage34.skipped with the reason, so a reader sees that the method "
+                                    "was not run and where it is (one in methods runs all the same)", factory=dict)
     prm_gate: str = cfg_field("report", help="what stage 2's PRM gate (prorag.prm.evaluation.prm_gate) decides: enforce = a "
                                              "PRM below it guides nothing (rft, prorag, prorag_no_rft skipped with the "
                                              "reasons; outcome_grpo, prorag_oracle and reasonrag still run); report = "
@@ -188,6 +191,8 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
     out: dict = {"models": {}, "jobs": {}, "rl": {}, "skipped": {}, "settings": asdict(settings)}
     if prm_gate is not None:
         out["prm_gate"] = prm_gate
+    # a method asked for runs even where the profile leaves it out (`--set stage34.methods=...`)
+    out["skipped"].update({m: why for m, why in settings.left_out.items() if m not in wanted})
     prefix = f"{world}-stage34"
     topk = int(sft_settings.get("topk", 1))
     blocked = ""

@@ -167,7 +167,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     from prorag_app.pipeline import run_ablation
     from prorag_app.profiles import AblationPlan
 
-    report = run_ablation(AblationPlan(profile="tiny", seeds=(1, 2), betas=(), eval_iterations=(1,)),
+    report = run_ablation(AblationPlan(profile="tiny", seeds=(1, 2), betas=(), eval_iterations=(1,), methods=()),
                           world="tiny-s7", port_offset=_free_offset())
     assert report["seeds"]["sft"] == 2 and report["seeds"]["outcome_grpo"] == 2
     assert report["seeds"]["outcome_grpo@it1"] == 1  # the first seed's adapter after 1 of its 2 iterations

@@ -88,3 +88,33 @@ def test_the_research_plan_runs_its_profile_over_three_seeds_on_the_split_asked(
     assert cli.cmd_run(argparse.Namespace(**{**vars(args), "stage34_seed": 2})) == 0
     assert single[0]["stage34_seed"] == 2 and single[0]["prof"].stage34["rl"]["iterations"] == 50
     assert single[0]["prof"].eval_split == "dev"
+
+
+def test_the_ablation_runs_its_own_stage34_methods_where_the_profile_leaves_some_out(tmp_path, monkeypatch):
+    from prorag_app import pipeline, profiles, report
+
+    runs = []
+
+    def fake_run(name, world, port_offset, prof):  # each run's profile, as run_main_job would be given it
+        runs.append((name, prof.stage34))
+        return {"run_dir": str(tmp_path / str(len(runs)))}
+
+    def fake_report(dirs, out):
+        (out / "report.md").write_text("report")
+        return {"runs": dirs}
+
+    monkeypatch.setattr(pipeline, "run_main_job", fake_run)
+    monkeypatch.setattr(report, "build_report", fake_report)
+    monkeypatch.setattr(pipeline, "new_run_dir", lambda name: tmp_path)
+    monkeypatch.setattr(pipeline, "point_latest", lambda out: None)
+    plan = profiles.AblationPlan(seeds=(1, 2), betas=(0.5,))
+    pipeline.run_ablation(plan)
+    names = [n for n, _ in runs]
+    assert names == ["ablation/seed1", "ablation/seed2", "ablation/beta0.5"]
+    for name, s34 in runs[:2]:  # every seed runs the full ProRAG and RFT the default leaves out
+        assert {"rft", "prorag", "outcome_grpo", "prorag_no_rft"} <= set(s34["methods"]), name
+    assert runs[2][1]["methods"] == ("prorag",)
+    # a plan with no methods of its own keeps the profile's
+    runs.clear()
+    pipeline.run_ablation(profiles.AblationPlan(seeds=(1,), betas=(), eval_iterations=(), methods=()))
+    assert set(runs[0][1]["methods"]) == {*profiles.PROFILES["default"].stage34["methods"], "prorag_no_rft"}

@@ -52,6 +52,10 @@ def test_profiles_are_checked_when_they_are_defined():
         Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={}, methods=("sft", "rlhf"))
     with pytest.raises(ConfigError, match="base_warmup.copy_stepz"):
         Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={}, base_warmup={"copy_stepz": 1})
+    # only stage 3-4 methods are left out of stages 3-4
+    with pytest.raises(InvalidArgument, match="not a stage 3-4 method"):
+        Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={},
+                stage34={"methods": ("outcome_grpo",), "left_out": {"sft": "time"}})
 
 
 def test_a_method_that_reads_with_another_models_trains_nothing_and_needs_that_model():

@@ -209,3 +209,29 @@ def test_a_reported_gate_lets_the_prm_guide_and_records_the_verdict(tmp_path, mo
     passed = {**FAILED_GATE, "passed": True, "reasons": []}
     out, submitted = _run_with_prm(tmp_path / "again", monkeypatch, passed, prm_gate="enforce")
     assert "prorag_no_rft" in [c["adapter_name"] for stage, c, _ in submitted] and not out["skipped"]
+
+
+def test_methods_a_profile_leaves_out_are_reported_as_skipped_with_the_reason(tmp_path, monkeypatch):
+    why = "left out of this profile for time"
+    out, submitted = _run_with_prm(tmp_path, monkeypatch, None, methods=["outcome_grpo"],
+                                   left_out={"rft": why, "prorag": why})
+    assert [c["adapter_name"] for _, c, _ in submitted] == ["outcome_grpo"]  # no RFT job for a left-out method
+    assert out["skipped"] == {"rft": why, "prorag": why} and set(out["models"]) == {"outcome_grpo"}
+    # asked for all the same (`--set stage34.methods=...`), it runs and is not reported as left out
+    out, submitted = _run_with_prm(tmp_path / "asked", monkeypatch, None, methods=["outcome_grpo", "prorag_no_rft"],
+                                   left_out={"prorag_no_rft": why})
+    assert [c["adapter_name"] for _, c, _ in submitted] == ["outcome_grpo", "prorag_no_rft"] and not out["skipped"]
+
+
+def test_the_default_profile_runs_the_headline_and_says_where_rft_and_full_prorag_are():
+    from prorag_app.profiles import PLANS, PROFILES
+
+    s34 = PROFILES["default"].stage34
+    assert {"outcome_grpo", "prorag_no_rft"} <= set(s34["methods"])  # the same-start headline
+    assert set(s34["left_out"]) == {"rft", "prorag"} and all("research" in why for why in s34["left_out"].values())
+    # the research profile and the ablation plan run them
+    assert {"rft", "prorag"} <= set(PROFILES["research"].stage34["methods"])
+    assert not PROFILES["research"].stage34["left_out"]
+    assert {"rft", "prorag", "prorag_no_rft", "outcome_grpo"} <= set(PLANS["ablation"].methods)
+    # the research profile keeps its own MCTS size whatever the default's
+    assert PROFILES["research"].stage2["mcts"]["max_questions"] == 200
