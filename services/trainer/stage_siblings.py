@@ -106,12 +106,16 @@ def without_sentences_naming(docs: list, name: str) -> list:
 
     from prorag.data.loaders import Document
 
-    needle = name.strip().lower()
-    if not needle or not any(needle in f"{d.title} {d.text}".lower() for d in docs):
+    name = " ".join(name.split())
+    if not name:
+        return []
+    # the whole name, not a substring: "Ana Berg" must not take out a sentence about "Ana Bergson"
+    names = re.compile(r"(?<!\w)" + re.escape(name).replace(r"\ ", r"\s+") + r"(?!\w)", re.IGNORECASE)
+    if not any(names.search(f"{d.title} {d.text}") for d in docs):
         return []
     out = []
     for d in docs:
-        kept = [x for x in re.split(r"(?<=[.!?])\s+", d.text) if needle not in x.lower()]
+        kept = [x for x in re.split(r"(?<=[.!?])\s+", d.text) if not names.search(x)]
         if kept:
             out.append(Document.from_parts(d.id, d.title, " ".join(kept)))
     return out

@@ -204,6 +204,10 @@ def test_reading_contexts_drop_the_top_document_and_what_was_read_and_add_the_de
     assert without_sentences_naming([d1], "Edraand") == []  # not read from these documents: no such set
     assert without_sentences_naming([d2], "Ana Berg") == []  # nothing would be left
     assert without_sentences_naming([d1], "  ") == []
+    # a whole name only, however it is spaced: a longer name that starts with it is another entity
+    d3 = Document.from_parts("d3", "Bergson Hall", "Ana Bergson built it. Ana  Berg sold it. It stands in Maiwa.")
+    assert [d.text for d in without_sentences_naming([d3], "Ana Berg")] == ["Ana Bergson built it. It stands in Maiwa."]
+    assert without_sentences_naming([d3], "Ana Ber") == []  # part of a name names nothing
     assert reading_contexts([d1], ["x1"], said="Ana Berg") == [left, ["x1"]]
 
 
