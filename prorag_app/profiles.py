@@ -117,8 +117,10 @@ RECIPE = Profile(
     world="default",
     model_preset="cpu-induction",  # the induction-wired base with the gap and paraphrase warm-ups (prorag_app.embedded)
     vocab_size=8192,
-    # restated questions and plan-carrying thoughts, 1,200 steps over the whole train split for every SFT method
-    sft={"max_questions": 0, "max_steps": 1200, "batch_size": 8, "lr": 3e-3, "log_every": 10,
+    # restated questions and plan-carrying thoughts, 2,400 steps (2.4 passes) over the whole train split for every
+    # SFT method: at 1,200 the agent was underfit, and how far it got depended on the base's draw (dev F1 9.5-41.8
+    # over five draws; two of them 57.7 and 46.4 at 2,400, docs/BENCHMARKS.md)
+    sft={"max_questions": 0, "max_steps": 2400, "batch_size": 8, "lr": 3e-3, "log_every": 10,
          "checkpoint_every": 200, "restate_question": True, "plan_thoughts": True},
     method_sft={
         # one document per subquery, each relation asked one way: the small policy reads one far better than three
