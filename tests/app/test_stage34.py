@@ -235,3 +235,8 @@ def test_the_default_profile_runs_the_headline_and_says_where_rft_and_full_prora
     assert {"rft", "prorag", "prorag_no_rft", "outcome_grpo"} <= set(PLANS["ablation"].methods)
     # the research profile keeps its own MCTS size whatever the default's
     assert PROFILES["research"].stage2["mcts"]["max_questions"] == 200
+    # and its longer SFT, every other SFT setting shared with the recipe
+    research_sft, default_sft = PROFILES["research"].sft, PROFILES["default"].sft
+    assert research_sft["max_steps"] > default_sft["max_steps"]
+    assert {k: v for k, v in research_sft.items() if k != "max_steps"} == \
+        {k: v for k, v in default_sft.items() if k != "max_steps"}
