@@ -81,6 +81,12 @@ class RLConfig(TrainRunConfig):
     question_pool: str = cfg_field("", help="a question pool artifact (trainer stage rlpool's pool.json): only its "
                                             "learnable questions are drawn, before min_hops and max_questions "
                                             "('' = the whole split)")
+    pool_max_solve_rate: float = cfg_field(1.0, help="of question_pool's learnable questions, only those the pool's "
+                                                     "agent answered right in at most this fraction of its samples "
+                                                     "(1 = all of them): a question it mostly solves already "
+                                                     "has a greedy answer that is likely right, so RL there mostly "
+                                                     "sharpens what greedy decoding already picks",
+                                           min=0.0, max=1.0)
     iterations: int = cfg_field(0, help="RL iterations (one rollout batch and one update each); 0 = one pass "
                                         "over the questions (ProRAG: 1 epoch)", min=0)
     questions_per_iteration: int = cfg_field(16, help="questions rolled out per iteration", min=1, max=4096)
@@ -432,9 +438,10 @@ def pool_questions(questions: list, pool_ids) -> list:
     return [q for q in questions if q.id in wanted]
 
 
-def read_question_pool(path: str | Path, world: str, split: str) -> list[str]:
-    """The learnable question ids of a pool artifact (services.trainer.stage_rlpool); FailedPrecondition when it
-    is missing, or was built on another world or split than the RL job samples."""
+def read_question_pool(path: str | Path, world: str, split: str, max_solve_rate: float = 1.0) -> list[str]:
+    """The learnable question ids of a pool artifact (services.trainer.stage_rlpool) whose solve rate (the
+    fraction of the pool agent's samples that were right) is at most ``max_solve_rate``; FailedPrecondition when
+    the artifact is missing, or was built on another world or split than the RL job samples."""
     p = Path(path)
     if not p.is_file():
         raise FailedPrecondition(f"question_pool {str(path)!r} does not exist (run the rlpool stage first)")
@@ -442,7 +449,11 @@ def read_question_pool(path: str | Path, world: str, split: str) -> list[str]:
     if (pool.get("world"), pool.get("split")) != (world, split):
         raise FailedPrecondition(f"question_pool {str(path)!r} was built on world {pool.get('world')!r}, split "
                                  f"{pool.get('split')!r}; this job samples world {world!r}, split {split!r}")
-    return list(pool["pool"])
+    rates = pool.get("questions", {})
+    if max_solve_rate < 1.0 and not rates:
+        raise FailedPrecondition(f"question_pool {str(path)!r} records no solve rates, so pool_max_solve_rate "
+                                 f"{max_solve_rate} cannot select from it (rebuild it with the rlpool stage)")
+    return [q for q in pool["pool"] if max_solve_rate >= 1.0 or rates[q]["solve_rate"] <= max_solve_rate + 1e-9]
 
 
 def run_rl(ctx: JobContext) -> dict:
@@ -462,12 +473,14 @@ def run_rl(ctx: JobContext) -> dict:
     base_sha = weights_sha256(base)
     qs = load_split(paths.world_dir(cfg.world), cfg.split)
     if cfg.question_pool:
-        qs = pool_questions(qs, read_question_pool(cfg.question_pool, cfg.world, cfg.split))
+        qs = pool_questions(qs, read_question_pool(cfg.question_pool, cfg.world, cfg.split, cfg.pool_max_solve_rate))
     qs = select_questions(qs, cfg.min_hops, cfg.max_questions)
     if not qs:
         raise FailedPrecondition(f"world {cfg.world!r} has no {cfg.split} questions"
                                  + (f" of {cfg.min_hops}+ hops" if cfg.min_hops else "")
-                                 + (f" in question_pool {cfg.question_pool!r}" if cfg.question_pool else ""))
+                                 + (f" in question_pool {cfg.question_pool!r}" if cfg.question_pool else "")
+                                 + (f" solved at most {cfg.pool_max_solve_rate:.0%} of the time"
+                                    if cfg.question_pool and cfg.pool_max_solve_rate < 1 else ""))
     if cfg.step_scorer == "oracle" and cfg.beta > 0:
         lacking = [q.id for q in qs if not q.decomposition]
         if lacking:  # the oracle judges against the gold hops: without them every step would read as unsound

@@ -97,6 +97,20 @@ def test_pool_questions_keep_the_splits_order_and_a_pool_of_another_split_is_ref
     assert read_question_pool(path, "tiny", "dev") == ["q1"]
     with pytest.raises(FailedPrecondition, match="does not exist"):
         read_question_pool(tmp_path / "none.json", "tiny", "dev")
+    with pytest.raises(FailedPrecondition, match="records no solve rates"):
+        read_question_pool(path, "tiny", "dev", max_solve_rate=0.5)
+
+
+def test_pool_max_solve_rate_keeps_the_questions_the_agent_mostly_fails(tmp_path):
+    from services.trainer.stage_rl import read_question_pool
+
+    rates = {"q1": 0.125, "q2": 0.5, "q3": 0.625, "q4": 0.875, "q5": 0.0}  # q5: all wrong, not in the pool
+    path = tmp_path / "pool.json"
+    path.write_text(json.dumps({"world": "tiny", "split": "train", "pool": ["q1", "q2", "q3", "q4"],
+                                "questions": {q: {"solve_rate": r} for q, r in rates.items()}}))
+    assert read_question_pool(path, "tiny", "train") == ["q1", "q2", "q3", "q4"]
+    assert read_question_pool(path, "tiny", "train", max_solve_rate=0.5) == ["q1", "q2"]
+    assert read_question_pool(path, "tiny", "train", max_solve_rate=0.1) == []
 
 
 # ---------------------------------------------------------------- through the services
