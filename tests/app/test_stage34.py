@@ -233,6 +233,16 @@ def test_the_default_profile_runs_the_headline_and_says_where_rft_and_full_prora
     assert {"rft", "prorag"} <= set(PROFILES["research"].stage34["methods"])
     assert not PROFILES["research"].stage34["left_out"]
     assert {"rft", "prorag", "prorag_no_rft", "outcome_grpo"} <= set(PLANS["ablation"].methods)
+    # its RL settings are RLConfig's and valid: the pool's questions the agent mostly fails, chosen on dev
+    from dataclasses import fields
+
+    from services.trainer.stage_rl import RLConfig
+    research_rl = PROFILES["research"].stage34["rl"]
+    assert set(research_rl) <= {f.name for f in fields(RLConfig)}
+    RLConfig(**{**research_rl, "base_model": "sft@x"}).validate()
+    assert research_rl["pool_max_solve_rate"] < 1 and "pool" in PROFILES["research"].stage34
+    # the data-efficiency point is a third of the RL questions
+    assert PROFILES["research"].stage34["eval_iterations"] == (research_rl["iterations"] // 3,)
     # the research profile keeps its own MCTS size whatever the default's
     assert PROFILES["research"].stage2["mcts"]["max_questions"] == 200
     # and its longer SFT, every other SFT setting shared with the recipe
