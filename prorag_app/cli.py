@@ -16,6 +16,8 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
+
 from prorag import paths
 from prorag.config import ConfigError, from_dict
 from prorag.errors import ProragError
@@ -716,6 +718,16 @@ def main(argv: list[str] | None = None) -> int:
     except ProragError as e:  # a caller's mistake (unknown model, bad argument): say it, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except grpc.RpcError as e:
+        # a service failed a call the command depends on (a deadline passed, the service went away): not the
+        # caller's mistake, and nothing finished is lost (jobs and evaluations are kept and reused), so say which
+        # status and how to go on rather than print grpc's traceback
+        code = e.code().name if hasattr(e, "code") and e.code() is not None else "UNKNOWN"
+        details = e.details() if hasattr(e, "details") else str(e)
+        print(f"error: a service call failed with {code}: {details}. Finished jobs and evaluations are kept: run the "
+              "same command again to continue from them (`prorag health` says which services answer).",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -50,3 +50,28 @@ def test_stdin_placeholders_and_refusals_are_said_plainly(trainer, monkeypatch, 
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
     assert main(["job", "get", "no-such-job", "--trainer", trainer]) == 2
     assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_a_service_call_that_fails_is_said_plainly_with_how_to_go_on(monkeypatch, capsys):
+    """A gRPC failure escaping a command (here a real call to a loopback port nobody serves) ends the command with
+    its status and how to continue, not grpc's traceback."""
+    import socket
+
+    import grpc
+
+    from prorag_app import cli
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing answers there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def report_calling_a_dead_service(args):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            channel.unary_unary("/prorag.v1.Nothing/Call")(b"", timeout=2)
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_report", report_calling_a_dead_service)
+    assert cli.main(["report"]) == 1
+    err = capsys.readouterr().err
+    assert "a service call failed with UNAVAILABLE" in err and "run the same command again" in err
+    assert "Traceback" not in err
