@@ -453,7 +453,14 @@ def read_question_pool(path: str | Path, world: str, split: str, max_solve_rate:
     if max_solve_rate < 1.0 and not rates:
         raise FailedPrecondition(f"question_pool {str(path)!r} records no solve rates, so pool_max_solve_rate "
                                  f"{max_solve_rate} cannot select from it (rebuild it with the rlpool stage)")
-    return [q for q in pool["pool"] if max_solve_rate >= 1.0 or rates[q]["solve_rate"] <= max_solve_rate + 1e-9]
+    if max_solve_rate >= 1.0:
+        return list(pool["pool"])
+    unrated = [q for q in pool["pool"] if "solve_rate" not in rates.get(q, {})]
+    if unrated:
+        raise FailedPrecondition(f"question_pool {str(path)!r} records no solve rate for {len(unrated)} of its "
+                                 f"questions (e.g. {unrated[0]!r}), so pool_max_solve_rate cannot select from it "
+                                 "(rebuild it with the rlpool stage)")
+    return [q for q in pool["pool"] if rates[q]["solve_rate"] <= max_solve_rate + 1e-9]
 
 
 def run_rl(ctx: JobContext) -> dict:

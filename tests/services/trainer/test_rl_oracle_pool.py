@@ -102,6 +102,7 @@ def test_pool_questions_keep_the_splits_order_and_a_pool_of_another_split_is_ref
 
 
 def test_pool_max_solve_rate_keeps_the_questions_the_agent_mostly_fails(tmp_path):
+    from prorag.errors import FailedPrecondition
     from services.trainer.stage_rl import read_question_pool
 
     rates = {"q1": 0.125, "q2": 0.5, "q3": 0.625, "q4": 0.875, "q5": 0.0}  # q5: all wrong, not in the pool
@@ -111,6 +112,11 @@ def test_pool_max_solve_rate_keeps_the_questions_the_agent_mostly_fails(tmp_path
     assert read_question_pool(path, "tiny", "train") == ["q1", "q2", "q3", "q4"]
     assert read_question_pool(path, "tiny", "train", max_solve_rate=0.5) == ["q1", "q2"]
     assert read_question_pool(path, "tiny", "train", max_solve_rate=0.1) == []
+    del rates["q3"]  # a hand-edited pool: a question without its rate is named, not a KeyError
+    path.write_text(json.dumps({"world": "tiny", "split": "train", "pool": ["q1", "q2", "q3", "q4"],
+                                "questions": {q: {"solve_rate": r} for q, r in rates.items()}}))
+    with pytest.raises(FailedPrecondition, match="no solve rate for 1 of its questions"):
+        read_question_pool(path, "tiny", "train", max_solve_rate=0.5)
 
 
 # ---------------------------------------------------------------- through the services
