@@ -3,6 +3,8 @@ synthetic format text (built once per session) for model, rollout and service te
 
 import os
 
+import prorag_app  # noqa: F401,E402  (its gRPC fork setting, before any test module imports grpc)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
