@@ -104,7 +104,7 @@ def train_methods(stack: ServiceStack, methods, profile: Profile, base_model: st
     from prorag_app.stage2 import follow_job
 
     ids, fresh = {}, []
-    with TrainerClient(stack.grpc_target("trainer"), timeout=60) as client:
+    with TrainerClient(stack.grpc_target("trainer"), timeout=60, wait_for_ready=True) as client:
         existing = {j.job_id: j for j in client.list("sft")}
         for method in methods:
             config = method_config(stack, method, profile, base_model, world, threads)
@@ -120,7 +120,7 @@ def train_methods(stack: ServiceStack, methods, profile: Profile, base_model: st
 
             def watch(method: str) -> None:
                 try:
-                    with TrainerClient(stack.grpc_target("trainer"), timeout=60) as own:
+                    with TrainerClient(stack.grpc_target("trainer"), timeout=60, wait_for_ready=True) as own:
                         seconds[method] = follow_job(own, ids[method], f"train {method}", progress)
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                     errors.append(exc)

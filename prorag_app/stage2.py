@@ -57,7 +57,7 @@ def run_job(stack, stage: str, config: dict, job_id: str) -> dict:
     from prorag.rpc.clients_trainer import TrainerClient, state_name
     from prorag.progress import progress_bars
 
-    with TrainerClient(stack.grpc_target("trainer"), timeout=60) as client:
+    with TrainerClient(stack.grpc_target("trainer"), timeout=60, wait_for_ready=True) as client:
         existing = {j.job_id: j for j in client.list(stage)}
         if job_id in existing and state_name(existing[job_id].state) == "SUCCEEDED":
             console.print(f"[green]{stage}[/green]: reusing finished job {job_id}")

@@ -5,7 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import threading
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (for a server that must start on a port known in advance)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class LoopThread:

@@ -25,9 +25,14 @@ class TrainerClient:
     """``with TrainerClient("127.0.0.1:50055") as tc: job = tc.start("selftest", {"steps": 100}); tc.wait(job.job_id)``"""
 
     def __init__(self, target: str, timeout: float = 30.0, max_message_mb: int = 64,
-                 reconnect_backoff_s: float = 0.5):
+                 reconnect_backoff_s: float = 0.5, wait_for_ready: bool = False):
+        """wait_for_ready: unary calls wait, within their deadline, for a trainer that cannot be reached yet
+        (restarting, or too loaded to finish a connection) instead of failing at once with UNAVAILABLE; for
+        callers that own the trainer and would rather wait than stop (the pipeline). Every unary call is
+        idempotent (StartJob with a job_id included), so waiting never runs anything twice."""
         self.target = target
         self.timeout = timeout
+        self.wait_for_ready = wait_for_ready
         self.reconnect_backoff_s = reconnect_backoff_s
         # Short reconnect backoff: a restarted trainer is picked up within a second.
         self._channel = channel(target, max_message_mb, extra_options=FAST_RECONNECT)
@@ -39,17 +44,20 @@ class TrainerClient:
         """Submit a job; resubmitting the same job_id with the same config returns the existing job."""
         config_json = config if isinstance(config, str) else json.dumps(config or {})
         return self._stub.StartJob(trainer_pb2.StartJobRequest(stage=stage, config_json=config_json, job_id=job_id),
-                                   timeout=timeout or self.timeout)
+                                   timeout=timeout or self.timeout, wait_for_ready=self.wait_for_ready)
 
     def cancel(self, job_id: str, timeout: float | None = None) -> trainer_pb2.Job:
-        return self._stub.CancelJob(trainer_pb2.CancelJobRequest(job_id=job_id), timeout=timeout or self.timeout)
+        return self._stub.CancelJob(trainer_pb2.CancelJobRequest(job_id=job_id), timeout=timeout or self.timeout,
+                                    wait_for_ready=self.wait_for_ready)
 
-    def get(self, job_id: str, timeout: float | None = None, wait_for_ready: bool = False) -> trainer_pb2.Job:
+    def get(self, job_id: str, timeout: float | None = None, wait_for_ready: bool | None = None) -> trainer_pb2.Job:
+        ready = self.wait_for_ready if wait_for_ready is None else wait_for_ready
         return self._stub.GetJob(trainer_pb2.GetJobRequest(job_id=job_id), timeout=timeout or self.timeout,
-                                 wait_for_ready=wait_for_ready)
+                                 wait_for_ready=ready)
 
     def list(self, stage: str = "", timeout: float | None = None) -> list[trainer_pb2.Job]:
-        return list(self._stub.ListJobs(trainer_pb2.ListJobsRequest(stage=stage), timeout=timeout or self.timeout).jobs)
+        return list(self._stub.ListJobs(trainer_pb2.ListJobsRequest(stage=stage), timeout=timeout or self.timeout,
+                                        wait_for_ready=self.wait_for_ready).jobs)
 
     # -- streaming
     def watch(self, job_id: str, after_seq: int = 0, timeout: float | None = None,

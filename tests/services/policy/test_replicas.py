@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,12 +14,8 @@ import pytest
 
 from prorag.rpc.clients import PolicyClient, push_adapter, resolve_replicas, wait_for_health
 from tests.services.policy.test_service import make_lora
+from tests.helpers import free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Replica:
@@ -60,7 +55,7 @@ def replicas(tiny_policy, tmp_path_factory):
         reg.publish(src / version, ArtifactRef("pol", version), base_model=str(model_dir),
                     base_model_sha256=weights_sha256(model_dir))
     logs = tmp_path_factory.mktemp("logs")
-    reps = [Replica(_free_port(), model_dir, root, logs).start() for _ in range(3)]
+    reps = [Replica(free_port(), model_dir, root, logs).start() for _ in range(3)]
     try:
         for r in reps:
             r.wait()

@@ -4,7 +4,6 @@ where an uninterrupted run of the same config ends, with no partial file in its 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,16 +16,12 @@ from prorag.rpc.clients_trainer import TrainerClient, state_name
 from prorag.io import sha256_file
 from services.trainer.jobs import JobManager, JobState
 from services.trainer.server import SERVICE
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIG = {"steps": 300, "checkpoint_every": 50, "log_every": 10, "step_sleep_s": 0.01, "seed": 3,
           "tracking": "local"}
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Trainer:
@@ -76,7 +71,7 @@ def reference(tmp_path):
 def test_kill_dash_nine_then_resume_matches_uninterrupted_run(tmp_path, reference):
     home = tmp_path / "home"
     home.mkdir()
-    port = _free_port()
+    port = free_port()
     trainer = Trainer(home, port)
     trainer.start()
     try:

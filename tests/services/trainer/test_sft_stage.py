@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +18,10 @@ import torch
 from prorag.rpc.clients import wait_for_health
 from prorag.rpc.clients_trainer import TrainerClient, state_name
 from prorag.rpc.service import ServeConfig
-from tests.helpers import LoopThread, env
+from tests.helpers import LoopThread, env, free_port
 
 REPO = Path(__file__).resolve().parents[3]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +58,7 @@ def _config(retriever: str, **kw) -> dict:
 
 class TrainerProc:
     def __init__(self, home: Path, data: Path):
-        self.home, self.data, self.port = home, data, _free_port()
+        self.home, self.data, self.port = home, data, free_port()
         self.proc = None
 
     def start(self):

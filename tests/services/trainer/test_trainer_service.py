@@ -1,5 +1,6 @@
 """The Trainer over real gRPC on port 0: start, watch, cancel, get, list, and the error statuses."""
 
+import threading
 import time
 
 import grpc
@@ -7,7 +8,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prorag.rpc.clients_trainer import TrainerClient, state_name
-from tests.helpers import LoopThread
+from tests.helpers import LoopThread, free_port
 from prorag.pb import trainer_pb2, trainer_pb2_grpc
 from prorag.rpc.service import ServeConfig
 from services.trainer.server import SERVICE, TrainerConfig, start
@@ -170,3 +171,27 @@ def test_a_job_on_allowed_endpoints_inside_the_data_root_still_starts(trainer):
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.FAILED_PRECONDITION  # it failed already
     assert state_name(tc.wait("accepted", timeout=60).state) in ("CANCELLED", "FAILED")
+
+
+def test_a_waiting_client_reaches_a_trainer_that_comes_up_late_and_a_plain_one_fails_fast(tmp_path):
+    """The pipeline's client waits (within its deadline) for a trainer it cannot reach yet rather than stopping the
+    whole run on one UNAVAILABLE; a plain client still says UNAVAILABLE at once."""
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    with TrainerClient(target, timeout=5) as plain:
+        t0 = time.monotonic()
+        assert _code(plain.list)[0] == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 4
+    loop, box = LoopThread(), []
+    later = threading.Timer(1.5, lambda: box.append(loop.run(start(
+        ServeConfig(port=port, grace_s=1), TrainerConfig(jobs_root=str(tmp_path / "jobs"), tracking="local")))))
+    later.start()
+    try:
+        with TrainerClient(target, timeout=30, wait_for_ready=True) as waiting:
+            assert waiting.list() == []
+            job = waiting.start("selftest", FAST, job_id="late-1")
+            assert waiting.get(job.job_id).job_id == "late-1"
+    finally:
+        later.join()
+        loop.run(box[0].stop())
+        loop.close()
