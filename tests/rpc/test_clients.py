@@ -4,7 +4,6 @@ made `prorag up` still be waiting for a slow policy while clients already used i
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from concurrent import futures
@@ -13,16 +12,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from prorag.rpc.clients import wait_for_health
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port
 
 
 def test_wait_for_health_sees_a_late_service_within_its_own_poll_interval():
-    port = _free_port()
+    port = free_port()
     late_s = 20.0  # gRPC's default backoff tries at ~0, 1, 2.6, 5.2, 9.3, 15.8, 26.3 s (each +-20%)
     servers, started_at = [], []
 
@@ -50,4 +44,4 @@ def test_wait_for_health_sees_a_late_service_within_its_own_poll_interval():
 
 
 def test_wait_for_health_is_false_when_nothing_listens():
-    assert not wait_for_health(f"127.0.0.1:{_free_port()}", "", timeout=1.0)
+    assert not wait_for_health(f"127.0.0.1:{free_port()}", "", timeout=1.0)

@@ -243,13 +243,14 @@ def test_kill_dash_nine_of_the_trainer_during_rl_resumes_to_the_uninterrupted_ad
 
     from prorag.rpc.clients_trainer import TrainerClient, state_name
     from services.trainer.stage_rl import run_rl
-    from tests.services.trainer.test_kill_resume import Trainer, _free_port
+    from tests.helpers import free_port
+    from tests.services.trainer.test_kill_resume import Trainer
 
     cfg = _config(services, iterations=4, checkpoint_every=2, rollout_adapter="pinned", threads=1)
     job_id = "rl-kill9"
     home = tmp_path / "home"
     home.mkdir()
-    port = _free_port()
+    port = free_port()
     # the trainer publishes into the registry the policy service loads adapters from
     trainer = Trainer(home, port, env={"PRORAG_DATA": os.environ["PRORAG_DATA"]})
     trainer.start()
@@ -510,11 +511,11 @@ def test_a_prm_service_that_restarts_mid_iteration_is_waited_for_and_asked_again
     from services.prm.engine import PRMEngine
     from services.prm.server import PRMServeConfig, start as start_prm
     from services.trainer.stage_rl import collect
-    from tests.services.trainer.test_sft_stage import _free_port
+    from tests.helpers import free_port
 
     prm_model, tok = prm_from_policy(services["base"], seed=4)
     save_pretrained(prm_model, tok, tmp_path / "prm")
-    loop, port = services["loop"], _free_port()
+    loop, port = services["loop"], free_port()
     srv = loop.run(start_prm(ServeConfig(port=port), PRMServeConfig(), engine=PRMEngine(tmp_path / "prm")))
     loop.run(srv.stop())  # down before the iteration scores its steps
     back, asked = {}, threading.Event()

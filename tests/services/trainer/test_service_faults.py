@@ -28,7 +28,7 @@ from prorag.config import from_dict
 from prorag.io import read_jsonl
 from prorag.training.context import local_context
 from tests.helpers import env
-from tests.services.trainer.test_kill_resume import _free_port
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 #: seconds each policy engine call takes: a rollout or a search question spans several, so a kill lands inside one
@@ -99,7 +99,7 @@ def stack(tmp_path_factory):
         prm_model, tok = prm_from_policy(base, seed=1)
         save_pretrained(prm_model, tok, root / "prm")
         serve = [sys.executable, "-m", "prorag_app.cli", "serve"]
-        ports = {name: _free_port() for name in ("retriever", "policy", "prm")}
+        ports = {name: free_port() for name in ("retriever", "policy", "prm")}
         retriever = Service("retriever", ports["retriever"],
                             serve + ["retriever", "--port", str(ports["retriever"]), "--http-port", "-1",
                                      "--metrics-port", "-1", "--log-format", "text", "--set", "world=tiny"], logs)
@@ -109,7 +109,7 @@ def stack(tmp_path_factory):
         prm = Service("prm", ports["prm"],
                       serve + ["prm", "--port", str(ports["prm"]), "--metrics-port", "-1", "--log-format", "text",
                                "--set", f"model={root / 'prm'}"], logs)
-        ports["judge"] = _free_port()
+        ports["judge"] = free_port()
         judge = Service("judge", ports["judge"],
                         serve + ["judge", "--port", str(ports["judge"]), "--metrics-port", "-1", "--log-format", "text",
                                  "--set", "world=tiny"], logs)
