@@ -381,12 +381,15 @@ def bench_soak(args) -> dict:
         alive, health = served.alive(), served.health()
     finally:
         served.stop()
+    # Fit the samples exactly as reported, so the slope can be recomputed from the JSON (a sample at 9.996 s
+    # reported as 10.0 must not fall out of the second half here and into it there).
+    samples = [(round(t, 2), round(m, 2)) for t, m in samples]
     second = [(t, m) for t, m in samples if t >= seconds / 2]
     slope = rss_slope(second)
     mbs = [m for _, m in samples]
     return {"target": "soak", "service": args.service, "world": args.world, "minutes": args.minutes,
             "clients": args.clients, "sample_s": args.sample_s, "pid_sampled": "the service process (VmRSS)",
-            "samples": [[round(t, 2), round(m, 2)] for t, m in samples], "n_samples": len(samples),
+            "samples": [[t, m] for t, m in samples], "n_samples": len(samples),
             "n_samples_second_half": len(second),
             "rss_mb_first": mbs[0] if mbs else None, "rss_mb_last": mbs[-1] if mbs else None,
             "rss_mb_max": max(mbs) if mbs else None,
