@@ -307,7 +307,21 @@ def gate_verdict(auc_report: dict, **thresholds) -> dict:
                if p.default is not inspect.Parameter.empty}
     applied.update(thresholds)
     applied["unsupported_families"] = list(applied["unsupported_families"])
-    return {"passed": passed, "reasons": reasons, **applied}
+    # the figures it read, so a reader of a passed gate sees them too (a failed one names them in its reasons)
+    by_kind = auc_report.get("by_kind") or {}
+    figures = {"overall": auc_report.get("overall"),
+               **{f: (by_kind.get(f) or {}).get("auc") for f in applied["unsupported_families"]}}
+    return {"passed": passed, "reasons": reasons, **applied, "figures": figures}
+
+
+def gate_line(gate: dict, mode: str) -> str:
+    """One line for a run's output: the PRM gate's verdict, the AUCs it read, and what the verdict decided."""
+    figures = ", ".join(f"{k} {v:.3f}" if isinstance(v, (int, float)) else f"{k} -"
+                        for k, v in (gate.get("figures") or {}).items())
+    verdict = "passed" if gate.get("passed") else "NOT passed (" + "; ".join(gate.get("reasons") or []) + ")"
+    decided = ("the PRM-guided arms ran all the same (prm_gate: report)" if mode == "report"
+               else "a PRM below it guides nothing (prm_gate: enforce)")
+    return f"PRM gate on dev: {verdict}" + (f"; AUC {figures}" if figures else "") + f"; {decided}"
 
 
 def print_prm_families(prm: dict) -> None:

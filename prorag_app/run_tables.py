@@ -51,6 +51,10 @@ def print_stage34(methods: dict, stage34: dict, comparisons: dict, split: str) -
     console.print(format_table(methods, split))
     print_rl(stage34["rl"])
     print_comparisons(comparisons, split)
+    if stage34.get("prm_gate"):
+        from prorag_app.eval import gate_line
+
+        console.print(gate_line(stage34["prm_gate"], (stage34.get("settings") or {}).get("prm_gate", "report")))
     for m, why in stage34["skipped"].items():
         console.print(f"[yellow]{m}: skipped: {why}[/yellow]")
 

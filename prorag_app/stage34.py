@@ -114,7 +114,8 @@ def rl_job_config(method: str, common: dict, base_model: str, policy: str, prm: 
     job ids of methods that predate them do not change.
 
     outcome_grpo: no PRM, beta 0; prorag / prorag_no_rft: the PRM at ``prm``, ``beta``; prorag_oracle: ``beta`` with
-    the reference judge's step verdicts (step_scorer=oracle) and no PRM. question_pool: every method's the same."""
+    the reference judge's step verdicts (step_scorer=oracle), no PRM and its verdicts never centred per step kind.
+    question_pool: every method's the same."""
     if method not in RL_METHODS:
         raise ValueError(f"{method!r} is not an RL method ({', '.join(RL_METHODS)})")
     if "step_scorer" in common:  # shared settings would turn ProRAG itself into the oracle
@@ -124,6 +125,10 @@ def rl_job_config(method: str, common: dict, base_model: str, policy: str, prm: 
         cfg.update(prm="", beta=0.0)
     elif method == "prorag_oracle":
         cfg.update(prm="", beta=beta, step_scorer="oracle")
+        if cfg.get("prm_centering", "none") != "none":
+            # centring is for a PRM's per-kind offsets; the oracle has none, and centred, a sound step in a group
+            # whose steps of its kind are all sound scores below the other kinds' and gets a negative advantage
+            cfg["prm_centering"] = "none"
     else:
         cfg.update(prm=prm, beta=beta)
     if question_pool:

@@ -71,9 +71,23 @@ def step_score_reference(prm_logit: float, step_valid: bool) -> float:
     return 1.0 / (1.0 + math.exp(-prm_logit)) + (1.0 if step_valid else -2.0)
 
 
+def step_score_verdict(prm_logit: float, step_valid: bool) -> float:
+    """The step's verdict alone, sigmoid(PRM logit), with no format term: with an outcome reward that has none
+    either (``f1``), the process arms then differ from outcome GRPO in the step verdicts only, not in format
+    shaping as well. An invalid step is left to the PRM (or the oracle), which judges it unsound.
+
+    >>> round(step_score_verdict(0.0, True), 3), round(step_score_verdict(0.0, False), 3)
+    (0.5, 0.5)
+    """
+    return 1.0 / (1.0 + math.exp(-prm_logit))
+
+
 #: name -> outcome reward, for configuration (the reference code's is the default of the RL stage)
 OUTCOME_REWARDS: dict[str, Callable[..., float]] = {"reference": outcome_reward_reference,
                                                     "paper": outcome_reward_paper, "f1": outcome_reward_f1}
+#: name -> step score of (PRM logit, step valid), for configuration (the reference code's is the RL stage's default)
+STEP_SCORES: dict[str, Callable[[float, bool], float]] = {"reference": step_score_reference,
+                                                          "verdict": step_score_verdict}
 
 
 def credit_counts(groups: dict[str, list[int]], f1s: Sequence[float], hops: dict[str, int],
@@ -284,10 +298,10 @@ PRM_CENTERINGS = ("none", "per_kind")
 
 def reference_step_scores(prm_logits: Sequence[Sequence[float]], step_kinds: Sequence[Sequence[str]],
                           step_tokens: Sequence[Sequence[int]], centering: str = "none",
-                          normalization: str = "token") -> list[list[float]]:
-    """One group's step scores s = step_score_reference(logit, kind != "invalid"), the PRM logits first centred
-    per step kind over the group when ``centering`` is "per_kind" (:func:`center_per_kind`, each step weighted as
-    ``normalization`` weighs it in the process statistics: token- or step-weighted).
+                          normalization: str = "token", score: str = "reference") -> list[list[float]]:
+    """One group's step scores s = STEP_SCORES[score](logit, kind != "invalid") (the reference's by default), the
+    PRM logits first centred per step kind over the group when ``centering`` is "per_kind" (:func:`center_per_kind`,
+    each step weighted as ``normalization`` weighs it in the process statistics: token- or step-weighted).
 
     The logits are centred, not s: a Bradley-Terry PRM's per-kind offset is additive in logit space, and s's
     format term (+1 valid / -2 invalid) must survive, which centring s per kind would cancel.
@@ -301,21 +315,25 @@ def reference_step_scores(prm_logits: Sequence[Sequence[float]], step_kinds: Seq
     """
     if centering not in PRM_CENTERINGS:
         raise ValueError(f"centering must be one of {PRM_CENTERINGS}, got {centering!r}")
+    if score not in STEP_SCORES:
+        raise ValueError(f"score must be one of {tuple(STEP_SCORES)}, got {score!r}")
     if centering == "per_kind":
         prm_logits = center_per_kind(prm_logits, step_kinds, step_weights(step_tokens, normalization))
-    return [[step_score_reference(x, k != "invalid") for x, k in zip(xs, ks)]
-            for xs, ks in zip(prm_logits, step_kinds)]
+    score_fn = STEP_SCORES[score]
+    return [[score_fn(x, k != "invalid") for x, k in zip(xs, ks)] for xs, ks in zip(prm_logits, step_kinds)]
 
 
 def process_advantages(step_scores: Sequence[Sequence[float]], step_tokens: Sequence[Sequence[int]],
-                       normalization: str = "token", eps: float = EPS, std_floor: float = 0.0
-                       ) -> list[list[float]]:
+                       normalization: str = "token", eps: float = EPS, std_floor: float = 0.0,
+                       scored: Sequence[Sequence[bool]] | None = None) -> list[list[float]]:
     """Each step's normalised score (s - mu) / (max(sigma, std_floor) + eps) within the group.
 
     step_scores [G][S_i]; step_tokens [G][S_i]: generated tokens of each step. normalization: "token" (the
     reference: statistics over every generated token of the group) or "step" (each step counts once).
     std_floor: the least spread a group's scores are divided by (0 = the reference), so a group whose steps all
-    score alike keeps its small differences small. Returns [G][S_i].
+    score alike keeps its small differences small. scored [G][S_i] (None = every step): the steps the process term
+    reads; the others neither move mu and sigma nor get a process advantage (0), e.g. the final answer, whose
+    verdict repeats the outcome. Returns [G][S_i].
 
     >>> [round(a, 3) for a in process_advantages([[1.0, 1.2]], [[1, 1]], "step", std_floor=1.0)[0]]
     [-0.1, 0.1]
@@ -325,9 +343,14 @@ def process_advantages(step_scores: Sequence[Sequence[float]], step_tokens: Sequ
     weights = step_weights(step_tokens, normalization)
     if [len(s) for s in step_scores] != [len(t) for t in step_tokens]:
         raise ValueError("step_scores and step_tokens must have one entry per step of each rollout")
+    if scored is None:
+        scored = [[True] * len(ss) for ss in step_scores]
+    elif [len(m) for m in scored] != [len(ss) for ss in step_scores]:
+        raise ValueError("scored must have one entry per step of each rollout")
+    weights = [[w if m else 0.0 for w, m in zip(ws, ms)] for ws, ms in zip(weights, scored)]
     mu, sigma = step_score_stats(step_scores, weights)
     sigma = max(sigma, std_floor)
-    return [[(s - mu) / (sigma + eps) for s in ss] for ss in step_scores]
+    return [[(s - mu) / (sigma + eps) if m else 0.0 for s, m in zip(ss, ms)] for ss, ms in zip(step_scores, scored)]
 
 
 def dual_granularity_advantages(outcome: Sequence[float], process: Sequence[Sequence[float]],
@@ -341,12 +364,13 @@ def dual_granularity_advantages(outcome: Sequence[float], process: Sequence[Sequ
 
 def group_step_advantages(rewards: Sequence[float], step_scores: Sequence[Sequence[float]] | None,
                           step_tokens: Sequence[Sequence[int]], beta: float, normalization: str = "token",
-                          eps: float = EPS, std_floor: float = 0.0) -> list[list[float]]:
+                          eps: float = EPS, std_floor: float = 0.0,
+                          scored: Sequence[Sequence[bool]] | None = None) -> list[list[float]]:
     """One group's per-step advantages: group_normalized(rewards) + beta * process_advantages(step_scores).
 
     rewards [G]; step_scores [G][S_i] (step scores s_k, e.g. :func:`reference_step_scores` of the PRM logits),
-    or None when there are none; step_tokens [G][S_i]: generated tokens of each step; std_floor: the process
-    normalisation's floor under sigma (:func:`process_advantages`). Returns [G][S_i]. With beta = 0 or no step
+    or None when there are none; step_tokens [G][S_i]: generated tokens of each step; std_floor and scored: the
+    process normalisation's floor under sigma and the steps it reads (:func:`process_advantages`). Returns [G][S_i]. With beta = 0 or no step
     scores the process term is dropped entirely (outcome-only GRPO): every step of rollout i gets rollout i's
     normalised outcome.
 
@@ -357,7 +381,7 @@ def group_step_advantages(rewards: Sequence[float], step_scores: Sequence[Sequen
     if beta == 0 or step_scores is None:
         process = [[0.0] * len(ns) for ns in step_tokens]
     else:
-        process = process_advantages(step_scores, step_tokens, normalization, eps, std_floor)
+        process = process_advantages(step_scores, step_tokens, normalization, eps, std_floor, scored)
     return dual_granularity_advantages(outcome, process, beta)
 
 
@@ -429,5 +453,5 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
 __all__ = ["ANSWER_CREDIT_F1", "EPS", "OUTCOME_REWARDS", "PRM_CENTERINGS", "center_per_kind", "clipped_policy_loss",
            "credit_counts", "dpo_loss", "dual_granularity_advantages", "group_normalized", "group_step_advantages",
            "hop_balanced_sample", "outcome_reward_f1", "outcome_reward_paper", "outcome_reward_reference", "process_advantages",
-           "reference_step_scores", "rft_keep", "rft_kept_steps", "rft_threshold", "step_loss_mask",
-           "step_score_reference", "step_score_stats", "step_weights", "token_advantages"]
+           "reference_step_scores", "rft_keep", "rft_kept_steps", "rft_threshold", "step_loss_mask", "STEP_SCORES",
+           "step_score_reference", "step_score_verdict", "step_score_stats", "step_weights", "token_advantages"]

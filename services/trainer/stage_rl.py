@@ -13,8 +13,9 @@ Each iteration runs these steps in order (run_rl); its optimizer steps are those
    with step_scorer=oracle (:func:`oracle_scores`), the reference judge's verdict on the gold decomposition as a
    logit (a diagnostic ceiling: what a PRM that is always right would give);
 4. advantages (:func:`advantages`): outcome reward per trajectory (OUTCOME_REWARDS on token F1 and format), and
-   per step A = group_normalized(R) + beta * process advantage (algorithms.rl.group_step_advantages; the PRM
-   logits optionally centred per step kind and the group's sigma floored: prm_centering, process_std_floor),
+   per step A = group_normalized(R) + beta * process advantage (algorithms.rl.group_step_advantages; the step
+   score chosen by step_score, the PRM logits optionally centred per step kind, the group's sigma floored and
+   the answer step optionally left out: prm_centering, process_std_floor, process_answer_step),
    broadcast to the step's generated tokens only;
 5. update: ``mini_batches`` optimizer steps of the clipped surrogate (prorag.training.lora.rl_loss) with the
    sampling log-probs the policy service returned as the old policy, recomputed log-probs from the local LoRA
@@ -40,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prorag import paths
-from prorag.algorithms.rl import OUTCOME_REWARDS, PRM_CENTERINGS, credit_counts
+from prorag.algorithms.rl import OUTCOME_REWARDS, PRM_CENTERINGS, STEP_SCORES, credit_counts
 from prorag.rpc.clients import call_with_service_wait, push_adapter  # (call_with_service_wait: imported from here too)
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition, Unavailable
@@ -112,6 +113,16 @@ class RLConfig(TrainRunConfig):
                                                 "subtracted; a Bradley-Terry PRM leaves each kind at its own "
                                                 "offset, which would push a low-offset kind down in every group; "
                                                 "algorithms.rl.reference_step_scores)", choices=PRM_CENTERINGS)
+    step_score: str = cfg_field("reference", help="a step's score from its PRM logit (prorag.algorithms.rl."
+                                                  "STEP_SCORES): reference = sigmoid(logit) + 1 for a valid step / "
+                                                  "- 2 for an invalid one (format shaping); verdict = sigmoid(logit) "
+                                                  "alone, so that with reward=f1 the process arms differ from "
+                                                  "outcome GRPO in the step verdicts only",
+                                choices=tuple(STEP_SCORES))
+    process_answer_step: bool = cfg_field(True, help="the final answer step takes part in the process term (the "
+                                                     "reference); off: it neither moves the group's step statistics "
+                                                     "nor gets a process advantage, since its verdict repeats the "
+                                                     "outcome the outcome term already rewards")
     process_std_floor: float = cfg_field(0.0, help="least spread the process advantage divides a group's step "
                                                    "scores by (sigma := max(sigma, floor); 0 = the reference), so a "
                                                    "group whose steps all score alike keeps tiny differences tiny",
@@ -373,7 +384,7 @@ def advantages(cfg: RLConfig, questions, iteration: int, kept: list, lags: list[
     step_adv: list[list[float]] = [[] for _ in kept]
     for members in groups.values():
         tokens = [[s.generated_end - s.start for s in traces[i].spans] for i in members]
-        scores = None
+        scores, scored = None, None
         if use_prm:
             for i in members:
                 if len(logits[i]) != len(steps[i]) or len(steps[i]) != len(traces[i].spans):
@@ -382,9 +393,12 @@ def advantages(cfg: RLConfig, questions, iteration: int, kept: list, lags: list[
                                              f"{len(logits[i])} PRM scores do not line up")
             kinds = [[s.kind for s in steps[i]] for i in members]
             scores = reference_step_scores([logits[i] for i in members], kinds, tokens, cfg.prm_centering,
-                                           cfg.normalization)
+                                           cfg.normalization, cfg.step_score)
+            if not cfg.process_answer_step:
+                scored = [[k != "answer" for k in ks] for ks in kinds]
         for i, a in zip(members, group_step_advantages([rewards[i] for i in members], scores, tokens, cfg.beta,
-                                                       cfg.normalization, std_floor=cfg.process_std_floor)):
+                                                       cfg.normalization, std_floor=cfg.process_std_floor,
+                                                       scored=scored)):
             step_adv[i] = a
 
     for i, a in enumerate(step_adv):

@@ -218,6 +218,73 @@ def test_std_floor_keeps_the_small_differences_of_an_alike_group_small():
     assert full[0] == pytest.approx([outcome[0] + 0.3 * p for p in floored[0]])
 
 
+def test_the_verdict_step_score_carries_no_format_term():
+    from prorag.algorithms.rl import STEP_SCORES, reference_step_scores, step_score_verdict
+
+    assert step_score_verdict(0.0, True) == step_score_verdict(0.0, False) == 0.5
+    assert step_score_verdict(10.0, False) == pytest.approx(1.0, abs=1e-4)
+    assert STEP_SCORES["reference"] is step_score_reference and STEP_SCORES["verdict"] is step_score_verdict
+    logits, kinds, tokens = [[2.0, -1.0]], [["subquery", "invalid"]], [[1, 1]]
+    # the invalid step keeps its verdict's score, not the reference's -2 shaping
+    assert reference_step_scores(logits, kinds, tokens, score="verdict") == [
+        [pytest.approx(1 / (1 + math.exp(-2.0))), pytest.approx(1 / (1 + math.exp(1.0)))]]
+    with pytest.raises(ValueError, match="score must be one of"):
+        reference_step_scores(logits, kinds, tokens, score="format")
+
+
+def test_steps_left_out_of_the_process_term_neither_move_its_statistics_nor_get_a_process_advantage():
+    scores, tokens = [[1.0, 0.0, 5.0], [0.0, 9.0]], [[2, 2, 1], [2, 1]]
+    scored = [[True, True, False], [True, False]]  # the answers (last steps) left out
+    adv = process_advantages(scores, tokens, "step", scored=scored)
+    inside = process_advantages([[1.0, 0.0], [0.0]], [[2, 2], [2]], "step")
+    assert adv == [[inside[0][0], inside[0][1], 0.0], [inside[1][0], 0.0]]
+    # every step scored is the default
+    assert process_advantages(scores, tokens, "step", scored=[[True] * 3, [True] * 2]) == process_advantages(
+        scores, tokens, "step")
+    full = group_step_advantages([1.0, 0.0], scores, tokens, beta=0.3, normalization="step", scored=scored)
+    outcome = group_normalized([1.0, 0.0])
+    assert full[0][2] == pytest.approx(outcome[0]) and full[1][1] == pytest.approx(outcome[1])
+    with pytest.raises(ValueError, match="scored"):
+        process_advantages(scores, tokens, "step", scored=[[True], [True]])
+
+
+def test_a_sound_oracle_step_never_gets_a_negative_process_advantage_uncentred():
+    """Issue 47: the oracle's verdicts (+-10 logits) uncentred, under either step score and either weighting, give a
+    sound step a process advantage >= 0 in any group; centred per kind they do not (a sound subquery in a group of
+    sound subqueries centres to 0, below the sound sub-answers of the same group)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from prorag.algorithms.rl import reference_step_scores
+
+    step = st.tuples(st.sampled_from(["subquery", "subanswer", "answer", "invalid"]), st.booleans(),
+                     st.integers(0, 40))
+    group = st.lists(st.lists(step, min_size=1, max_size=6), min_size=2, max_size=8)
+
+    @settings(max_examples=300, deadline=None)
+    @given(group, st.sampled_from(["reference", "verdict"]), st.sampled_from(["token", "step"]), st.booleans())
+    def check(rollouts, score, normalization, answer_scored):
+        # the oracle judges an invalid step unsound
+        sound = [[ok and kind != "invalid" for kind, ok, _ in r] for r in rollouts]
+        logits = [[10.0 if ok else -10.0 for ok in r] for r in sound]
+        kinds = [[kind for kind, _, _ in r] for r in rollouts]
+        tokens = [[n for _, _, n in r] for r in rollouts]
+        scored = [[answer_scored or k != "answer" for k in ks] for ks in kinds]
+        adv = process_advantages(reference_step_scores(logits, kinds, tokens, "none", normalization, score),
+                                 tokens, normalization, scored=scored)
+        for ok_row, adv_row in zip(sound, adv):
+            for ok, a in zip(ok_row, adv_row):
+                if ok:
+                    assert a >= -1e-6
+
+    check()
+    kinds, tokens = [["subquery", "subanswer"]] * 4, [[1, 1]] * 4
+    logits = [[10.0, 10.0]] * 3 + [[10.0, -10.0]]  # every subquery sound; three sub-answers sound, one not
+    centred = process_advantages(reference_step_scores(logits, kinds, tokens, "per_kind", "step", "verdict"),
+                                 tokens, "step")
+    assert centred[0][0] < 0  # the confound the oracle no longer inherits
+
+
 # ---------------------------------------------------------------- RFT per step
 def test_rft_kept_steps_keeps_steps_at_or_above_the_threshold_of_correct_valid_trajectories():
     from prorag.algorithms.rl import rft_kept_steps

@@ -30,3 +30,20 @@ def test_table_has_a_two_plus_hops_column():
     assert "2+ hops" in headers
     assert headers.index("2+ hops") == headers.index("3-hop") + 1
     assert headers[1:3] == ["EM", "acc"]
+
+
+def test_the_gate_verdict_carries_the_figures_it_read_and_one_line_says_what_it_decided():
+    from prorag.prm.evaluation import HELD_OUT, UNSUPPORTED_FAMILIES
+    from prorag_app.eval import gate_line, gate_verdict
+
+    by_kind = {f: {"auc": 0.95, "n": 50} for f in UNSUPPORTED_FAMILIES}
+    by_kind[HELD_OUT[1]] = {"auc": 0.9, "n": 40}  # a held-out family besides the unsupported ones
+    passed = gate_verdict({"overall": 0.93, "by_kind": by_kind, "n": 140})
+    assert passed["passed"] and passed["figures"] == {"overall": 0.93, **{f: 0.95 for f in UNSUPPORTED_FAMILIES}}
+    line = gate_line(passed, "report")
+    assert line.startswith("PRM gate on dev: passed") and "overall 0.930" in line and "ran all the same" in line
+    by_kind[UNSUPPORTED_FAMILIES[-1]] = {"auc": 0.78, "n": 486}
+    failed = gate_verdict({"overall": 0.92, "by_kind": by_kind, "n": 576})
+    assert not failed["passed"] and failed["figures"][UNSUPPORTED_FAMILIES[-1]] == 0.78
+    line = gate_line(failed, "enforce")
+    assert "NOT passed" in line and "AUC 0.780" in line and "guides nothing" in line

@@ -68,9 +68,12 @@ def test_the_research_plan_runs_its_profile_over_three_seeds_on_the_split_asked(
 
     prof = profiles.PROFILES["research"]
     s34 = prof.stage34
-    # the headline's two methods start from the same model, draw from one pool, and the PRM must pass its gate
-    assert {"outcome_grpo", "prorag_no_rft", "prorag_oracle"} <= set(s34["methods"])
-    assert s34["pool"]["samples"] == s34["rl"]["group_size"] and s34["prm_gate"] == "enforce"
+    # every arm runs, whatever the PRM gate says (issue 47: its verdict is reported beside them); the headline's
+    # two methods start from the same model and draw from one pool
+    assert set(s34["methods"]) == {"rft", "prorag", "outcome_grpo", "prorag_no_rft", "prorag_oracle", "reasonrag"}
+    assert s34["pool"]["samples"] == s34["rl"]["group_size"] and s34["prm_gate"] == "report"
+    # the arms differ in the process term only: one outcome reward without a format term, a step score without one
+    assert s34["rl"]["reward"] == "f1" and s34["rl"]["step_score"] == "verdict"
     assert prof.stage2["siblings"]["max_questions"] > prof.stage2["mcts"]["max_questions"]
     assert get_method("prorag_no_rft").stage == get_method("outcome_grpo").stage == "rl"
     assert profiles.PLANS["research"].seeds == (1, 2, 3)

@@ -53,6 +53,21 @@ def test_the_oracle_is_its_own_job_with_no_prm_and_every_rl_method_shares_the_po
         rl_job_config("prorag", {**common, "step_scorer": "oracle"}, "rft@b", "p", "q", 0.3)
 
 
+def test_the_oracle_never_inherits_per_kind_centring_and_the_prm_arms_keep_the_shared_settings():
+    from prorag_app.stage34 import RL_METHODS, rl_job_config
+
+    common = {"world": "w", "topk": 1, "prm_centering": "per_kind", "step_score": "verdict",
+              "process_answer_step": False, "reward": "f1"}
+    cfgs = {m: rl_job_config(m, common, "sft@a", "p", "q", 0.3) for m in RL_METHODS}
+    assert cfgs["prorag_oracle"]["prm_centering"] == "none"
+    assert {cfgs[m]["prm_centering"] for m in ("prorag", "prorag_no_rft")} == {"per_kind"}
+    # one outcome reward and one step score for every arm: they differ in the process term only
+    assert {c["reward"] for c in cfgs.values()} == {"f1"} and {c["step_score"] for c in cfgs.values()} == {"verdict"}
+    # without shared centring the oracle's config (and so its job id) is what it was
+    plain = rl_job_config("prorag_oracle", {"world": "w", "topk": 1}, "sft@a", "p", "q", 0.3)
+    assert "prm_centering" not in plain
+
+
 def test_the_pool_job_samples_the_rl_candidates_as_the_rl_samples_them():
     from prorag.config import from_dict
     from prorag_app.stage34 import pool_job_config

@@ -153,6 +153,14 @@ def test_oracle_rl_needs_no_prm_service_and_scores_steps_by_the_judge(services, 
     assert "oracle_scored" not in outcome.stats
     assert any(len({round(a, 6) for a, m in zip(s.advantages, s.loss_mask) if m}) > 1 for s in oracle.samples)
     assert all(len({a for a, m in zip(s.advantages, s.loss_mask) if m}) == 1 for s in outcome.samples)
+    # issue 47's clean ceiling: the verdict alone (no format term), the answer step out of the process term; the
+    # settings reach the advantages (same rollouts, other process term, same outcome rewards)
+    with PolicyClient(services["policy"]) as policy:
+        clean = collect(_config(services, step_scorer="oracle", step_score="verdict", process_answer_step=False), qs,
+                        0, "collect-oracle", key, policy, None)
+    assert [s.token_ids for s in clean.samples] == [s.token_ids for s in oracle.samples]
+    assert [s.reward for s in clean.samples] == [s.reward for s in outcome.samples]
+    assert [s.advantages for s in clean.samples] != [s.advantages for s in oracle.samples]
 
 
 def _pool_config(services, **kw):
