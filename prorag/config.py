@@ -17,6 +17,8 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
+from prorag.jsontext import invalid_string
+
 T = TypeVar("T")
 
 
@@ -110,8 +112,13 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
 
 
 def from_dict(cls: type[T], data: dict | None, *, _prefix: str = "") -> T:
-    """Build ``cls`` from a mapping; unknown keys and bad values raise ConfigError."""
+    """Build ``cls`` from a mapping; unknown keys and bad values raise ConfigError. A string in it that is not
+    Unicode text (a lone surrogate, from a JSON or YAML escape) is refused first, naming its path."""
     data = dict(data or {})
+    if not _prefix:
+        found = invalid_string(data)
+        if found is not None:
+            raise ConfigError(found[0], f"{found[1]}; write it as UTF-8 text")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))

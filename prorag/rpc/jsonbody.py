@@ -3,7 +3,9 @@ and says so (InvalidArgument, HTTP 400; a body over the size cap 413), never a s
 
 ``json.loads`` fails in more ways than JSONDecodeError: bytes that are not UTF-8 (UnicodeDecodeError), arrays or
 objects nested deeper than the interpreter's recursion limit (RecursionError), an integer with more digits than
-``int()`` converts (ValueError, ``sys.int_max_str_digits``)."""
+``int()`` converts (ValueError, ``sys.int_max_str_digits``). And what parses can still hold a string that is not
+Unicode text: a ``\\uD800`` escape, or a surrogate encoded in the bytes (json reads them with ``surrogatepass``), which
+a tokenizer or a file name then fails on; refused here with the JSON path of the string (prorag.jsontext)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 from typing import Any
 
 from prorag.errors import InvalidArgument, ResourceExhausted
+from prorag.jsontext import MAY_HOLD_SURROGATES, check_strings
 
 
 class BodyTooLarge(ResourceExhausted):
@@ -19,9 +22,13 @@ class BodyTooLarge(ResourceExhausted):
 
 def loads(data: str | bytes, what: str = "request body") -> Any:
     """``json.loads`` of a caller's text (bytes: UTF-8, or UTF-16/32 as RFC 8259 allows), every failure an
-    InvalidArgument naming ``what``."""
+    InvalidArgument naming ``what``; a string in it that is not Unicode text (a lone surrogate) too, naming its
+    JSON path (``queries[0]``)."""
     try:
-        return json.loads(data)
+        if isinstance(data, (bytes, bytearray)):
+            # as json.loads does with bytes (its encoding, surrogatepass), so the text can be looked at below
+            data = bytes(data).decode(json.detect_encoding(data), "surrogatepass")
+        value = json.loads(data)
     except json.JSONDecodeError as e:
         raise InvalidArgument(f"{what} is not valid JSON: {e}") from None
     except UnicodeDecodeError as e:
@@ -30,6 +37,9 @@ def loads(data: str | bytes, what: str = "request body") -> Any:
         raise InvalidArgument(f"{what} nests arrays or objects too deeply to parse; send a flatter document") from None
     except ValueError as e:  # e.g. an integer of more than 4,300 digits
         raise InvalidArgument(f"{what} holds a value that cannot be read: {e}") from None
+    if MAY_HOLD_SURROGATES.search(data):  # else no string in it can hold one: no walk over a large body
+        check_strings(value, what)
+    return value
 
 
 async def read_json(request, what: str = "request body") -> Any:

@@ -43,6 +43,7 @@ from typing import Any
 
 import grpc
 
+from prorag.jsontext import describe, invalid_string
 from prorag.rpc.grpc_metadata import MetadataInterceptor
 
 log = logging.getLogger("prorag.rpc.security")
@@ -93,6 +94,9 @@ class Principal:
 
 def parse_tokens(data: Any, source: str = "tokens file") -> dict[str, Principal]:
     """``{"tokens": [{"name", "token" | "token_sha256", "scopes"}]}`` -> {sha256 hex digest: Principal}."""
+    found = invalid_string(data)  # a YAML "\\ud800" escape: a token no header carries, a name no log writes
+    if found is not None:
+        raise SecurityConfigError(describe(source, *found))
     if not isinstance(data, dict) or not isinstance(data.get("tokens"), list):
         raise SecurityConfigError(f"{source}: expected a mapping with a list under 'tokens', e.g. "
                                   "tokens: [{name: me, token: '...', scopes: [call]}]")
@@ -153,7 +157,7 @@ class TokenTable:
             return
         try:
             table = parse_tokens(yaml.safe_load(self.path.read_text()), str(self.path))
-        except (SecurityConfigError, yaml.YAMLError, OSError) as e:
+        except (SecurityConfigError, yaml.YAMLError, OSError, UnicodeDecodeError) as e:  # bytes that are not UTF-8
             if force:
                 raise SecurityConfigError(str(e)) from e
             log.error("tokens file %s changed but is invalid (%s); keeping the tokens read before", self.path, e)

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from prorag.data.loaders import Question
 from prorag.errors import Unavailable
+from prorag.jsontext import invalid_string
 from prorag.metrics import cover_exact_match, normalize_answer
 from prorag.trajectory import Step
 
@@ -148,6 +149,9 @@ def parse_pair_reply(text: str) -> PairJudgement:
         raise MalformedJudgeReply(f"judge reply is not valid JSON ({e.msg}): {found.group(0)[:200]!r}") from None
     if not isinstance(reply, dict) or "chosen" not in reply:
         raise MalformedJudgeReply(f"judge reply lacks 'chosen': {found.group(0)[:200]!r}")
+    bad = invalid_string(reply)  # a "\\ud800" escape: a reason that no cache file or RPC reply can carry
+    if bad is not None:
+        raise MalformedJudgeReply(f"judge reply: {bad[0]} {bad[1]}: {found.group(0)[:200]!r}")
     chosen, reason = reply["chosen"], str(reply.get("reason", ""))
     if chosen is None or (isinstance(chosen, str) and chosen.strip().lower() in ("", "null", "none")):
         return PairJudgement(None, None, reason or "declined")

@@ -1,6 +1,10 @@
 """Hypothesis strategies for hostile input (tests/services/test_hostile_input.py): any protobuf message filled from
 its descriptor (empty, long and unicode strings, negative and enormous numbers, NaN and infinities, unknown enum
-values, repeated fields of 0..N, nested messages), and JSON bodies for the HTTP APIs (wrong types, malformed JSON).
+values, repeated fields of 0..N, nested messages), and JSON bodies for the HTTP APIs (wrong types, malformed JSON,
+strings that are not Unicode text: a lone surrogate, escaped or as raw bytes).
+
+Protobuf strings are UTF-8, so the message strategies keep to text; JSON is not bound that way (a ``\\ud800`` escape
+decodes into a lone surrogate), so its strategies also draw strings that are not text (issue 51).
 
 Field hints steer a share of the values towards what the services know (an index name, a stage, a step in the
 format), so that generated requests also get past the first check and reach the deeper ones."""
@@ -30,6 +34,26 @@ def text(max_size: int = 24) -> st.SearchStrategy[str]:
         st.builds(lambda c, n: c * n, st.sampled_from(["x", "é", "\U0001f600", " ", "a b "]),
                   st.sampled_from([300, 5_000, 70_000])),
     )
+
+
+#: lone surrogates: the ends of the high and low ranges, the halves of a pair, a pair in the wrong order
+SURROGATES = ["\ud800", "\udbff", "\udc00", "\udfff", "\ud83d", "\ude00", "\ude00\ud83d"]
+
+
+def not_text(max_size: int = 24) -> st.SearchStrategy[str]:
+    """Strings that are not Unicode text (JSON can carry them, protobuf cannot): a lone surrogate put into any string
+    of :func:`text` (empty, unicode, long), or unicode with surrogates among its characters."""
+    any_char = st.characters(exclude_categories=())
+    return st.one_of(
+        st.builds(lambda s, sur, at: s[:at] + sur + s[at:], text(max_size), st.sampled_from(SURROGATES),
+                  st.integers(0, max_size)),
+        st.builds(lambda s, sur: s + sur, st.text(any_char, max_size=max_size), st.sampled_from(SURROGATES)),
+    )
+
+
+def json_text(max_size: int = 24) -> st.SearchStrategy[str]:
+    """A JSON string: any of :func:`text`, and now and then one that is not text."""
+    return st.one_of(text(max_size), text(max_size), text(max_size), not_text(max_size))
 
 
 def ints(lo: int, hi: int) -> st.SearchStrategy[int]:
@@ -158,11 +182,12 @@ def _lists(elements: st.SearchStrategy, max_size: int) -> st.SearchStrategy[list
 # ---------------------------------------------------------------- JSON bodies
 def json_values(max_leaves: int = 8) -> st.SearchStrategy:
     """Any JSON value: null, booleans, 0 / negative / enormous integers, floats with NaN and infinities (Python's
-    json writes them), unicode and long strings, and lists and objects of those."""
+    json writes them), unicode and long strings and some that are not text (keys too), and lists and objects of
+    those."""
     leaves = st.one_of(st.none(), st.booleans(), ints(*INT64), st.sampled_from([2 ** 64, -2 ** 70, 10 ** 30]),
-                       floats(64), text())
+                       floats(64), json_text())
     return st.recursive(leaves, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                        st.dictionaries(text(8), inner, max_size=4)),
+                                                        st.dictionaries(json_text(8), inner, max_size=4)),
                         max_leaves=max_leaves)
 
 
@@ -177,7 +202,7 @@ def json_object(fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy[dict]
             if draw(st.booleans()):
                 body[name] = draw(st.one_of(plausible, json_values()))
         if draw(st.integers(0, 4)) == 0:
-            body[draw(text(8))] = draw(json_values())
+            body[draw(json_text(8))] = draw(json_values())
         return body
 
     return build()
@@ -211,7 +236,71 @@ MALFORMED_BODIES = [
 ]
 
 
+def encode(value, how: str = "escaped") -> bytes:
+    """``value`` as a JSON body: ``escaped`` (Python's json: non-ASCII, a lone surrogate too, as \\uXXXX escapes),
+    ``raw`` (UTF-8, a surrogate as its three bytes, which json reads back with surrogatepass) or ``utf-16``."""
+    if how == "escaped":
+        return json.dumps(value).encode()
+    text = json.dumps(value, ensure_ascii=False)
+    return text.encode("utf-8" if how == "raw" else "utf-16", "surrogatepass")
+
+
+ENCODINGS = ("escaped", "raw", "utf-16")
+
+
 def body_bytes(objects: st.SearchStrategy[dict]) -> st.SearchStrategy[bytes]:
-    """A request body: a generated object serialised (Python's json, NaN included), a malformed one, or bytes."""
-    return st.one_of(objects.map(lambda o: json.dumps(o).encode()), json_values().map(lambda v: json.dumps(v).encode()),
+    """A request body: a generated object serialised (Python's json, NaN included; escaped or raw), a malformed one,
+    or bytes."""
+    return st.one_of(st.builds(encode, objects, st.sampled_from(ENCODINGS)),
+                     st.builds(encode, json_values(), st.sampled_from(ENCODINGS)),
                      st.sampled_from(MALFORMED_BODIES), st.binary(max_size=64))
+
+
+def string_slots(value, path: str = "") -> list[tuple[str, tuple]]:
+    """Every string in a JSON value, object keys included, as (its JSON path, its location: the keys and indexes
+    that lead to it); a key's location ends in ("key", k), and its path is then that of the object holding it."""
+    out = []
+    if isinstance(value, str):
+        out.append((path, ()))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            p = f"{path}.{k}" if path else k
+            out.append((path, (("key", k),)))
+            out += [(sp, (k,) + loc) for sp, loc in string_slots(v, p)]
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += [(sp, (i,) + loc) for sp, loc in string_slots(v, f"{path}[{i}]")]
+    return out
+
+
+def spoil(value, loc: tuple, sur: str, at: int):
+    """A copy of ``value`` with the string at ``loc`` (string_slots) holding ``sur`` at position ``at``."""
+    if not loc:
+        return value[:at] + sur + value[at:]
+    head = loc[0]
+    if isinstance(head, tuple):  # ("key", k): the key itself
+        k = head[1]
+        return {(k[:at] + sur + k[at:] if key == k else key): v for key, v in value.items()}
+    out = list(value) if isinstance(value, list) else dict(value)
+    out[head] = spoil(value[head], loc[1:], sur, at)
+    return out
+
+
+def spoiled(bodies: st.SearchStrategy) -> st.SearchStrategy[tuple[bytes, str]]:
+    """(body, the JSON path of its one string that is not text): a body of ``bodies`` (all of whose strings are
+    text, and whose keys are plain names) with a lone surrogate put into one of its strings or keys, serialised
+    escaped, raw or as UTF-16. A key's path is its object's and ``["<the key, JSON-escaped>"] (a key)``."""
+
+    @st.composite
+    def build(draw):
+        body = draw(bodies)
+        path, loc = draw(st.sampled_from(string_slots(body)))
+        target = body
+        for step in loc:
+            target = step[1] if isinstance(step, tuple) else target[step]
+        sur, at = draw(st.sampled_from(SURROGATES)), draw(st.integers(0, len(target)))
+        if loc and isinstance(loc[-1], tuple):
+            path = f"{path}[{json.dumps(target[:at] + sur + target[at:])}] (a key)"
+        return encode(spoil(body, loc, sur, at), draw(st.sampled_from(ENCODINGS))), path
+
+    return build()

@@ -419,11 +419,13 @@ def _bodies(fields: dict, valid: dict):
     return hostile.body_bytes(st.one_of(hostile.json_object(fields), hostile.near_json(valid, fields)))
 
 
+def _retrieve_fields() -> dict:
+    return {"queries": st.lists(st.sampled_from(["Mai Brewery", "Harlow", "Tova Lunn born"]), min_size=1, max_size=3),
+            "topk": st.integers(0, 12), "return_scores": st.booleans(), "index": INDEXES}
+
+
 def _retrieve_bodies():
-    return _bodies({"queries": st.lists(st.sampled_from(["Mai Brewery", "Harlow", "Tova Lunn born"]), min_size=1,
-                                        max_size=3),
-                    "topk": st.integers(0, 12), "return_scores": st.booleans(), "index": INDEXES},
-                   {"queries": ["Who founded Mai Brewery?"], "topk": 2, "return_scores": True})
+    return _bodies(_retrieve_fields(), {"queries": ["Who founded Mai Brewery?"], "topk": 2, "return_scores": True})
 
 
 def _openai_fields() -> dict:
@@ -434,21 +436,30 @@ def _openai_fields() -> dict:
             "seed": st.integers(0, 100), "logprobs": st.one_of(st.none(), st.integers(0, 2))}
 
 
-def _completion_bodies():
+def _completion_fields() -> dict:
     prompt = st.one_of(st.sampled_from([QUESTION, "Hello"]), st.lists(st.sampled_from([QUESTION, "Hi"]), max_size=3))
-    return _bodies({"prompt": prompt, **_openai_fields()}, {"prompt": QUESTION, "max_tokens": 3})
+    return {"prompt": prompt, **_openai_fields()}
+
+
+def _completion_bodies():
+    return _bodies(_completion_fields(), {"prompt": QUESTION, "max_tokens": 3})
+
+
+def _chat_fields() -> dict:
+    msg = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]),
+                                 "content": st.sampled_from([QUESTION, "", "Hi"])})
+    return {"messages": st.lists(msg, max_size=3), **_openai_fields()}
 
 
 def _chat_bodies():
-    msg = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]),
-                                 "content": st.sampled_from([QUESTION, "", "Hi"])})
-    return _bodies({"messages": st.lists(msg, max_size=3), **_openai_fields()},
-                   {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 3})
+    return _bodies(_chat_fields(), {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 3})
 
 
 HTTP_CASES = {"retriever /retrieve": ("retriever", "/retrieve", _retrieve_bodies),
               "policy /v1/completions": ("policy", "/v1/completions", _completion_bodies),
               "policy /v1/chat/completions": ("policy", "/v1/chat/completions", _chat_bodies)}
+HTTP_FIELDS = {"retriever /retrieve": _retrieve_fields, "policy /v1/completions": _completion_fields,
+               "policy /v1/chat/completions": _chat_fields}
 
 
 @pytest.mark.parametrize("case", list(HTTP_CASES))
@@ -499,7 +510,8 @@ def test_http_bodies_that_break_parsers_and_limits(stack):
 # ---------------------------------------------------------------- every field x every wrong type (deterministic)
 #: a value of every JSON type that some field does not take, and the numbers and strings that break conversions
 WRONG_VALUES = [None, True, "x", "", 10 ** 400, -1, 2 ** 62, 1.5, float("nan"), float("inf"), "a" * 5000, "\x00",
-                [1], {"a": 1}]
+                [1], {"a": 1}, "x\udc00"]
+NOT_TEXT = "x\udc00"  # a lone surrogate (issue 51): refused naming the field, whatever the field takes
 
 
 @pytest.mark.parametrize("stack", ["auth-off"], indirect=True)  # the answers do not depend on auth: swept once
@@ -517,6 +529,9 @@ def test_every_job_config_field_with_every_wrong_value(stack):
                     request = trainer_pb2.StartJobRequest(stage=stage, config_json=json.dumps({field.name: value}))
                     code, details, resp = _call(ch, "trainer", "StartJob", request)
                     _assert_documented(code, details, f"{stage} {{{field.name}: {value!r:.40}}}")
+                    if value == NOT_TEXT:
+                        assert code == grpc.StatusCode.INVALID_ARGUMENT and \
+                            f"config_json: {field.name} holds a lone low surrogate" in details, (stage, code, details)
                     assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
                                     grpc.StatusCode.FAILED_PRECONDITION), (stage, field.name, value, code, details)
                     answered[code.name] = answered.get(code.name, 0) + 1
@@ -557,5 +572,133 @@ def test_every_http_field_with_every_wrong_value(stack, case):
         for value in WRONG_VALUES:
             body = json.dumps({**valid, field: value}).encode()
             status, payload, rtype = _http(stack, service, path, body)
-            _assert_http_documented(status, payload, rtype, f"{case} {field}={value!r:.40}")
+            data = _assert_http_documented(status, payload, rtype, f"{case} {field}={value!r:.40}")
+            if value == NOT_TEXT:
+                assert status == 400 and f"request body: {field} holds a lone" in _message(data), (case, status, data)
     assert_healthy(stack, service)
+
+
+def _message(data: dict) -> str:
+    err = data.get("error")
+    return err.get("message", "") if isinstance(err, dict) else str(err)
+
+
+# ---------------------------------------------------------------- strings that are not text (issue 51)
+#: examples per route / for the job configs: each is one refused request (a few ms), so these are cheap
+NOT_TEXT_EXAMPLES = 40
+
+
+def _text_bodies(case: str):
+    """A body of the route whose strings are all text: the valid one with some fields replaced by plausible values
+    (lists of several queries, prompts or messages) or dropped."""
+    valid, fields = HTTP_VALID[case], HTTP_FIELDS[case]()
+
+    @st.composite
+    def build(draw):
+        body = dict(valid)
+        for name, plausible in fields.items():
+            choice = draw(st.sampled_from(["keep", "keep", "replace", "drop"]))
+            if choice == "replace":
+                body[name] = draw(plausible)
+            elif choice == "drop" and name not in ("queries", "prompt", "messages"):
+                body.pop(name, None)
+        return body
+
+    return build()
+
+
+def _assert_refused_naming(stack, case: str, body: bytes, path: str) -> None:
+    service, route, _ = HTTP_CASES[case]
+    status, payload, rtype = _http(stack, service, route, body)
+    data = _assert_http_documented(status, payload, rtype, f"{case} {body[:200]!r}")
+    assert status == 400, (case, path, status, data)
+    assert f"request body: {path} holds a lone" in _message(data), (case, path, data)
+
+
+def _assert_http_healthy(stack, case: str) -> None:
+    service, route, _ = HTTP_CASES[case]
+    status, payload, _ = _http(stack, service, route, json.dumps(HTTP_VALID[case]).encode())
+    assert status == 200, (case, status, payload[:300])
+    assert_healthy(stack, service)
+
+
+@pytest.mark.parametrize("case", list(HTTP_CASES))
+def test_a_lone_surrogate_in_every_string_of_a_valid_body_is_a_400_naming_it(stack, case):
+    """Each string (and key) of the route's valid body, in turn, with a lone surrogate, escaped (\\udc00), raw
+    (its UTF-8 bytes) and in a UTF-16 body: 400 naming its JSON path, never reaching a tokenizer or an index."""
+    valid = HTTP_VALID[case]
+    slots = hostile.string_slots(valid)
+    # every key, and every string value
+    assert sum(isinstance(loc[-1], tuple) for _, loc in slots) >= len(valid), slots
+    assert {p for p, loc in slots} >= {k for k, v in valid.items() if isinstance(v, str)}, slots
+    for path, loc in slots:
+        for how in hostile.ENCODINGS:
+            body = hostile.spoil(valid, loc, "\udc00", 0)
+            expected = f'{path}[{json.dumps(chr(0xdc00) + loc[-1][1])}] (a key)' if isinstance(loc[-1], tuple) \
+                else path
+            _assert_refused_naming(stack, case, hostile.encode(body, how), expected)
+    _assert_http_healthy(stack, case)
+
+
+@pytest.mark.parametrize("case", list(HTTP_CASES))
+def test_generated_bodies_with_a_lone_surrogate_are_a_400_naming_it(stack, case):
+    """Generated bodies of text (several queries, prompts, messages) with a lone surrogate put into one string or
+    key, escaped, raw or UTF-16: 400 naming its path; the route still answers a valid body."""
+
+    @settings(max_examples=NOT_TEXT_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(spoilt=hostile.spoiled(_text_bodies(case)))
+    def check(spoilt):
+        body, path = spoilt
+        _assert_refused_naming(stack, case, body, path)
+
+    check()
+    _assert_http_healthy(stack, case)
+
+
+def _default_configs():
+    """A stage and a config of text: its defaults (every field, strings included), some dropped."""
+    from prorag.config import to_dict
+    from services.trainer.stages import get_stage, known_stages, load_stage_modules
+
+    load_stage_modules()
+    defaults = {name: to_dict(get_stage(name).config_cls()) for name in known_stages()}
+
+    @st.composite
+    def build(draw):
+        stage = draw(st.sampled_from(sorted(defaults)))
+        config = {k: v for k, v in defaults[stage].items() if draw(st.integers(0, 3))}
+        return stage, config or {"tracking": "local"}
+
+    return build()
+
+
+def test_a_job_config_with_a_lone_surrogate_is_invalid_argument_naming_it(stack):
+    """A stage's config with a lone surrogate in one string or key (a \\udc00 escape in config_json: a protobuf
+    string is UTF-8, so the escape is how one arrives over gRPC): INVALID_ARGUMENT naming its path, before any
+    string is used as a path or an endpoint; the trainer stays healthy."""
+    configs = _default_configs()
+
+    @st.composite
+    def requests(draw):
+        stage, config = draw(configs)
+        body, path = draw(hostile.spoiled(st.just(config)))
+        # escaped JSON is ASCII: re-encoded the same way whatever encoding spoiled() drew
+        text = json.dumps(json.loads(body))
+        return stage, text, path
+
+    with secure_channel(f"localhost:{stack['ports']['trainer'][0]}", security=stack["security"]) as ch:
+
+        @settings(max_examples=NOT_TEXT_EXAMPLES, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(request=requests())
+        def check(request):
+            stage, config_json, path = request
+            code, details, _ = _call(ch, "trainer", "StartJob",
+                                     trainer_pb2.StartJobRequest(stage=stage, config_json=config_json))
+            _assert_documented(code, details, f"{stage} {config_json[:200]}")
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (stage, path, code, details)
+            assert f"config_json: {path} holds a lone" in details, (stage, path, details)
+
+        check()
+    assert_healthy(stack, "trainer")

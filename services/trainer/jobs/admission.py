@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from prorag.config import to_dict
 from prorag.errors import FailedPrecondition, InvalidArgument
+from prorag.jsontext import check_strings
 from prorag.rpc import jsonbody
 from prorag.validation import check_allowed_endpoints, data_roots
 from services.trainer.stages import Stage, check_job_config, validate_config
@@ -60,6 +61,10 @@ class Admission:
                                       "(a config names files, it does not carry data)")
             # every way the caller's JSON can fail (too deeply nested, an integer of 5,000 digits...) is theirs
             config = jsonbody.loads(config, "config_json") if config.strip() else {}
+        elif config is not None:
+            # a mapping from an in-process caller: the same rule as for config_json (jsonbody.loads checked that),
+            # before any of its strings is used as a path or an endpoint
+            check_strings(config, "config")
         if config is None:
             config = {}
         if isinstance(config, dict) and self.service_addresses:

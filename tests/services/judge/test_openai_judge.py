@@ -132,6 +132,27 @@ def test_budget_bad_replies_and_bad_input_get_clear_statuses_and_the_judge_keeps
         loop.run(started.stop())
 
 
+def test_a_reply_whose_json_holds_a_lone_surrogate_is_malformed_and_never_cached(endpoint, tmp_path):
+    """A judging model that writes a "\\ud800" escape (issue 51): no label, no cache row that could not be written
+    as UTF-8, no RPC reply that could not be encoded; UNAVAILABLE after the retry, and the judge keeps serving."""
+    url, engine, loop = endpoint
+    started, ch, stub = judge_server(loop, url, tmp_path / "c.jsonl")
+    try:
+        engine.reply = '{"chosen": 1, "reason": "step 1 \\ud800"}'
+        with pytest.raises(grpc.RpcError) as e:
+            stub.JudgePairs(judge_pb2.JudgePairsRequest(items=[item()]), timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+        assert "no usable choice" in e.value.details() and "reason holds a lone high surrogate" in e.value.details()
+        assert not (tmp_path / "c.jsonl").exists()
+        engine.reply = '{"chosen": 2, "reason": "fine \\ud83d\\ude00"}'  # an escaped pair is one character
+        v = stub.JudgePairs(judge_pb2.JudgePairsRequest(items=[item()]), timeout=30).verdicts[0]
+        assert v.chosen == 1 and v.rationale.endswith("\U0001f600")
+        assert "\U0001f600" in (tmp_path / "c.jsonl").read_text(encoding="utf-8")
+    finally:
+        ch.close()
+        loop.run(started.stop())
+
+
 def test_unreachable_endpoint_is_unavailable(tmp_path):
     with socket.socket() as s:  # a loopback port nothing listens on
         s.bind(("127.0.0.1", 0))

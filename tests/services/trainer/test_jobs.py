@@ -275,6 +275,11 @@ def test_a_failed_or_cancelled_job_submitted_again_resumes_from_its_checkpoint(t
     ({"tracking": "tensorboard"}, "config.tracking: must be one of"),
     ("{not json", "config_json is not valid JSON"),
     ("[1, 2]", "config must be a JSON object"),
+    # a lone surrogate (issue 51): escaped in config_json, or raw in an in-process caller's mapping; refused before
+    # it is used as a path (os.stat cannot encode it)
+    ('{"init_from": "\\ud800"}', "config_json: init_from holds a lone high surrogate U+D800"),
+    ('{"steps": 3, "\\udc00": 1}', 'config_json: ["\\udc00"] (a key) holds a lone low surrogate'),
+    ({"fail_while_missing": "x\udfff"}, "config: fail_while_missing holds a lone low surrogate U+DFFF at character 1"),
 ])
 def test_bad_config_is_refused_naming_the_field(managers, config, fragment):
     m = managers()
