@@ -29,15 +29,16 @@ import pytest
 import yaml
 
 from prorag import paths
-from tests.deploy.test_manifests import (ROOT, _by_kind, _compose_binaries, load_compose, profile_services, render,
+from tests.deploy.test_manifests import (GPU_TOLERATION, JOBSET_MIN_K8S, NODE_LABEL, ROOT, _by_kind,
+                                         _compose_binaries, load_compose, profile_services, render, shipped_node,
                                          validate_compose_schema)
 
 HERE = Path(__file__).resolve().parent
 TRAINING = ROOT / "k8s" / "training"
 SCHEMA = HERE / "schemas" / "jobset.x-k8s.io_jobsets.v0.12.0.json"
-#: JobSet v0.12.0 supports the last three Kubernetes minors at its release (1.34-1.36): the floor the launch's
-#: objects are validated against
-JOBSET_MIN_K8S = "1.34.0"
+# JOBSET_MIN_K8S (tests/deploy/test_manifests.py, which validates the services' manifests against it too): JobSet
+# v0.12.0 supports the last three Kubernetes minors at its release (1.34-1.36), the floor the launch's objects are
+# validated against
 PARAMS = ("PRORAG_STAGE", "PRORAG_RUN", "NODES", "GPUS_PER_NODE")
 WORK_ROOT = "/data/runs/launch"
 
@@ -446,6 +447,17 @@ def test_the_parameters_are_one_file(tmp_path):
     assert jobset_errors(js) == []
 
 
+def test_the_one_node_launch_follows_the_services_node(tmp_path):
+    """The one-node launch selects the node k8s/components/one-node/node.env names, the same file the services'
+    one-node layout reads: one place for both, and the parameter itself is not applied."""
+    training = training_tree(tmp_path, params={"NODES": "1"}, one_node=True)
+    (training.parent / "components" / "one-node" / "node.env").write_text("node=gpu-7\n")
+    objs = render(training)
+    assert pod_spec(jobset_of(objs))["nodeSelector"] == {NODE_LABEL: "gpu-7"}
+    assert "prorag-node" not in _by_kind(objs, "ConfigMap")
+    assert jobset_errors(jobset_of(objs)) == []
+
+
 # ====================================================================== volumes, addresses, network
 def mounts_by_claim(pod: dict, ctr: dict) -> dict[str, str]:
     claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
@@ -477,7 +489,9 @@ def test_the_volumes_are_the_bases_claims_where_the_services_mount_them(layout, 
     (work_claim,) = [c for c, p in mine.items() if c in own and p == WORK_ROOT]
     assert f"{WORK_ROOT}/{env['PRORAG_RUN']}".startswith(WORK_ROOT + "/")
     nodes = int(env["NODES"])
-    affinity = pod.get("affinity")
+    assert "affinity" not in pod
+    # GPU nodes are commonly tainted: the launch tolerates it as every pod of the GPU layouts does
+    assert pod["tolerations"] == [GPU_TOLERATION]
     for claim in mine:
         modes = (own.get(claim) or layout_claims[claim])["spec"]["accessModes"]
         if layout == "shipped":
@@ -486,13 +500,13 @@ def test_the_volumes_are_the_bases_claims_where_the_services_mount_them(layout, 
         else:
             assert modes == ["ReadWriteOnce"], (claim, modes)
     if layout == "shipped":
-        assert affinity is None
+        assert "nodeSelector" not in pod
         (layout_class,) = {c["spec"].get("storageClassName") for c in layout_claims.values()}
         assert own[work_claim]["spec"]["storageClassName"] == layout_class, "the layout's one class parameter"
     else:
-        # on the node of the services' pods, as the one-node layout schedules them
+        # on the node of the services' pods: the one the user labelled, named in the one place both read
         one_node_dep = _by_kind(rendered[services], "Deployment")["prorag-trainer"]["spec"]["template"]["spec"]
-        assert affinity == one_node_dep["affinity"]
+        assert pod["nodeSelector"] == one_node_dep["nodeSelector"] == {NODE_LABEL: shipped_node()}
         assert "storageClassName" not in own[work_claim]["spec"]
 
 
