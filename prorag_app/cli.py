@@ -445,6 +445,17 @@ def cmd_check(args) -> int:
     return 0 if result["ok"] else 1
 
 
+def cmd_diagnose(args) -> int:
+    from prorag_app.diagnose import run_diagnosis
+
+    iterations = tuple(int(x) for x in args.iterations.split(",") if x.strip()) if args.iterations else ()
+    report = run_diagnosis(args.run or str(paths.runs_dir() / "latest"), questions=args.questions,
+                           samples=args.samples, iterations=iterations, port_offset=args.port_offset, seed=args.seed)
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+    return 0
+
+
 def cmd_report(args) -> int:
     from prorag.runs import new_run_dir
     from prorag_app.report import build_report
@@ -680,6 +691,19 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--keep", action="store_true", help="keep the temporary workspace")
     ck.add_argument("--quick", action="store_true", help="fewer steps (the CPU test's setting)")
     ck.set_defaults(fn=cmd_check)
+
+    dg = sub.add_parser("diagnose", help="rl: does a run's RL sharpen, memorise or drift? Its SFT agent and RL "
+                                         "adapters on pool and unseen dev deep questions, greedy and sampled, with "
+                                         "entropy and wins/losses by solve rate; writes RUN/diagnosis.json")
+    dg.add_argument("target", choices=["rl"])
+    dg.add_argument("run", nargs="?", default=None, help="a `prorag run` directory (default: runs/latest)")
+    dg.add_argument("--questions", type=int, default=300, help="questions per set (pool, unseen)")
+    dg.add_argument("--samples", type=int, default=4, help="samples per question at temperature 1 (at least 2)")
+    dg.add_argument("--iterations", default="", help="RL iterations whose adapters are read too, e.g. 15,30")
+    dg.add_argument("--seed", type=int, default=0, help="the question draw and the sampling seed")
+    dg.add_argument("--port-offset", type=int, default=400)
+    dg.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    dg.set_defaults(fn=cmd_diagnose)
 
     rep = sub.add_parser("report", help="one report (Markdown, JSON, PNG, HTML) over `prorag run` directories of the "
                                         "same world: their seeds pooled, paired comparisons, RL curves, beta")

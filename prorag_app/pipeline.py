@@ -259,17 +259,19 @@ def stage2(prof: Profile, stack: ServiceStack, world: str, sft_model: str, run_d
 
 
 def stage34(prof: Profile, stack: ServiceStack, world: str, sft_ref: str, prm: dict | None, questions, run_dir,
-            port_offset: int, timings: dict, deep=()) -> tuple[dict, dict[str, dict], dict[str, dict]]:
+            port_offset: int, timings: dict, deep=(), heldout=()
+            ) -> tuple[dict, dict[str, dict], dict[str, dict], dict[str, dict]]:
     """Stages 3-4 and the outcome-only baseline from the trained agent (prorag_app.stage34), then their evaluation
-    side by side on ``questions``, and with the SFT agent on the ``deep`` questions (under run_dir/deep).
-    Returns (what stage34 did, method -> evaluation, method -> evaluation on the deep questions)."""
+    side by side on ``questions``, and with the SFT agent on the ``deep`` questions (under run_dir/deep) and the
+    ``heldout`` ones (under run_dir/heldout). Returns (what stage34 did, method -> evaluation, method -> evaluation
+    on the deep questions, the same on the held-out ones)."""
     from prorag.config import from_dict
     from prorag_app.stage34 import Stage34Settings, run_stage34
 
     settings = from_dict(Stage34Settings, prof.stage34)
     prm_dir = (str(registry("prm", world).resolve(prm["model"])) if prm is not None and "model" in prm else None)
     sft_dir = str(registry("model", world).resolve(sft_ref))
-    deep_scores = {}
+    deep_scores, heldout_scores = {}, {}
     with timed(timings, "stage34_s"):
         out = run_stage34(stack, world, sft_ref, sft_dir, prm_dir, prof.sft_for("sft"), settings, run_dir,
                           port_offset + 200, timings, pairs_path=(prm or {}).get("pairs_path"),
@@ -278,26 +280,31 @@ def stage34(prof: Profile, stack: ServiceStack, world: str, sft_ref: str, prm: d
         adapters = {m: v["adapter"] for m, v in models.items()}
         evaluated = evaluate_methods({m: v["model"] for m, v in models.items()}, world, stack, questions, run_dir,
                                      port_offset + 100, timings, adapters=adapters)
+        # the RL adapters of earlier iterations too: the data-efficiency curve then counts the deep questions
+        deep_models = {"sft": sft_dir, **{m: v["model"] for m, v in models.items()}}
         if deep:
-            # the RL adapters of earlier iterations too: the data-efficiency curve then counts the deep questions
             with timed(timings, "eval_deep_s"):
-                deep_models = {"sft": sft_dir, **{m: v["model"] for m, v in models.items()}}
                 deep_scores = evaluate_methods(deep_models, world, stack, list(deep), Path(run_dir) / "deep",
                                                port_offset + 100, adapters=adapters)
-    return out, evaluated, deep_scores
+        if heldout:
+            with timed(timings, "eval_heldout_s"):
+                heldout_scores = evaluate_methods(deep_models, world, stack, list(heldout), Path(run_dir) / "heldout",
+                                                  port_offset + 100, adapters=adapters)
+    return out, evaluated, deep_scores, heldout_scores
 
 
-def compare(run_dir, methods, questions) -> dict:
+def compare(run_dir, methods, questions, parts: tuple[str, ...] = ("", "deep")) -> dict:
     """results.json's "comparisons": paired differences on 3+ hop questions (prorag.evaluation.compare_methods)
-    between the methods this run evaluated (one seed), over the test split and the deep split together
-    (run_dir/deep, where evaluated; question ids differ between the two)."""
+    between the methods this run evaluated (one seed), over the evaluations under ``parts`` of run_dir together
+    (by default the test split and the deep split, run_dir/deep, where evaluated; question ids differ between
+    them; ("heldout",): the held-out split alone)."""
     from prorag.evaluation import compare_methods
     from prorag_app.stage34 import COMPARISONS, per_question_f1
 
-    per_question = per_question_f1(run_dir, methods)
-    for m, runs in per_question_f1(Path(run_dir) / "deep", methods).items():
-        if m in per_question:
-            per_question[m] = [{**a, **b} for a, b in zip(per_question[m], runs)]
+    per_question: dict[str, list[dict[str, float]]] = {}
+    for part in parts:
+        for m, runs in per_question_f1(Path(run_dir) / part, methods).items():
+            per_question[m] = [{**a, **b} for a, b in zip(per_question[m], runs)] if m in per_question else runs
     return compare_methods(per_question, {q.id: q.hops for q in questions}, COMPARISONS)
 
 
@@ -344,8 +351,21 @@ def deep_questions(world: str, prof: Profile) -> list:
         return []
     from prorag.data.world import DEEP_SPLITS, ensure_deep_split
 
-    ensure_deep_split(paths.world_dir(world), prof.deep_questions, prof.eval_split)
+    n = (prof.dev_deep_questions or prof.deep_questions) if prof.eval_split == "dev" else prof.deep_questions
+    ensure_deep_split(paths.world_dir(world), n, prof.eval_split)
     return load_split(paths.world_dir(world), DEEP_SPLITS[prof.eval_split])
+
+
+def heldout_questions(world: str, prof: Profile) -> list:
+    """The world's held-out split of 3+ hop questions that ``prof`` asks for (built when missing, after the deep
+    splits); [] when it asks for none or the run evaluates on dev, which never reads it."""
+    if not prof.heldout_questions or prof.eval_split != "test":
+        return []
+    from prorag.data.world import HELDOUT_DEEP_SPLIT, ensure_heldout_split
+
+    ensure_heldout_split(paths.world_dir(world), prof.heldout_questions, test_n=prof.deep_questions,
+                         dev_n=prof.dev_deep_questions or prof.deep_questions)
+    return load_split(paths.world_dir(world), HELDOUT_DEEP_SPLIT)
 
 
 def run_main_job(profile: str = "default", world: str | None = None, port_offset: int = 0,
@@ -370,6 +390,7 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
     trained = prof.trained_methods
     parallel, threads = training_parallelism(len(trained))
     prm, stage34_out, comparisons, deep, deep_scores = None, None, {}, [], {}
+    heldout, heldout_scores, heldout_comparisons = [], {}, {}
     with contextlib.ExitStack() as running:
         with timed(timings, "start_services_s"):
             stack = running.enter_context(ServiceStack(
@@ -390,11 +411,14 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         if prof.stage2 is not None and "sft" in jobs:
             prm = stage2(prof, stack, world, published_dir(world, jobs["sft"]), run_dir, port_offset + 100, timings)
         if prof.stage34 is not None and "sft" in jobs:
-            deep = deep_questions(world, prof)
-            stage34_out, later, deep_scores = stage34(prof, stack, world, jobs["sft"]["model"], prm, eval_qs,
-                                                      run_dir, port_offset, timings, deep=deep)
+            deep, heldout = deep_questions(world, prof), heldout_questions(world, prof)
+            stage34_out, later, deep_scores, heldout_scores = stage34(
+                prof, stack, world, jobs["sft"]["model"], prm, eval_qs, run_dir, port_offset, timings, deep=deep,
+                heldout=heldout)
             methods.update(later)
             comparisons = compare(run_dir, methods, [*eval_qs, *deep])
+            if heldout:
+                heldout_comparisons = compare(run_dir, methods, heldout, parts=("heldout",))
     with timed(timings, "diagnostics_s"):
         probes = copy_probes({"base": str(base), **{m: published_dir(world, jobs[m]) for m in methods if m in jobs}},
                              test)
@@ -402,6 +426,10 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
     print_diagnostics(diag)
     if stage34_out is not None:
         print_stage34(methods, stage34_out, comparisons, prof.eval_split)
+        if heldout_comparisons:
+            from prorag_app.stage34 import print_comparisons
+
+            print_comparisons(heldout_comparisons, f"held-out ({len(heldout)} questions of 3+ hops)")
     figure = multi_hop_figure(methods)
     print_figure(figure)
     results = {
@@ -417,6 +445,10 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         **({"deep": {"questions": len(deep), "methods": {m: {k: r[k] for k in ("overall", "by_hops")}
                                                          for m, r in deep_scores.items()}}}
            if stage34_out is not None and deep else {}),
+        # the same on the held-out split (issue 47), compared on it alone: the figures read once at the end
+        **({"heldout": {"questions": len(heldout), "comparisons": heldout_comparisons,
+                        "methods": {m: {k: r[k] for k in ("overall", "by_hops")} for m, r in heldout_scores.items()}}}
+           if stage34_out is not None and heldout else {}),
         "diagnostics": diag,
         "retrieval": retrieval,
         "jobs": {m: {"job_id": j["job_id"], "model": j["model"], "metrics": j["metrics"]} for m, j in jobs.items()},

@@ -42,7 +42,8 @@ def load_run(run_dir: str | Path) -> dict:
         raise InvalidArgument(f"{run_dir} has no results.json: not the directory of a finished `prorag run`")
     results = json.loads(path.read_text())
     return {"dir": str(run_dir), "results": results, "records": _predictions(run_dir, results.get("methods", {})),
-            "deep": _predictions(run_dir / "deep", results.get("methods", {}))}
+            "deep": _predictions(run_dir / "deep", results.get("methods", {})),
+            "heldout": _predictions(run_dir / "heldout", results.get("methods", {}))}
 
 
 def seed_averaged(runs: list[dict], method: str) -> list[dict]:
@@ -238,6 +239,13 @@ def build_report(run_dirs, out_dir: str | Path, html_dir: str | Path | None = No
     per_question = {m: [{q: float(rec["f1"]) for q, rec in {**r["records"][m], **r["deep"].get(m, {})}.items()}
                         for r in runs if m in r["records"]] for m in methods}
     comparisons = compare_methods(per_question, hops, COMPARISONS)
+    # issue 47's held-out split, compared on its own where every run evaluated it: the claim is then read there
+    heldout = {}
+    if all(r["heldout"] for r in runs):
+        held_hops = {q: int(rec["hops"]) for r in runs for recs in r["heldout"].values() for q, rec in recs.items()}
+        heldout = compare_methods({m: [{q: float(rec["f1"]) for q, rec in r["heldout"][m].items()}
+                                       for r in runs if m in r["heldout"]]
+                                   for m in methods if any(m in r["heldout"] for r in runs)}, held_hops, COMPARISONS)
     curves = defaultdict(list)
     for r in runs:
         s34 = r["results"].get("stage34") or {}
@@ -255,8 +263,11 @@ def build_report(run_dirs, out_dir: str | Path, html_dir: str | Path | None = No
                                 "f1_3plus_sweep_seed": next((f for f, _, same in v if same), None)}
                        for b, v in sorted(betas.items())},
               "data_efficiency": efficiency,
-              "claim": claim_links(comparisons, [(r["results"].get("prm") or {})["gate"] for r in runs
-                                                 if "gate" in (r["results"].get("prm") or {})])}
+              "claim": {**claim_links(heldout or comparisons, [(r["results"].get("prm") or {})["gate"] for r in runs
+                                                            if "gate" in (r["results"].get("prm") or {})]),
+                        "read_on": "heldout" if heldout else "test"}}
+    if heldout:
+        report["comparisons_heldout"] = heldout
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     svgs: dict[str, str] = {}
@@ -279,6 +290,22 @@ def _pct(v: float) -> str:
     return f"{100 * v:.1f}"
 
 
+def comparison_table(comparisons: dict) -> list[str]:
+    """The markdown lines of one table of paired comparisons (compare_methods' output)."""
+    def ci(bounds) -> str:
+        return f"[{100 * bounds[0]:+.1f}, {100 * bounds[1]:+.1f}]" if bounds else "- (one seed)"
+
+    lines = ["95% CI over questions of the seed-averaged differences; and, with 2+ seeds, resampling seeds then "
+             "questions, which puts training noise in the interval too.", "",
+             "| A vs B | group | A | B | A - B | 95% CI, questions | 95% CI, seeds and questions | n | seeds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, c in comparisons.items():
+        lines.append(f"| {name} | {c['group']} | {_pct(c['a_mean'])} | {_pct(c['b_mean'])} | "
+                     f"{100 * c['f1_diff']:+.1f} | {ci(c['ci'])} | {ci(c.get('ci_seeds_questions'))} | "
+                     f"{c['n']} | {c['seeds']} |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     lines = [f"# Report: {len(report['runs'])} run(s) on world `{report['world']}`", "",
              "F1 x100 [95% CI over questions of the seed-averaged F1]; seeds = runs that evaluated the method.", "",
@@ -290,22 +317,14 @@ def markdown(report: dict) -> str:
         row = [m, str(report["seeds"][m]), cell(s["overall"]),
                *(cell(s["by_hops"].get(h)) for h in HOP_GROUPS), cell(s.get("multi_hop")), _pct(s["overall"]["em"])]
         lines.append("| " + " | ".join(row) + " |")
-    if report["comparisons"]:
-        lines += ["", "## Paired comparisons (A minus B per question, pooled seeds)", "",
-                  "95% CI over questions of the seed-averaged differences; and, with 2+ seeds, resampling seeds then "
-                  "questions, which puts training noise in the interval too.", "",
-                  "| A vs B | group | A | B | A - B | 95% CI, questions | 95% CI, seeds and questions | n | seeds |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-
-        def ci(bounds) -> str:
-            return f"[{100 * bounds[0]:+.1f}, {100 * bounds[1]:+.1f}]" if bounds else "- (one seed)"
-        for name, c in report["comparisons"].items():
-            lines.append(f"| {name} | {c['group']} | {_pct(c['a_mean'])} | {_pct(c['b_mean'])} | "
-                         f"{100 * c['f1_diff']:+.1f} | {ci(c['ci'])} | {ci(c.get('ci_seeds_questions'))} | "
-                         f"{c['n']} | {c['seeds']} |")
+    for key, title in (("comparisons", "Paired comparisons (A minus B per question, pooled seeds)"),
+                       ("comparisons_heldout", "Paired comparisons on the held-out split, read once")):
+        if report.get(key):
+            lines += ["", f"## {title}", "", *comparison_table(report[key])]
     claim = report.get("claim")
     if claim:
-        lines += ["", "## Where the claim stands, link by link", "",
+        where = "the held-out split" if claim.get("read_on") == "heldout" else "the test and deep splits"
+        lines += ["", "## Where the claim stands, link by link", "", f"Read on {where}.", "",
                   "| link | comparison | A - B | 95% CI | status |", "|---|---|---|---|---|"]
         for lk in claim["links"]:
             diff = f"{100 * lk['diff']:+.1f}" if "diff" in lk else "-"

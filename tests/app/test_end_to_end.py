@@ -55,6 +55,11 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     deep = on_disk["deep"]
     assert deep["questions"] == 8 and "sft" in deep["methods"] and "outcome_grpo" in deep["methods"]
     assert all(m["overall"]["n"] == 8 for m in deep["methods"].values())
+    # and the held-out split (issue 47), drawn after the deep ones and compared on its own
+    held = on_disk["heldout"]
+    assert held["questions"] == 6 and set(held["methods"]) == set(deep["methods"])
+    assert all(m["overall"]["n"] == 6 for m in held["methods"].values())
+    assert held["comparisons"]["outcome_grpo_vs_sft"]["n"] == 6
     for name, m in on_disk["methods"].items():
         overall = m["overall"]
         assert overall["n"] == 60
@@ -161,6 +166,26 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
 
     assert on_disk["jobs"]["sft"]["model"] == f"sft@{on_disk['jobs']['sft']['job_id']}"
     assert artifact_name(served_policy("tiny-s7", None)) == on_disk["jobs"]["sft"]["model"]
+
+    # `prorag diagnose rl` on this run: the SFT agent and the RL adapters (after 1 of 2 iterations, and the last)
+    # on the RL's questions and on unseen dev deep questions, greedy and sampled
+    from prorag.diagnosis import SOLVE_RATE_BINS
+    from prorag_app.diagnose import run_diagnosis
+
+    diag = run_diagnosis(results["run_dir"], questions=3, samples=2, iterations=(1,), port_offset=_free_offset())
+    assert {"sft", "outcome_grpo", "outcome_grpo@it1"} <= set(diag["models"]) and "prorag" not in diag["models"]
+    for name, row in diag["models"].items():
+        for s in ("pool", "unseen"):
+            assert row[s]["n"] == 3 and row[s]["entropy"] > 0 and 0.0 <= row[s]["sampled_f1"] <= 1.0
+            if name != "sft":  # read against the SFT agent, every question in one solve-rate bin
+                assert sum(v["n"] for v in row[s]["by_solve_rate"].values()) == 3
+                assert row[s]["greedy_ci"][0] <= row[s]["greedy_diff"] <= row[s]["greedy_ci"][1]
+        assert name == "sft" or row["reading"] in ("learns", "memorises", "sharpens", "drifts", "no change")
+        # every answer came from the model named: the SFT agent itself, or the adapter version asked for
+        adapter = diag["adapters"][name]
+        assert row["pool"]["adapters"] == row["unseen"]["adapters"] == ([adapter] if adapter else [""])
+    assert set(diag["models"]["outcome_grpo"]["pool"]["by_solve_rate"]) == set(SOLVE_RATE_BINS)
+    assert json.loads((Path(results["run_dir"]) / "diagnosis.json").read_text())["samples"] == 2
 
     # the ablation report in small: two stage 3-4 seeds (the SFT agent and stage 2 reused), the RL adapter after its
     # first iteration evaluated too, and one report pooling the seeds

@@ -102,6 +102,34 @@ def test_comparisons_also_pool_the_deep_split_where_a_run_evaluated_it(tmp_path)
     assert report["methods"]["prorag"]["overall"]["n"] == n
 
 
+def _heldout(run, f1s: dict, n: int = 12) -> None:
+    for method, f1 in f1s.items():
+        (run / "heldout" / method).mkdir(parents=True)
+        rows = [{"id": f"heldout_deep_{i}", "hops": 3 + i % 2, "type": "compositional", "f1": f1(i), "em": 0.0,
+                 "acc": 0.0} for i in range(n)]
+        (run / "heldout" / method / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_heldout_split_is_compared_on_its_own_and_the_claim_is_read_there(tmp_path):
+    n = 8
+    runs = [_run(tmp_path, f"seed{k}", {"sft": [0.0] * n, "outcome_grpo": [1.0] * n}) for k in (1, 2)]
+    _heldout(runs[0], {"sft": lambda i: 0.5, "outcome_grpo": lambda i: 0.25})
+    report = build_report(runs[:1], tmp_path / "one")
+    held = report["comparisons_heldout"]["outcome_grpo_vs_sft"]
+    # the held-out questions alone: the test split's (where outcome GRPO wins) do not enter
+    assert held["n"] == 12 and held["f1_diff"] == pytest.approx(-0.25)
+    assert report["comparisons"]["outcome_grpo_vs_sft"]["f1_diff"] == pytest.approx(1.0)
+    assert report["claim"]["read_on"] == "heldout"
+    assert report["claim"]["links"][0] == {**report["claim"]["links"][0], "status": "reversed", "diff": held["f1_diff"]}
+    md = (tmp_path / "one" / "report.md").read_text()
+    assert "held-out split, read once" in md and "Read on the held-out split." in md
+    # a run without it: the held-out comparison is not pooled over the runs that have one, and the claim is the
+    # test split's
+    report = build_report(runs, tmp_path / "two")
+    assert "comparisons_heldout" not in report and report["claim"]["read_on"] == "test"
+    assert report["claim"]["links"][0]["status"] == "holds"
+
+
 def test_data_efficiency_reads_the_rl_adapters_evaluated_after_some_iterations(tmp_path):
     n = 40
     deep = [i for i in range(n) if 1 + i % 4 >= 3]  # 20 questions of 3+ hops; the others do not count

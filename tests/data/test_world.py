@@ -350,6 +350,43 @@ def test_the_dev_deep_split_shares_nothing_with_the_test_one(world, tmp_path):
         ensure_deep_split(out, 10, "train")
 
 
+def test_the_heldout_split_is_drawn_after_both_deep_splits_and_changes_neither(world, tmp_path):
+    import shutil
+
+    from prorag.data.world import (DEEP_SPLIT, DEV_DEEP_SPLIT, HELDOUT_DEEP_SPLIT, ensure_deep_split,
+                                   ensure_heldout_split, generate_deep_split, generate_deep_splits, generate_world)
+    from prorag.errors import InvalidArgument
+
+    _, test_rows, dev_rows = generate_deep_split(tiny(0), 12, dev=10)
+    w, drawn = generate_deep_splits(tiny(0), [(DEEP_SPLIT, 12), (DEV_DEEP_SPLIT, 10), (HELDOUT_DEEP_SPLIT, 20)])
+    assert w["splits"] == generate_world(tiny(0))["splits"]
+    assert drawn[DEEP_SPLIT] == test_rows and drawn[DEV_DEEP_SPLIT] == dev_rows  # the existing splits unchanged
+    held = drawn[HELDOUT_DEEP_SPLIT]
+    assert len(held) == 20 and all(r["id"].startswith(HELDOUT_DEEP_SPLIT) and r["metadata"]["hops"] >= 3 for r in held)
+    before = [r for s in w["splits"].values() for r in s] + test_rows + dev_rows
+    chains, texts = {r["metadata"]["chain"] for r in before}, {r["question"] for r in before}
+    assert not any(r["metadata"]["chain"] in chains or r["question"] in texts for r in held)
+
+    out = tmp_path / "w"
+    shutil.copytree(world["dir"], out)
+    ensure_deep_split(out, 12)  # the test deep split on disk; no dev one yet
+    path = ensure_heldout_split(out, 20, test_n=99, dev_n=10)  # the test split's size on disk wins over test_n
+    assert [q.question for q in load_split(out, HELDOUT_DEEP_SPLIT)] == [r["question"] for r in held]
+    # the missing dev deep split was drawn before it, and written, so no later dev split can overlap it
+    assert [q.question for q in load_split(out, DEV_DEEP_SPLIT)] == [r["question"] for r in dev_rows]
+    assert ensure_deep_split(out, 10, "dev").stat().st_mtime_ns == (out / f"{DEV_DEEP_SPLIT}.jsonl").stat().st_mtime_ns
+    stamp = path.stat().st_mtime_ns
+    assert ensure_heldout_split(out, 20, test_n=12, dev_n=10) == path and path.stat().st_mtime_ns == stamp  # reused
+    # a dev deep split redrawn with another size: the held-out split is drawn again after it, still disjoint
+    ensure_deep_split(out, 8, "dev")
+    ensure_heldout_split(out, 20, test_n=12, dev_n=99)  # the dev size on disk wins too
+    _, again = generate_deep_splits(tiny(0), [(DEEP_SPLIT, 12), (DEV_DEEP_SPLIT, 8), (HELDOUT_DEEP_SPLIT, 20)])
+    assert [q.question for q in load_split(out, HELDOUT_DEEP_SPLIT)] == [r["question"] for r in again[HELDOUT_DEEP_SPLIT]]
+    assert (out / f"{HELDOUT_DEEP_SPLIT}.after").read_text().split() == ["12", "8"]
+    with pytest.raises(InvalidArgument, match="at least 1"):
+        ensure_heldout_split(out, 0, test_n=12, dev_n=8)
+
+
 def test_entity_relations_of_a_world_and_of_an_imported_corpus(tmp_path):
     import json
 

@@ -32,12 +32,13 @@ phrasings, :func:`canonical_question`), ``generate`` (the world and its splits i
 :func:`build_world`, deep splits, summaries).
 """
 
-from prorag.data.world.config import (CATEGORIES, DEEP_SPLIT, DEEP_SPLITS, DEV_DEEP_SPLIT, SIZES, SPLITS, WORLD_VERSION,
-                                      WorldConfig)
-from prorag.data.world.files import WorldSummary, build_world, ensure_deep_split, load_summary
-from prorag.data.world.generate import generate_deep_split, generate_world
+from prorag.data.world.config import (CATEGORIES, DEEP_SPLIT, DEEP_SPLITS, DEV_DEEP_SPLIT,
+                                      HELDOUT_DEEP_SPLIT, SIZES, SPLITS, WORLD_VERSION, WorldConfig)
+from prorag.data.world.files import WorldSummary, build_world, ensure_deep_split, ensure_heldout_split, load_summary
+from prorag.data.world.generate import generate_deep_split, generate_deep_splits, generate_world
 from prorag.data.world.questions import canonical_question
 
-__all__ = ["CATEGORIES", "DEEP_SPLIT", "DEEP_SPLITS", "DEV_DEEP_SPLIT", "SIZES", "SPLITS", "WORLD_VERSION",
-           "WorldConfig", "WorldSummary", "build_world", "canonical_question", "ensure_deep_split",
-           "generate_deep_split", "generate_world", "load_summary"]
+__all__ = ["CATEGORIES", "DEEP_SPLIT", "DEEP_SPLITS", "DEV_DEEP_SPLIT", "HELDOUT_DEEP_SPLIT", "SIZES",
+           "SPLITS", "WORLD_VERSION", "WorldConfig", "WorldSummary", "build_world", "canonical_question",
+           "ensure_deep_split", "ensure_heldout_split", "generate_deep_split", "generate_deep_splits",
+           "generate_world", "load_summary"]

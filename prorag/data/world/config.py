@@ -24,6 +24,9 @@ DEEP_SPLIT = "test_deep"
 DEV_DEEP_SPLIT = "dev_deep"
 #: the deep split of each evaluation split
 DEEP_SPLITS = {"test": DEEP_SPLIT, "dev": DEV_DEEP_SPLIT}
+#: a held-out test split of 3+ hop questions (issue 47), drawn after the test and dev deep splits and disjoint from
+#: both: read once, at the end of an experiment whose choices were made on dev
+HELDOUT_DEEP_SPLIT = "heldout_deep"
 
 
 @dataclass

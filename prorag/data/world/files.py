@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Callable
 
 from prorag.config import from_dict, to_dict
-from prorag.data.world.config import DEEP_SPLIT, DEEP_SPLITS, DEV_DEEP_SPLIT, SPLITS, WORLD_VERSION, WorldConfig
-from prorag.data.world.generate import generate_deep_split, generate_world
+from prorag.data.world.config import (DEEP_SPLIT, DEEP_SPLITS, DEV_DEEP_SPLIT, HELDOUT_DEEP_SPLIT, SPLITS, WORLD_VERSION,
+                                      WorldConfig)
+from prorag.data.world.generate import generate_deep_split, generate_deep_splits, generate_world
 from prorag.io import read_jsonl, write_json, write_jsonl, write_text
 
 
@@ -105,7 +106,7 @@ def ensure_deep_split(out_dir: str | Path, n: int, split: str = "test") -> Path:
     ``split="dev"``: ``dev_deep.jsonl``, ``n`` questions drawn after the test deep split (as many as are on disk,
     or ``n`` when there is none yet, then written too), so that no dev question is a test one. A test deep split
     rewritten with another size invalidates the dev one, which is drawn again on its next use."""
-    from prorag.errors import FailedPrecondition, InvalidArgument
+    from prorag.errors import InvalidArgument
 
     if split not in DEEP_SPLITS:
         raise InvalidArgument(f"no deep split for {split!r}: one of {sorted(DEEP_SPLITS)}")
@@ -125,12 +126,7 @@ def ensure_deep_split(out_dir: str | Path, n: int, split: str = "test") -> Path:
     else:
         test_n = test_n or n
         w, test_rows, rows = generate_deep_split(cfg, test_n, dev=n)
-    for s in SPLITS:
-        on_disk = [(r["id"], r["question"]) for r in read_jsonl(out_dir / f"{s}.jsonl")]
-        if on_disk != [(r["id"], r["question"]) for r in w["splits"][s]]:
-            raise FailedPrecondition(f"{out_dir}: its {s} split is not what this generator makes from the world's "
-                                     f"config (built by another version): rebuild it (`prorag world --name "
-                                     f"{cfg.name} --force`) to add the {DEEP_SPLIT} split")
+    _check_reproduced(out_dir, cfg, w, DEEP_SPLITS[split])
     if split == "test":
         write_jsonl(path, rows)
         if dev_after.exists() and dev_after.read_text().strip() != str(n):
@@ -140,6 +136,61 @@ def ensure_deep_split(out_dir: str | Path, n: int, split: str = "test") -> Path:
         write_jsonl(test_path, test_rows)
     write_jsonl(path, rows)
     write_text(dev_after, f"{test_n}\n")
+    return path
+
+
+def _check_reproduced(out_dir: Path, cfg: WorldConfig, w: dict, adding: str) -> None:
+    """FailedPrecondition unless the world regenerated in memory (``w``) has the splits on disk: an extra split
+    drawn after them is disjoint from them only if the generator still makes them."""
+    from prorag.errors import FailedPrecondition
+
+    for s in SPLITS:
+        on_disk = [(r["id"], r["question"]) for r in read_jsonl(out_dir / f"{s}.jsonl")]
+        if on_disk != [(r["id"], r["question"]) for r in w["splits"][s]]:
+            raise FailedPrecondition(f"{out_dir}: its {s} split is not what this generator makes from the world's "
+                                     f"config (built by another version): rebuild it (`prorag world --name "
+                                     f"{cfg.name} --force`) to add the {adding} split")
+
+
+def ensure_heldout_split(out_dir: str | Path, n: int, test_n: int, dev_n: int) -> Path:
+    """``{out_dir}/heldout_deep.jsonl``: ``n`` questions of 3+ hops drawn after the test deep split and the dev deep
+    split (:func:`prorag.data.world.generate.generate_deep_splits`), so it shares no chain or question with any
+    split of the world: the test of issue 47, read once at the end. Written once (atomically) and reused.
+
+    The deep splits it is drawn after are those on disk; one that is missing is drawn first, with ``test_n`` /
+    ``dev_n`` questions, and written too, so that a deep split made later can never overlap it. The sizes it was
+    drawn after are recorded beside it (``heldout_deep.after``): if either deep split is redrawn with another size,
+    the held-out split is drawn again after them (and was then not read once)."""
+    from prorag.errors import InvalidArgument
+
+    if n < 1 or test_n < 1 or dev_n < 1:
+        raise InvalidArgument(f"held-out split: n, test_n and dev_n are at least 1; got {n}, {test_n}, {dev_n}")
+    out_dir = Path(out_dir)
+    if not (out_dir / "DONE").exists():
+        raise FileNotFoundError(f"{out_dir}: no finished world (DONE missing); run `prorag world`")
+    test_path, dev_path = out_dir / f"{DEEP_SPLIT}.jsonl", out_dir / f"{DEV_DEEP_SPLIT}.jsonl"
+    path, after = out_dir / f"{HELDOUT_DEEP_SPLIT}.jsonl", out_dir / f"{HELDOUT_DEEP_SPLIT}.after"
+    dev_after = out_dir / f"{DEV_DEEP_SPLIT}.after"
+    test_n = sum(1 for _ in read_jsonl(test_path)) if test_path.exists() else test_n
+    # a dev deep split drawn after a test one of another size (ensure_deep_split redraws it when next asked): drawn
+    # here again, after the test one on disk
+    dev_current = dev_path.exists() and dev_after.exists() and dev_after.read_text().strip() == str(test_n)
+    dev_n = sum(1 for _ in read_jsonl(dev_path)) if dev_current else dev_n
+    record = f"{test_n} {dev_n}"
+    if (path.exists() and after.exists() and after.read_text().strip() == record and dev_current
+            and sum(1 for _ in read_jsonl(path)) == n):
+        return path
+    meta = json.loads((out_dir / "world.json").read_text())
+    cfg = from_dict(WorldConfig, meta["config"])
+    w, drawn = generate_deep_splits(cfg, [(DEEP_SPLIT, test_n), (DEV_DEEP_SPLIT, dev_n), (HELDOUT_DEEP_SPLIT, n)])
+    _check_reproduced(out_dir, cfg, w, HELDOUT_DEEP_SPLIT)
+    if not test_path.exists():
+        write_jsonl(test_path, drawn[DEEP_SPLIT])
+    if not dev_current:
+        write_jsonl(dev_path, drawn[DEV_DEEP_SPLIT])
+        write_text(dev_after, f"{test_n}\n")
+    write_jsonl(path, drawn[HELDOUT_DEEP_SPLIT])
+    write_text(after, record + "\n")
     return path
 
 

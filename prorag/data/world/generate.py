@@ -30,6 +30,18 @@ def generate_deep_split(cfg: WorldConfig, n: int, min_hops: int = 3, dev: int = 
     The dev questions are drawn after the ``n`` test ones, so those are the same with or without them, and no
     chain or question is shared between the two.
     """
+    sizes = [(DEEP_SPLIT, n)] + ([(DEV_DEEP_SPLIT, dev)] if dev else [])
+    w, drawn = generate_deep_splits(cfg, sizes, min_hops)
+    return (w, *drawn.values())
+
+
+def generate_deep_splits(cfg: WorldConfig, sizes: list[tuple[str, int]], min_hops: int = 3
+                         ) -> tuple[dict, dict[str, list[dict]]]:
+    """(the world, {split name: its questions}) for extra splits of ``min_hops``+ hop compositional questions drawn
+    one after another in the order of ``sizes`` [(name, count)], after train: each split is the same whatever is
+    drawn after it, and no chain or question is shared with any split before it (the world's own included).
+    :func:`generate_deep_split` is its test / dev case; the held-out split (:data:`HELDOUT_DEEP_SPLIT`) comes third,
+    after both."""
     w, questions, seen_chains, seen_text = _generate(cfg, None)
     hops = [h for h in (3, 4) if h >= min_hops]
     weights = [{3: cfg.frac_3hop, 4: cfg.frac_4hop}[h] for h in hops]
@@ -50,10 +62,7 @@ def generate_deep_split(cfg: WorldConfig, n: int, min_hops: int = 3, dev: int = 
         questions.rng.shuffle(rows)
         return [_row(name, i, q) for i, q in enumerate(rows)]
 
-    test_rows = draw(n, DEEP_SPLIT)
-    if not dev:
-        return w, test_rows
-    return w, test_rows, draw(dev, DEV_DEEP_SPLIT)
+    return w, {name: draw(count, name) for name, count in sizes}
 
 
 def _generate(cfg: WorldConfig, progress: Callable[[str, int, int], None] | None):

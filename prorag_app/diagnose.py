@@ -1,0 +1,210 @@
+"""`prorag diagnose rl RUN`: does a run's RL sharpen, memorise or drift (prorag.diagnosis, issue 47)?
+
+The SFT agent and every RL adapter of the run (the final one and those after ``iterations``) answer two question
+sets through the services: pool questions RL trained on (the run's question pool) and unseen deep questions of
+the dev side. Each model answers greedily and with ``samples`` samples at temperature 1, one seed for all; the
+report gives greedy and sampled F1, the sampled tokens' entropy, paired intervals against the SFT agent, wins and
+losses by the SFT agent's solve rate, and the reading. Dev questions only: a diagnosis chooses what to fix.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from prorag import paths
+from prorag.algorithms.rl import ANSWER_CREDIT_F1
+from prorag.diagnosis import reading, solve_rate_bin, token_entropy, wins_losses_by_bin
+from prorag.errors import FailedPrecondition, InvalidArgument
+from prorag.evaluation import paired_difference
+from prorag.metrics import f1_score
+from prorag_app.run_tables import console
+
+#: the RL methods that start from the SFT agent, so their adapters are served over it and read against it
+#: (ProRAG proper starts from the RFT model: its reference would be RFT, which this does not serve)
+RL_METHODS = ("outcome_grpo", "prorag_no_rft", "prorag_oracle")
+
+
+def pool_of(run: dict) -> dict | None:
+    """The run's question pool artifact (services.trainer.stage_rlpool's pool.json), or None when its RL drew from
+    the whole split; FailedPrecondition when it had one that is gone."""
+    path = ((run.get("stage34") or {}).get("pool") or {}).get("path")
+    if not path:
+        return None
+    if not Path(path).is_file():
+        raise FailedPrecondition(f"run {run.get('run_dir')}: its question pool {path} is gone")
+    return json.loads(Path(path).read_text())
+
+
+def question_sets(run: dict, n: int, seed: int = 0) -> dict[str, list]:
+    """{"pool": up to n of the questions the run's RL drew from (its pool's, or without one the RL's own selection
+    of its split), "unseen": up to n dev deep questions}, each a seeded draw in the split's order."""
+    from prorag.data.loaders import load_split
+    from prorag.data.world import DEV_DEEP_SPLIT, ensure_deep_split
+    from services.trainer.stage_rl import select_questions
+
+    world = run["world"]
+    pool, rl = pool_of(run), ((run.get("stage34") or {}).get("settings") or {}).get("rl") or {}
+    if pool is not None:
+        wanted = set(pool["pool"])
+        pool_qs = [q for q in load_split(paths.world_dir(world), pool["split"]) if q.id in wanted]
+    else:
+        pool_qs = load_split(paths.world_dir(world), rl.get("split", "train"))
+    pool_qs = select_questions(pool_qs, int(rl.get("min_hops", 0)), int(rl.get("max_questions", 0)))
+    ensure_deep_split(paths.world_dir(world), max(n, 1), "dev")
+    unseen = load_split(paths.world_dir(world), DEV_DEEP_SPLIT)
+
+    def draw(qs: list) -> list:
+        picked = sorted(random.Random(seed).sample(range(len(qs)), min(n, len(qs))))
+        return [qs[i] for i in picked]
+
+    return {"pool": draw(pool_qs), "unseen": draw(unseen)}
+
+
+def adapters_of(run: dict, iterations: tuple[int, ...]) -> dict[str, str]:
+    """{model name: adapter name@version}: "sft" (no adapter), each RL method's final adapter, and the ones it
+    published after ``iterations`` (as <method>@it<i>)."""
+    from services.trainer.stage_rl import adapter_version
+
+    s34 = run.get("stage34") or {}
+    out = {"sft": ""}
+    for m in RL_METHODS:
+        if m not in (s34.get("jobs") or {}):
+            continue
+        final = int((s34.get("rl") or {}).get(m, {}).get("iterations", 0))
+        for i in iterations:
+            if 0 < i < final:
+                out[f"{m}@it{i}"] = f"{m}@{adapter_version(s34['jobs'][m], i)}"
+        out[m] = s34["models"][m]["adapter"]
+    return out
+
+
+def answer(policy, questions, adapter: str, n: int, temperature: float, seed: int, topk: int, max_steps: int
+           ) -> dict[str, dict]:
+    """question id -> {"f1": [n], "logprobs": [n][generated tokens], "adapters": {adapter version that answered}}
+    of ``n`` rollouts per question."""
+    by_id = {q.id: q for q in questions}
+    out = {q.id: {"f1": [], "logprobs": [], "adapters": set()} for q in questions}
+    sampling = policy.sampling(n=n, temperature=temperature, seed=seed)
+    for t in policy.rollout([(q.id, q.question) for q in questions], sampling, max_steps=max_steps, topk=topk,
+                            adapter=adapter):
+        if not hasattr(t, "question_id"):
+            continue  # the summary
+        f1 = f1_score(t.answer, by_id[t.question_id].golden_answers) if t.finish_reason == "answer" else 0.0
+        row = out[t.question_id]
+        row["f1"].append(f1)
+        row["logprobs"].append([lp for lp, g in zip(t.trace.logprobs, t.trace.generated_mask) if g])
+        row["adapters"].add(t.adapter_version)
+    return out
+
+
+def summarise(greedy: dict, sampled: dict) -> dict:
+    """One model on one question set: its greedy F1 per question, mean sampled F1, right-sample rate, entropy."""
+    return {"greedy": {q: r["f1"][0] for q, r in greedy.items() if r["f1"]},
+            "sampled_f1": _mean([f for r in sampled.values() for f in r["f1"]]),
+            "solve_rate": {q: sum(f >= ANSWER_CREDIT_F1 for f in r["f1"]) / len(r["f1"])
+                           for q, r in sampled.items() if r["f1"]},
+            "entropy": token_entropy([lp for r in sampled.values() for lp in r["logprobs"]]),
+            # which adapter answered, as every trajectory reports it: a diagnosis of the adapter, not of another
+            "adapters": sorted({a for part in (greedy, sampled) for r in part.values() for a in r["adapters"]})}
+
+
+def diagnose(run: dict, models: dict[str, str], sets: dict[str, list], answers: dict) -> dict:
+    """The report from ``answers`` [model][set] = summarise(...): per model and set the greedy and sampled F1,
+    entropy, the paired interval against SFT and wins/losses by the SFT agent's solve-rate bin; per model the
+    reading. Solve rates: the pool's own for pool questions where it recorded them, else the SFT agent's samples."""
+    rates = (pool_of(run) or {}).get("questions", {})
+    sft = answers["sft"]
+    bins = {s: {q: solve_rate_bin(rates[q]["solve_rate"] if s == "pool" and "solve_rate" in rates.get(q, {}) else r)
+                for q, r in sft[s]["solve_rate"].items()} for s in sets}
+    out = {"models": {}}
+    for name in models:
+        row = {}
+        for s in sets:
+            mine, ref = answers[name][s], sft[s]
+            ids = sorted(set(mine["greedy"]) & set(ref["greedy"]))
+            diff = paired_difference([[mine["greedy"][q] for q in ids]], [[ref["greedy"][q] for q in ids]]) \
+                if ids and name != "sft" else None
+            row[s] = {"n": len(ids), "adapters": mine["adapters"], "greedy_f1": _mean(list(mine["greedy"].values())),
+                      "sampled_f1": mine["sampled_f1"], "entropy": mine["entropy"],
+                      **({"greedy_diff": diff["f1_diff"], "greedy_ci": list(diff["ci"]),
+                          "by_solve_rate": wins_losses_by_bin(mine["greedy"], ref["greedy"], bins[s])}
+                         if diff else {})}
+        if name != "sft":
+            gain = _mean([row[s]["sampled_f1"] - sft[s]["sampled_f1"] for s in sets])
+            d_entropy = _mean([row[s]["entropy"] - sft[s]["entropy"] for s in sets])
+            row["reading"] = reading(row["pool"].get("greedy_ci"), row["unseen"].get("greedy_ci"), gain, d_entropy)
+        out["models"][name] = row
+    return out
+
+
+def run_diagnosis(run_dir: str | Path, questions: int = 300, samples: int = 4, iterations: tuple[int, ...] = (),
+                  port_offset: int = 0, seed: int = 0) -> dict:
+    """Diagnose the RL of the `prorag run` in ``run_dir``; writes diagnosis.json there and returns it."""
+    from prorag.rpc.clients import PolicyClient, push_adapter
+    from prorag_app.pipeline import eval_options
+    from prorag_app.stack import ServiceStack
+
+    path = Path(run_dir) / "results.json"
+    if not path.is_file():
+        raise InvalidArgument(f"{run_dir} has no results.json: not the directory of a finished `prorag run`")
+    if questions < 1 or samples < 2:
+        raise InvalidArgument(f"--questions is at least 1 and --samples at least 2; got {questions}, {samples}")
+    run = json.loads(path.read_text())
+    if run.get("split") == "test":
+        console.print("[yellow]this run evaluated the test split; the diagnosis itself reads the pool (train) "
+                      "and the dev deep split only[/yellow]")
+    models = adapters_of(run, iterations)
+    if len(models) == 1:
+        raise FailedPrecondition(f"run {run_dir} trained no RL method ({', '.join(RL_METHODS)}): nothing to diagnose")
+    sft_dir = run["stage34"]["models"][next(m for m in RL_METHODS if m in run["stage34"]["jobs"])]["model"]
+    sets = question_sets(run, questions, seed)
+    kw = eval_options("sft", sft_dir)
+    topk, max_steps = int(kw["topk"]), int(kw.get("max_steps", 0))
+    answers: dict = {}
+    stack = ServiceStack(port_offset=port_offset, world=run["world"], services=("retriever", "policy"),
+                         overrides={"policy": {"model": sft_dir, "restore_active": False}},
+                         log_dir=str(Path(run_dir) / "logs" / "diagnose"))
+    with stack, PolicyClient(stack.grpc_target("policy"), timeout=3600) as policy:
+        for name, adapter in models.items():
+            if adapter:
+                a_name, _, version = adapter.partition("@")
+                acks = push_adapter([stack.grpc_target("policy")], a_name, version)
+                if not all(a.ok for a in acks):
+                    raise FailedPrecondition(f"the policy did not load {adapter}: " + "; ".join(a.error for a in acks))
+            answers[name] = {
+                s: summarise(answer(policy, qs, adapter, 1, 0.0, seed, topk, max_steps),
+                             answer(policy, qs, adapter, samples, 1.0, seed + 1, topk, max_steps))
+                for s, qs in sets.items()}
+            console.print(f"diagnose: {name} answered")
+    report = {"run": str(run_dir), "questions": {s: len(qs) for s, qs in sets.items()}, "samples": samples,
+              "adapters": models,
+              **diagnose(run, models, sets, answers)}
+    from prorag.io import write_json
+
+    write_json(Path(run_dir) / "diagnosis.json", report)
+    print_diagnosis(report)
+    return report
+
+
+def print_diagnosis(report: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title="RL diagnosis: greedy and sampled F1 (x100), entropy (nats/token), greedy - SFT [95% CI]")
+    for col in ("model", "set", "n", "greedy", "sampled", "entropy", "greedy - SFT", "wins/losses by SFT solve rate",
+                "reading"):
+        table.add_column(col)
+    for name, row in report["models"].items():
+        for s in ("pool", "unseen"):
+            r = row[s]
+            ci = (f"{100 * r['greedy_diff']:+.1f} [{100 * r['greedy_ci'][0]:+.1f}, {100 * r['greedy_ci'][1]:+.1f}]"
+                  if "greedy_ci" in r else "-")
+            bins = " ".join(f"{b} {v['wins']}/{v['losses']}" for b, v in r.get("by_solve_rate", {}).items() if v["n"])
+            table.add_row(name, s, str(r["n"]), f"{100 * r['greedy_f1']:.1f}", f"{100 * r['sampled_f1']:.1f}",
+                          f"{r['entropy']:.3f}", ci, bins or "-", row.get("reading", "") if s == "pool" else "")
+    console.print(table)
+
+
+def _mean(xs) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
