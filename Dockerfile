@@ -3,50 +3,55 @@
 # Build from the repository root, naming the service as the target:
 #   docker build --target retriever -t prorag-retriever .                               CPU (the defaults)
 #   docker build --target policy -t prorag-policy --build-arg BASE=vllm/vllm-openai:v0.33.0 \
-#     --build-arg FLAVOR=gpu --build-arg TRANSFORMERS_VERSION=5.20.2 .                   vLLM (compose's gpu profile)
+#     --build-arg FLAVOR=gpu --build-arg LOCK=vllm.lock .                                vLLM (compose's gpu profile)
 #   docker build --target prm -t prorag-prm --build-arg BASE=pytorch/pytorch:2.14.0-cuda12.8-cudnn9-runtime \
-#     --build-arg FLAVOR=gpu --build-arg TRANSFORMERS_VERSION=5.20.2 .                   likewise trainer
+#     --build-arg FLAVOR=gpu --build-arg LOCK=cuda.lock .                                likewise trainer
 #   ... --target retriever -t prorag-retriever-gpu --build-arg BASE=pytorch/pytorch:2.14.0-cuda12.8-cudnn9-runtime \
-#     --build-arg FLAVOR=gpu --build-arg TRANSFORMERS_VERSION=5.20.2 --build-arg FAISS=faiss-gpu-cu12==1.14.1.post1
+#     --build-arg FLAVOR=gpu --build-arg LOCK=cuda-faiss-gpu.lock
 #                                                  the GPU retriever (and the gpu setup: e5 in fp16, faiss on the GPU)
-# compose.yaml passes exactly these per service; docs/DEPLOY.md has the table.
+# compose.yaml passes exactly these per service; docs/DEPLOY.md has the table of what each image holds and why the
+# versions agree.
 # Build arguments (default):
 #   BASE=python:3.11-slim         builder and runtime base. GPU: vllm/vllm-openai:v0.33.0 (policy; vLLM 0.33.0 pins
 #                                 torch 2.14.0 and transformers >=5.16.1,<5.21), pytorch/pytorch:2.14.0-cuda12.8-cudnn9-runtime
-#                                 (prm, trainer, retriever-gpu: the torch vLLM pins, so what is trained here loads there)
+#                                 (prm, trainer, retriever-gpu: the torch vLLM pins, so what is trained here loads there).
+#                                 Pin it by digest: BASE=name:tag@sha256:<digest> (compose: PRORAG_*_BASE in .env)
 #   BUILDER_BASE=$BASE            e.g. the -cudnn9-devel tag of BASE to compile flash-attn (needs nvcc)
-#   FLAVOR=cpu                    cpu = a plain venv + the CPU build of torch; gpu = torch (and vllm) from BASE,
-#                                 never re-installed
-#   TORCH_VERSION=2.13.0, TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu   FLAVOR=cpu only ('' = PyPI and
-#                                 build/wheels only)
-#   TRANSFORMERS_VERSION=5.24.0   5.20.2 in every GPU image (inside vLLM 0.33.0's range and the project's >=5.0,<6)
-#   FAISS=faiss-cpu               the faiss requirement; faiss-gpu-cu12==X for the GPU retriever (replaces faiss-cpu)
+#   FLAVOR=cpu                    cpu = a plain venv, everything from the lock; gpu = a venv over the base's
+#                                 site-packages: torch, vllm and the CUDA wheels from BASE, never re-installed
+#   LOCK=cpu.lock                 the hashed lockfile in requirements/ (scripts/lock.py): cpu.lock, cuda.lock,
+#                                 cuda-faiss-gpu.lock (faiss-gpu-cu12 in faiss-cpu's place), vllm.lock
+#   TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu   where cpu.lock's torch 2.13.0+cpu is fetched when no wheel
+#                                 lies in build/wheels ('' = build/wheels only); its sha256 is the lock's either way
 #   FLASH_ATTN_VERSION=''         e.g. 2.8.3.post2 (built against BASE's torch); empty: no code path selects it yet
-#   EXTRA_PIP=''                  more requirement specs
+#   EXTRA_PIP=''                  more requirement specs (outside the lock: not reproducible)
 #
 # Runs as uid/gid 10001 (not root); PRORAG_HOME=/data (mount the data volumes there); health over grpc.health.v1
 # through `prorag health` (which reads the PRORAG_TLS_* / PRORAG_TOKEN* settings when TLS or tokens are on).
 # Plain Dockerfile syntax: builds with the classic builder and with BuildKit, no frontend image to pull (the classic
 # builder also runs the stages before the target; the final stages have no RUN, so that costs nothing).
+# Pin BASE by digest (docs/DEPLOY.md, "Base images by digest"): BASE=python:3.11-slim@sha256:<digest>.
+# UNPINNED: python:3.11-slim's digest could not be read where this was written (no registry reachable)
 ARG BASE=python:3.11-slim
 ARG BUILDER_BASE=${BASE}
 
 FROM ${BUILDER_BASE} AS builder
 ARG FLAVOR=cpu
-ARG TORCH_VERSION=2.13.0
+ARG LOCK=cpu.lock
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG TRANSFORMERS_VERSION=5.24.0
-ARG FAISS=faiss-cpu
 ARG FLASH_ATTN_VERSION=
 ARG EXTRA_PIP=
 USER root
 WORKDIR /src
+# the dependency layer: only the lockfiles (and the optional local wheels) reach it, so it is rebuilt when they change
+# and never for a change of the code, pyproject.toml or README.md
 COPY scripts/docker/build_venv.sh /usr/local/bin/prorag-build-venv
-COPY pyproject.toml README.md ./
-# optional local wheels (e.g. the torch CPU wheel where no index is reachable); pyproject.toml keeps the COPY
-# valid when build/wheels does not exist
-COPY build/wheel[s] pyproject.toml /wheels/
+COPY requirements requirements
+# optional local wheels (e.g. the torch CPU wheel where no index is reachable); the lock keeps the COPY valid when
+# build/wheels does not exist
+COPY build/wheel[s] requirements/cpu.lock /wheels/
 RUN prorag-build-venv deps
+COPY pyproject.toml README.md ./
 COPY protos protos
 COPY prorag prorag
 COPY services services

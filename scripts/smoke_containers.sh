@@ -89,8 +89,8 @@ fi
 build() {  # $1 service (the Dockerfile's target), $2 tag
   local t=$(date +%s)
   docker build --network host -f Dockerfile --target "$1" -t "$2" \
-    --build-arg BASE="$BASE" --build-arg FLAVOR=cpu --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL" \
-    --build-arg TRANSFORMERS_VERSION="${CPU_TRANSFORMERS_VERSION:-5.24.0}" . >"$LOG_DIR/build-$1.log" 2>&1 \
+    --build-arg BASE="$BASE" --build-arg FLAVOR=cpu --build-arg LOCK=cpu.lock \
+    --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL" . >"$LOG_DIR/build-$1.log" 2>&1 \
     || fail "docker build of $1 (last lines of $LOG_DIR/build-$1.log): $(tail -5 "$LOG_DIR/build-$1.log")"
   say "built $2 in $(( $(date +%s) - t ))s ($(docker image inspect "$2" --format '{{.Size}}' | awk '{printf "%.2f GB", $1/1e9}'))"
 }

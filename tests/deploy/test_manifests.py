@@ -355,7 +355,7 @@ def test_compose_setup_reads_what_it_writes_where_the_services_read_it(compose):
     assert _sets(compose["services"]["retriever-cpu"]["command"])["index_root"] == "", "the world's index by default"
     # the gpu setup runs in the GPU retriever image (CUDA torch, faiss-gpu): e5 in fp16 and IVF-PQ training on GPU
     assert gpu["image"] == compose["services"]["retriever"]["image"]
-    assert compose["services"]["retriever"]["build"]["args"]["FAISS"].startswith("faiss-gpu-cu12==")
+    assert compose["services"]["retriever"]["build"]["args"]["LOCK"] == "cuda-faiss-gpu.lock"
 
 
 def test_compose_volumes_follow_prorag_home(compose):
@@ -380,7 +380,9 @@ def test_compose_images_and_builds(compose):
             args = build.get("args", {})
             gpu = "gpu" in svc["profiles"] and base_name(name) != "judge"
             assert args.get("FLAVOR") == ("gpu" if gpu else "cpu"), name
-            assert (args.get("FAISS", "faiss-cpu").startswith("faiss-gpu")) == (name == "retriever"), name
+            assert (args["LOCK"] == "cuda-faiss-gpu.lock") == (name == "retriever"), name
+            assert args["LOCK"] == {"cpu": "cpu.lock", "gpu": {"policy": "vllm.lock", "retriever": "cuda-faiss-gpu.lock"}
+                                    .get(name, "cuda.lock")}[args["FLAVOR"]], name
         if "cpu" in svc["profiles"] and "build" in svc:
             assert svc["build"]["args"]["BASE"] == "python:3.11-slim", name
     assert compose["services"]["policy"]["build"]["args"]["BASE"].startswith("vllm/vllm-openai:v")
@@ -427,7 +429,7 @@ def test_one_dockerfile_for_the_five_services():
     assert re.search(r"^ARG BASE=python:3.11-slim$", text, re.M), "the base image is a build argument (CPU default)"
     assert stages["builder"].startswith("FROM ${BUILDER_BASE} AS builder")
     assert stages["runtime"].startswith("FROM ${BASE} AS runtime")
-    for arg in ("FLAVOR=cpu", "TORCH_VERSION=", "TRANSFORMERS_VERSION=", "FAISS=faiss-cpu", "EXTRA_PIP=",
+    for arg in ("FLAVOR=cpu", "LOCK=cpu.lock", "TORCH_INDEX_URL=", "EXTRA_PIP=",
                 "FLASH_ATTN_VERSION="):
         assert re.search(rf"^ARG {arg}", stages["builder"], re.M), arg
     assert "COPY --from=builder /opt/venv /opt/venv" in stages["runtime"], "the runtime stage copies the venv"
@@ -454,7 +456,8 @@ def test_gpu_images_agree_on_torch_and_transformers(compose):
     gpu = {n: s["build"]["args"] for n, s in profile_services(compose, "gpu").items()
            if "build" in s and s["build"]["args"]["FLAVOR"] == "gpu"}
     assert set(gpu) == {"retriever", "policy", "prm", "trainer"}
-    assert len({a["TRANSFORMERS_VERSION"] for a in gpu.values()}) == 1, "what the trainer saves the policy loads"
+    # one transformers in every GPU image (what the trainer saves the policy loads): tests/deploy/test_locks.py
+    assert {a["LOCK"] for a in gpu.values()} == {"vllm.lock", "cuda.lock", "cuda-faiss-gpu.lock"}
     assert re.fullmatch(r"vllm/vllm-openai:v\d+\.\d+\.\d+", gpu["policy"]["BASE"])
     torch_bases = {a["BASE"] for n, a in gpu.items() if n != "policy"}
     (torch_base,) = torch_bases
@@ -477,7 +480,8 @@ def test_dockerignore_keeps_the_context_small():
     lines = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
              if line.strip() and not line.startswith("#")]
     assert lines[0] == "*", "an allowlist"
-    for needed in ("pyproject.toml", "README.md", "protos", "prorag", "prorag_app", "services", "scripts/docker"):
+    for needed in ("pyproject.toml", "README.md", "requirements", "protos", "prorag", "prorag_app", "services",
+                   "scripts/docker"):
         assert f"!{needed}" in lines, needed
 
 
