@@ -268,6 +268,7 @@ def build_report(run_dirs, out_dir: str | Path, html_dir: str | Path | None = No
                         "read_on": "heldout" if heldout else "test"}}
     if heldout:
         report["comparisons_heldout"] = heldout
+    report["budget"] = budget_note([r["results"].get("profile", "") for r in runs])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     svgs: dict[str, str] = {}
@@ -290,6 +291,25 @@ def _pct(v: float) -> str:
     return f"{100 * v:.1f}"
 
 
+#: profiles whose stages 2-4 are demonstrations sized for `make run`'s hour on 2 cores, not measurements of the claim
+DEMONSTRATION_PROFILES = ("default", "full", "tiny", "quick", "stage1")
+
+
+def budget_note(profiles: list[str]) -> str:
+    """What a report's stage 2-4 figures are: a demonstration at `make run`'s budget (the default profile, or seeds
+    of the ablation over it), or the research profile's experiment; says so in one sentence for the reader."""
+    names = {p.split("/")[0] for p in profiles}
+    if names and names <= {"research"}:
+        return ("The research profile's experiment: its figures are the project's measurement of the paper's claim "
+                "(docs/BENCHMARKS.md records how its settings were chosen on dev).")
+    if names & {*DEMONSTRATION_PROFILES, "ablation"}:
+        return ("Stages 2-4 here are demonstrations at `make run`'s budget (an hour on 2 cores: MCTS on 100 "
+                "questions, 10 RL iterations): they show each stage working, not whether process supervision "
+                "helps; that is the research profile's figure (`prorag run --profile research`, "
+                "docs/BENCHMARKS.md).")
+    return "Runs of profiles " + ", ".join(sorted(n or "-" for n in names)) + "."
+
+
 def comparison_table(comparisons: dict) -> list[str]:
     """The markdown lines of one table of paired comparisons (compare_methods' output)."""
     def ci(bounds) -> str:
@@ -308,6 +328,7 @@ def comparison_table(comparisons: dict) -> list[str]:
 
 def markdown(report: dict) -> str:
     lines = [f"# Report: {len(report['runs'])} run(s) on world `{report['world']}`", "",
+             *([report["budget"], ""] if report.get("budget") else []),
              "F1 x100 [95% CI over questions of the seed-averaged F1]; seeds = runs that evaluated the method.", "",
              "| method | seeds | overall | " + " | ".join(f"{h}-hop" for h in HOP_GROUPS) + " | 2+ hops | EM |",
              "|---|---|---|" + "---|" * len(HOP_GROUPS) + "---|---|"]

@@ -505,6 +505,7 @@ def write_html(report: dict, runs: list[dict], html_dir: str | Path, svgs: dict[
     body = f"""
 <header><h1>Report: {len(report['runs'])} run(s) on world <code>{_e(report['world'])}</code></h1>
 <p class=muted>{'<br>'.join(_e(r) for r in report['runs'])}</p>
+<p class=note>{_e(report.get('budget', ''))}</p>
 <nav><a href="#results">Results</a> <a href="#comparisons">Comparisons</a> <a href="#ablations">Ablations</a>
 <a href="#training">Training curves</a> <a href="#trajectories">Trajectories</a> <a href="#trees">MCTS trees</a></nav>
 </header>

@@ -219,3 +219,17 @@ def test_claim_links_name_the_first_link_that_does_not_hold():
     assert claim_links(good, [{"passed": True}])["first_failed"] is None
     missing = claim_links({}, [])
     assert {lk["status"] for lk in missing["links"]} == {"not run"} and missing["first_failed"] == "RL learns"
+
+
+def test_the_report_says_whether_its_stage_2_4_figures_are_a_demonstration_or_the_research_experiment(tmp_path):
+    from prorag_app.report import budget_note
+
+    assert "demonstrations at `make run`'s budget" in budget_note(["default"])
+    assert "demonstrations" in budget_note(["ablation/seed1", "ablation/seed2"])
+    assert budget_note(["research/seed1", "research/seed2"]).startswith("The research profile's experiment")
+    assert budget_note(["mine"]) == "Runs of profiles mine."
+    run = _run(tmp_path, "seed1", {"sft": [0.0] * 4})
+    results = json.loads((run / "results.json").read_text())
+    (run / "results.json").write_text(json.dumps({**results, "profile": "default"}))
+    report = build_report([run], tmp_path / "out")
+    assert "demonstrations" in report["budget"] and report["budget"] in (tmp_path / "out" / "report.md").read_text()
