@@ -81,6 +81,11 @@ class TrainerConfig:
     max_attempts: int = cfg_field(3, help="times a job's process may die under it (killed, out of memory, a crash) "
                                          "before the job is FAILED instead of re-queued at the next start; a clean "
                                          "shutdown does not count", min=1, max=1000)
+    memory_check: bool = cfg_field(True, help="refuse at StartJob (FAILED_PRECONDITION) a training job whose memory "
+                                              "estimate (weights, gradients, optimizer state, activations and logits "
+                                              "at its micro-batch of max_len sequences: a worst case) exceeds the GPU "
+                                              "it would run on, naming the launch that would fit; false = submit "
+                                              "anyway (services/trainer/memory_check.py)")
 
     def resolved_root(self) -> Path:
         return Path(self.jobs_root) if self.jobs_root else paths.runs_dir() / "jobs"
@@ -98,7 +103,8 @@ async def start(serve: ServeConfig, cfg: TrainerConfig | None = None, **_: objec
     manager = JobManager(cfg.resolved_root(), keep_checkpoints=cfg.keep_checkpoints,
                          tracking=cfg.resolved_tracking(), parallel_jobs=cfg.parallel_jobs,
                          max_attempts=cfg.max_attempts, allowed_endpoints=cfg.allowed_endpoints,
-                         service_addresses=cfg.service_addresses, max_queued_jobs=cfg.max_queued_jobs)
+                         service_addresses=cfg.service_addresses, max_queued_jobs=cfg.max_queued_jobs,
+                         memory_check=cfg.memory_check)
     servicer = TrainerServicer(manager)
     spec = ServerSpec(name="trainer",
                       services=[(SERVICE, lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s))],

@@ -18,6 +18,7 @@ from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag.jsontext import check_strings
 from prorag.rpc import jsonbody
 from prorag.validation import check_allowed_endpoints, data_roots
+from services.trainer.memory_check import check_fits
 from services.trainer.stages import Stage, check_job_config, validate_config
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -47,8 +48,10 @@ class Admission:
     """The checks of one trainer: its jobs root (inside the data root a config's paths must be in), the endpoints
     a config may point at, and the deployment's service addresses for what a config leaves unset."""
 
-    def __init__(self, jobs_root: Path, allowed_endpoints: Sequence[str], service_addresses: dict[str, str]):
+    def __init__(self, jobs_root: Path, allowed_endpoints: Sequence[str], service_addresses: dict[str, str], *,
+                 memory_check: bool = True):
         self.jobs_root = jobs_root
+        self.memory_check = memory_check
         self.allowed_endpoints = check_allowed_endpoints(allowed_endpoints)
         self.service_addresses = dict(service_addresses)
 
@@ -79,6 +82,9 @@ class Admission:
             cfg = validate_config(stage, config)
             cfg_dict = to_dict(cfg)
             self.check(stage, cfg_dict)  # the defaults too
+            # a job whose memory estimate exceeds its GPU is refused now, with what would fit (memory_check)
+            if self.memory_check:
+                check_fits(stage.name, cfg)
         return cfg, cfg_dict, canonical_json(cfg_dict)
 
     def check(self, stage: Stage, config: dict) -> None:

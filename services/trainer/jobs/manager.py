@@ -36,7 +36,8 @@ class JobManager:
     def __init__(self, root: str | Path, *, keep_checkpoints: int = 2, tracking: str = "wandb",
                  parallel_jobs: int = 1, max_attempts: int = 3,
                  allowed_endpoints: Sequence[str] = DEFAULT_ALLOWED_ENDPOINTS,
-                 service_addresses: dict[str, str] | None = None, max_queued_jobs: int = 256):
+                 service_addresses: dict[str, str] | None = None, max_queued_jobs: int = 256,
+                 memory_check: bool = True):
         if parallel_jobs < 1:
             raise ValueError(f"parallel_jobs must be >= 1, got {parallel_jobs}")
         if max_attempts < 1:
@@ -45,7 +46,8 @@ class JobManager:
         self.max_attempts = max_attempts
         self.max_queued = max_queued_jobs
         self.store = JobStore(root)
-        self.admission = Admission(self.store.root, allowed_endpoints, service_addresses or {})
+        self.admission = Admission(self.store.root, allowed_endpoints, service_addresses or {},
+                                   memory_check=memory_check)
         self.ledger = JobLedger(self.store)
         self._stop = threading.Event()
         self.runner = JobRunner(self.ledger, self.admission, self._stop, keep_checkpoints=keep_checkpoints,
