@@ -7,8 +7,10 @@ import threading
 import grpc
 
 from prorag.rpc.clients import PolicyClient
-# The real policy + retriever stack of test_service (module-scoped, so this module starts its own).
-from tests.services.policy.test_service import adapters, home, loop, model_dir, stack  # noqa: F401
+# The real policy + retriever stack of test_service (module-scoped, so this module starts its own), on each engine
+# test_service runs (the vLLM case where `make test-vllm` built its environment).
+from tests.services.policy.test_service import (adapters, engine, home, loop, model_dir, served_model,  # noqa: F401
+                                                 stack)
 
 
 def test_concurrent_activate_and_unload_never_leave_an_unloaded_adapter_active(stack):  # noqa: F811
