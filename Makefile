@@ -94,7 +94,7 @@ vllm-env: $(VLLM_STAMP)
 # a failure, not a skip.
 test-vllm: install vllm-env
 	PRORAG_REQUIRE_VLLM=1 PRORAG_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) \
-	  $(PY) -m pytest -q --durations=10 tests/services/policy/test_service.py -k vllm
+	  $(PY) -m pytest -q --durations=10 tests/services/policy/test_service.py tests/services/policy/test_manager.py -k vllm
 
 clean-data:
 	rm -rf data runs
