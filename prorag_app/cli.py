@@ -604,6 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default="sft", help="policy/swap: published model name[@version], a path, or 'base'")
     b.add_argument("--questions", type=int, default=64, help="policy: questions per rollout batch; rl: per iteration")
     b.add_argument("--samples", type=int, default=8, help="policy: samples per question (GRPO group size)")
+    b.add_argument("--engines", default="auto", help="policy: comma-separated engines to compare (auto: transformers, "
+                                                    "and the vLLM policies where `make vllm-env` built a vLLM Python)")
     b.add_argument("--swaps", type=int, default=100, help="swap: adapter pushes")
     b.add_argument("--clients", type=int, default=4, help="swap: concurrent generating clients; prm: concurrent "
                                                           "callers; soak: steady callers")
