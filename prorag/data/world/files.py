@@ -142,7 +142,7 @@ def ensure_deep_split(out_dir: str | Path, n: int, split: str = "test") -> Path:
 def _check_reproduced(out_dir: Path, cfg: WorldConfig, w: dict, adding: str) -> None:
     """FailedPrecondition unless the world regenerated in memory (``w``) has the splits on disk: an extra split
     drawn after them is disjoint from them only if the generator still makes them."""
-    from prorag.errors import FailedPrecondition
+    from prorag.errors import FailedPrecondition  # here: prorag.errors imports grpc, which world generation does not need
 
     for s in SPLITS:
         on_disk = [(r["id"], r["question"]) for r in read_jsonl(out_dir / f"{s}.jsonl")]
@@ -161,7 +161,7 @@ def ensure_heldout_split(out_dir: str | Path, n: int, test_n: int, dev_n: int) -
     ``dev_n`` questions, and written too, so that a deep split made later can never overlap it. The sizes it was
     drawn after are recorded beside it (``heldout_deep.after``): if either deep split is redrawn with another size,
     the held-out split is drawn again after them (and was then not read once)."""
-    from prorag.errors import InvalidArgument
+    from prorag.errors import InvalidArgument  # here: as above (grpc)
 
     if n < 1 or test_n < 1 or dev_n < 1:
         raise InvalidArgument(f"held-out split: n, test_n and dev_n are at least 1; got {n}, {test_n}, {dev_n}")
