@@ -52,7 +52,9 @@ def question_sets(run: dict, n: int, seed: int = 0) -> dict[str, list]:
     else:
         pool_qs = load_split(paths.world_dir(world), rl.get("split", "train"))
     pool_qs = select_questions(pool_qs, int(rl.get("min_hops", 0)), int(rl.get("max_questions", 0)))
-    ensure_deep_split(paths.world_dir(world), max(n, 1), "dev")
+    if not (paths.world_dir(world) / f"{DEV_DEEP_SPLIT}.jsonl").exists():
+        # drawn only when missing: asking for another size would redraw the dev deep split (and the held-out one)
+        ensure_deep_split(paths.world_dir(world), max(n, 1), "dev")
     unseen = load_split(paths.world_dir(world), DEV_DEEP_SPLIT)
 
     def draw(qs: list) -> list:
