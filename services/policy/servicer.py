@@ -20,7 +20,8 @@ from prorag.rollout import TrajectoryResult, decode, run_rollouts
 from services.policy.manager import AdapterManager
 from services.policy.requests import RequestChecks
 from services.policy.scheduler import GenerationScheduler
-from services.policy.server import PolicyConfig, RetrieverSearch
+from services.policy.config import PolicyConfig
+from services.policy.retriever_client import RetrieverSearch
 
 
 def _deadline(context) -> float | None:

@@ -9,7 +9,7 @@ import pytest
 
 from prorag.errors import InvalidArgument
 from services.policy.requests import CHARS_PER_TOKEN, RequestChecks
-from services.policy.server import PolicyConfig
+from services.policy.config import PolicyConfig
 
 
 class WordTokenizer:
