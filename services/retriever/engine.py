@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ from .docstore import DocStore, read_meta
 from .encoders import Encoder, EncoderConfig, import_bm25s, make_bm25_tokenizer, resolve_use_gpu
 
 __all__ = ["Retriever", "DenseRetriever", "BM25Retriever", "HybridRetriever",
-           "PyseriniBM25Retriever", "RetrievalEngine"]
+           "PyseriniBM25Retriever", "RetrievalEngine", "INDEX_KINDS", "IndexOpening"]
 
 log = logging.getLogger(__name__)
 
@@ -364,39 +365,76 @@ class RetrievalEngine:
                  candidate_k: int = 100, alpha: float = 0.5, bm25_threads: int = 0, bm25_mmap: bool = False,
                  corpus_path: str | Path | None = None, lucene_index: str | Path | None = None,
                  encoder: Encoder | None = None, faiss_threads: int = 0) -> "RetrievalEngine":
-        """Open what ``build_all`` wrote: ``docstore/``, ``dense/`` and ``dense-*/`` variants, ``bm25/``.
+        """Open what ``build_all`` wrote: ``docstore/`` and every index directory whose meta.json names a kind in
+        :data:`INDEX_KINDS` (``dense/`` and its ``dense-*/`` variants, ``bm25/``), each served under its
+        directory's name.
 
-        "hybrid" is composed from "dense" (else the first variant) and "bm25" when both exist;
+        "hybrid" is composed from "dense" (else the first dense variant) and "bm25" when both exist;
         ``lucene_index`` adds a pyserini "bm25-lucene" index. ``encoder`` is reused by every dense
         index built with the same encoder settings (tests, or one process serving variants).
         """
         root = Path(index_root)
         if not (root / "docstore" / "meta.json").is_file():
-            raise FailedPrecondition(f"{root} has no finished doc store (docstore/meta.json); run `prorag index` first")
-        docstore = DocStore(root / "docstore", corpus_path=corpus_path)
-        indexes: dict[str, Retriever] = {}
-        encoders: dict[str, Encoder] = {}
+            raise FailedPrecondition(f"{root} has no finished doc store (docstore/meta.json); run `prorag index`")
+        opening = IndexOpening(DocStore(root / "docstore", corpus_path=corpus_path), device=device, use_gpu=use_gpu,
+                               nprobe=nprobe, ef_search=ef_search, faiss_threads=faiss_threads,
+                               bm25_threads=bm25_threads, bm25_mmap=bm25_mmap)
         if encoder is not None:
-            encoders[repr(sorted(encoder.cfg.identity().items()))] = encoder
-        dense_dirs = sorted(p for p in root.iterdir() if p.is_dir() and (p.name == "dense" or p.name.startswith("dense-")))
-        for d in dense_dirs:
+            opening.encoders[repr(sorted(encoder.cfg.identity().items()))] = encoder
+        indexes: dict[str, Retriever] = {}
+        for d in sorted(p for p in root.iterdir() if p.is_dir() and p.name != "docstore"):
             meta = read_meta(d)
-            if meta is None or meta.get("kind") != "dense":
-                log.warning("skipping %s: no finished dense index there (interrupted build?)", d)
+            if meta is None:
+                log.warning("skipping %s: no finished index there (no meta.json: an interrupted build?)", d)
                 continue
-            ek = repr(sorted(_encoder_cfg(meta, device).identity().items()))
-            r = DenseRetriever(d, docstore, encoder=encoders.get(ek), device=device, use_gpu=use_gpu,
-                               nprobe=nprobe, ef_search=ef_search, faiss_threads=faiss_threads)
-            encoders[ek] = r.encoder
-            indexes[d.name] = r
-        if (root / "bm25" / "meta.json").is_file():
-            indexes["bm25"] = BM25Retriever(root / "bm25", docstore, n_threads=bm25_threads, mmap=bm25_mmap)
-        dense_names = [n for n in indexes if n == "dense" or n.startswith("dense-")]
+            open_kind = INDEX_KINDS.get(meta.get("kind", ""))
+            if open_kind is None:
+                log.warning("skipping %s: index kind %r is not one this server opens (%s)", d, meta.get("kind"),
+                            ", ".join(INDEX_KINDS))
+                continue
+            indexes[d.name] = open_kind(d, opening)
+        dense_names = [n for n, r in indexes.items() if r.kind == "dense"]
         if dense_names and "bm25" in indexes:
             main = "dense" if "dense" in indexes else dense_names[0]
             indexes["hybrid"] = HybridRetriever(indexes[main], indexes["bm25"], method=hybrid_method, rrf_k=rrf_k,
                                                 candidate_k=candidate_k, alpha=alpha)
         if lucene_index is not None:
-            indexes["bm25-lucene"] = PyseriniBM25Retriever(lucene_index, docstore)
-        return cls(indexes, docstore, default)
+            indexes["bm25-lucene"] = PyseriniBM25Retriever(lucene_index, opening.docstore)
+        return cls(indexes, opening.docstore, default)
 
+
+@dataclasses.dataclass
+class IndexOpening:
+    """What opening one index directory may read: the shared doc store, the server's index settings, and the
+    query encoders already loaded (keyed by encoder identity), so dense variants built alike share one."""
+
+    docstore: DocStore
+    device: str = "auto"
+    use_gpu: str = "auto"
+    nprobe: int | None = None
+    ef_search: int | None = None
+    faiss_threads: int = 0
+    bm25_threads: int = 0
+    bm25_mmap: bool = False
+    encoders: dict[str, Encoder] = dataclasses.field(default_factory=dict)
+
+
+def open_dense(index_dir: Path, opening: IndexOpening) -> Retriever:
+    key = repr(sorted(_encoder_cfg(read_meta(index_dir), opening.device).identity().items()))
+    retriever = DenseRetriever(index_dir, opening.docstore, encoder=opening.encoders.get(key), device=opening.device,
+                               use_gpu=opening.use_gpu, nprobe=opening.nprobe, ef_search=opening.ef_search,
+                               faiss_threads=opening.faiss_threads)
+    opening.encoders[key] = retriever.encoder
+    return retriever
+
+
+def open_bm25(index_dir: Path, opening: IndexOpening) -> Retriever:
+    return BM25Retriever(index_dir, opening.docstore, n_threads=opening.bm25_threads, mmap=opening.bm25_mmap)
+
+
+#: an index directory's kind (the "kind" of its meta.json, written by services.retriever.indexing) -> how to open
+#: it: a new kind of index is one retriever class, one opener and one row here
+INDEX_KINDS: dict[str, Callable[[Path, IndexOpening], Retriever]] = {
+    "dense": open_dense,
+    "bm25": open_bm25,
+}

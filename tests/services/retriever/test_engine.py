@@ -6,7 +6,8 @@ import pytest
 
 from prorag.data.loaders import Document
 from prorag.errors import FailedPrecondition, NotFound
-from services.retriever.engine import HybridRetriever, PyseriniBM25Retriever, RetrievalEngine
+from services.retriever import engine as engine_module
+from services.retriever.engine import HybridRetriever, PyseriniBM25Retriever, RetrievalEngine, Retriever
 
 from .conftest import codes, paraphrases, topic_ids
 
@@ -89,6 +90,43 @@ def test_from_dir_errors(tmp_path, index_root, encoder):
     e = RetrievalEngine.from_dir(root, default="bm25")
     assert [i["name"] for i in e.list_indexes()] == ["bm25"]
     assert isinstance(e.search(["QV-2291"], 1)[0][0], Document)
+
+
+class ReversedBM25(Retriever):
+    """A kind of index added by one class and one row of INDEX_KINDS: BM25's hits, worst first."""
+
+    kind = "reversed-bm25"
+
+    def __init__(self, inner):
+        super().__init__(inner.docstore)
+        self.inner = inner
+
+    def search_raw(self, queries, k):
+        return [list(reversed(hits)) for hits in self.inner.search_raw(queries, k)]
+
+
+def test_index_kinds_come_from_the_registry(tmp_path, index_root, monkeypatch, caplog):
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(index_root / "docstore", root / "docstore")
+    shutil.copytree(index_root / "bm25", root / "bm25")
+    (root / "bm25-reversed").mkdir()
+    (root / "bm25-reversed" / "meta.json").write_text('{"kind": "reversed-bm25"}')
+    (root / "half-built").mkdir()  # no meta.json: an interrupted build, skipped with a warning
+    without = RetrievalEngine.from_dir(root, default="bm25")
+    assert [i["name"] for i in without.list_indexes()] == ["bm25"]
+    assert "index kind 'reversed-bm25' is not one this server opens" in caplog.text
+    assert "half-built" in caplog.text
+
+    def open_reversed(index_dir, opening):
+        # the BM25 index beside it underneath (this kind's own directory only has to say its kind)
+        return ReversedBM25(engine_module.open_bm25(index_dir.parent / "bm25", opening))
+
+    monkeypatch.setitem(engine_module.INDEX_KINDS, "reversed-bm25", open_reversed)
+    e = RetrievalEngine.from_dir(root, default="bm25")
+    assert {i["name"]: i["kind"] for i in e.list_indexes()} == {"bm25": "bm25", "bm25-reversed": "reversed-bm25"}
+    forward = [d.id for d in e.search(["QV-2291 registry"], 5, "bm25")[0]]
+    assert [d.id for d in e.search(["QV-2291 registry"], 5, "bm25-reversed")[0]] == forward[::-1]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pyserini") is not None, reason="pyserini installed")
