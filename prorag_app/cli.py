@@ -1,4 +1,4 @@
-"""The `prorag` command: world, index, serve, up, bench, run.
+"""The `prorag` command: world, index, data, serve, up, bench, run.
 
 Interface relied on by outside tools (keep stable): `prorag up [--port-offset N]`,
 `prorag serve <service> [--port N] [--http-port N] [--metrics-port N]`, `prorag bench <target> --json`
@@ -122,6 +122,18 @@ def _job(args, client) -> int:
             job = tc.wait(job.job_id, timeout=args.timeout or None)
         print(json.dumps(_job_record(job)))
     return 0 if not args.wait or _job_record(job)["state"] == "SUCCEEDED" else 1
+
+
+def cmd_data(args) -> int:
+    """`prorag data import`: a multi-hop QA dataset into the question format, hops aligned to corpus passages."""
+    from prorag_app.data_import import DataImportArgs, run_import
+
+    report = run_import(DataImportArgs(dataset=args.dataset, input=args.file, corpus=args.corpus or "",
+                                       index_root=args.index_root or "", out=args.out or "", limit=args.limit,
+                                       teacher_url=args.teacher_url or "", teacher_model=args.teacher_model))
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+    return 0
 
 
 def cmd_base(args) -> int:
@@ -539,6 +551,27 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--wait", action="store_true", help="follow the job to its end; exit 1 unless it succeeded")
         sp.add_argument("--timeout", type=float, default=0, help="seconds --wait waits at most (0 = no limit)")
     jb.set_defaults(fn=cmd_job)
+
+    da = sub.add_parser("data", help="datasets in: `data import` writes MuSiQue, 2WikiMultiHopQA or HotpotQA as "
+                                     "questions whose hops name corpus passages (SFT's decompositions)")
+    da_sub = da.add_subparsers(dest="data_cmd", required=True)
+    di = da_sub.add_parser("import", help="one dataset file into the question format, each hop's supporting paragraph "
+                                          "aligned to a corpus passage (title, then BM25 text); prints the alignment "
+                                          "rate and writes a report beside the output")
+    di.add_argument("dataset", choices=["musique", "2wiki", "hotpotqa"], help="the file's dataset")
+    di.add_argument("file", help="its original JSON/JSONL or FlashRAG's JSONL (.gz allowed)")
+    di.add_argument("--corpus", default=None, help="the corpus the retriever serves (wiki-18 JSONL); without "
+                                                   "--index-root a BM25 index of it is built once")
+    di.add_argument("--index-root", default=None, help="a `prorag index` root over the corpus (docstore/, bm25/), "
+                                                       "e.g. the retriever's RETRIEVER_INDEX_ROOT")
+    di.add_argument("--out", default=None, help="output JSONL (default data/imports/<dataset>-<file>.jsonl); the "
+                                                "report goes beside it as .report.json")
+    di.add_argument("--limit", type=int, default=0, help="read at most N records (0 = all)")
+    di.add_argument("--teacher-url", default=None, help="OpenAI-compatible endpoint that writes a decomposition "
+                                                        "where the dataset has none (HotpotQA); key: OPENAI_API_KEY")
+    di.add_argument("--teacher-model", default="gpt-4o", help="the teacher's model")
+    di.add_argument("--json", action="store_true", help="also print the report as one JSON line, last")
+    di.set_defaults(fn=cmd_data)
 
     bp = sub.add_parser("base", help="build the embedded base policy of a world (resumes if interrupted); "
                                      "prints its directory")

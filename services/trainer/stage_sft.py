@@ -162,6 +162,9 @@ def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]
     kept = [s for s in samples if len(s.token_ids) <= cfg.max_len]
     stats["dropped_too_long"] = len(samples) - len(kept)
     stats["samples"] = len(kept)
+    # ProRAG counts one sample per step (its 109k SFT "context-action pairs"); a sample here is a whole
+    # trajectory, so its steps are the number to compare with the paper's
+    stats["context_action_pairs"] = sum(len(s.spans) for s in kept)
     stats["tokens"] = sum(len(s.token_ids) for s in kept)
     stats["trained_tokens"] = sum(s.generated_tokens for s in kept)
     if not kept:
