@@ -563,7 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("--corpus", default=None, help="the corpus the retriever serves (wiki-18 JSONL); without "
                                                    "--index-root a BM25 index of it is built once")
     di.add_argument("--index-root", default=None, help="a `prorag index` root over the corpus (docstore/, bm25/), "
-                                                       "e.g. the retriever's RETRIEVER_INDEX_ROOT")
+                                                       "e.g. the retriever's RETRIEVER_INDEX_ROOT; with --corpus, "
+                                                       "the two are built there when missing")
     di.add_argument("--out", default=None, help="output JSONL (default data/imports/<dataset>-<file>.jsonl); the "
                                                 "report goes beside it as .report.json")
     di.add_argument("--limit", type=int, default=0, help="read at most N records (0 = all)")

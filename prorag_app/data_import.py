@@ -23,7 +23,8 @@ class DataImportArgs:
     corpus: str = cfg_field("", help="the corpus whose ids the decompositions name (wiki-18 JSONL); with no "
                                      "index_root, a BM25 index of it is built under data/indexes/import-<name>")
     index_root: str = cfg_field("", help="a `prorag index` root over the corpus (docstore/ and bm25/), e.g. the "
-                                         "retriever's RETRIEVER_INDEX_ROOT; its corpus is the doc store's")
+                                         "retriever's RETRIEVER_INDEX_ROOT; its corpus is the doc store's; with "
+                                         "--corpus, the two are built there when missing")
     out: str = cfg_field("", help="output JSONL ('' = data/imports/<dataset>-<input name>.jsonl)")
     limit: int = cfg_field(0, help="read at most this many records (0 = all)", min=0)
     teacher_url: str = cfg_field("", help="OpenAI-compatible endpoint that writes decompositions where the "
@@ -48,24 +49,40 @@ def report_path(out: Path) -> Path:
 
 
 def _bm25_root(args: DataImportArgs) -> Path:
-    """An index root holding a doc store and a BM25 index of the corpus, built here when only a corpus is given."""
-    if args.index_root:
-        root = Path(args.index_root)
-        if not (root / "bm25" / "meta.json").is_file() or not (root / "docstore" / "meta.json").is_file():
-            raise FailedPrecondition(f"{root} holds no finished doc store and BM25 index (docstore/, bm25/); build "
-                                     "them with `prorag index --corpus CORPUS --out DIR` or pass --corpus alone")
+    """An index root holding a doc store and a BM25 index of the corpus. Given a corpus, they are built (a no-op
+    when current) under --index-root, or under data/indexes/import-<name> without one: `prorag index` and the
+    setup build the same two there, so an import run before the setup spares it the BM25 build."""
+    from services.retriever.docstore import read_meta
+
+    root = Path(args.index_root) if args.index_root else None
+    if root is not None and read_meta(root / "bm25") and read_meta(root / "docstore"):
         return root
     if not args.corpus:
+        if root is not None:
+            raise FailedPrecondition(f"{root} holds no finished doc store and BM25 index (docstore/, bm25/); give the "
+                                     "corpus too (--corpus) to build them there")
         raise InvalidArgument("give the corpus (--corpus) or a `prorag index` root over it (--index-root)")
     corpus = Path(args.corpus)
     if not corpus.is_file():
         raise InvalidArgument(f"corpus {corpus} does not exist")
+    root = root or paths.data_dir() / "indexes" / f"import-{corpus.name.split('.')[0]}"
+    store = read_meta(root / "docstore")
+    if store and store.get("corpus_size") != corpus.stat().st_size:  # never rebuild a served root over another corpus
+        raise InvalidArgument(f"{root} indexes another corpus ({store.get('corpus_path')}), not {corpus}")
     from services.retriever.indexing import BM25Config, build_all
 
-    root = paths.data_dir() / "indexes" / f"import-{corpus.name.split('.')[0]}"
-    _say(f"BM25 index of {corpus} under {root} (built once; reused while the corpus is unchanged)")
+    _say(f"doc store and BM25 index of {corpus} under {root} (built once; reused while the corpus is unchanged)")
     build_all(corpus, root, bm25_cfg=BM25Config(), dense=False)
     return root
+
+
+def _sha256_if_other(corpus: Path, docstore) -> str:
+    """The corpus's sha256, read only when it is not the doc store's own file (a copy of it may sit elsewhere)."""
+    if corpus.resolve() == docstore.corpus_path.resolve():
+        return docstore.corpus_sha256
+    from prorag.io import sha256_file
+
+    return sha256_file(corpus)
 
 
 def run_import(args: DataImportArgs) -> dict:
@@ -83,7 +100,7 @@ def run_import(args: DataImportArgs) -> dict:
     root = _bm25_root(args)
     docstore = DocStore(root / "docstore")
     try:
-        if args.corpus and Path(args.corpus).resolve() != docstore.corpus_path.resolve():
+        if args.corpus and docstore.corpus_sha256 != _sha256_if_other(Path(args.corpus), docstore):
             raise InvalidArgument(f"--corpus {args.corpus} is not the corpus of {root}'s doc store "
                                   f"({docstore.corpus_path}); pass one of them")
         bm25 = BM25Retriever(root / "bm25", docstore)

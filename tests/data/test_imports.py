@@ -205,23 +205,30 @@ def test_import_prints_the_alignment_rate_and_writes_questions_sft_reads(capsys,
         assert "no decomposition in the dataset" in printed
 
 
-def test_import_refuses_a_missing_corpus_and_an_index_of_another_corpus(capsys, tmp_path):
+def test_import_builds_its_index_where_asked_and_refuses_another_corpus(capsys, tmp_path):
     from prorag_app.cli import main
 
     with env("PRORAG_DATA", str(tmp_path / "data")):
         assert main(["data", "import", "musique", str(FIX / "musique.jsonl")]) == 2
         assert "--corpus" in capsys.readouterr().err
+        root = tmp_path / "indexes" / "wiki"
+        assert main(["data", "import", "musique", str(FIX / "musique.jsonl"), "--index-root", str(root)]) == 2
+        assert "give the corpus too" in capsys.readouterr().err
+        # the doc store and BM25 index `prorag index` and the setup would build there, built by the import
+        assert main(["data", "import", "musique", str(FIX / "musique.jsonl"), "--corpus", str(CORPUS),
+                     "--index-root", str(root), "--out", str(tmp_path / "a.jsonl")]) == 0
+        assert (root / "bm25" / "meta.json").is_file() and (root / "docstore" / "meta.json").is_file()
+        assert "alignment rate 85.7%" in capsys.readouterr().out
+        # the index root alone names its corpus
+        assert main(["data", "import", "musique", str(FIX / "musique.jsonl"), "--index-root", str(root),
+                     "--out", str(tmp_path / "b.jsonl")]) == 0
+        assert "alignment rate 85.7%" in capsys.readouterr().out
+        assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
         other = tmp_path / "other.jsonl"
-        shutil.copy(CORPUS, other)
-        _import(capsys, "musique", FIX / "musique.jsonl", tmp_path / "data")
-        root = tmp_path / "data" / "indexes" / "import-corpus"
+        other.write_text(CORPUS.read_text() + json.dumps({"id": "x1", "contents": '"X"\nanother passage'}) + "\n")
         assert main(["data", "import", "musique", str(FIX / "musique.jsonl"), "--corpus", str(other),
                      "--index-root", str(root)]) == 2
         assert "is not the corpus of" in capsys.readouterr().err
-        # the index root alone names its corpus
-        assert main(["data", "import", "musique", str(FIX / "musique.jsonl"), "--index-root", str(root),
-                     "--out", str(tmp_path / "again.jsonl")]) == 0
-        assert "alignment rate 85.7%" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- the teacher
