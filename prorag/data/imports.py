@@ -5,7 +5,8 @@ MuSiQue, 2WikiMultiHopQA and HotpotQA ship their own paragraphs, not ids of the 
 supports it (``metadata.decomposition[i].doc_id``), so an import:
 
 1. reads each dataset in its own schema (the original files, JSON or JSONL, and FlashRAG's copies, which keep
-   the question and golden answers and put the rest under ``metadata``) into :class:`SourceRecord`: the
+   the question and golden answers and put the rest under ``metadata``: MuSiQue's with each step's supporting
+   paragraph inside the step, 2Wiki's and HotpotQA's lists as dicts of lists) into :class:`SourceRecord`: the
    question, its answers, its hops (sub-question, sub-answer, the dataset's supporting paragraph) and every
    supporting paragraph;
 2. aligns each supporting paragraph to a corpus passage (:func:`align_passages`): by title when exactly one
@@ -237,17 +238,24 @@ def relation_question(subject: str, relation: str) -> str:
 _HOP_REF = re.compile(r"#(\d+)")
 
 
+def _paragraph(p: dict) -> Passage:
+    return Passage(str(p.get("title", "")), str(p.get("paragraph_text", p.get("text", ""))))
+
+
 def _musique(row: dict, where: str) -> SourceRecord:
     ds = "musique"
     qid, question, answers = str(row.get("id", "")), _str(row, "question", where, ds), _answers(row, where, ds)
     if not qid:
         raise InvalidArgument(f"{where}: musique record has no 'id'")
+    steps = _list(row, "question_decomposition", where, ds)
+    # the original files hold every paragraph beside the decomposition; FlashRAG's copy drops them and keeps each
+    # step's supporting one inside the step ("support_paragraph")
+    inline = bool(steps) and all(isinstance(s, dict) and isinstance(s.get("support_paragraph"), dict) for s in steps)
     paragraphs: dict[int, Passage] = {}
-    for p in _list(row, "paragraphs", where, ds):
+    for p in ([] if inline else _list(row, "paragraphs", where, ds)):
         if not isinstance(p, dict) or not isinstance(p.get("idx"), int):
             raise InvalidArgument(f"{where}: musique paragraph without an integer 'idx': {str(p)[:80]}")
-        paragraphs[p["idx"]] = Passage(str(p.get("title", "")), str(p.get("paragraph_text", p.get("text", ""))))
-    steps = _list(row, "question_decomposition", where, ds)
+        paragraphs[p["idx"]] = _paragraph(p)
     hops: list[SourceHop] = []
     sub_answers: list[str] = []
     for i, s in enumerate(steps):
@@ -265,8 +273,9 @@ def _musique(row: dict, where: str) -> SourceRecord:
             subject, _, relation = q.partition(">>")
             q = relation_question(subject.strip(), relation.strip())
         idx = s.get("paragraph_support_idx")
+        support = _paragraph(s["support_paragraph"]) if inline else paragraphs.get(idx) if isinstance(idx, int) else None
         aliases = _final_aliases(answer, answers) if i == len(steps) - 1 else ((answer,) if answer else ())
-        hops.append(SourceHop(q, answer, aliases, paragraphs.get(idx) if isinstance(idx, int) else None))
+        hops.append(SourceHop(q, answer, aliases, support))
         sub_answers.append(answer)
     supporting = tuple(dict.fromkeys(h.support for h in hops if h.support is not None))
     m = re.match(r"^(\d+hop)", qid)
@@ -286,6 +295,12 @@ def _two_wiki(row: dict, where: str) -> SourceRecord:
     source_type = str(row.get("type", ""))
     qtype = source_type if source_type in ("comparison", "bridge_comparison") else "compositional"
     evidences = row.get("evidences") or []
+    if isinstance(evidences, dict):  # the Hugging Face / FlashRAG copy: {"fact": [...], "relation": [...], "entity": [...]}
+        cols = [evidences.get(k) for k in ("fact", "relation", "entity")]
+        if not all(isinstance(c, list) and len(c) == len(cols[0]) for c in cols):
+            raise InvalidArgument(f"{where}: 2wiki 'evidences' must hold 'fact', 'relation' and 'entity' lists of "
+                                  "one length")
+        evidences = [list(t) for t in zip(*cols)]
     if not isinstance(evidences, list) or not all(isinstance(e, (list, tuple)) and len(e) == 3 for e in evidences):
         raise InvalidArgument(f"{where}: 2wiki 'evidences' must be [[subject, relation, object], ...]")
     hops: list[SourceHop] = []

@@ -58,14 +58,29 @@ def test_musique_hops_name_earlier_answers_and_relations_become_questions():
 
 
 def test_flashrag_layout_reads_like_the_original():
+    # FlashRAG's MuSiQue: golden_answers, the rest under metadata, no "paragraphs": each step carries its own
     original = json.loads((FIX / "musique.jsonl").read_text().splitlines()[0])
+    paragraphs = {p["idx"]: p for p in original["paragraphs"]}
     flashrag = {"id": original["id"], "question": original["question"],
                 "golden_answers": [original["answer"], *original["answer_aliases"]],
-                "metadata": {k: v for k, v in original.items() if k not in ("id", "question", "answer")}}
+                "metadata": {"answerable": True, "question_decomposition": [
+                    {**s, "support_paragraph": paragraphs[s["paragraph_support_idx"]]}
+                    for s in original["question_decomposition"]]}}
     a, b = parse_record(original, "musique", "a"), parse_record(flashrag, "musique", "b")
     assert (a.hops, a.answers, a.supporting) == (b.hops, b.answers, b.supporting)
     recs = list(read_records(FIX / "musique_flashrag.jsonl", "musique"))
     assert [h.question for h in recs[0].hops] == ["Which label released Green Fields?", "Who is the founded by of Harbor Records?"]
+    # FlashRAG's 2Wiki: context, supporting facts and evidences as dicts of lists
+    row = json.loads((FIX / "2wiki.json").read_text())[0]
+    flat = {"id": row["_id"], "question": row["question"], "golden_answers": [row["answer"]], "metadata": {
+        "type": row["type"],
+        "context": {"title": [t for t, _ in row["context"]], "content": [c for _, c in row["context"]]},
+        "supporting_facts": {"title": [t for t, _ in row["supporting_facts"]],
+                             "sent_id": [i for _, i in row["supporting_facts"]]},
+        "evidences": {"fact": [e[0] for e in row["evidences"]], "relation": [e[1] for e in row["evidences"]],
+                      "entity": [e[2] for e in row["evidences"]]}}}
+    a, b = parse_record(row, "2wiki", "a"), parse_record(flat, "2wiki", "b")
+    assert (a.id, a.hops, a.answers, a.supporting, a.type) == (b.id, b.hops, b.answers, b.supporting, b.type)
 
 
 def test_two_wiki_evidences_are_hops_and_comparisons_keep_their_type():
