@@ -12,14 +12,30 @@ family, in-distribution and held out (prorag.prm.evaluation), with the gate befo
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from pathlib import Path
 from typing import Iterable
 
+from google.protobuf.json_format import MessageToDict
+from rich.console import Console
+from rich.table import Table
+
+from prorag import paths
+from prorag.data.loaders import load_corpus, load_split
+from prorag.data.sft import agent_prompt, agent_steps, baseline_prompt, content_prefix_ids, single_search_thoughts
+from prorag.data.world import canonical_question
+from prorag.errors import FailedPrecondition
 from prorag.evaluation import MULTI_HOP_MIN, names_entity, question_entity, score_records
+from prorag.io import write_json, write_jsonl
 from prorag.methods import AGENT_MAX_STEPS, DOCS_PER_SEARCH, kind_of
 from prorag.metrics import qa_scores
+from prorag.pb import common_pb2
+from prorag.prm.evaluation import (CORRUPTIONS, FAMILIES, HELD_OUT, auc_by_kind, centred_per_kind, prm_gate,
+                                   validation_cases)
+from prorag.registry import MANIFEST, Manifest, registry
+from prorag.runs import new_run_dir, point_latest
 from prorag.trajectory import (ANSWER_END, ANY_TAG, IM_END, STOP_TAGS, SUBANSWER_END, Step, extract_answer,
                                parse_step)
 
@@ -35,9 +51,6 @@ def run_agent(policy, questions, *, max_steps: int = AGENT_MAX_STEPS, topk: int 
               chunk: int = 128, progress=None) -> list[dict]:
     """Greedy rollouts through the policy service (which calls the retriever); each record also says whether
     the first step was a subquery naming the question's entity (the first hop's document title)."""
-    from prorag.pb import common_pb2
-    from google.protobuf.json_format import MessageToDict
-
     by_id = {q.id: q for q in questions}
     records = []
     for i in range(0, len(questions), chunk):
@@ -63,8 +76,6 @@ def run_agent(policy, questions, *, max_steps: int = AGENT_MAX_STEPS, topk: int 
 def run_baseline(policy, retriever, questions, mode: str, *, topk: int = DOCS_PER_SEARCH, chunk: int = 256,
                  max_tokens: int = 96, progress=None) -> list[dict]:
     """One answer step per question; standard RAG first retrieves the question's top-k documents."""
-    from prorag.data.sft import baseline_prompt
-
     records = []
     for i in range(0, len(questions), chunk):
         part = questions[i:i + chunk]
@@ -101,9 +112,7 @@ def run_single_search(policy, retriever, questions, *, tokenizer_dir: str, topk:
     token ids cut as training tokenised the steps (:func:`prorag.data.sft.content_prefix_ids`; the tokenizer of
     ``tokenizer_dir``, the served model's). ``format_valid``: the model closed both with their own tags.
     """
-    from transformers import AutoTokenizer
-
-    from prorag.data.sft import agent_prompt, content_prefix_ids, single_search_thoughts
+    from transformers import AutoTokenizer  # heavy; the baselines and the agent never need it
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     sampling = policy.sampling(n=1, temperature=0.0, max_tokens=max_tokens, stop=list(STOP_TAGS))
@@ -151,8 +160,6 @@ def reader_settings(method: str, model_dir: str, trained: dict) -> dict:
 
 
 def save_records(path: Path, records: Iterable[dict]) -> None:
-    from prorag.io import write_jsonl
-
     write_jsonl(path, records)
 
 
@@ -171,16 +178,12 @@ def evaluate(method: str, policy, retriever, questions, out_dir: Path | None = N
         result["first_subquery_entity_rate"] = sum(r["first_subquery_entity"] for r in records) / len(records)
     if out_dir is not None:
         save_records(Path(out_dir) / method / "predictions.jsonl", records)
-        from prorag.io import write_json
-
         write_json(Path(out_dir) / method / "scores.json", result)
     return result
 
 
 def format_table(methods: dict[str, dict], split: str = "test") -> "object":
     """A rich Table: F1 [95% CI] per hop count and type, one row per method."""
-    from rich.table import Table
-
     cols = sorted({h for m in methods.values() for h in m["by_hops"]}, key=lambda h: int(h))
     types = sorted({t for m in methods.values() for t in m["by_type"]} - {"compositional"})
     table = Table(title=f"{split.capitalize()} split: F1 (x100) [95% bootstrap CI]; EM and acc (FlashRAG acc = Search-R1 subem) "
@@ -217,7 +220,7 @@ def dumps(obj) -> str:
 def score_cases(prm_dir: str, cases) -> tuple[list[float], list[float], str]:
     """(gold scores [N], corrupted scores [N], the PRM's version) of ``cases`` [N] (prorag.prm.evaluation.ProbeCase):
     each step scored after its case's context by the PRM of ``prm_dir`` in process, in batched passes."""
-    from services.prm.engine import PRMEngine, ScoringItem
+    from services.prm.engine import PRMEngine, ScoringItem  # torch, for the PRM in process only
 
     engine = PRMEngine(prm_dir)
     items = [ScoringItem(c.question, [*c.context, step], last_step_only=True) for c in cases
@@ -228,6 +231,14 @@ def score_cases(prm_dir: str, cases) -> tuple[list[float], list[float], str]:
     return scored[0::2], scored[1::2], engine.version
 
 
+def gold_trajectories(questions, docs_by_id: dict, sft_settings: dict) -> list[list]:
+    """Each question's gold step-by-step trajectory, written as the SFT agent was trained to write it (its
+    restated questions, plans and subquery phrasing), one gold document per search."""
+    phrasing = canonical_question if sft_settings.get("canonical_subqueries") else None
+    return [agent_steps(q, {}, docs_by_id, topk=1, restate=bool(sft_settings.get("restate_question")),
+                        plan=bool(sft_settings.get("plan_thoughts")), phrasing=phrasing) for q in questions]
+
+
 def validate_prm_families(prm_dir: str, questions, docs_by_id: dict, sft_settings: dict, seed: int = 0,
                           png: Path | None = None, families=None, trajectories=None) -> dict:
     """The PRM of ``prm_dir`` on gold (or given correct) steps against corrupted ones, in-distribution and
@@ -236,17 +247,12 @@ def validate_prm_families(prm_dir: str, questions, docs_by_id: dict, sft_setting
 
     trajectories: one correct trajectory (list of Steps) per question, e.g. the agent's own; None = each
     question's gold trajectory written as the SFT agent was trained to write it (``sft_settings``)."""
-    from prorag.prm.evaluation import FAMILIES, auc_by_kind, centred_per_kind, validation_cases
-    from prorag_app.stage2 import gold_trajectories
-
     if trajectories is None:
         questions = [q for q in questions if any(s.doc_id for s in q.decomposition)
                      and all(s.doc_id in docs_by_id for s in q.decomposition if s.doc_id)]
         trajectories = gold_trajectories(questions, docs_by_id, sft_settings)
     cases, dropped = validation_cases(questions, trajectories, seed=seed, families=families or FAMILIES)
     if not cases:
-        from prorag.errors import FailedPrecondition
-
         raise FailedPrecondition(f"no validation case from {len(questions)} questions: the PRM is validated on "
                                  "questions with a gold decomposition whose documents are in the corpus")
     gold, bad, version = score_cases(prm_dir, cases)
@@ -264,12 +270,10 @@ def validate_prm_families(prm_dir: str, questions, docs_by_id: dict, sft_setting
 def plot_family_scores(cases, gold, bad, report: dict, png: Path) -> None:
     """Histograms of gold against corrupted scores per family: in-distribution families on the first row,
     held-out ones on the second."""
-    import matplotlib
+    import matplotlib  # heavy, and needed for this one plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from prorag.prm.evaluation import CORRUPTIONS, HELD_OUT
 
     rows = [[k for k in group if k in report["by_kind"]] for group in (CORRUPTIONS, HELD_OUT)]
     rows = [r for r in rows if r]
@@ -298,10 +302,6 @@ def plot_family_scores(cases, gold, bad, report: dict, png: Path) -> None:
 
 def gate_verdict(auc_report: dict, **thresholds) -> dict:
     """results.json's ``gate``: prorag.prm.evaluation.prm_gate's verdict with the thresholds it applied."""
-    import inspect
-
-    from prorag.prm.evaluation import prm_gate
-
     passed, reasons = prm_gate(auc_report, **thresholds)
     applied = {name: p.default for name, p in inspect.signature(prm_gate).parameters.items()
                if p.default is not inspect.Parameter.empty}
@@ -326,11 +326,6 @@ def gate_line(gate: dict, mode: str) -> str:
 
 def print_prm_families(prm: dict) -> None:
     """The validation table: AUC and cases per family with its group, the pooled groups, and the gate."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from prorag.prm.evaluation import HELD_OUT
-
     auc = prm["auc_gold_vs_corrupted"]
     centred = prm.get("auc_centred_per_kind") or {}
     split = prm.get("split", prm.get("validation_split", "test"))  # eval prm's key, and stage 2's
@@ -369,12 +364,7 @@ def eval_prm(args) -> int:
     """`prorag eval prm`: a published PRM on gold steps against corrupted ones of a split (``--split dev`` where
     settings are chosen), every corruption family (prorag.prm.evaluation), AUC per family and pooled, the gate's
     verdict and a PNG; results.json's ``prm``."""
-    from prorag import paths
-    from prorag.data.loaders import load_corpus, load_split
-    from prorag.io import write_json
-    from prorag.registry import MANIFEST, Manifest, registry
-    from prorag.runs import new_run_dir, point_latest
-    from prorag_app.profiles import PROFILES
+    from prorag_app.profiles import PROFILES  # the profiles import torch when they check their settings
 
     prm_dir = registry("prm", args.world).resolve(args.model or "prm")
     world_dir = paths.world_dir(args.world)

@@ -101,7 +101,7 @@ def train_methods(stack: ServiceStack, methods, profile: Profile, base_model: st
     Returns method -> {"job_id", "metrics", "run_dir", "model", "train_s"}: "model" is the registry reference the
     job published; "train_s" the job's own running time (its queue wait left out)."""
     from prorag.rpc.clients_trainer import TrainerClient, state_name
-    from prorag_app.stage2 import follow_job
+    from prorag_app.trainer_jobs import follow_job
 
     ids, fresh = {}, []
     with TrainerClient(stack.grpc_target("trainer"), timeout=60, wait_for_ready=True) as client:
@@ -244,7 +244,8 @@ def stage2(prof: Profile, stack: ServiceStack, world: str, sft_model: str, run_d
     """Stage 2 on the trained agent: a policy process serving it, then prorag_app.stage2.run_stage2."""
     from prorag.config import from_dict
     from prorag_app.eval import print_prm_families
-    from prorag_app.stage2 import Stage2Settings, run_stage2
+    from prorag_app.stage2 import run_stage2
+    from prorag_app.stage_settings import Stage2Settings
 
     settings = from_dict(Stage2Settings, prof.stage2)
     serving = ServiceStack(port_offset=port_offset, world=world, services=("policy",),
@@ -266,7 +267,8 @@ def stage34(prof: Profile, stack: ServiceStack, world: str, sft_ref: str, prm: d
     ``heldout`` ones (under run_dir/heldout). Returns (what stage34 did, method -> evaluation, method -> evaluation
     on the deep questions, the same on the held-out ones)."""
     from prorag.config import from_dict
-    from prorag_app.stage34 import Stage34Settings, run_stage34
+    from prorag_app.stage34 import run_stage34
+    from prorag_app.stage_settings import Stage34Settings
 
     settings = from_dict(Stage34Settings, prof.stage34)
     prm_dir = (str(registry("prm", world).resolve(prm["model"])) if prm is not None and "model" in prm else None)

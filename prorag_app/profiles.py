@@ -2,6 +2,8 @@
 
 A profile's settings name its training jobs (prorag_app.pipeline.job_id_for hashes them), so changing a value
 trains anew. Each choice carries a one-line reason; the measurements behind them are in docs/BENCHMARKS.md.
+Every profile is checked against the trainer's job configs when it is defined, so this module imports them
+(and torch with them); the stage runners read these settings and are never imported here.
 """
 
 from __future__ import annotations
@@ -10,8 +12,20 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from prorag.config import check_fields
 from prorag.errors import InvalidArgument
 from prorag.methods import base_method, get_method
+from prorag.modeling import WarmupConfig
+from prorag.search.mcts import MCTSConfig
+from prorag_app.stage_settings import Stage2Settings, Stage34Settings
+from services.trainer.stage_dpo import DPOConfig
+from services.trainer.stage_mcts import MCTSStageConfig
+from services.trainer.stage_prm import PRMConfig
+from services.trainer.stage_rft import RFTConfig
+from services.trainer.stage_rl import RLConfig
+from services.trainer.stage_rlpool import RLPoolConfig
+from services.trainer.stage_sft import SFTConfig
+from services.trainer.stage_siblings import SiblingsStageConfig
 
 
 @dataclass(frozen=True)
@@ -31,8 +45,8 @@ class Profile:
     base_warmup: dict | None = None  # base warm-up (WarmupConfig overrides); None = the world's default base
     base_variant: str = ""           # directory suffix of a base other than the world's default
     method_sft: dict = field(default_factory=dict)  # {method: SFT settings on top of ``sft`` for that method only}
-    stage2: dict | None = None  # MCTS, judging, PRM and its validation (prorag_app.stage2.Stage2Settings); None = off
-    stage34: dict | None = None  # RFT, ProRAG's RL and outcome-only GRPO (prorag_app.stage34.Stage34Settings)
+    stage2: dict | None = None  # MCTS, judging, PRM and its validation (stage_settings.Stage2Settings); None = off
+    stage34: dict | None = None  # RFT, ProRAG's RL and outcome-only GRPO (stage_settings.Stage34Settings)
     #: questions of the world's extra 3+ hop split (prorag.data.world.ensure_deep_split) on which the SFT agent
     #: and the stage 3-4 methods are also evaluated, so their paired comparisons see enough deep questions
     deep_questions: int = 0
@@ -48,10 +62,6 @@ class Profile:
     eval_split: str = "test"
 
     def __post_init__(self) -> None:
-        from prorag.config import check_fields
-        from prorag.modeling import WarmupConfig
-        from services.trainer.stage_sft import SFTConfig
-
         for m in self.methods:
             method = get_method(m)
             if method.reader and method.reader not in self.methods:
@@ -74,13 +84,6 @@ class Profile:
         if self.base_warmup is not None:
             check_fields(WarmupConfig, self.base_warmup, prefix="base_warmup.")
         if self.stage2 is not None:
-            from prorag.search.mcts import MCTSConfig
-            from prorag_app.stage2 import Stage2Settings
-            from services.trainer.stage_mcts import MCTSStageConfig
-            from services.trainer.stage_prm import PRMConfig
-
-            from services.trainer.stage_siblings import SiblingsStageConfig
-
             check_fields(Stage2Settings, {k: v for k, v in self.stage2.items()
                                           if k not in ("mcts", "prm", "siblings")}, prefix="stage2.")
             check_fields(SiblingsStageConfig, self.stage2.get("siblings", {}), prefix="stage2.siblings.")
@@ -89,12 +92,6 @@ class Profile:
             check_fields(MCTSStageConfig, mcts, prefix="stage2.mcts.")
             check_fields(PRMConfig, self.stage2.get("prm", {}), prefix="stage2.prm.")
         if self.stage34 is not None:
-            from prorag_app.stage34 import Stage34Settings
-            from services.trainer.stage_rft import RFTConfig
-            from services.trainer.stage_rl import RLConfig
-
-            from services.trainer.stage_rlpool import RLPoolConfig
-
             check_fields(Stage34Settings, {k: v for k, v in self.stage34.items()
                                            if k not in ("rft", "rl", "dpo", "pool")}, prefix="stage34.")
             check_fields(RLPoolConfig, self.stage34.get("pool", {}), prefix="stage34.pool.")
@@ -103,8 +100,6 @@ class Profile:
                     raise InvalidArgument(f"stage34.methods or left_out: {m!r} is not a stage 3-4 method")
             check_fields(RFTConfig, self.stage34.get("rft", {}), prefix="stage34.rft.")
             check_fields(RLConfig, self.stage34.get("rl", {}), prefix="stage34.rl.")
-            from services.trainer.stage_dpo import DPOConfig
-
             check_fields(DPOConfig, self.stage34.get("dpo", {}), prefix="stage34.dpo.")
 
     @property

@@ -19,9 +19,14 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from prorag import paths
 from prorag.errors import InvalidArgument
-
-HOP_GROUPS = ("1", "2", "3", "4")
+from prorag.evaluation import COMPARISON_MIN_HOPS, compare_methods, score_records
+from prorag.io import write_json
+from prorag.methods import base_method
+from prorag_app.report_html import write_html
+from prorag_app.report_parts import HOP_GROUPS, pct, svg_of
+from prorag_app.stage34 import COMPARISONS
 
 
 def _predictions(root: Path, methods) -> dict[str, dict[str, dict]]:
@@ -62,8 +67,6 @@ def seed_averaged(runs: list[dict], method: str) -> list[dict]:
 
 def rl_curve(job_id: str) -> list[dict]:
     """[{"questions" (cumulative RL questions), "f1" (the iteration's rollout F1), "reward"}] of one RL job."""
-    from prorag import paths
-
     path = paths.runs_dir() / "jobs" / job_id / "run" / "iterations.jsonl"
     if not path.is_file():
         return []
@@ -91,8 +94,6 @@ def data_efficiency(runs: list[dict]) -> dict:
     compare like for like). Returns {"runs": n, "questions": 3+ hop questions per point (the first run's),
     "curves": {method: [{"questions", "f1"}]} (averaged over those runs), "outcome_grpo_final_f1",
     "outcome_grpo_start_f1", "prorag_reaches_at", "outcome_grpo_questions"}."""
-    from prorag.evaluation import COMPARISON_MIN_HOPS
-
     def deep_group(recs: dict) -> list[float]:
         return [rec["f1"] for rec in recs.values() if int(rec["hops"]) >= COMPARISON_MIN_HOPS]
 
@@ -145,8 +146,6 @@ BETA_METHODS = ("prorag", "prorag_no_rft", "prorag_oracle")
 def name_by_beta(runs: list[dict]) -> None:
     """Rename, in place, the beta-dependent methods of runs whose beta is not the first run's (the headline's)
     to ``<method>[beta=<b>]``, so a beta sweep's runs are not pooled as seeds of the headline method."""
-    from prorag.methods import base_method
-
     def beta_of(r):
         return ((r["results"].get("stage34") or {}).get("settings") or {}).get("beta")
 
@@ -204,9 +203,6 @@ def build_report(run_dirs, out_dir: str | Path, html_dir: str | Path | None = No
     """Pool ``run_dirs`` (seeds) into one report under ``out_dir``, and its HTML page under ``html_dir`` (default:
     the first run's ``report/``, so `runs/latest/report/index.html` is the latest run's); returns what report.json
     holds (``html``: the page's path)."""
-    from prorag.evaluation import COMPARISON_MIN_HOPS, compare_methods, score_records
-    from prorag_app.stage34 import COMPARISONS
-
     runs = [load_run(d) for d in run_dirs]
     if not runs:
         raise InvalidArgument("no runs to report on")
@@ -274,21 +270,13 @@ def build_report(run_dirs, out_dir: str | Path, html_dir: str | Path | None = No
     svgs: dict[str, str] = {}
     pngs = write_plots(report, out_dir, svgs)
     report["plots"] = pngs
-    from prorag_app.report_html import write_html
-
     report["html"] = str(write_html(report, runs, Path(html_dir) if html_dir else Path(runs[0]["dir"]) / "report",
                                     svgs))
-    from prorag.io import write_json
-
     write_json(out_dir / "report.json", report)
     tmp = out_dir / "report.md.tmp"
     tmp.write_text(markdown(report))
     tmp.replace(out_dir / "report.md")
     return report
-
-
-def _pct(v: float) -> str:
-    return f"{100 * v:.1f}"
 
 
 #: profiles whose stages 2-4 are demonstrations sized for `make run`'s hour on 2 cores, not measurements of the claim
@@ -320,7 +308,7 @@ def comparison_table(comparisons: dict) -> list[str]:
              "| A vs B | group | A | B | A - B | 95% CI, questions | 95% CI, seeds and questions | n | seeds |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, c in comparisons.items():
-        lines.append(f"| {name} | {c['group']} | {_pct(c['a_mean'])} | {_pct(c['b_mean'])} | "
+        lines.append(f"| {name} | {c['group']} | {pct(c['a_mean'])} | {pct(c['b_mean'])} | "
                      f"{100 * c['f1_diff']:+.1f} | {ci(c['ci'])} | {ci(c.get('ci_seeds_questions'))} | "
                      f"{c['n']} | {c['seeds']} |")
     return lines
@@ -334,9 +322,9 @@ def markdown(report: dict) -> str:
              "|---|---|---|" + "---|" * len(HOP_GROUPS) + "---|---|"]
     for m, s in report["methods"].items():
         def cell(stat):
-            return f"{_pct(stat['f1'])} [{_pct(stat['f1_ci'][0])}, {_pct(stat['f1_ci'][1])}]" if stat else "-"
+            return f"{pct(stat['f1'])} [{pct(stat['f1_ci'][0])}, {pct(stat['f1_ci'][1])}]" if stat else "-"
         row = [m, str(report["seeds"][m]), cell(s["overall"]),
-               *(cell(s["by_hops"].get(h)) for h in HOP_GROUPS), cell(s.get("multi_hop")), _pct(s["overall"]["em"])]
+               *(cell(s["by_hops"].get(h)) for h in HOP_GROUPS), cell(s.get("multi_hop")), pct(s["overall"]["em"])]
         lines.append("| " + " | ".join(row) + " |")
     for key, title in (("comparisons", "Paired comparisons (A minus B per question, pooled seeds)"),
                        ("comparisons_heldout", "Paired comparisons on the held-out split, read once")):
@@ -360,8 +348,8 @@ def markdown(report: dict) -> str:
                   "Test split and deep split together; the sweep's seed is the first run's (the other betas run at "
                   "it only).", "",
                   "| beta | F1, sweep's seed | F1, mean over runs | runs | questions |", "|---|---|---|---|---|"]
-        lines += [f"| {b} | {_pct(v['f1_3plus_sweep_seed']) if v.get('f1_3plus_sweep_seed') is not None else '-'} | "
-                  f"{_pct(v['f1_3plus_mean'])} | {v['runs']} | {v.get('questions', '-')} |"
+        lines += [f"| {b} | {pct(v['f1_3plus_sweep_seed']) if v.get('f1_3plus_sweep_seed') is not None else '-'} | "
+                  f"{pct(v['f1_3plus_mean'])} | {v['runs']} | {v.get('questions', '-')} |"
                   for b, v in report["beta"].items()]
     eff = report.get("data_efficiency") or {}
     if eff.get("curves"):
@@ -373,23 +361,23 @@ def markdown(report: dict) -> str:
                   "| method | " + " | ".join(f"{q} questions" for q in seen) + " |", "|---|" + "---|" * len(seen)]
         for m, pts in eff["curves"].items():
             at = {p["questions"]: p["f1"] for p in pts}
-            lines.append(f"| {m} | " + " | ".join(_pct(at[q]) if q in at else "-" for q in seen) + " |")
+            lines.append(f"| {m} | " + " | ".join(pct(at[q]) if q in at else "-" for q in seen) + " |")
         if eff.get("outcome_grpo_final_f1") is not None:
             at = eff.get("prorag_reaches_at")
-            lines += ["", f"Outcome-only GRPO's final F1 ({_pct(eff['outcome_grpo_final_f1'])}, after "
+            lines += ["", f"Outcome-only GRPO's final F1 ({pct(eff['outcome_grpo_final_f1'])}, after "
                           f"{eff['outcome_grpo_questions']} questions): ProRAG reaches it "
                           + (f"after {at} questions ({at / eff['outcome_grpo_questions']:.2f} of them)." if at
                              else "at none of its evaluated points.")]
             start = eff.get("outcome_grpo_start_f1")
             if start is not None and eff["outcome_grpo_final_f1"] <= start:
                 # reaching a final that RL did not raise says nothing about data efficiency: say so
-                lines.append(f"Outcome-only GRPO ended at or below the model it started from ({_pct(start)} at 0 "
+                lines.append(f"Outcome-only GRPO ended at or below the model it started from ({pct(start)} at 0 "
                              "questions), so reaching its final F1 shows no learning.")
     if report["rl_curves"]:
         lines += ["", "## RL: rollout F1 against RL questions seen (train questions; data efficiency)", ""]
         for m, curves in report["rl_curves"].items():
             for i, c in enumerate(curves):
-                lines.append(f"- {m} (run {i + 1}): " + ", ".join(f"{p['questions']}: {_pct(p['f1'])}" for p in c))
+                lines.append(f"- {m} (run {i + 1}): " + ", ".join(f"{p['questions']}: {pct(p['f1'])}" for p in c))
     for name, path in report.get("plots", {}).items():
         lines += ["", f"![{name}]({Path(path).name})"]
     return "\n".join(lines) + "\n"
@@ -398,7 +386,7 @@ def markdown(report: dict) -> str:
 def write_plots(report: dict, out_dir: Path, svgs: dict[str, str] | None = None) -> dict[str, str]:
     """The PNGs (name -> path); ``svgs``, when given, also gets each plot as an inline SVG element (the HTML
     report's copy of the same figure)."""
-    import matplotlib
+    import matplotlib  # heavy; only the plots need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -410,8 +398,6 @@ def write_plots(report: dict, out_dir: Path, svgs: dict[str, str] | None = None)
         fig.tight_layout()
         fig.savefig(tmp, dpi=100)
         if svgs is not None:
-            from prorag_app.report_html import svg_of
-
             svgs[name] = svg_of(fig)
         plt.close(fig)
         tmp.replace(out_dir / f"{name}.png")

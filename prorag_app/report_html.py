@@ -17,10 +17,20 @@ Large runs are capped (MAX_* below) and the page says what it left out.
 from __future__ import annotations
 
 import html
-import io
 import json
 import math
 from pathlib import Path
+
+from google.protobuf.json_format import ParseDict
+
+from prorag import paths
+from prorag.data.loaders import load_split
+from prorag.io import atomic_path
+from prorag.pb import common_pb2
+from prorag.rpc.pbconv import step_from_pb
+from prorag.search.judging import judge_step
+from prorag.trajectory import Step, parse_step
+from prorag_app.report_parts import HOP_GROUPS, pct, svg_of
 
 #: questions of the first run whose trajectories are embedded (the split's first ones)
 MAX_QUESTIONS = 200
@@ -32,18 +42,6 @@ MAX_DOC_CHARS = 800
 MAX_TEXT_CHARS = 600
 #: points per training curve (evenly thinned, the last kept)
 MAX_POINTS = 400
-
-
-def svg_of(fig) -> str:
-    """A matplotlib figure as an inline <svg> element: text kept as text, ids fixed by a salt so a page is
-    reproducible (matplotlib derives them from the content, so two figures' ids only meet where they are equal)."""
-    import matplotlib
-
-    buf = io.StringIO()
-    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "prorag-report"}):
-        fig.savefig(buf, format="svg")
-    text = buf.getvalue()
-    return text[text.index("<svg"):]
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -85,8 +83,6 @@ def run_jobs(results: dict) -> list[tuple[str, str]]:
 
 def job_run_dir(job_id: str) -> tuple[Path, str]:
     """(the job's run directory, its stage) under the trainer's jobs root (runs/jobs, as `prorag run` uses it)."""
-    from prorag import paths
-
     root = paths.runs_dir() / "jobs" / job_id
     rec = {}
     if (root / "job.json").is_file():
@@ -145,7 +141,7 @@ def job_curves(job_id: str) -> dict:
 
 
 def curves_svg(panels: dict) -> str:
-    import matplotlib
+    import matplotlib  # heavy; only the plots need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -206,14 +202,7 @@ class _Docs:
 def _core_steps(record: dict):
     """(core Steps, whether they kept their retrieved documents) of one saved prediction record: an agent's
     trajectory (prorag.v1.Trajectory as JSON), a single-search record's steps, or a baseline's generated answer."""
-    from prorag.trajectory import Step, parse_step
-
     if isinstance(record.get("trajectory"), dict):
-        from google.protobuf.json_format import ParseDict
-
-        from prorag.pb import common_pb2
-        from prorag.rpc.pbconv import step_from_pb
-
         return [step_from_pb(ParseDict(s, common_pb2.Step(), ignore_unknown_fields=True))
                 for s in record["trajectory"].get("steps") or []], True
     if isinstance(record.get("steps"), list):
@@ -226,9 +215,6 @@ def _core_steps(record: dict):
 
 def _world_questions(world: str | None, split: str) -> dict:
     """The world's questions of ``split`` by id ({} when the world is not on disk: no judge verdicts then)."""
-    from prorag import paths
-    from prorag.data.loaders import load_split
-
     if not world:
         return {}
     try:
@@ -241,8 +227,6 @@ def trajectories(run: dict, docs: _Docs, max_questions: int) -> dict:
     """The first run's evaluated questions for the browser: {"questions": [{"id", "question", "golden_answers",
     "hops", "type", "methods": {method: {"prediction", "f1", "em", "finish_reason", "steps", "retrieved_ids"}}}],
     "total", "split", "judged": whether any step has the reference judge's verdict}."""
-    from prorag.search.judging import judge_step
-
     results = run["results"]
     split = results.get("split") or "test"
     world_qs = _world_questions(results.get("world"), split)
@@ -364,28 +348,22 @@ def _e(text) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _pct(v) -> str:
-    return "-" if v is None else f"{100 * v:.1f}"
-
-
 def _ci(bounds) -> str:
     return f"[{100 * bounds[0]:+.1f}, {100 * bounds[1]:+.1f}]" if bounds else "- (one seed)"
 
 
 def _methods_table(report: dict) -> str:
-    from prorag_app.report import HOP_GROUPS
-
     def cell(stat) -> str:
         if not stat:
             return "<td>-</td>"
-        return f"<td>{_pct(stat['f1'])} <span class=ci>[{_pct(stat['f1_ci'][0])}, {_pct(stat['f1_ci'][1])}]</span></td>"
+        return f"<td>{pct(stat['f1'])} <span class=ci>[{pct(stat['f1_ci'][0])}, {pct(stat['f1_ci'][1])}]</span></td>"
 
     head = "".join(f"<th>{h}-hop</th>" for h in HOP_GROUPS)
     rows = []
     for m, s in report["methods"].items():
         rows.append(f"<tr><td>{_e(m)}</td><td>{report['seeds'][m]}</td>{cell(s['overall'])}"
                     + "".join(cell(s["by_hops"].get(h)) for h in HOP_GROUPS)
-                    + f"{cell(s.get('multi_hop'))}<td>{_pct(s['overall']['em'])}</td><td>{s['overall']['n']}</td></tr>")
+                    + f"{cell(s.get('multi_hop'))}<td>{pct(s['overall']['em'])}</td><td>{s['overall']['n']}</td></tr>")
     return (f"<table id=methods-table><thead><tr><th>method</th><th>seeds</th><th>overall F1</th>{head}"
             f"<th>2+ hops</th><th>EM</th><th>n</th></tr></thead><tbody>{''.join(rows)}</tbody></table>")
 
@@ -398,8 +376,8 @@ def _comparisons_table(report: dict) -> str:
         ci = c.get("ci")
         # a difference whose question interval excludes 0 is marked, by its sign
         sign = "pos" if ci and ci[0] > 0 else "neg" if ci and ci[1] < 0 else ""
-        rows.append(f"<tr class='{sign}'><td>{_e(name)}</td><td>{_e(c['group'])}</td><td>{_pct(c['a_mean'])}</td>"
-                    f"<td>{_pct(c['b_mean'])}</td><td>{100 * c['f1_diff']:+.1f}</td><td>{_ci(ci)}</td>"
+        rows.append(f"<tr class='{sign}'><td>{_e(name)}</td><td>{_e(c['group'])}</td><td>{pct(c['a_mean'])}</td>"
+                    f"<td>{pct(c['b_mean'])}</td><td>{100 * c['f1_diff']:+.1f}</td><td>{_ci(ci)}</td>"
                     f"<td>{_ci(c.get('ci_seeds_questions'))}</td><td>{c['n']}</td><td>{c['seeds']}</td>"
                     f"<td>{c.get('wins', '-')}/{c.get('losses', '-')}/{c.get('ties', '-')}</td></tr>")
     return ("<table id=comparisons-table><thead><tr><th>A vs B</th><th>group</th><th>A</th><th>B</th><th>A - B</th>"
@@ -458,8 +436,6 @@ def _finite(obj):
 
 def write_html(report: dict, runs: list[dict], html_dir: str | Path, svgs: dict[str, str]) -> Path:
     """Write ``html_dir``/index.html for ``report`` (build_report's) over the loaded ``runs``; returns its path."""
-    from prorag.io import atomic_path
-
     docs = _Docs()
     traj = trajectories(runs[0], docs, MAX_QUESTIONS)
     trees = mcts_trees(runs, docs, MAX_TREES, MAX_TREE_NODES)
@@ -747,5 +723,5 @@ _SCRIPT = r"""
 """
 
 
-__all__ = ["MAX_QUESTIONS", "MAX_TREES", "job_curves", "mcts_trees", "run_jobs", "svg_of", "trajectories",
+__all__ = ["MAX_QUESTIONS", "MAX_TREES", "job_curves", "mcts_trees", "run_jobs", "trajectories",
            "write_html"]

@@ -12,100 +12,27 @@ in-distribution and held-out families (prorag.prm.evaluation), with the PRM in p
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
 
 from prorag import paths
-from prorag.config import cfg_field
+from prorag.data.loaders import load_split
+from prorag.prm.evaluation import FAMILIES
+from prorag.registry import registry, weights_sha256
+from prorag.rpc.clients import RetrieverClient
+from prorag_app import memo
+from prorag_app.eval import gate_verdict, validate_prm_families
+from prorag_app.stage_settings import Stage2Settings
+from prorag_app.trainer_jobs import run_job, settings_job_id
+from services.trainer.stage_mcts import PAIRS_VERSION
+from services.trainer.stage_siblings import RELATION_VERSION, SIBLINGS_VERSION
 
 console = Console()
 
 #: where the PRM is validated and gated: the gate decides which stages run, so it never reads test
 VALIDATION_SPLIT = "dev"
-
-
-@dataclass
-class Stage2Settings:
-    """What a profile asks of stage 2 (the trainer's mcts and prm jobs take the rest from their defaults)."""
-
-    mcts: dict = cfg_field(help="mcts job settings (services.trainer.stage_mcts.MCTSStageConfig)", factory=dict)
-    siblings: dict = cfg_field(help="siblings job settings (services.trainer.stage_siblings.SiblingsStageConfig): "
-                                    "judged pairs sampled along the agent's trajectories; empty = no siblings job",
-                               factory=dict)
-    prm_pairs: str = cfg_field("all", help="the pairs the PRM trains on: all (the MCTS pairs, and the siblings "
-                                           "job's when it runs), mcts, or siblings (the MCTS job still runs: its "
-                                           "value-labelled pairs are ReasonRAG's DPO data)",
-                               choices=("all", "mcts", "siblings"))
-    prm: dict = cfg_field(help="prm job settings (services.trainer.stage_prm.PRMConfig)", factory=dict)
-    eval_questions: int = cfg_field(0, help="dev questions whose gold steps validate and gate the PRM (0 = all)", min=0)
-    seed: int = cfg_field(0, help="seed of the corruptions", min=0)
-
-    def validate(self) -> None:
-        from prorag.config import ConfigError, check_fields
-        from services.trainer.stage_siblings import SiblingsStageConfig
-
-        check_fields(SiblingsStageConfig, self.siblings, prefix="siblings.")
-        if self.prm_pairs == "siblings" and not self.siblings:
-            raise ConfigError("prm_pairs", "'siblings' needs a siblings job: set siblings (e.g. "
-                                           "{\"max_questions\": 2000})")
-
-
-def run_job(stack, stage: str, config: dict, job_id: str) -> dict:
-    """Run (or reuse) one trainer job and wait; returns the finished Job as a dict of metrics and outputs."""
-    from prorag.rpc.clients_trainer import TrainerClient, state_name
-    from prorag.progress import progress_bars
-
-    with TrainerClient(stack.grpc_target("trainer"), timeout=60, wait_for_ready=True) as client:
-        existing = {j.job_id: j for j in client.list(stage)}
-        if job_id in existing and state_name(existing[job_id].state) == "SUCCEEDED":
-            console.print(f"[green]{stage}[/green]: reusing finished job {job_id}")
-        else:
-            client.start(stage, config, job_id=job_id)
-            with progress_bars() as progress:
-                follow_job(client, job_id, stage, progress)
-        job = client.get(job_id)
-        if state_name(job.state) != "SUCCEEDED":
-            raise SystemExit(f"{stage} job {job_id} ended {state_name(job.state)}: {job.error}")
-        return {"job_id": job_id, "metrics": dict(job.metrics), "outputs": dict(job.outputs), "run_dir": job.run_dir}
-
-
-def follow_job(client, job_id: str, label: str, progress) -> float:
-    """Show ``job_id``'s events (progress bar ``label``, messages) until the trainer ends the watch, which it
-    does once the job is terminal; returns the seconds the job ran since it was last queued (0.0 if it never ran).
-
-    The watch replays the job's past events first, and a job submitted again after it FAILED or was CANCELLED
-    has that end among them: so the end is the stream's end, never a terminal event seen on the way (stopping
-    there left a resumed job running unwatched)."""
-    from prorag.rpc.clients_trainer import state_name
-
-    began = None
-    for ev in client.watch(job_id):
-        state = state_name(ev.state)
-        if state == "QUEUED":
-            began = None  # (re-)queued: its running time starts when it next runs
-        elif state == "RUNNING" and began is None:
-            began = time.monotonic()
-        if ev.total_steps:
-            progress(label, int(ev.step), int(ev.total_steps))
-        if ev.message and not ev.message.startswith("checkpoint"):
-            console.print(f"[dim]{label}: {ev.message[:200]}[/dim]")
-    return time.monotonic() - began if began is not None else 0.0
-
-
-#: settings that say where a job's services are, or how fast it runs, not what it trains
-ADDRESS_KEYS = ("policy", "prm", "retriever", "judge", "threads")
-
-
-def settings_job_id(prefix: str, stage: str, cfg: dict, extra: dict | None = None) -> str:
-    """Same settings (and ``extra``: inputs or behaviour versions the settings do not show) -> same id, so a second
-    run reuses the finished job; the ADDRESS_KEYS are left out (they move with --port-offset)."""
-    import hashlib
-    import json
-
-    key = {**{k: v for k, v in cfg.items() if k not in ADDRESS_KEYS}, **(extra or {})}
-    return f"{prefix}-{stage}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]}"
 
 
 def counts_by_kind(metrics: dict, prefix: str = "pairs_by_kind") -> dict[str, dict[str, int]]:
@@ -125,22 +52,9 @@ def _labelled(m: dict, source: str) -> int:
             "both": round(m.get("both_labelled", 0) * m.get("judge_value_agreement", 0.0))}[source]
 
 
-def gold_trajectories(questions, docs_by_id: dict, sft_settings: dict) -> list[list]:
-    """Each question's gold step-by-step trajectory, written as the SFT agent was trained to write it (its
-    restated questions, plans and subquery phrasing), one gold document per search."""
-    from prorag.data.world import canonical_question
-    from prorag.data.sft import agent_steps
-
-    phrasing = canonical_question if sft_settings.get("canonical_subqueries") else None
-    return [agent_steps(q, {}, docs_by_id, topk=1, restate=bool(sft_settings.get("restate_question")),
-                        plan=bool(sft_settings.get("plan_thoughts")), phrasing=phrasing) for q in questions]
-
-
 def siblings_job_id(job_prefix: str, sib_cfg: dict) -> str:
     """The siblings job of ``sib_cfg``: its settings and the versions of the samplers it uses, so a finished job
     whose pairs another rule made is not reused, and a sampler's new version re-runs only the jobs that use it."""
-    from services.trainer.stage_siblings import RELATION_VERSION, SIBLINGS_VERSION
-
     versions = {"siblings": SIBLINGS_VERSION, **({"relation": RELATION_VERSION} if sib_cfg.get("relation_samples")
                                                  else {})}
     return settings_job_id(job_prefix, "siblings", sib_cfg, versions)
@@ -150,14 +64,6 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
                run_dir: Path, job_prefix: str, timings: dict) -> dict:
     """MCTS -> judged pairs -> PRM -> validation, through the stack's trainer, retriever and judge and the policy
     service at ``policy_target`` (serving ``sft_model``). Returns results.json's "prm"."""
-    from prorag.rpc.clients import RetrieverClient
-    from prorag.data.loaders import load_split
-    from prorag.registry import registry, weights_sha256
-    from prorag_app import memo
-    from services.trainer.stage_mcts import PAIRS_VERSION
-    from prorag.prm.evaluation import FAMILIES
-    from prorag_app.eval import gate_verdict, validate_prm_families
-
     t = time.monotonic()
     services = {"world": world, "policy": policy_target, "policy_model": sft_model,
                 "retriever": stack.grpc_target("retriever"), "judge": stack.grpc_target("judge"),
@@ -257,5 +163,4 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
     }
 
 
-__all__ = ["ADDRESS_KEYS", "Stage2Settings", "VALIDATION_SPLIT", "counts_by_kind", "settings_job_id", "siblings_job_id",
-           "gold_trajectories", "run_stage2"]
+__all__ = ["VALIDATION_SPLIT", "counts_by_kind", "run_stage2", "siblings_job_id"]

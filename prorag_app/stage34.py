@@ -24,14 +24,19 @@ samples the SFT model on the RL's candidate questions and every RL job draws fro
 from __future__ import annotations
 
 import json
+import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from prorag.config import cfg_field
+from prorag.io import sha256_file
+from prorag.registry import registry, weights_sha256
+from prorag_app.stack import ServiceStack
+from prorag_app.stage_settings import Stage34Settings
+from prorag_app.trainer_jobs import run_job, settings_job_id
 
 console = Console()
 
@@ -48,59 +53,27 @@ POOL_FROM_RL = ("split", "min_hops", "max_questions", "temperature", "max_step_t
                 "questions_per_request", "reward", "retriever_index")
 
 
-@dataclass
-class Stage34Settings:
-    """What a profile asks of stages 3-4 (the trainer's rft and rl jobs take the rest from their defaults)."""
-
-    methods: tuple = cfg_field(("rft", "prorag", "outcome_grpo", "reasonrag"),
-                               help="which of rft, prorag, outcome_grpo, reasonrag, prorag_no_rft and prorag_oracle "
-                                    "to train and evaluate")
-    eval_iterations: tuple = cfg_field((), help="RL iterations whose adapters are also evaluated, as "
-                                                "<method>@it<i> (F1 against RL questions: data efficiency)")
-    rft: dict = cfg_field(help="rft job settings (services.trainer.stage_rft.RFTConfig)", factory=dict)
-    rl: dict = cfg_field(help="rl job settings shared by every RL method (prorag, outcome_grpo, prorag_no_rft, "
-                              "prorag_oracle; services.trainer.stage_rl.RLConfig): the same questions, iterations, "
-                              "group size and learning rate for all",
-                         factory=dict)
-    dpo: dict = cfg_field(help="reasonrag's dpo job settings (services.trainer.stage_dpo.DPOConfig)", factory=dict)
-    pool: dict = cfg_field(help="settings of an rlpool job (services.trainer.stage_rlpool.RLPoolConfig, e.g. "
-                                "{\"samples\": 8}) run once from the SFT model before any RL job; every RL method then "
-                                "draws its questions from its learnable ones (empty = off: the whole split)",
-                           factory=dict)
-    beta: float = cfg_field(0.3, help="ProRAG's weight of the process advantage (outcome_grpo: 0)", min=0.0,
-                            max=10.0)
-    left_out: dict = cfg_field(help="stage 3-4 methods this profile leaves out on purpose, {method: why}: reported under "
-                                    "results.json's stage34.skipped with the reason, so a reader sees that the method "
-                                    "was not run and where it is (one in methods runs all the same)", factory=dict)
-    prm_gate: str = cfg_field("report", help="what stage 2's PRM gate (prorag.prm.evaluation.prm_gate) decides: enforce = a "
-                                             "PRM below it guides nothing (rft, prorag, prorag_no_rft skipped with the "
-                                             "reasons; outcome_grpo, prorag_oracle and reasonrag still run); report = "
-                                             "the PRM-guided methods run and results.json carries the verdict beside "
-                                             "them", choices=("report", "enforce"))
-
-
 def _job_id(prefix: str, stage: str, cfg: dict, prm_sha256: str = "", pool_sha256: str = "") -> str:
-    """The job id of one stage 3-4 job (prorag_app.stage2.settings_job_id): whether it uses a PRM counts, which PRM
-    (its weights: the config names only the service's address, so a retrained PRM must not reuse the jobs its
-    predecessor filtered or scored), and for RL with a PRM the version of what the PRM is asked to score; for the
+    """The job id of one stage 3-4 job (prorag_app.trainer_jobs.settings_job_id): whether it uses a PRM counts,
+    which PRM (its weights: the config names only the service's address, so a retrained PRM must not reuse the jobs
+    its predecessor filtered or scored), and for RL with a PRM the version of what the PRM is asked to score; for the
     oracle the version of what it scores; for a job drawing from a question pool, the pool's content."""
-    from prorag_app.stage2 import settings_job_id
-
     extra = {"uses_prm": bool(cfg.get("prm"))}
     if cfg.get("step_scorer") == "oracle":  # the config says oracle; the version says which rules
+        # imports torch; `prorag report` reads COMPARISONS from this module without it
         from services.trainer.stage_rl import ORACLE_SCORING_VERSION
 
         extra["oracle_scoring"] = ORACLE_SCORING_VERSION
     if cfg.get("question_pool"):  # the path names a job's artifact; its content is what the RL draws from
         extra["question_pool_sha256"] = pool_sha256
     if stage == "rlpool":
-        from services.trainer.stage_rlpool import POOL_VERSION
+        from services.trainer.stage_rlpool import POOL_VERSION  # torch, as above
 
         extra["pool_version"] = POOL_VERSION
     if extra["uses_prm"]:
         extra["prm_sha256"] = prm_sha256
     if stage != "rft" and extra["uses_prm"]:
-        from services.trainer.stage_rl import PRM_SCORING_VERSION
+        from services.trainer.stage_rl import PRM_SCORING_VERSION  # torch, as above
 
         extra["prm_scoring"] = PRM_SCORING_VERSION
     # the pool by its content alone, so a runs directory moved elsewhere still reuses the jobs
@@ -147,8 +120,6 @@ def rl_summary(iterations_path: str | Path) -> dict:
     """Where an RL job's time went, per iteration (medians), from its iterations.jsonl: rollout, PRM scoring,
     update and adapter push (sync); plus its last reward and the policy lag it saw, and ``per_iteration``: each
     iteration's share of zero-variance groups and its rollouts' mean reward and F1."""
-    import statistics
-
     rows = [json.loads(line) for line in Path(iterations_path).read_text().splitlines() if line.strip()]
     if not rows:
         return {"iterations": 0}
@@ -186,11 +157,6 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
     reasonrag's data; ``prm_gate``: stage 2's gate verdict on the PRM, {"passed", "reasons", ...}). Returns {"models": {method: {"model":
     directory, "adapter": name@version or ""}}, "jobs", "rl": {method: rl_summary}, "skipped": {method: why},
     "settings", and "pool" ({"job", "path", "size", "samples", "counts"}) when ``settings.pool`` asked for one}."""
-    from prorag.io import sha256_file
-    from prorag.registry import registry, weights_sha256
-    from prorag_app.stack import ServiceStack
-    from prorag_app.stage2 import run_job
-
     wanted = tuple(settings.methods)
     prm_sha = weights_sha256(prm_dir) if prm_dir else ""
     out: dict = {"models": {}, "jobs": {}, "rl": {}, "skipped": {}, "settings": asdict(settings)}
@@ -309,7 +275,7 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
                 timings["stage34_reasonrag_s"] = time.monotonic() - t
     timings["stage34_train_s"] = time.monotonic() - t0
     # the RL adapters after fewer iterations, evaluated like the final ones (every iteration published one)
-    from services.trainer.stage_rl import adapter_version
+    from services.trainer.stage_rl import adapter_version  # torch, as above
 
     for m in [m for m in RL_METHODS if m in out["jobs"]]:
         final = out["rl"][m].get("iterations", 0)
@@ -363,5 +329,5 @@ def print_rl(rl: dict) -> None:
     console.print(table)
 
 
-__all__ = ["COMPARISONS", "POOL_FROM_RL", "RL_METHODS", "Stage34Settings", "per_question_f1", "pool_job_config",
+__all__ = ["COMPARISONS", "POOL_FROM_RL", "RL_METHODS", "per_question_f1", "pool_job_config",
            "print_comparisons", "print_rl", "rl_job_config", "rl_summary", "run_stage34"]

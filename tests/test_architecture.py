@@ -8,6 +8,9 @@
 - services ``services/<name>``: each imports the core and itself, never a sibling service nor the app.
 - app ``prorag_app``: CLI, pipeline, bench, process stack, embedded builder, evaluation runners. The only
   layer that may import services.
+
+And no circles: no module imports itself through others, whether the imports sit at the top or inside functions
+(an import inside a function only hides a circle, it still ties the two modules together).
 """
 
 from __future__ import annotations
@@ -140,3 +143,143 @@ def test_a_wrong_import_is_caught_wherever_it_hides(tmp_path):
     assert any(f.startswith("prorag/wired.py:2: domain module") for f in found)
     # the app, a service importing itself, core-to-core imports and the wire importing the domain are allowed
     assert len(found) == 7, found
+
+
+# ---------------------------------------------------------------- no circles
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (getattr(test, "id", None) == "TYPE_CHECKING"
+                                         or getattr(test, "attr", None) == "TYPE_CHECKING")
+
+
+def _without_type_checking(tree: ast.AST) -> ast.AST:
+    """``tree`` without its ``if TYPE_CHECKING:`` blocks: those run under a type checker only, never at import, so
+    they tie no modules together at run time (annotations may name a module that imports this one)."""
+    class Strip(ast.NodeTransformer):
+        def visit_If(self, node):
+            return None if _is_type_checking(node) else self.generic_visit(node)
+
+    return Strip().visit(tree)
+
+
+def import_graph(root: Path) -> dict[str, dict[str, int]]:
+    """module -> {project module it imports: the line of the first such import}, over every import statement at
+    any depth (inside functions too) and importlib calls; a name is resolved to the longest project module it
+    starts with (``from prorag_app.eval import evaluate`` -> prorag_app.eval)."""
+    paths = {}
+    for layer in LAYERS:
+        if (root / layer).is_dir():
+            paths.update({module_name(root, p): p for p in sorted((root / layer).rglob("*.py"))
+                          if p.relative_to(root).parts[:2] != ("prorag", "v1")})
+
+    def resolve(name: str) -> str:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in paths.items():
+        tree = _without_type_checking(ast.parse(path.read_text(), filename=str(path)))
+        edges = graph.setdefault(module, {})
+        for line, imported in imported_modules(tree, module, path.name == "__init__.py"):
+            target = resolve(imported)
+            if target and target != module:
+                edges.setdefault(target, line)
+    return graph
+
+
+def import_cycles(root: Path) -> list[str]:
+    """One line per circle (strongly connected set of modules): a path through it with the line of each import."""
+    graph = import_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for start in graph:  # Tarjan's algorithm, iterative: the graph is deeper than Python's recursion limit allows
+        if start in index:
+            continue
+        work = [(start, iter(graph[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(graph.get(child, {}))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(component)
+    found = []
+    for component in components:
+        # the shortest way from the first module back to itself inside the component
+        first = min(component)
+        came_from = {first: None}
+        queue = [first]
+        while queue:
+            node = queue.pop(0)
+            if first in graph[node]:
+                break
+            for child in sorted(graph[node]):
+                if child in component and child not in came_from:
+                    came_from[child] = node
+                    queue.append(child)
+        path = [node]
+        while came_from[path[-1]] is not None:
+            path.append(came_from[path[-1]])
+        path.reverse()
+        path.append(first)
+        steps = " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(path, path[1:]))
+        found.append(f"{steps} -> {first}; the circle: {', '.join(sorted(component))}")
+    return sorted(found)
+
+
+def test_no_module_imports_itself_through_others():
+    """Break a circle by moving what the modules share into a third one both import; an import moved into a function
+    does not break it."""
+    assert import_cycles(REPO) == []
+
+
+def test_a_circle_is_caught_wherever_its_imports_hide(tmp_path):
+    root = _tree(tmp_path, {
+        "prorag_app/__init__.py": "",
+        # a circle of three through a function-level import and an importlib call
+        "prorag_app/profiles.py": "from prorag_app.stage2 import Settings\n",
+        "prorag_app/stage2.py": "def run():\n    from prorag_app import eval\n",
+        "prorag_app/eval.py": "import importlib\n\ndef f():\n    importlib.import_module('prorag_app.profiles')\n",
+        # two modules through relative imports, one nested in a class and a branch
+        "services/__init__.py": "",
+        "services/policy/__init__.py": "",
+        "services/policy/server.py": "from .servicer import Servicer\n",
+        "services/policy/servicer.py": "class S:\n    def f(self):\n        if 1:\n            from . import server\n",
+        # not circles: a one-way chain, a module importing itself, and imports a type checker alone reads
+        "prorag/__init__.py": "",
+        "prorag/a.py": "import prorag.b\nfrom prorag import a\n",
+        "prorag/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from prorag.a import X\n",
+        "prorag/c.py": "import typing\nif typing.TYPE_CHECKING:\n    import prorag.d\n",
+        "prorag/d.py": "import prorag.c\n",
+    })
+    found = import_cycles(root)
+    assert len(found) == 2, found
+    app = next(f for f in found if "prorag_app" in f)
+    assert app.startswith("prorag_app.eval (line 4) -> prorag_app.profiles (line 1) -> prorag_app.stage2 (line 2) "
+                          "-> prorag_app.eval"), app
+    assert any("the circle: services.policy.server, services.policy.servicer" in f for f in found), found

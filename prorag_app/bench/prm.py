@@ -24,7 +24,7 @@ def bench_prm(args) -> dict:
     from prorag.data.loaders import load_corpus, load_split
     from prorag_app.embedded import ensure_indexes
     from prorag_app.profiles import PROFILES
-    from prorag_app.stage2 import gold_trajectories
+    from prorag_app.eval import gold_trajectories
     from services.prm.engine import PRMEngine, ScoringItem
 
     ensure_indexes(args.world)

@@ -123,7 +123,7 @@ class _PRMLoad(Workload):
         from prorag.rpc.pbconv import step_pb
         from prorag.pb import prm_pb2
         from prorag_app.profiles import PROFILES
-        from prorag_app.stage2 import gold_trajectories
+        from prorag_app.eval import gold_trajectories
 
         self.world = world
         self.model = bench_prm_model(world, model if model != "sft" else "prm")

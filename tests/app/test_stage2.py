@@ -5,7 +5,7 @@ import pytest
 
 from prorag.rpc.clients_trainer import TrainerClient
 from prorag.rpc.service import ServeConfig
-from prorag_app.stage2 import follow_job, run_job
+from prorag_app.trainer_jobs import follow_job, run_job
 from services.trainer.server import TrainerConfig, start
 from tests.helpers import LoopThread
 

@@ -11,7 +11,9 @@ import pytest
 from prorag.config import ConfigError, from_dict
 from prorag.search.pairs import StepPair
 from prorag.trajectory import Step
-from prorag_app.stage2 import Stage2Settings, counts_by_kind, run_stage2, settings_job_id, siblings_job_id
+from prorag_app.stage2 import counts_by_kind, run_stage2, siblings_job_id
+from prorag_app.stage_settings import Stage2Settings
+from prorag_app.trainer_jobs import settings_job_id
 from services.trainer.stage_mcts import PAIRS_VERSION, flat_counts, pair_counts
 
 

@@ -146,12 +146,13 @@ def _recording_trainer(tmp_path, learnable_ids):
 
 def _run(tmp_path, monkeypatch, learnable_ids, **settings):
     from prorag.config import from_dict
-    from prorag_app import stack as stack_module, stage2
-    from prorag_app.stage34 import Stage34Settings, run_stage34
+    from prorag_app import stage34
+    from prorag_app.stage34 import run_stage34
+    from prorag_app.stage_settings import Stage34Settings
 
     run_job, submitted = _recording_trainer(tmp_path / "jobs", learnable_ids)
-    monkeypatch.setattr(stage2, "run_job", run_job)
-    monkeypatch.setattr(stack_module, "ServiceStack", _Stack)
+    monkeypatch.setattr(stage34, "run_job", run_job)
+    monkeypatch.setattr(stage34, "ServiceStack", _Stack)
     s = from_dict(Stage34Settings, {"methods": ["outcome_grpo", "prorag_oracle", "prorag"], **settings})
     out = run_stage34(_Stack(), "w", "sft@a", str(tmp_path / "sft"), None, {"topk": 1}, s, tmp_path / "run", 0, {})
     return out, submitted
@@ -188,15 +189,15 @@ def test_an_empty_pool_skips_the_rl_methods_with_the_reason(tmp_path, monkeypatc
 
 
 def _run_with_prm(tmp_path, monkeypatch, gate, **settings):
-    from prorag import registry as registry_module
     from prorag.config import from_dict
-    from prorag_app import stack as stack_module, stage2
-    from prorag_app.stage34 import Stage34Settings, run_stage34
+    from prorag_app import stage34
+    from prorag_app.stage34 import run_stage34
+    from prorag_app.stage_settings import Stage34Settings
 
     run_job, submitted = _recording_trainer(tmp_path / "jobs", [])
-    monkeypatch.setattr(stage2, "run_job", run_job)
-    monkeypatch.setattr(stack_module, "ServiceStack", _Stack)
-    monkeypatch.setattr(registry_module, "weights_sha256", lambda d: "0" * 64)
+    monkeypatch.setattr(stage34, "run_job", run_job)
+    monkeypatch.setattr(stage34, "ServiceStack", _Stack)
+    monkeypatch.setattr(stage34, "weights_sha256", lambda d: "0" * 64)
     s = from_dict(Stage34Settings, {"methods": ["outcome_grpo", "prorag_oracle", "prorag_no_rft"], **settings})
     out = run_stage34(_Stack(), "w", "sft@a", str(tmp_path / "sft"), str(tmp_path / "prm"), {"topk": 1}, s,
                       tmp_path / "run", 0, {}, prm_gate=gate)
