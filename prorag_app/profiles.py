@@ -122,9 +122,8 @@ RECIPE = Profile(
     world="default",
     model_preset="cpu-induction",  # the induction-wired base with the gap and paraphrase warm-ups (prorag_app.embedded)
     vocab_size=8192,
-    # restated questions and plan-carrying thoughts, 2,400 steps (2.4 passes) over the whole train split for every
-    # SFT method: at 1,200 the agent was underfit, and how far it got depended on the base's draw (dev F1 9.5-41.8
-    # over five draws; two of them 57.7 and 46.4 at 2,400, docs/BENCHMARKS.md)
+    # restated questions and plan-carrying thoughts over the whole train split; 2,400 steps because at 1,200 the
+    # agent was underfit (docs/BENCHMARKS.md, "Why the profiles' settings")
     sft={"max_questions": 0, "max_steps": 2400, "batch_size": 8, "lr": 3e-3, "log_every": 10,
          "checkpoint_every": 200, "restate_question": True, "plan_thoughts": True},
     method_sft={
@@ -143,8 +142,8 @@ RECIPE = Profile(
     stage34={
         # the headline: ProRAG without RFT against outcome GRPO (same start, questions, budget), ReasonRAG beside it
         "methods": ("outcome_grpo", "prorag_no_rft", "reasonrag"),
-        # RFT and ProRAG's RL on the RFT model took ~12 of 76 minutes with their evaluations (docs/BENCHMARKS.md);
-        # `make run` keeps to its hour without them, and results.json says where they are
+        # left out so `make run` keeps to its hour; results.json says where they run
+        # (docs/BENCHMARKS.md, "Why the profiles' settings")
         "left_out": {m: "left out of the default profile to keep `make run` within its hour; the research and "
                         "ablation profiles run it (prorag run --profile research)" for m in ("rft", "prorag")},
         # as the reference does it, plus a gold SFT trajectory per kept one at a 5x lower rate: RFT alone stops early
@@ -156,19 +155,18 @@ RECIPE = Profile(
         # ReasonRAG's DPO at the RL methods' rate: its 1 epoch at 1e-6 is for full fine-tuning of a 7B model
         "dpo": {"epochs": 3, "batch_size": 8, "lr": 5e-4, "seed": 1},
         "beta": 0.3},
-    deep_questions=450)  # with the test split's 175 questions of 3+ hops, 625 for the comparisons (issue 19: 600)
+    deep_questions=450)  # with the test split's 3+ hop questions, enough for the paired comparisons (issue 19)
 
 #: issue 30's experiment, sized for hours rather than `make run`'s hour (run over RESEARCH's three seeds)
 RESEARCH_PROFILE = dataclasses.replace(
     RECIPE,
-    # 3,600 SFT steps: on the base that reached 13.9 dev F1 at 1,200 steps (and 25.2 on test at 2,400) they gave 65.7;
-    # `make run` keeps 2,400 for its hour (docs/BENCHMARKS.md)
+    # 3,600 SFT steps: a better agent than 2,400 give, at a cost `make run`'s hour cannot pay
+    # (docs/BENCHMARKS.md, "Why the profiles' settings")
     sft={**RECIPE.sft, "max_steps": 3600},
     stage2={**RECIPE.stage2,
             "mcts": {**RECIPE.stage2["mcts"], "max_questions": 200},
-            # pairs that contain reading: the sibling sampler on 2,000 train questions beside the MCTS trees, with
-            # sub-answers sampled under other documents and subqueries under another stated name (chosen on dev:
-            # reading pairs alone left the PRM ranking gold subqueries below their corruptions)
+            # pairs that contain reading, and subqueries under another stated name, so the PRM also ranks gold
+            # subqueries above their corruptions (docs/BENCHMARKS.md, "Why the profiles' settings")
             "siblings": {"max_questions": 2000, "samples": 4, "concurrency": 32, "max_step_tokens": 96,
                          "max_steps": 10, "seed": 1, "reading_samples": 2, "bridge_samples": 2},
             "eval_questions": 0},  # the PRM validated on the whole split
@@ -178,28 +176,23 @@ RESEARCH_PROFILE = dataclasses.replace(
              "left_out": {},
              # RFT as the reference does it: per step, questions even over hop counts
              "rft": {**RECIPE.stage34["rft"], "filter": "step", "hop_balanced": True},
-             # RL on the 3,600-step agent, chosen on dev (docs/BENCHMARKS.md, devrl28-30): 3+ hop pool questions
-             # the SFT agent answers right in at most 4 of 8 samples (on the whole pool the agent drifted and lost),
-             # 45 iterations x 32 questions x 8 samples (of 15-90 on dev, 45 and 60 gained most on 3+ hops, +2.1;
-             # later ones fit the pool without gaining), 4 optimizer steps each at 1e-3, no KL (at these rates the
-             # penalty weighed nothing: KL ~0.007); the answer's F1 as the reward (the reference reward's format
-             # term traded answers for format)
+             # chosen on dev: questions the agent sometimes fails, as many iterations as still gained, no KL (it
+             # weighed nothing), the answer's F1 as the reward (docs/BENCHMARKS.md, "Why the profiles' settings")
              "rl": {**RECIPE.stage34["rl"], "iterations": 45, "questions_per_iteration": 32, "mini_batches": 4,
                     "lr": 1e-3, "reward": "f1", "kl_coef": 0.0, "min_hops": 3, "pool_max_solve_rate": 0.5,
                     "checkpoint_every": 5, "prm_centering": "per_kind",
-                    # issue 47: the arms differ in the process term only: no format term in the step score (the
-                    # outcome reward has none), and the answer step, whose verdict repeats the outcome, left out of
-                    # it; the oracle is never centred (stage34.rl_job_config). Not yet checked on dev.
+                    # the arms differ in the process term only: the step score has no format term and leaves out
+                    # the answer step, whose verdict repeats the outcome (issue 47)
                     "step_score": "verdict", "process_answer_step": False},
              # one learnable pool for both headline methods: 3+ hop questions the SFT agent sometimes answers
              "pool": {"samples": 8, "max_questions": 1500},
              "eval_iterations": (15,),  # a third of the RL questions: the data-efficiency point
              # every arm runs whatever the gate says; its verdict and figures stand beside the results (issue 47)
              "prm_gate": "report"},
-    # issue 47: 2,500 held-out questions of 3+ hops, 4x the 625 of the test and deep splits, so one seed's interval
-    # narrows about 2x (+-1.2 F1); never used for a choice
+    # enough held-out 3+ hop questions to halve one seed's interval; never used for a choice
+    # (docs/BENCHMARKS.md, "Why the profiles' settings")
     heldout_questions=2500,
-    dev_deep_questions=1500)  # the dev deep split the RL settings were chosen on (devrl29big, docs/BENCHMARKS.md)
+    dev_deep_questions=1500)  # the dev deep split the RL settings were chosen on
 
 PROFILES = {
     # what the end-to-end test runs: every stage, in minutes
