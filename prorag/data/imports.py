@@ -563,6 +563,7 @@ class ImportConfig:
                                           "supporting passage", min=1, max=100)
     teacher_max_steps: int = cfg_field(6, help="a teacher decomposition of more sub-questions is rejected",
                                        min=1, max=20)
+    teacher_concurrency: int = cfg_field(8, help="teacher requests in flight at once", min=1, max=256)
     examples: int = cfg_field(10, help="unaligned hops and rejected teacher decompositions listed in the report",
                               min=0, max=10_000)
 
@@ -596,13 +597,14 @@ def import_records(records: Iterable[SourceRecord], titled: Mapping[str, Sequenc
     if teacher is not None:
         rep["teacher"] = {"asked": 0, "kept": 0, "hops": 0, "failed_calls": 0, "unparsable": 0, "rejected": 0,
                           "skipped_unaligned_support": 0}
+    replies = _teacher_replies(kept, aligned, teacher, cfg) if teacher is not None else {}
     rows = []
     for r in kept:
         hops, source, why = r.hops, "dataset", "no_decomposition"
         alignments = [aligned[h.support] if h.support else Alignment(reason="the record names no supporting paragraph")
                       for h in hops or ()]
         if hops is None and teacher is not None:
-            hops, alignments, why = _ask_teacher(r, aligned, search, cfg, teacher, rep)
+            hops, alignments, why = _check_teacher(r, replies.get(r.id), aligned, search, cfg, rep)
             source = "teacher"
         rows.append(_row(r, hops, alignments, source, why, aligned, rep, cfg))
     rep["questions_written"] = len(rows)
@@ -615,21 +617,42 @@ def import_records(records: Iterable[SourceRecord], titled: Mapping[str, Sequenc
     return rows, rep
 
 
-def _ask_teacher(r: SourceRecord, aligned: Mapping[Passage, Alignment], search: SearchFn, cfg: ImportConfig,
-                 teacher: TeacherFn, rep: dict) -> tuple[list[SourceHop] | None, list[Alignment], str]:
-    """(hops, their alignments, why there are none): a teacher's checked decomposition of ``r``."""
+def _teacher_ready(r: SourceRecord, aligned: Mapping[Passage, Alignment]) -> bool:
+    """Whether a teacher's hops for ``r`` can be checked: it has no decomposition and all its support aligned."""
+    return r.hops is None and bool(r.supporting) and all(aligned[p].doc_id for p in r.supporting)
+
+
+def _teacher_replies(records: Sequence[SourceRecord], aligned: Mapping[Passage, Alignment], teacher: TeacherFn,
+                     cfg: ImportConfig) -> dict[str, str | Exception]:
+    """Record id -> the teacher's reply (or the call's error), asked ``teacher_concurrency`` at a time: an endpoint
+    answers one request in seconds, and HotpotQA's train split has 90k questions."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(r: SourceRecord) -> str | Exception:
+        try:
+            return teacher(teacher_messages(r.question, r.supporting))
+        except Exception as e:  # noqa: BLE001 - one failed call costs one question, not the import
+            log.warning("teacher call for %s failed: %s", r.id, e)
+            return e
+
+    asked = [r for r in records if _teacher_ready(r, aligned)]
+    with ThreadPoolExecutor(cfg.teacher_concurrency) as pool:
+        return dict(zip((r.id for r in asked), pool.map(ask, asked)))
+
+
+def _check_teacher(r: SourceRecord, reply: str | Exception | None, aligned: Mapping[Passage, Alignment],
+                   search: SearchFn, cfg: ImportConfig,
+                   rep: dict) -> tuple[list[SourceHop] | None, list[Alignment], str]:
+    """(hops, their alignments, why there are none): the teacher's decomposition of ``r``, checked."""
     t = rep["teacher"]
-    gold = [aligned[p].doc_id for p in r.supporting]
-    if not gold or not all(gold):
-        t["skipped_unaligned_support"] += 1  # nothing to check its hops against: not worth a call
+    if not _teacher_ready(r, aligned):
+        t["skipped_unaligned_support"] += 1  # nothing to check its hops against: it was not asked
         return None, [], "no_decomposition"
     t["asked"] += 1
-    try:
-        reply = teacher(teacher_messages(r.question, r.supporting))
-    except Exception as e:  # noqa: BLE001 - one failed call costs one question, not the import
-        log.warning("teacher call for %s failed: %s", r.id, e)
+    if isinstance(reply, Exception) or reply is None:
         t["failed_calls"] += 1
         return None, [], "teacher_rejected"
+    gold = [aligned[p].doc_id for p in r.supporting]
     try:
         steps, answer = parse_teacher_reply(reply, cfg.teacher_max_steps)
     except ValueError as e:

@@ -267,6 +267,19 @@ def test_teacher_reply_parsing_and_checks(bm25):
     assert "sub-question 1" in check_teacher_decomposition(rec, off, answer, ["c08", "c09"], bm25.search, 1)
 
 
+def test_a_failing_or_rambling_teacher_costs_its_questions_not_the_import(bm25):
+    recs = list(read_records(FIX / "hotpotqa.json", "hotpotqa"))
+
+    def down(messages):
+        raise ConnectionError("endpoint down")
+
+    for teacher, counter in ((down, "failed_calls"), (lambda messages: "I would search for the director.", "unparsable")):
+        rows, rep = import_records(recs, titled_for(recs), bm25.search, ImportConfig(dataset="hotpotqa"), teacher)
+        assert len(rows) == 3 and all(r["metadata"]["decomposition"] == [] for r in rows)
+        assert (rep["teacher"]["asked"], rep["teacher"][counter], rep["teacher"]["skipped_unaligned_support"]) == (2, 2, 1)
+        assert rep["questions_without"] == {"unaligned_hop": 0, "no_decomposition": 1, "teacher_rejected": 2}
+
+
 GOOD_REPLY = json.dumps({"steps": [{"question": "Who directed Silver Coast?", "answer": "Emil Dray"},
                                    {"question": "Where was Emil Dray born?", "answer": "Port Verin"}],
                          "answer": "Port Verin"})
