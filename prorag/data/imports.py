@@ -217,13 +217,13 @@ def _final_aliases(answer: str, answers: Sequence[str]) -> tuple[str, ...]:
 
 #: how a (subject, relation) pair is asked: MuSiQue's "X >> relation" sub-questions and 2Wiki's evidence triples
 _PERSON_RELATIONS = {"director", "father", "mother", "spouse", "performer", "composer", "producer", "creator",
-                     "child", "sibling", "founded by", "author", "screenwriter", "editor", "cast member",
+                     "child", "sibling", "author", "screenwriter", "editor", "cast member",
                      "lyricist", "publisher", "manufacturer", "developer", "employer", "doctoral advisor",
                      "student of", "head of government", "head of state"}
 _RELATION_FORMS = {"date of birth": "When was {s} born?", "date of death": "When did {s} die?",
                    "place of birth": "Where was {s} born?", "place of death": "Where did {s} die?",
                    "publication date": "When was {s} published?", "inception": "When was {s} founded?",
-                   "place of burial": "Where was {s} buried?"}
+                   "place of burial": "Where was {s} buried?", "founded by": "Who founded {s}?"}
 
 
 def relation_question(subject: str, relation: str) -> str:
