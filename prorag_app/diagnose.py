@@ -13,13 +13,22 @@ import json
 import random
 from pathlib import Path
 
+from rich.table import Table
+
 from prorag import paths
 from prorag.algorithms.rl import ANSWER_CREDIT_F1
+from prorag.data.loaders import load_split
+from prorag.data.world import DEV_DEEP_SPLIT, ensure_deep_split
 from prorag.diagnosis import reading, solve_rate_bin, token_entropy, wins_losses_by_bin
 from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag.evaluation import paired_difference
+from prorag.io import write_json
 from prorag.metrics import f1_score
+from prorag.rpc.clients import PolicyClient, push_adapter
+from prorag_app.pipeline import eval_options
 from prorag_app.run_tables import console
+from prorag_app.stack import ServiceStack
+from services.trainer.stage_rl import adapter_version, select_questions
 
 #: the RL methods that start from the SFT agent, so their adapters are served over it and read against it
 #: (ProRAG proper starts from the RFT model: its reference would be RFT, which this does not serve)
@@ -40,10 +49,6 @@ def pool_of(run: dict) -> dict | None:
 def question_sets(run: dict, n: int, seed: int = 0) -> dict[str, list]:
     """{"pool": up to n of the questions the run's RL drew from (its pool's, or without one the RL's own selection
     of its split), "unseen": up to n dev deep questions}, each a seeded draw in the split's order."""
-    from prorag.data.loaders import load_split
-    from prorag.data.world import DEV_DEEP_SPLIT, ensure_deep_split
-    from services.trainer.stage_rl import select_questions
-
     world = run["world"]
     pool, rl = pool_of(run), ((run.get("stage34") or {}).get("settings") or {}).get("rl") or {}
     if pool is not None:
@@ -67,8 +72,6 @@ def question_sets(run: dict, n: int, seed: int = 0) -> dict[str, list]:
 def adapters_of(run: dict, iterations: tuple[int, ...]) -> dict[str, str]:
     """{model name: adapter name@version}: "sft" (no adapter), each RL method's final adapter, and the ones it
     published after ``iterations`` (as <method>@it<i>)."""
-    from services.trainer.stage_rl import adapter_version
-
     s34 = run.get("stage34") or {}
     out = {"sft": ""}
     for m in RL_METHODS:
@@ -144,10 +147,6 @@ def diagnose(run: dict, models: dict[str, str], sets: dict[str, list], answers: 
 def run_diagnosis(run_dir: str | Path, questions: int = 300, samples: int = 4, iterations: tuple[int, ...] = (),
                   port_offset: int = 0, seed: int = 0) -> dict:
     """Diagnose the RL of the `prorag run` in ``run_dir``; writes diagnosis.json there and returns it."""
-    from prorag.rpc.clients import PolicyClient, push_adapter
-    from prorag_app.pipeline import eval_options
-    from prorag_app.stack import ServiceStack
-
     path = Path(run_dir) / "results.json"
     if not path.is_file():
         raise InvalidArgument(f"{run_dir} has no results.json: not the directory of a finished `prorag run`")
@@ -183,16 +182,12 @@ def run_diagnosis(run_dir: str | Path, questions: int = 300, samples: int = 4, i
     report = {"run": str(run_dir), "questions": {s: len(qs) for s, qs in sets.items()}, "samples": samples,
               "adapters": models,
               **diagnose(run, models, sets, answers)}
-    from prorag.io import write_json
-
     write_json(Path(run_dir) / "diagnosis.json", report)
     print_diagnosis(report)
     return report
 
 
 def print_diagnosis(report: dict) -> None:
-    from rich.table import Table
-
     table = Table(title="RL diagnosis: greedy and sampled F1 (x100), entropy (nats/token), greedy - SFT [95% CI]")
     for col in ("model", "set", "n", "greedy", "sampled", "entropy", "greedy - SFT", "wins/losses by SFT solve rate",
                 "reading"):

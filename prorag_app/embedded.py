@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 from prorag import paths
 from prorag.config import from_dict
+from prorag.data.world import WorldConfig, build_world
+from prorag.io import write_json
 from prorag.progress import progress_bars
+from prorag.training.context import local_context
+from services.retriever.encoders import EncoderConfig
+from services.retriever.indexing import BM25Config, DenseIndexConfig, build_all
 
 WORLD_SIZES = ("tiny", "small", "default", "large")
 
@@ -25,8 +32,6 @@ def ensure_world(name: str = "default", size: str | None = None, seed: int | Non
     missing, it is built with seed 0 and ``size`` defaulting to ``name`` when that is a size (so worlds
     "tiny" and "default" are what they say). An explicit size or seed that differs from a complete
     build rebuilds it."""
-    from prorag.data.world import WorldConfig, build_world
-
     out = paths.world_dir(name)
     if size is None and seed is None and world_is_complete(name):
         built = json.loads((out / "world.json").read_text()).get("config", {})
@@ -44,9 +49,6 @@ def ensure_indexes(world: str = "default", size: str | None = None, faiss_type: 
                    fp16: bool = False, dense: bool = True, bm25: bool = True) -> dict:
     """Build dense + BM25 indexes (+ docstore) for a corpus; resumes an interrupted build. ``dense`` / ``bm25``
     False skip that index (a retriever serving BM25 alone needs neither faiss nor the encoder's weights)."""
-    from services.retriever.encoders import EncoderConfig
-    from services.retriever.indexing import BM25Config, DenseIndexConfig, build_all
-
     if corpus is None:
         ensure_world(world, size)
         corpus_path = paths.world_dir(world) / "corpus.jsonl"
@@ -95,14 +97,8 @@ def ensure_policy_model(world: str = "default", preset: str | None = None, vocab
     variant: build into :func:`policy_base_dir` (world, variant) instead of the world's default base.
     progress(stage, done, total) reports the warm-up, which is the trainer's `warmup` stage run in this
     process: its checkpoints are kept beside the base until it is done, so a killed build resumes."""
-    import json
-    import shutil
-    from dataclasses import asdict
-
-    from prorag.config import from_dict
-    from prorag.io import write_json
+    # torch: only building the base needs it, not the world or its indexes
     from prorag.modeling import WarmupConfig, model_config
-    from prorag.training.context import local_context
     from services.trainer.stage_warmup import WarmupStageConfig, run_warmup
 
     out = policy_base_dir(world, variant)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from prorag import paths
+from prorag.io import atomic_dir, sha256_file, write_json
 
 RESULT = "result.json"
 log = logging.getLogger("prorag.memo")
@@ -39,8 +40,6 @@ def questions_fingerprint(questions: Sequence) -> str:
 
 def corpus_fingerprint(world: str) -> str:
     """sha256 of the world's corpus file ('' when the world has none, e.g. an external corpus)."""
-    from prorag.io import sha256_file
-
     corpus = paths.world_dir(world) / "corpus.jsonl"
     return sha256_file(corpus) if corpus.is_file() else ""
 
@@ -146,8 +145,6 @@ def load(kind: str, key: str | None, into: Path | None = None) -> dict | None:
 
 def store(kind: str, key: str | None, result: dict, files: Sequence[Path] = ()) -> None:
     """Keep ``result`` (and copies of ``files``) under ``key``; a None key keeps nothing."""
-    from prorag.io import atomic_dir, write_json
-
     if key is None:
         return
     with atomic_dir(_entry(kind, key)) as tmp:

@@ -23,21 +23,35 @@ import json
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from prorag import paths
-from prorag.rpc.clients import PolicyClient, RetrieverClient
+from prorag.config import from_dict
 from prorag.data.loaders import load_split
-from prorag_app.embedded import ensure_indexes, ensure_policy_model
-from prorag.progress import progress_bars
-from prorag.evaluation import grouped_mean_ci, recall_at_k, retrieval_queries
+from prorag.data.world import DEEP_SPLITS, HELDOUT_DEEP_SPLIT, ensure_deep_split, ensure_heldout_split
 from prorag.errors import InvalidArgument
+from prorag.evaluation import (MULTI_HOP_MIN, compare_methods, grouped_mean_ci, margin_beyond_cis, question_entity,
+                               recall_at_k, retrieval_queries)
 from prorag.methods import base_method, get_method
-from prorag.registry import registry
+from prorag.modeling import load_policy
+from prorag.probes import name_copy_accuracy
+from prorag.progress import progress_bars
+from prorag.registry import published_config, registry, weights_sha256
+from prorag.rpc.clients import PolicyClient, RetrieverClient, push_adapter
+from prorag.rpc.clients_trainer import TrainerClient, state_name
 from prorag.runs import code_version, new_run_dir, point_latest, timed, write_results
+from prorag_app import memo
+from prorag_app.embedded import ensure_indexes, ensure_policy_model
+from prorag_app.eval import evaluate, format_table, print_prm_families, reader_settings
 from prorag_app.profiles import ABLATION, PROFILES, AblationPlan, Profile, with_overrides, with_stage34
+from prorag_app.report import build_report
 from prorag_app.run_tables import console, print_diagnostics, print_figure, print_retrieval_table, print_stage34
 from prorag_app.stack import ServiceStack
+from prorag_app.stage2 import run_stage2
+from prorag_app.stage34 import COMPARISONS, per_question_f1, print_comparisons, run_stage34
+from prorag_app.stage_settings import Stage2Settings, Stage34Settings
+from prorag_app.trainer_jobs import follow_job
 
 KS = (1, 3, 5, 10)
 INDEXES = ("dense", "bm25", "hybrid")
@@ -73,8 +87,6 @@ def job_id_for(world: str, method: str, config: dict) -> str:
     while a rebuilt base (same path, new weights) trains anew. The retriever address is excluded:
     it moves with --port-offset but does not change the data. JOB_FORMAT changes the ids when what a job
     leaves behind changes (jobs finished before the registry name no model in their outputs)."""
-    from prorag.registry import weights_sha256
-
     key = {k: v for k, v in config.items() if k not in ("retriever", "threads")}  # where and how fast, not what
     key["base_sha256"] = weights_sha256(config["base_model"])
     key["job_format"] = JOB_FORMAT
@@ -100,9 +112,6 @@ def train_methods(stack: ServiceStack, methods, profile: Profile, base_model: st
 
     Returns method -> {"job_id", "metrics", "run_dir", "model", "train_s"}: "model" is the registry reference the
     job published; "train_s" the job's own running time (its queue wait left out)."""
-    from prorag.rpc.clients_trainer import TrainerClient, state_name
-    from prorag_app.trainer_jobs import follow_job
-
     ids, fresh = {}, []
     with TrainerClient(stack.grpc_target("trainer"), timeout=60, wait_for_ready=True) as client:
         existing = {j.job_id: j for j in client.list("sft")}
@@ -166,13 +175,9 @@ def eval_options(method: str, model_dir: str) -> dict:
     """Rollout options of ``method``'s evaluation: its table entry's (the agent's step limit), and as many
     documents per search as the published model was trained with (a model trained on one document per
     subquery reads worse among three)."""
-    from prorag.registry import published_config
-
     trained = published_config(model_dir)
     if "topk" not in trained:
         raise SystemExit(f"{model_dir}: its manifest does not say how many documents per search it was trained with")
-    from prorag_app.eval import reader_settings
-
     return {**get_method(base_method(method)).evaluate, "topk": int(trained["topk"]),
             **reader_settings(method, model_dir, trained)}
 
@@ -181,11 +186,6 @@ def evaluate_method(method: str, model_dir: str, world: str, stack: ServiceStack
                     port_offset: int, adapter: str = "") -> dict:
     """Serve ``model_dir`` (with the LoRA ``adapter`` name@version loaded and active, when given) in its own policy
     process and evaluate it through the services. The process never restores another run's active adapter."""
-    from prorag.rpc.clients import push_adapter
-    from prorag.registry import weights_sha256
-    from prorag_app import memo
-    from prorag_app.eval import evaluate
-
     kw = eval_options(method, model_dir)
     # an evaluation of the same weights on the same questions by the same code is read back (prorag_app.memo)
     adapter_sha = weights_sha256(registry("adapter", world).resolve(adapter)) if adapter else ""
@@ -225,8 +225,6 @@ def evaluate_methods(models: dict[str, str], world: str, stack: ServiceStack, qu
     Why side by side: each evaluation starts a policy process (imports, model load) and waits on retrieval
     between decoding rounds; overlapped, three evaluations took less wall time than one after another
     (docs/BENCHMARKS.md). Returns method -> result in the order of ``models``; timings gets eval_<method>_s."""
-    from concurrent.futures import ThreadPoolExecutor
-
     timings = {} if timings is None else timings
 
     def one(i: int, method: str) -> dict:
@@ -242,11 +240,6 @@ def evaluate_methods(models: dict[str, str], world: str, stack: ServiceStack, qu
 def stage2(prof: Profile, stack: ServiceStack, world: str, sft_model: str, run_dir, port_offset: int,
            timings: dict) -> dict:
     """Stage 2 on the trained agent: a policy process serving it, then prorag_app.stage2.run_stage2."""
-    from prorag.config import from_dict
-    from prorag_app.eval import print_prm_families
-    from prorag_app.stage2 import run_stage2
-    from prorag_app.stage_settings import Stage2Settings
-
     settings = from_dict(Stage2Settings, prof.stage2)
     serving = ServiceStack(port_offset=port_offset, world=world, services=("policy",),
                            overrides={"policy": {"model": sft_model, "retriever": stack.grpc_target("retriever")}},
@@ -266,10 +259,6 @@ def stage34(prof: Profile, stack: ServiceStack, world: str, sft_ref: str, prm: d
     side by side on ``questions``, and with the SFT agent on the ``deep`` questions (under run_dir/deep) and the
     ``heldout`` ones (under run_dir/heldout). Returns (what stage34 did, method -> evaluation, method -> evaluation
     on the deep questions, the same on the held-out ones)."""
-    from prorag.config import from_dict
-    from prorag_app.stage34 import run_stage34
-    from prorag_app.stage_settings import Stage34Settings
-
     settings = from_dict(Stage34Settings, prof.stage34)
     prm_dir = (str(registry("prm", world).resolve(prm["model"])) if prm is not None and "model" in prm else None)
     sft_dir = str(registry("model", world).resolve(sft_ref))
@@ -300,9 +289,6 @@ def compare(run_dir, methods, questions, parts: tuple[str, ...] = ("", "deep")) 
     between the methods this run evaluated (one seed), over the evaluations under ``parts`` of run_dir together
     (by default the test split and the deep split, run_dir/deep, where evaluated; question ids differ between
     them; ("heldout",): the held-out split alone)."""
-    from prorag.evaluation import compare_methods
-    from prorag_app.stage34 import COMPARISONS, per_question_f1
-
     per_question: dict[str, list[dict[str, float]]] = {}
     for part in parts:
         for m, runs in per_question_f1(Path(run_dir) / part, methods).items():
@@ -312,10 +298,6 @@ def compare(run_dir, methods, questions, parts: tuple[str, ...] = ("", "deep")) 
 
 def copy_probes(models: dict[str, str], questions) -> dict[str, dict]:
     """The name-copy probe (prorag.probes) of each model directory, on the split's question entities."""
-    from prorag.evaluation import question_entity
-    from prorag.modeling import load_policy
-    from prorag.probes import name_copy_accuracy
-
     names = [e for e in dict.fromkeys(question_entity(q) for q in questions) if e]
     out = {}
     for name, model_dir in models.items():
@@ -337,8 +319,6 @@ def diagnostics(methods: dict[str, dict], probes: dict[str, dict]) -> dict[str, 
 def multi_hop_figure(methods: dict) -> dict | None:
     """Issue #4's figure from evaluated methods: sft vs standard_rag on 2+ hop questions (None when
     either is missing or the split has no multi-hop question)."""
-    from prorag.evaluation import MULTI_HOP_MIN, margin_beyond_cis
-
     sft, rag = methods.get("sft", {}).get("multi_hop"), methods.get("standard_rag", {}).get("multi_hop")
     if not sft or not rag:
         return None
@@ -351,8 +331,6 @@ def deep_questions(world: str, prof: Profile) -> list:
     own, drawn after the test one and disjoint from it); [] when it asks for none."""
     if not prof.deep_questions:
         return []
-    from prorag.data.world import DEEP_SPLITS, ensure_deep_split
-
     n = (prof.dev_deep_questions or prof.deep_questions) if prof.eval_split == "dev" else prof.deep_questions
     ensure_deep_split(paths.world_dir(world), n, prof.eval_split)
     return load_split(paths.world_dir(world), DEEP_SPLITS[prof.eval_split])
@@ -363,8 +341,6 @@ def heldout_questions(world: str, prof: Profile) -> list:
     splits); [] when it asks for none or the run evaluates on dev, which never reads it."""
     if not prof.heldout_questions or prof.eval_split != "test":
         return []
-    from prorag.data.world import HELDOUT_DEEP_SPLIT, ensure_heldout_split
-
     ensure_heldout_split(paths.world_dir(world), prof.heldout_questions, test_n=prof.deep_questions,
                          dev_n=prof.dev_deep_questions or prof.deep_questions)
     return load_split(paths.world_dir(world), HELDOUT_DEEP_SPLIT)
@@ -374,9 +350,6 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
                  stage34_seed: int | None = None, beta: float | None = None, prof: Profile | None = None) -> dict:
     """`prorag run`: the profile named ``profile`` (or ``prof``, reported under that name) on its world or
     ``world``; returns what results.json holds, its phases timed in order under "timings"."""
-    from prorag_app.eval import format_table
-    from prorag_app.report import build_report
-
     prof = with_stage34(prof or PROFILES[profile], stage34_seed, beta)
     world = world or prof.world
     timings: dict[str, float] = {}
@@ -429,8 +402,6 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
     if stage34_out is not None:
         print_stage34(methods, stage34_out, comparisons, prof.eval_split)
         if heldout_comparisons:
-            from prorag_app.stage34 import print_comparisons
-
             print_comparisons(heldout_comparisons, f"held-out ({len(heldout)} questions of 3+ hops)")
     figure = multi_hop_figure(methods)
     print_figure(figure)
@@ -477,8 +448,6 @@ def run_ablation(plan: AblationPlan = ABLATION, world: str | None = None, port_o
     """Every run of ``plan`` on ``split`` with ``overrides`` (`--set`) applied (each run reusing what earlier runs
     trained: the SFT agent, stage 2, RFT, the pool), then one report over them in a new run directory; returns the
     report (prorag_app.report.build_report)."""
-    from prorag_app.report import build_report
-
     base = with_overrides(dataclasses.replace(PROFILES[plan.profile], eval_split=split), overrides)
     if base.stage34 is None:
         raise InvalidArgument(f"profile {plan.profile!r} has no stages 3-4 to ablate")

@@ -6,6 +6,9 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from prorag_app.eval import format_table, gate_line
+from prorag_app.stage34 import print_comparisons, print_rl
+
 console = Console()
 
 
@@ -45,15 +48,10 @@ def print_diagnostics(diag: dict[str, dict]) -> None:
 def print_stage34(methods: dict, stage34: dict, comparisons: dict, split: str) -> None:
     """Every method's scores again with the stage 3-4 ones, their RL runs, their paired comparisons and what
     was skipped."""
-    from prorag_app.eval import format_table
-    from prorag_app.stage34 import print_comparisons, print_rl
-
     console.print(format_table(methods, split))
     print_rl(stage34["rl"])
     print_comparisons(comparisons, split)
     if stage34.get("prm_gate"):
-        from prorag_app.eval import gate_line
-
         console.print(gate_line(stage34["prm_gate"], (stage34.get("settings") or {}).get("prm_gate", "report")))
     for m, why in stage34["skipped"].items():
         console.print(f"[yellow]{m}: skipped: {why}[/yellow]")

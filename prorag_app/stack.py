@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prorag import paths
 from prorag.rpc.clients import wait_for_health
@@ -67,8 +68,6 @@ class ServiceStack:
                 cmd += ["--set", f"{k}={v}"]
             out = None
             if self.log_dir:
-                from pathlib import Path
-
                 Path(self.log_dir).mkdir(parents=True, exist_ok=True)
                 out = open(Path(self.log_dir) / f"{svc}.log", "ab")
             # _procs.spawn: stopped with this process, even a SIGKILLed one (prorag_app.procs)
@@ -86,8 +85,6 @@ class ServiceStack:
         service that dies at start on a remote machine then says why in the error itself."""
         if not self.log_dir:
             return ""
-        from pathlib import Path
-
         log = Path(self.log_dir) / f"{svc}.log"
         try:
             text = log.read_bytes()[-64 * 1024:].decode("utf-8", "replace")

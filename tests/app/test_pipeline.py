@@ -94,7 +94,7 @@ def test_the_research_plan_runs_its_profile_over_three_seeds_on_the_split_asked(
 
 
 def test_the_ablation_runs_its_own_stage34_methods_where_the_profile_leaves_some_out(tmp_path, monkeypatch):
-    from prorag_app import pipeline, profiles, report
+    from prorag_app import pipeline, profiles
 
     runs = []
 
@@ -107,7 +107,7 @@ def test_the_ablation_runs_its_own_stage34_methods_where_the_profile_leaves_some
         return {"runs": dirs}
 
     monkeypatch.setattr(pipeline, "run_main_job", fake_run)
-    monkeypatch.setattr(report, "build_report", fake_report)
+    monkeypatch.setattr(pipeline, "build_report", fake_report)
     monkeypatch.setattr(pipeline, "new_run_dir", lambda name: tmp_path)
     monkeypatch.setattr(pipeline, "point_latest", lambda out: None)
     plan = profiles.AblationPlan(seeds=(1, 2), betas=(0.5,))
