@@ -15,13 +15,30 @@ lent machine gives every figure it can. The last output line is one JSON object 
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
+
+from prorag import paths
+from prorag.config import from_dict
+from prorag.data.loaders import load_split
+from prorag.engine import SamplingSpec
+from prorag.io import write_text
+from prorag.perf import decode_bandwidth_limit
+from prorag.registry import registry
+from prorag.rpc.clients import PRMClient, PolicyClient
+from prorag.rpc.pbconv import step_from_pb
+from prorag.training.context import local_context
+from prorag_app.bench.decode import bare_decode_tokens_per_s
+from prorag_app.embedded import ensure_policy_model, ensure_world
+from prorag_app.stack import ServiceStack, port_free
+from services.retriever.indexing import BM25Config, build_bm25_index, build_docstore
 
 #: Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B): the model the issue's SFT and decode figures are read at
 QWEN3_0_6B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
@@ -47,10 +64,6 @@ class Check:
 
     def _save(self) -> None:
         if self.progress is not None:
-            import json
-
-            from prorag.io import write_text
-
             write_text(self.progress, json.dumps({"phases": self.results, "failed": self.failed}, sort_keys=True,
                                                  default=str) + "\n")
 
@@ -73,7 +86,7 @@ class Check:
 
 
 def _sync(device) -> None:
-    import torch
+    import torch  # in the phase: a broken CUDA build fails that phase, not the check
 
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -82,7 +95,7 @@ def _sync(device) -> None:
 def measured_bandwidth(device, mib: int) -> float:
     """Bytes/s a device-to-device copy of ``mib`` MiB moves (bytes read + written), best of 5: the memory
     bandwidth decoding can use."""
-    import torch
+    import torch  # in the phase: a broken CUDA build fails that phase, not the check
 
     src = torch.empty(mib * 1024 * 1024, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -99,7 +112,7 @@ def measured_bandwidth(device, mib: int) -> float:
 
 def random_qwen3(shape: dict, device, dtype, seed: int = 0):
     """A randomly initialised Qwen3 of ``shape`` (a config dict) on ``device`` in ``dtype``."""
-    import torch
+    import torch  # in the phase: a broken CUDA build fails that phase, not the check
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
@@ -115,12 +128,9 @@ def sft_throughput(shape: dict, placement, batch: int, seq_len: int, steps: int,
     sequences through the one training loop (placement's autocast, fused AdamW on a GPU, float32 master weights):
     tokens/s and MFU against the measured peak of the compute dtype, the first window (allocation, compilation)
     dropped."""
-    import tempfile
-
-    import torch
+    import torch  # in the phase: a broken CUDA build fails that phase, not the check
 
     from prorag.modeling import num_parameters
-    from prorag.training.context import local_context
     from prorag.training.lm import weighted_lm_loss
     from prorag.training.loop import LoopConfig, run_loop
 
@@ -163,11 +173,8 @@ def decode_throughput(shape: dict, placement, tokenizer, batch: int, prompt_len:
     """The transformers engine decoding ``batch`` distinct random prompts of ``prompt_len`` tokens, ``new_tokens``
     each, against the bare batched forward pass of the same model (prorag_app.bench.decode.bare_decode_tokens_per_s) and
     the memory-bandwidth limit (prorag.perf.decode_bandwidth_limit at the measured bandwidth)."""
-    import torch
+    import torch  # in the phase: a broken CUDA build fails that phase, not the check
 
-    from prorag.engine import SamplingSpec
-    from prorag.perf import decode_bandwidth_limit
-    from prorag_app.bench.decode import bare_decode_tokens_per_s
     from services.policy.engine import TransformersEngine
 
     model = random_qwen3(shape, placement.device, placement.dtype)
@@ -207,9 +214,6 @@ def decode_throughput(shape: dict, placement, tokenizer, batch: int, prompt_len:
 
 
 def _free_offset(services: tuple[str, ...], start: int = 3000) -> int:
-    from prorag import paths
-    from prorag_app.stack import port_free
-
     for off in range(start, start + 2000, 17):
         ports = [paths.GRPC_PORTS[s] + off for s in services] + [paths.HTTP_PORTS[s] + off for s in services
                                                                     if s in paths.HTTP_PORTS]
@@ -225,10 +229,8 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
     os.environ["PRORAG_HOME"] = str(work)
     os.environ["PRORAG_DATA"] = str(work / "data")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
+    import torch  # in the phase: a broken CUDA build fails that phase, not the check
 
-    from prorag import paths
-    from prorag.config import from_dict
     from prorag.training.devices import resolve
     from prorag.training.flops import peak_matmul_flops
 
@@ -254,11 +256,7 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
     bandwidth = (check.results["peaks"].get("copy_bandwidth_bytes_per_s") or 1e11)
 
     # ---- the tiny world and its base, built by the warm-up stage on the accelerator
-    from prorag_app.embedded import ensure_policy_model, ensure_world
-
     def world_and_base() -> dict:
-        from services.retriever.indexing import BM25Config, build_bm25_index, build_docstore
-
         summary = ensure_world("tiny")
         corpus = paths.world_dir("tiny") / "corpus.jsonl"
         root = paths.index_dir("tiny")
@@ -275,8 +273,6 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
     base = wb["base"]
 
     # ---- services: the retriever first (SFT builds its data through it), then the policy and PRM on the GPU
-    from prorag_app.stack import ServiceStack
-
     offset = _free_offset(("retriever", "policy", "prm"))
     logs = work / "logs"
     retr_stack = ServiceStack(world="tiny", services=("retriever",), port_offset=offset, log_dir=str(logs),
@@ -287,9 +283,7 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
         retr = retr_stack.grpc_target("retriever")
 
         def sft_stage() -> dict:
-            from prorag.registry import registry
-            from prorag.training.context import local_context
-            from services.trainer.stage_sft import SFTConfig, run_sft
+            from services.trainer.stage_sft import SFTConfig, run_sft  # torch: in the phase, as above
 
             cfg = from_dict(SFTConfig, {"world": "tiny", "base_model": base, "retriever": retr,
                                         "retriever_index": "bm25", "topk": 1, "max_questions": 64,
@@ -308,7 +302,7 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
             return _finish(report, check, t_start)
 
         def prm_model() -> dict:
-            from prorag.modeling import save_pretrained
+            from prorag.modeling import save_pretrained  # torch: in the phase, as above
             from prorag.prm.model import prm_from_policy
 
             # the SFT trunk with a fresh scalar head: what the prm stage starts from; its scores are not trained
@@ -332,8 +326,6 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
         stacks.append(serve_stack)
 
         def services() -> dict:
-            from prorag.rpc.clients import PolicyClient
-
             serve_stack.start()
             with PolicyClient(serve_stack.grpc_target("policy"), timeout=60) as c:
                 info = c.model_info()
@@ -345,8 +337,7 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
         pol, prm_target = serve_stack.grpc_target("policy"), serve_stack.grpc_target("prm")
 
         def rl_iteration() -> dict:
-            from prorag.training.context import local_context
-            from services.trainer.stage_rl import RLConfig, run_rl
+            from services.trainer.stage_rl import RLConfig, run_rl  # torch: in the phase, as above
 
             cfg = from_dict(RLConfig, {"world": "tiny", "base_model": sft["model_dir"], "policy": pol,
                                        "prm": prm_target, "iterations": 1, "questions_per_iteration": 4,
@@ -362,10 +353,6 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
         rl = check.phase("rl_iteration", rl_iteration)
 
         def rollout_and_score() -> dict:
-            from prorag.rpc.clients import PolicyClient, PRMClient
-            from prorag.data.loaders import load_split
-            from prorag.rpc.pbconv import step_from_pb
-
             adapter = rl["adapter"] if rl else ""
             qs = load_split(paths.world_dir("tiny"), "dev")[:8]
             with PolicyClient(pol, timeout=300) as c:
@@ -410,7 +397,7 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
         check.phase("sft_compiled", lambda: sft_throughput(shape, placement, batch, seq, steps, compile=True))
 
     def decode() -> dict:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # in the phase: a broken CUDA build fails that phase, not the check
 
         tok = AutoTokenizer.from_pretrained(base)
         b, pl, nt = (64, 512, 128) if on_gpu else (8, 64, 16)

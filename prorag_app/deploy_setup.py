@@ -26,6 +26,7 @@ print it instead of waiting forever).
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import shutil
 import subprocess
@@ -36,6 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prorag import paths
+from prorag.errors import FailedPrecondition
+from prorag.io import atomic_dir, atomic_path
+from prorag.progress import progress_bars
+from prorag_app.embedded import (TOKENIZER_VERSION, WORLD_SIZES, ensure_indexes, ensure_policy_model, ensure_world,
+                                 policy_base_dir, world_is_complete)
+from services.policy.vllm_engine import _model_vocab_size, check_format_tags
+from services.retriever.encoders import EncoderConfig
 
 EXIT_BAD_INPUT = 2  # a variable that cannot work (a path outside the volume): fix it, retrying does not help
 EXIT_MISSING = 3  # an input is missing and nothing says where to get it
@@ -152,7 +160,7 @@ def say(msg: str) -> None:
 def index_present(root: Path) -> bool:
     """A finished doc store, dense and BM25 index under ``root``, and the corpus the doc store reads, unchanged
     in size. (Cheap: no scan of a 13 GB corpus.)"""
-    from services.retriever.docstore import DocStore, read_meta
+    from services.retriever.docstore import DocStore, read_meta  # its read_meta, not the indexes' one
 
     if not all(read_meta(root / part) for part in ("docstore", "dense", "bm25")):
         return False
@@ -170,8 +178,6 @@ def model_present(path: Path) -> bool:
 def prepared_present(path: Path) -> bool:
     if not model_present(path):
         return False
-    from prorag.errors import FailedPrecondition
-
     try:
         check_tags(path)
     except FailedPrecondition:
@@ -190,13 +196,9 @@ def dataset_folder(world: str) -> bool:
 
 
 def world_present(s: Settings) -> bool:
-    from prorag_app.embedded import TOKENIZER_VERSION, policy_base_dir, world_is_complete
-
     if not (world_is_complete(s.world) or dataset_folder(s.world)):
         return False
     if s.mode == "cpu":
-        import json
-
         marker = policy_base_dir(s.world) / "embedded.json"
         if not (index_present(paths.index_dir(s.world)) and marker.is_file()
                 and json.loads(marker.read_text()).get("tokenizer") == TOKENIZER_VERSION):
@@ -215,8 +217,6 @@ def everything_present(s: Settings) -> bool:
 
 # ---------------------------------------------------------------- acquiring inputs
 def _copy_tree(src: Path, dest: Path) -> None:
-    from prorag.io import atomic_dir
-
     with atomic_dir(dest) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True, symlinks=False)
 
@@ -229,8 +229,6 @@ def _hub_env() -> dict[str, str]:
 
 
 def _download_model(repo: str, dest: Path) -> None:
-    from prorag.io import atomic_dir
-
     with atomic_dir(dest) as tmp:
         code = ("import sys; from huggingface_hub import snapshot_download; "
                 "snapshot_download(sys.argv[1], local_dir=sys.argv[2], ignore_patterns=sys.argv[3].split(','))")
@@ -271,8 +269,6 @@ def acquire_model(s: Settings, target: Path, repo: str, what: str) -> str:
 def _copy_corpus(src: Path, dest: Path) -> None:
     """``src`` (plain or .gz) into ``dest`` as plain jsonl, through a temporary file renamed in last, so a copy
     cut short is never taken for the corpus."""
-    from prorag.io import atomic_path
-
     dest.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(dest) as tmp:
         opener = gzip.open if src.name.endswith(".gz") else open
@@ -324,8 +320,6 @@ def acquire_corpus(s: Settings) -> str:
 
 
 def acquire_world(s: Settings) -> str:
-    from prorag_app.embedded import WORLD_SIZES, ensure_world, world_is_complete
-
     target = paths.world_dir(s.world)
     if world_is_complete(s.world) or dataset_folder(s.world):
         if s.world_import is not None:
@@ -355,9 +349,7 @@ def acquire_world(s: Settings) -> str:
 def check_tags(model_dir: Path) -> None:
     """FailedPrecondition unless vLLM can serve ``model_dir`` (the format's tags one token each, inside the
     embeddings): the check the vLLM engine makes at start."""
-    from transformers import AutoTokenizer
-
-    from services.policy.vllm_engine import _model_vocab_size, check_format_tags
+    from transformers import AutoTokenizer  # transformers loads in seconds: only the steps that read a model
 
     check_format_tags(AutoTokenizer.from_pretrained(str(model_dir)), model_dir, _model_vocab_size(model_dir))
 
@@ -379,12 +371,9 @@ def prepare_policy_model(src: str | Path, out: str | Path) -> dict:
     size in memory), its embeddings resized, and saved. The new tags are untrained either way: the model writes
     the step format only after SFT (which adds the same ids in the same order), so a policy on it starts and
     serves, and its rollouts end invalid_format until then."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers loads in seconds: only the steps that read a model
 
-    from prorag.io import atomic_dir
     from prorag.modeling import add_format_tokens
-    from services.policy.vllm_engine import _model_vocab_size
-
     src, out = Path(src), Path(out)
     if not model_present(src):
         raise SetupError(f"prepare-model: {src} is not a model directory (no config.json)", EXIT_BAD_INPUT)
@@ -396,7 +385,7 @@ def prepare_policy_model(src: str | Path, out: str | Path) -> dict:
         # the tokenizer first: linking its files and then saving over them would rewrite the base's own (one inode)
         tokenizer.save_pretrained(tmp)
         if resized:
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM  # only the steps that read a model load it
 
             model = AutoModelForCausalLM.from_pretrained(str(src), dtype="auto")
             add_format_tokens(tokenizer, model)
@@ -421,9 +410,7 @@ def prepare_policy(s: Settings) -> str:
 
 # ---------------------------------------------------------------- indexes
 def build_corpus_index(s: Settings) -> str:
-    from prorag.progress import progress_bars
-    from services.retriever.encoders import EncoderConfig
-    from services.retriever.indexing import BM25Config, DenseIndexConfig, build_all, read_meta
+    from services.retriever.indexing import BM25Config, DenseIndexConfig, build_all, read_meta  # see above
 
     assert s.index_root is not None
     if s.mode == "gpu":  # e5 (Search-R1's retriever), fp16 on a GPU (ignored on a CPU)
@@ -459,8 +446,6 @@ def run(mode: str) -> int:
     s.done_marker.unlink(missing_ok=True)  # the services must not start on a half-built setup
     s.failed_marker.unlink(missing_ok=True)
     try:
-        from prorag_app.embedded import ensure_indexes, ensure_policy_model
-
         say(acquire_world(s))
         if mode == "cpu" and dataset_folder(s.world):
             raise SetupError(f"PRORAG_WORLD={s.world} is a dataset folder: the cpu profile serves an embedded world "
