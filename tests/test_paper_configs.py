@@ -27,7 +27,8 @@ def test_each_paper_config_is_a_valid_stage_config(name, tmp_path):
 
 def test_the_rl_configs_are_the_papers_and_differ_only_in_what_makes_the_baseline():
     from prorag.config import from_dict
-    from services.trainer.stage_rl import ALL_PROJECTIONS, RLConfig
+    from prorag.training.lora import ALL_PROJECTIONS
+    from services.trainer.stage_rl import RLConfig
 
     prorag = from_dict(RLConfig, json.loads((PAPER / "rl.json").read_text()))
     outcome = from_dict(RLConfig, json.loads((PAPER / "rl_outcome_only.json").read_text()))

@@ -385,6 +385,12 @@ def group_step_advantages(rewards: Sequence[float], step_scores: Sequence[Sequen
     return dual_granularity_advantages(outcome, process, beta)
 
 
+#: name -> one group's per-step advantage estimator, for configuration (RLConfig.advantage): called as
+#: f(rewards [G], step_scores [G][S_i] or None, step_tokens [G][S_i], beta, normalization, std_floor=, scored=)
+#: -> [G][S_i]. "grpo" is ProRAG's dual-granularity GRPO (outcome-only GRPO when beta = 0 or no step scores).
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., list[list[float]]]] = {"grpo": group_step_advantages}
+
+
 def token_advantages(step_advantages: Sequence[float], spans: Sequence[StepSpan], length: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Broadcast each step's advantage to the tokens the policy generated in it.
@@ -437,6 +443,12 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     return loss, stats
 
 
+#: name -> token-level policy loss, for configuration (RLConfig.policy_loss): called as
+#: f(logprobs [B, T], old_logprobs [B, T], advantages [B, T], mask [B, T], clip=, kl_coef=, ref_logprobs=)
+#: -> (loss scalar, stats with clip_fraction, approx_kl, kl, tokens)
+POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {"clipped": clipped_policy_loss}
+
+
 def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
              ref_rejected_logps: torch.Tensor, beta: float = 0.3) -> tuple[torch.Tensor, dict[str, float]]:
     """DPO's sigmoid loss (ReasonRAG: beta 0.3): -log sigmoid(beta * ((pc - rc) - (pr - rr))), batch mean.
@@ -450,8 +462,9 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
     return loss, stats
 
 
-__all__ = ["ANSWER_CREDIT_F1", "EPS", "OUTCOME_REWARDS", "PRM_CENTERINGS", "center_per_kind", "clipped_policy_loss",
-           "credit_counts", "dpo_loss", "dual_granularity_advantages", "group_normalized", "group_step_advantages",
-           "hop_balanced_sample", "outcome_reward_f1", "outcome_reward_paper", "outcome_reward_reference", "process_advantages",
-           "reference_step_scores", "rft_keep", "rft_kept_steps", "rft_threshold", "step_loss_mask", "STEP_SCORES",
-           "step_score_reference", "step_score_verdict", "step_score_stats", "step_weights", "token_advantages"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "ANSWER_CREDIT_F1", "EPS", "OUTCOME_REWARDS", "POLICY_LOSSES", "PRM_CENTERINGS",
+           "center_per_kind", "clipped_policy_loss", "credit_counts", "dpo_loss", "dual_granularity_advantages",
+           "group_normalized", "group_step_advantages", "hop_balanced_sample", "outcome_reward_f1",
+           "outcome_reward_paper", "outcome_reward_reference", "process_advantages", "reference_step_scores",
+           "rft_keep", "rft_kept_steps", "rft_threshold", "step_loss_mask", "STEP_SCORES", "step_score_reference",
+           "step_score_verdict", "step_score_stats", "step_weights", "token_advantages"]

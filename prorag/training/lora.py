@@ -127,19 +127,22 @@ def token_logprobs(model, ids, attn, mask):
 
 
 def rl_loss(model, batch, cfg):
-    """The clipped surrogate (plus k3 KL to the base when cfg.kl_coef > 0, the adapter disabled) of one
-    collate_rl batch, clipped at cfg.clip; (loss scalar, stats: clip_fraction, approx_kl, kl, tokens)."""
+    """The policy loss cfg.policy_loss (algorithms.rl.POLICY_LOSSES; the clipped surrogate by default, clipped at
+    cfg.clip), plus k3 KL to the base when cfg.kl_coef > 0 (the adapter disabled), of one collate_rl batch;
+    (loss scalar, stats: clip_fraction, approx_kl, kl, tokens)."""
     import torch
 
-    from prorag.algorithms.rl import clipped_policy_loss
+    from prorag.algorithms import lookup
+    from prorag.algorithms.rl import POLICY_LOSSES
 
+    loss_fn = lookup(POLICY_LOSSES, "policy loss", cfg.policy_loss)
     ids, attn, adv, mask, old = batch
     lp = token_logprobs(model, ids, attn, mask)
     ref = None
     if cfg.kl_coef > 0:
         with torch.no_grad(), model.disable_adapter():
             ref = token_logprobs(model, ids, attn, mask)
-    return clipped_policy_loss(lp, old, adv, mask, clip=cfg.clip, kl_coef=cfg.kl_coef, ref_logprobs=ref)
+    return loss_fn(lp, old, adv, mask, clip=cfg.clip, kl_coef=cfg.kl_coef, ref_logprobs=ref)
 
 
 __all__ = ["ALL_PROJECTIONS", "RLSample", "build_lora", "collate_rl", "length_chunks", "publish_adapter", "rl_loss",

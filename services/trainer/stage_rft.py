@@ -25,11 +25,11 @@ from pathlib import Path
 
 from prorag import paths
 from prorag.algorithms.rl import PRM_CENTERINGS
-from prorag.rpc.clients import call_with_service_wait
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
 from prorag.training.run_config import TrainRunConfig
+from services.trainer.sampling import prm_logits, rollout, rollout_index_field, rollout_topk_field, step_tokens_field
 from services.trainer.stage_sft import fit_and_publish
 from services.trainer.stages import register_stage, resolve_model
 
@@ -51,12 +51,11 @@ class RFTConfig(TrainRunConfig):
                                          "the samples are on-policy")
     policy: str = cfg_field("127.0.0.1:50052", help="policy service that samples the trajectories")
     adapter: str = cfg_field("", help="policy adapter name@version ('' = the active one)")
-    retriever_index: str = cfg_field("", help="retriever index the policy's rollouts search ('' = its default)")
-    topk: int = cfg_field(1, help="documents per subquery, as the policy was trained (the embedded agent: 1; "
-                                  "ProRAG: 3)", min=1, max=20)
+    retriever_index: str = rollout_index_field()
+    topk: int = rollout_topk_field(" (the embedded agent: 1; ProRAG: 3)")
     samples_per_question: int = cfg_field(8, help="trajectories sampled per question", min=1, max=64)
     temperature: float = cfg_field(0.8, help="sampling temperature (ProRAG: 0.8)", min=0.0, max=5.0)
-    max_step_tokens: int = cfg_field(128, help="most tokens of one generated step", min=8, max=4096)
+    max_step_tokens: int = step_tokens_field()
     max_steps: int = cfg_field(13, help="steps of a trajectory at most (ProRAG: 13 for RFT)", min=1, max=64)
     questions_per_request: int = cfg_field(32, help="questions in one Rollout request (and one PRM call)",
                                            min=1, max=4096)
@@ -196,18 +195,9 @@ def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, d
         for start in range(0, len(qs), cfg.questions_per_request):
             chunk = qs[start:start + cfg.questions_per_request]
             by_id = {q.id: q for q in chunk}
-            sampling = policy.sampling(n=cfg.samples_per_question, temperature=cfg.temperature,
-                                       max_tokens=cfg.max_step_tokens, seed=cfg.seed * 7919 + start + 1)
             correct = []
-            # the whole request again, with the same seed, after a policy that went away comes back
-            trajectories = call_with_service_wait(
-                lambda: list(policy.rollout([(q.id, q.question) for q in chunk], sampling, max_steps=cfg.max_steps,
-                                            topk=cfg.topk, retriever_index=cfg.retriever_index,
-                                            adapter=cfg.adapter)),
-                cfg.policy, "policy", cfg.service_wait_s, stats)
-            for t in trajectories:
-                if not hasattr(t, "question_id"):
-                    continue  # the summary
+            for t in rollout(policy, cfg, chunk, cfg.samples_per_question, cfg.seed * 7919 + start + 1, cfg.adapter,
+                             stats):
                 stats["sampled"] += 1
                 if t.finish_reason != "answer":
                     continue
@@ -219,9 +209,7 @@ def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, d
             scores: list[list[float]] = [[] for _ in correct]
             if prm is not None and correct:
                 # one call for the chunk: every step of every correct trajectory, each trajectory in one pass
-                prm_version, scores = call_with_service_wait(
-                    lambda: prm.score([(t.question, steps, False) for t, steps in correct]), cfg.prm, "PRM",
-                    cfg.service_wait_s, stats)
+                prm_version, scores = prm_logits(prm, cfg, [(t.question, steps, False) for t, steps in correct], stats)
                 stats["prm_scored"] += len(correct)
             candidates += [(t, steps, sc) for (t, steps), sc in zip(correct, scores)]
             if progress:

@@ -27,8 +27,12 @@ from typing import Sequence
 from prorag import paths
 from prorag.algorithms.rl import ANSWER_CREDIT_F1, OUTCOME_REWARDS
 from prorag.config import cfg_field
+from prorag.data.loaders import load_split
 from prorag.errors import FailedPrecondition
+from prorag.rpc.clients import PolicyClient
 from prorag.training.context import JobContext
+from services.trainer.sampling import (answer_f1, rollout, rollout_index_field, rollout_seed, rollout_topk_field,
+                                      select_questions, step_tokens_field)
 from services.trainer.stages import register_stage, resolve_model
 
 #: bumped when what makes a question learnable changes, so a caller that names jobs by settings does not reuse
@@ -51,11 +55,11 @@ class RLPoolConfig:
                                            "name@version in the world's registry); the pool is this model's")
     adapter: str = cfg_field("", help="policy adapter name@version the samples must come from ('' = the served "
                                       "model itself: a sample from any adapter fails the job)")
-    retriever_index: str = cfg_field("", help="retriever index the policy's rollouts search ('' = its default)")
-    topk: int = cfg_field(1, help="documents per subquery, as the policy was trained", min=1, max=20)
+    retriever_index: str = rollout_index_field()
+    topk: int = rollout_topk_field()
     samples: int = cfg_field(8, help="rollouts per candidate question (as the RL's group size)", min=2, max=64)
     temperature: float = cfg_field(1.0, help="sampling temperature (as the RL's)", min=0.01, max=5.0)
-    max_step_tokens: int = cfg_field(128, help="most tokens of one generated step", min=8, max=4096)
+    max_step_tokens: int = step_tokens_field()
     max_steps: int = cfg_field(11, help="steps of a trajectory at most (as the RL's)", min=1, max=64)
     questions_per_request: int = cfg_field(32, help="questions in one Rollout request (one journal line)", min=1,
                                            max=4096)
@@ -132,29 +136,17 @@ def _read_journal(path: Path) -> dict[int, list[dict]]:
 def sample_request(cfg: RLPoolConfig, policy, chunk: list, start: int, stats: dict) -> list[dict]:
     """One Rollout request: ``chunk`` [q] questions, ``samples`` rollouts each; returns one row per question
     {"id", "hops", "f1" [n], "reward" [n], "correct" [n]}."""
-    from prorag.metrics import f1_score
-    from services.trainer.stage_rl import call_with_service_wait
-
     reward_fn = OUTCOME_REWARDS[cfg.reward]
-    # the RL stage's seed formula at iteration 0, by the request's place in the candidate list
-    sampling = policy.sampling(n=cfg.samples, temperature=cfg.temperature, max_tokens=cfg.max_step_tokens,
-                               seed=(cfg.seed * 7919 + start + 1) % (2 ** 31 - 1) or 1)
     by_id = {q.id: q for q in chunk}
     rows = {q.id: {"id": q.id, "hops": int(q.hops), "f1": [], "reward": [], "correct": []} for q in chunk}
-
-    def request():
-        return list(policy.rollout([(q.id, q.question) for q in chunk], sampling, max_steps=cfg.max_steps,
-                                   topk=cfg.topk, retriever_index=cfg.retriever_index, adapter=cfg.adapter))
-
-    for t in call_with_service_wait(request, cfg.policy, "policy", cfg.service_wait_s, stats):
-        if not hasattr(t, "question_id"):
-            continue  # the summary
+    # the RL stage's seed at iteration 0, by the request's place in the candidate list
+    for t in rollout(policy, cfg, chunk, cfg.samples, rollout_seed(cfg.seed, start), cfg.adapter, stats):
         if t.adapter_version != cfg.adapter:
             # a pool is the start model's: samples from an RL adapter the policy still serves would mislabel it
             raise FailedPrecondition(f"the policy at {cfg.policy} sampled with adapter {t.adapter_version!r}, not "
                                      f"{cfg.adapter or 'the served model itself'!r}: serve the start model (no "
                                      "active adapter) or name the adapter")
-        f1 = f1_score(t.answer, by_id[t.question_id].golden_answers) if t.finish_reason == "answer" else 0.0
+        f1 = answer_f1(t, by_id[t.question_id].golden_answers)
         row = rows[t.question_id]
         row["f1"].append(round(f1, 6))
         row["reward"].append(reward_fn(f1, bool(t.format_valid)))
@@ -164,10 +156,6 @@ def sample_request(cfg: RLPoolConfig, policy, chunk: list, start: int, stats: di
 
 
 def run_rlpool(ctx: JobContext) -> dict:
-    from prorag.rpc.clients import PolicyClient
-    from prorag.data.loaders import load_split
-    from services.trainer.stage_rl import select_questions
-
     cfg: RLPoolConfig = ctx.config
     resolve_model(cfg.world, cfg.policy_model, "policy_model")  # the pool's model must exist
     qs = select_questions(load_split(paths.world_dir(cfg.world), cfg.split), cfg.min_hops, cfg.max_questions)

@@ -5,10 +5,21 @@ import math
 import pytest
 import torch
 
-from prorag.algorithms.rl import (OUTCOME_REWARDS, clipped_policy_loss, dpo_loss, dual_granularity_advantages,
-                                  group_normalized, group_step_advantages, outcome_reward_paper, outcome_reward_reference,
-                                  process_advantages, step_score_reference, step_score_stats, token_advantages)
+from prorag.algorithms.rl import (ADVANTAGE_ESTIMATORS, OUTCOME_REWARDS, POLICY_LOSSES, clipped_policy_loss, dpo_loss,
+                                  dual_granularity_advantages, group_normalized, group_step_advantages,
+                                  outcome_reward_paper, outcome_reward_reference, process_advantages,
+                                  step_score_reference, step_score_stats, token_advantages)
 from prorag.tokens import StepSpan
+
+
+def test_advantage_estimators_and_policy_losses_are_chosen_by_name():
+    from prorag.algorithms import lookup
+    from prorag.errors import InvalidArgument
+
+    assert ADVANTAGE_ESTIMATORS == {"grpo": group_step_advantages}
+    assert POLICY_LOSSES == {"clipped": clipped_policy_loss}
+    with pytest.raises(InvalidArgument, match="unknown policy loss 'dpo' .known: clipped"):
+        lookup(POLICY_LOSSES, "policy loss", "dpo")
 
 
 def test_outcome_rewards_reference_paper_and_f1():

@@ -19,12 +19,13 @@ def services(tmp_path_factory):
 
 
 def test_per_kind_centring_ignores_a_kind_offset_and_a_high_std_floor_leaves_the_outcome(services, tmp_path,
-                                                                                         one_thread):
+                                                                                         one_thread, monkeypatch):
     from prorag import paths
     from prorag.rpc.clients import PolicyClient
     from prorag.data.loaders import load_split
     from prorag.rpc.pbconv import step_from_pb
-    from services.trainer.stage_rl import advantages, roll_out
+    from prorag.algorithms.rl import ADVANTAGE_ESTIMATORS
+    from services.trainer.rl_collect import advantages, roll_out
 
     defaults = _config(services)
     assert (defaults.prm_centering, defaults.process_std_floor) == ("none", 0.0)  # the reference, unless asked
@@ -57,3 +58,13 @@ def test_per_kind_centring_ignores_a_kind_offset_and_a_high_std_floor_leaves_the
     floored = adv(_config(services, process_std_floor=100.0), logits)
     assert floored == pytest.approx(adv(_config(services, beta=0.0), None), abs=0.3 * 4 / 100)
     assert floored != pytest.approx(adv(defaults, logits), abs=1e-3)
+
+    # the estimator is the one the config names from ADVANTAGE_ESTIMATORS: a new one is a function and a row
+    def outcome_sign(rewards, step_scores, step_tokens, beta, normalization, std_floor=0.0, scored=None):
+        mean = sum(rewards) / len(rewards)
+        return [[float((r > mean) - (r < mean))] * len(ns) for r, ns in zip(rewards, step_tokens)]
+
+    monkeypatch.setitem(ADVANTAGE_ESTIMATORS, "outcome_sign", outcome_sign)
+    signed = _config(services)
+    signed.advantage = "outcome_sign"  # the config's choices were read from the table before this row was added
+    assert set(adv(signed, logits)) <= {-1.0, 0.0, 1.0} and set(adv(signed, logits)) != {0.0}

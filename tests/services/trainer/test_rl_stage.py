@@ -309,7 +309,7 @@ def _push_zero_adapter(services, tmp_path, job):
     from prorag.rpc.clients import push_adapter
     from prorag.modeling import load_policy
     from prorag.registry import weights_sha256
-    from services.trainer.stage_rl import build_lora, publish_adapter
+    from prorag.training.lora import build_lora, publish_adapter
 
     cfg = _config(services)
     model, _ = load_policy(services["base"])
@@ -356,7 +356,7 @@ def test_an_update_raises_the_log_prob_of_positive_advantage_tokens(services, on
     import torch
 
     from prorag.modeling import load_policy
-    from services.trainer.stage_rl import RLSample, build_lora, collate_rl, rl_loss, token_logprobs
+    from prorag.training.lora import RLSample, build_lora, collate_rl, rl_loss, token_logprobs
 
     torch.manual_seed(0)
     cfg = _config(services, lora_r=8, lora_alpha=16, lr=5e-3)
@@ -406,7 +406,7 @@ def test_recomputed_log_probs_match_a_real_engines_sampling_log_probs(services, 
     from prorag.modeling import load_policy
     from prorag.rpc.pbconv import token_trace_from_pb
     from services.policy.server import PolicyConfig, start as start_policy
-    from services.trainer.stage_rl import build_lora, collate_rl, RLSample, token_logprobs
+    from prorag.training.lora import RLSample, build_lora, collate_rl, token_logprobs
 
     loop = services["loop"]
     real = loop.run(start_policy(ServeConfig(port=0, http_port=-1),
@@ -431,6 +431,18 @@ def test_recomputed_log_probs_match_a_real_engines_sampling_log_probs(services, 
         mask = torch.tensor(gen) > 0
         # an off-by-one position would be off by whole nats, not by float rounding
         assert torch.allclose(lp[mask], torch.tensor(tr.logprobs)[mask], atol=1e-4)
+
+
+def test_the_configs_choices_are_the_tables_names():
+    import dataclasses
+
+    from prorag.algorithms.rl import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+    from services.trainer.rl_collect import STEP_SCORERS
+    from services.trainer.stage_rl import RLConfig
+
+    choices = {f.name: set(f.metadata["choices"] or ()) for f in dataclasses.fields(RLConfig)}
+    assert choices["step_scorer"] == set(STEP_SCORERS)
+    assert choices["advantage"] == set(ADVANTAGE_ESTIMATORS) and choices["policy_loss"] == set(POLICY_LOSSES)
 
 
 def test_policy_lag_reads_this_jobs_versions_only():
