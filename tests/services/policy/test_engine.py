@@ -5,10 +5,12 @@ import threading
 import pytest
 import torch
 
+from prorag.engine import GeneratedSeq, SamplingSpec, derive_seed
 from prorag.errors import AlreadyExists, InvalidArgument, NotFound
-from services.policy.engine import (
-    GeneratedSeq, SamplingSpec, TransformersEngine, derive_seed, sample_tokens, top_p_filter,
-)
+from services.policy.compiled_decode import GQA_DECODE_ATTENTION, batch_bucket, use_gqa_decode_attention
+from services.policy.engine import TransformersEngine
+from services.policy.prefix_cache import PrefixKVCache
+from services.policy.sampling import sample_tokens, top_p_filter
 
 GREEDY = SamplingSpec(temperature=0.0, max_tokens=24)
 
@@ -255,7 +257,7 @@ def test_unload_waits_for_in_flight_generation(lora_engine, adapters, prompts):
     lora_engine.load_adapter("v1", str(adapters["a1"][0]))
     expected = lora_engine.generate(prompts, SamplingSpec(temperature=0, max_tokens=60), adapter="v1")
     started = threading.Event()
-    hook = lora_engine._model_for("v1").register_forward_pre_hook(lambda *a: started.set())
+    hook = lora_engine.weights.model_for("v1").register_forward_pre_hook(lambda *a: started.set())
     result = {}
 
     def run():
@@ -274,8 +276,6 @@ def test_unload_waits_for_in_flight_generation(lora_engine, adapters, prompts):
 # --- prefix KV reuse -------------------------------------------------------------------------
 
 def test_prefix_cache_unit():
-    from services.policy.engine import PrefixKVCache
-
     def kv(n):
         return [torch.zeros(2, n, 4)], [torch.zeros(2, n, 4)]  # 2 * 2*n*4 floats * 4 bytes
 
@@ -387,8 +387,6 @@ def test_compile_decode_option(tiny_policy, tiny_engine):
 
 
 def test_batch_bucket():
-    from services.policy.engine import batch_bucket
-
     assert [batch_bucket(n, 256) for n in (1, 2, 3, 5, 64, 65, 256)] == [1, 2, 4, 8, 64, 128, 256]
     assert [batch_bucket(n, 100) for n in (60, 64, 65, 100)] == [64, 64, 100, 100]  # never past the chunk size
     assert all(batch_bucket(n, cap) >= n for cap in (1, 7, 48) for n in range(1, cap + 1))
@@ -427,14 +425,14 @@ def test_compiled_decode_reuses_prefixes_and_its_cache_memory(tiny_policy, tiny_
     spec = SamplingSpec(n=2, temperature=1.0, max_tokens=12, seed=4)
     first = eng.generate(prompts, spec)
     assert_same(first, uncached.generate(prompts, spec))
-    pool = {key: t.data_ptr() for key, t in eng._kv_pool._flat.items()}
+    pool = {key: t.data_ptr() for key, t in eng.compiled.kv_pool._flat.items()}
     glue = tok.encode("\n<retrieval>\nDoc 1(Title: A) some text\n</retrieval>\n<step>\n", add_special_tokens=False)
     nxt = [p + s.token_ids + glue for p, r in zip(prompts, first) for s in r]
     before = eng.stats["reused_tokens"]
     assert_same(eng.generate(nxt, spec), uncached.generate(nxt, spec))
     assert eng.stats["reused_tokens"] - before >= sum(len(p) for p in prompts) * 2
     # the same cache memory served both calls: a CUDA graph keeps replaying on the addresses it recorded
-    assert {key: t.data_ptr() for key, t in eng._kv_pool._flat.items()} == pool
+    assert {key: t.data_ptr() for key, t in eng.compiled.kv_pool._flat.items()} == pool
 
 
 @pytest.mark.parametrize("merge", [False, True], ids=["peft-layers", "merged"])
@@ -450,7 +448,7 @@ def test_compiled_decode_with_adapters(tiny_policy, adapters, prompts, merge):
     eager.unload_adapter("v2")
     assert_same(comp.generate(prompts, GREEDY, adapter="v1"), eager.generate(prompts, GREEDY, adapter="v1"))
     assert comp.stats["compiled_steps"] > 0
-    assert len(comp._compiled) == (2 if merge else 1)  # the unloaded copy's compiled step is gone
+    assert len(comp.compiled.steps) == (2 if merge else 1)  # the unloaded copy's compiled step is gone
 
 
 def test_compiled_decode_failure_falls_back(tiny_policy, tiny_engine, prompts, caplog):
@@ -464,7 +462,7 @@ def test_compiled_decode_failure_falls_back(tiny_policy, tiny_engine, prompts, c
         got = eng.generate(prompts, spec)
     assert_same(got, tiny_engine.generate(prompts, spec))  # the request is served, by the eager step
     assert "decoding uncompiled" in caplog.text and "no graphs today" in caplog.text
-    assert eng.stats["compiled_steps"] == 0 and eng._compiled[id(eng.base)][1] is None
+    assert eng.stats["compiled_steps"] == 0 and eng.compiled.steps[id(eng.base)][1] is None
 
 
 def test_gqa_decode_attention_matches_repeated_kv(tiny_policy):
@@ -472,15 +470,13 @@ def test_gqa_decode_attention_matches_repeated_kv(tiny_policy):
     (K and V repeated to every query head), on a left-padded batch decoding from a static cache."""
     from transformers import AutoModelForCausalLM, StaticCache
 
-    from services.policy.engine import GQA_DECODE_ATTENTION, _use_gqa_decode_attention
-
     ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     logits = {}
     for impl in ("eager", "sdpa"):
         model = AutoModelForCausalLM.from_pretrained(str(tiny_policy[0]), attn_implementation=impl).eval()
         if impl == "sdpa":
-            _use_gqa_decode_attention(model)
+            use_gqa_decode_attention(model)
             assert model.config._attn_implementation == GQA_DECODE_ATTENTION
         assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads: the case at issue
         cache = StaticCache(config=model.config, max_cache_len=12)
