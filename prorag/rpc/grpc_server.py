@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -156,6 +157,12 @@ class RunningServer:
         await self.server.stop(grace)
         for fn in self.spec.on_stop:
             await fn()
+
+
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's deadline on time.monotonic()'s clock (None: the caller set none), for work the servicer hands on."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
 
 
 async def start_server(spec: ServerSpec, port: int, host: str = "127.0.0.1",

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+from aiohttp import web
+
 from prorag.config import cfg_field
+from prorag.rpc.grpc_server import RunningServer, ServerSpec, start_server
+from prorag.rpc.http_server import start_http
 from prorag.rpc.security import ServerSecurity
 
 
@@ -49,6 +53,26 @@ class Started:
     async def stop(self) -> None:
         for fn in self.stoppers:
             await fn()
+
+
+async def start_grpc_and_http(serve: ServeConfig, spec: ServerSpec,
+                              http_app: Callable[[], web.Application] | None = None) -> tuple[RunningServer, Started]:
+    """A service's gRPC server and, where it has an HTTP API (``http_app`` builds it) and serve.http_port asks for
+    it, its HTTP server, both with serve's TLS and tokens. The Started stops the HTTP side first, so no new
+    request gets in while the gRPC side drains."""
+    security = serve.security()
+    running = await start_server(spec, serve.port, serve.host, serve.max_message_mb, serve.max_concurrent_rpcs,
+                                 security=security)
+    started = Started(spec.name, running.port, None, [lambda: running.stop(serve.grace_s)])
+    if http_app is not None and serve.http_port >= 0:
+        try:
+            runner, started.http_port = await start_http(http_app(), serve.host, serve.http_port, security,
+                                                         spec.name)
+        except BaseException:
+            await running.stop(0)  # a taken HTTP port fails the start; the gRPC port it bound is let go
+            raise
+        started.stoppers.insert(0, runner.cleanup)
+    return running, started
 
 
 def start_metrics(serve: ServeConfig, name: str,

@@ -7,9 +7,10 @@ from pathlib import Path
 
 from prorag import paths
 from prorag.config import cfg_field
-from prorag.rpc.grpc_server import ServerSpec, start_server
 from prorag.pb import judge_pb2_grpc
-from prorag.rpc.service import ServeConfig, Started
+from prorag.rpc.grpc_server import ServerSpec
+from prorag.rpc.service import ServeConfig, Started, start_grpc_and_http
+from services.judge.frontend import JudgingFrontend
 from services.judge.servicer import JudgeServicer
 
 SERVICE = "prorag.v1.Judge"
@@ -85,9 +86,8 @@ def open_engine(cfg: JudgeConfig):
 
 async def start(serve: ServeConfig, cfg: JudgeConfig | None = None, engine=None) -> Started:
     cfg = cfg or JudgeConfig()
-    servicer = JudgeServicer(engine or open_engine(cfg), cfg.max_items, cfg.max_candidates)
+    servicer = JudgeServicer(JudgingFrontend(engine or open_engine(cfg), cfg.max_items, cfg.max_candidates))
     spec = ServerSpec(name="judge",
                       services=[(SERVICE, lambda s: judge_pb2_grpc.add_JudgeServicer_to_server(servicer, s))])
-    running = await start_server(spec, serve.port, serve.host, serve.max_message_mb, serve.max_concurrent_rpcs,
-                                 security=serve.security())
-    return Started("judge", running.port, None, [lambda: running.stop(serve.grace_s)])
+    _, started = await start_grpc_and_http(serve, spec)  # the judge has no HTTP API
+    return started

@@ -15,19 +15,20 @@ from aiohttp import web
 from prorag.errors import InvalidArgument, ProragError
 from prorag.rpc.jsonbody import read_json
 from prorag.trajectory import IM_END
-from prorag.engine import SamplingSpec, derive_seed
+from prorag.engine import SamplingSpec
 from prorag.rollout import decode
+from services.policy.frontend import PolicyFrontend
 
 
 def _err(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
-def make_app(servicer, model_name: str, max_body_mb: int = 16) -> web.Application:
-    tok = servicer.tokenizer
-    limits = servicer.limits
+def make_app(frontend: PolicyFrontend, model_name: str, max_body_mb: int = 16) -> web.Application:
+    tok = frontend.tokenizer
+    limits = frontend.limits
 
-    checks = servicer.checks  # the limits and messages of the gRPC API (services.policy.requests)
+    checks = frontend.checks  # the limits and messages of the gRPC API (services.policy.requests)
 
     def sampling(body: dict, default_stop: list[str]) -> SamplingSpec:
         """The body's sampling: JSON types checked here, values by the shared checks."""
@@ -56,11 +57,7 @@ def make_app(servicer, model_name: str, max_body_mb: int = 16) -> web.Applicatio
         limits.check_work(len(prompts) * spec.n * spec.max_tokens,
                           f"{len(prompts)} prompts x n={spec.n} x max_tokens={spec.max_tokens}")
         prompts = [checks.prompt_ids(i, p, "prompt") for i, p in enumerate(prompts)]
-        with servicer.manager.acquire(adapter_req) as adapter:
-            outs = await servicer.scheduler.generate(prompts, spec, adapter,
-                                                     [derive_seed(spec.seed, i) for i in range(len(prompts))],
-                                                     time.monotonic() + limits.http_timeout_s)
-        return outs, adapter
+        return await frontend.generate(prompts, spec, adapter_req, time.monotonic() + limits.http_timeout_s)
 
     def check_prompts(texts: list[str], what: str = "prompt") -> None:
         # checked before tokenising: a huge string would hold the event loop in the tokenizer
@@ -142,7 +139,7 @@ def make_app(servicer, model_name: str, max_body_mb: int = 16) -> web.Applicatio
     async def models(request: web.Request) -> web.Response:
         data = [{"id": model_name, "object": "model", "owned_by": "prorag"}]
         data += [{"id": k, "object": "model", "owned_by": "prorag", "parent": model_name}
-                 for k in servicer.manager.loaded]
+                 for k in frontend.manager.loaded]
         return web.json_response({"object": "list", "data": data})
 
     app = web.Application(client_max_size=max_body_mb * 1024 * 1024)

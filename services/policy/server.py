@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
-from prorag.rpc.grpc_server import ServerSpec, start_server
 from prorag.pb import policy_pb2_grpc
-from prorag.rpc.service import ServeConfig, Started
+from prorag.registry import artifact_name, weights_sha256
+from prorag.rpc.grpc_server import ServerSpec
+from prorag.rpc.service import ServeConfig, Started, start_grpc_and_http
 from services.policy.config import PolicyConfig
+from services.policy.frontend import PolicyFrontend
+from services.policy.manager import AdapterManager
+from services.policy.openai_http import make_app
 from services.policy.retriever_client import RetrieverSearch
+from services.policy.scheduler import GenerationScheduler
+from services.policy.servicer import PolicyServicer
 
 SERVICE = "prorag.v1.Policy"
 log = logging.getLogger("prorag.policy")
 
 
 def build_engine(cfg: PolicyConfig, model_path: Path):
+    # each engine's module is imported only when chosen: vLLM's and torch's imports take seconds, and vLLM is
+    # installed only where it serves
     if cfg.engine == "vllm":
         from services.policy.vllm_engine import VLLMEngine
 
@@ -35,15 +44,6 @@ def build_engine(cfg: PolicyConfig, model_path: Path):
 
 
 async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None) -> Started:
-    import asyncio
-
-    from services.policy.manager import AdapterManager
-    from prorag.registry import artifact_name, weights_sha256
-    from services.policy.openai_http import make_app
-    from services.policy.scheduler import GenerationScheduler
-    from services.policy.servicer import PolicyServicer
-    from prorag.rpc.http_server import start_http
-
     cfg = cfg or PolicyConfig()
     model_path = cfg.resolved_model()
     owned = engine is None  # an engine built here is closed here (vLLM's engine core runs in processes of its own)
@@ -60,18 +60,12 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
                 log.info("restored the active adapter %s", restored)
         scheduler = GenerationScheduler(engine, max_items=cfg.max_batch_items)
         scheduler.bind(asyncio.get_running_loop())
-        servicer = PolicyServicer(engine, scheduler, manager, cfg, RetrieverSearch(cfg.retriever, cfg.retriever_timeout_s),
-                                  model_info)
-        spec = ServerSpec(name="policy", services=[(SERVICE, lambda s: policy_pb2_grpc.add_PolicyServicer_to_server(servicer, s))])
-        security = serve.security()
-        running = await start_server(spec, serve.port, serve.host, serve.max_message_mb, serve.max_concurrent_rpcs,
-                                     security=security)
-        stoppers = [lambda: running.stop(serve.grace_s)]
-        http_port = None
-        if serve.http_port >= 0:
-            runner, http_port = await start_http(make_app(servicer, model_name=model_info["name"]), serve.host, serve.http_port,
-                                                 security, "policy")
-            stoppers.insert(0, runner.cleanup)
+        frontend = PolicyFrontend(engine, scheduler, manager, cfg,
+                                  RetrieverSearch(cfg.retriever, cfg.retriever_timeout_s), model_info)
+        servicer = PolicyServicer(frontend)
+        spec = ServerSpec(name="policy",
+                          services=[(SERVICE, lambda s: policy_pb2_grpc.add_PolicyServicer_to_server(servicer, s))])
+        _, started = await start_grpc_and_http(serve, spec, lambda: make_app(frontend, model_name=model_info["name"]))
     except BaseException:
         if owned:  # a start that fails after the engine came up must not leave vLLM's processes behind
             await asyncio.to_thread(engine.close)
@@ -79,9 +73,9 @@ async def start(serve: ServeConfig, cfg: PolicyConfig | None = None, engine=None
 
     async def close():
         await scheduler.close()
-        servicer.close()
+        frontend.close()
         if owned:
             await asyncio.to_thread(engine.close)
 
-    stoppers.append(close)
-    return Started("policy", running.port, http_port, stoppers)
+    started.stoppers.append(close)
+    return started

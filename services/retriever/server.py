@@ -8,11 +8,10 @@ from pathlib import Path
 
 from prorag import paths
 from prorag.config import cfg_field
-from prorag.rpc.grpc_server import ServerSpec, start_server
 from prorag.pb import retriever_pb2_grpc
-from prorag.rpc.service import ServeConfig, Started
+from prorag.rpc.grpc_server import ServerSpec
+from prorag.rpc.service import ServeConfig, Started, start_grpc_and_http
 from services.retriever.frontend import SearchFrontend
-from prorag.rpc.http_server import start_http
 from services.retriever.http import make_app
 from services.retriever.servicer import RetrieverServicer
 
@@ -52,14 +51,6 @@ async def start(serve: ServeConfig, cfg: RetrieverConfig | None = None, engine=N
     servicer = RetrieverServicer(frontend)
     spec = ServerSpec(name="retriever",
                       services=[(SERVICE, lambda s: retriever_pb2_grpc.add_RetrieverServicer_to_server(servicer, s))])
-    security = serve.security()
-    running = await start_server(spec, serve.port, serve.host, serve.max_message_mb, serve.max_concurrent_rpcs,
-                                 security=security)
-    stoppers = [lambda: running.stop(serve.grace_s)]
-    http_port = None
-    if serve.http_port >= 0:
-        runner, http_port = await start_http(make_app(frontend, cfg.default_topk), serve.host, serve.http_port,
-                                             security, "retriever")
-        stoppers.insert(0, runner.cleanup)
-    stoppers.append(frontend.close)
-    return Started("retriever", running.port, http_port, stoppers)
+    _, started = await start_grpc_and_http(serve, spec, lambda: make_app(frontend, cfg.default_topk))
+    started.stoppers.append(frontend.close)
+    return started

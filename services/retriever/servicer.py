@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 from prorag.pb import retriever_pb2, retriever_pb2_grpc
+from prorag.rpc.grpc_server import deadline_of
 from prorag.rpc.pbconv import document_pb, scored_document_pb
 from services.retriever.frontend import SearchFrontend
-
-
-def _deadline(context) -> float | None:
-    remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
 
 
 class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
@@ -20,7 +14,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
 
     async def Search(self, request, context):
         index, results = await self.frontend.search(list(request.queries), request.topk, request.index,
-                                                    deadline=_deadline(context))
+                                                    deadline=deadline_of(context))
         return retriever_pb2.SearchResponse(
             index=index,
             results=[retriever_pb2.QueryResult(documents=[scored_document_pb(d) for d in docs]) for docs in results])

@@ -1,18 +1,16 @@
-"""The Trainer gRPC servicer: converts messages and calls the JobManager; errors map via the interceptor."""
+"""The Trainer gRPC servicer: converts messages and calls the JobManager (the checks of a job are its, and its
+stages'); a watch stream follows the job through services.trainer.watch; errors map via the interceptor."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
-from prorag.errors import NotFound, Unavailable
 from prorag.pb import trainer_pb2, trainer_pb2_grpc
 from services.trainer.jobs import Artifact, Job, JobManager, JobState
+from services.trainer.watch import JobWatcher
 
 STATE_TO_PB = {state: trainer_pb2.JobState.Value(f"JOB_STATE_{state.value}") for state in JobState}
-
-#: a watcher re-checks the job this often even without a wake-up (belt and braces)
-POLL_S = 1.0
 
 
 def _artifacts(run_dir: str, arts: list[Artifact]) -> list[trainer_pb2.Artifact]:
@@ -40,11 +38,11 @@ def event_to_pb(ev: dict, run_dir: str) -> trainer_pb2.JobEvent:
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, manager: JobManager):
         self.manager = manager
-        self._closing = asyncio.Event()
+        self.watcher = JobWatcher(manager)
 
     def close(self) -> None:
         """End open watch streams with UNAVAILABLE so clients re-watch after a restart."""
-        self._closing.set()
+        self.watcher.close()
 
     async def StartJob(self, request, context):
         # Submission touches the disk (fsync); keep the event loop free for watchers.
@@ -61,43 +59,5 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.ListJobsResponse(jobs=[job_to_pb(j) for j in self.manager.list(request.stage)])
 
     async def WatchJob(self, request, context):
-        job_id = request.job_id
-        if not job_id:
-            raise NotFound("job_id is required")
-        run_dir = self.manager.get(job_id).run_dir  # NOT_FOUND before the stream starts
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-
-        def notify() -> None:  # called from the job's thread
-            try:
-                loop.call_soon_threadsafe(wake.set)
-            except RuntimeError:  # loop closed: the server is gone
-                pass
-
-        self.manager.add_listener(job_id, notify)
-        seq = request.after_seq
-        try:
-            while True:
-                wake.clear()
-                events = self.manager.events_after(job_id, seq)
-                if not events and self.manager.get(job_id).state.terminal:
-                    # State and its final event change under one lock: one more read drains the tail.
-                    events = self.manager.events_after(job_id, seq)
-                    if not events:
-                        return
-                for ev in events:
-                    yield event_to_pb(ev, run_dir)
-                    seq = ev["seq"]
-                if events:
-                    continue
-                if self._closing.is_set():
-                    raise Unavailable("the trainer is shutting down; watch again from the last seq after it restarts")
-                closing = asyncio.ensure_future(self._closing.wait())
-                woken = asyncio.ensure_future(wake.wait())
-                try:
-                    await asyncio.wait({closing, woken}, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    closing.cancel()
-                    woken.cancel()
-        finally:
-            self.manager.remove_listener(job_id, notify)
+        async for event, run_dir in self.watcher.events(request.job_id, request.after_seq):
+            yield event_to_pb(event, run_dir)
