@@ -3,6 +3,10 @@
 Interface relied on by outside tools (keep stable): `prorag up [--port-offset N]`,
 `prorag serve <service> [--port N] [--http-port N] [--metrics-port N]`, `prorag bench <target> --json`
 (last output line is one JSON object), and `runs/latest/results.json` from `prorag run`.
+
+Each command imports what it runs inside its own handler, on purpose: every service process of a stack is a
+`prorag serve <service>`, and importing the whole app there (pipeline, reports, benchmarks, stages) takes 7.6 s and
+248 MB RSS against 0.33 s and 39 MB for this module alone (2-core EPYC, 2026-11-28).
 """
 
 from __future__ import annotations
