@@ -80,7 +80,6 @@ class PRMEngine:
             flat = [(i, r) for i, (rows, _) in enumerate(plans) for r in range(len(rows))]
             results: dict[tuple[int, int], list] = {}
             chunk: list[tuple[int, int]] = []
-            tokens = 0
 
             def run(chunk):
                 seqs = [plans[i][0][r][0] for i, r in chunk]
@@ -98,13 +97,15 @@ class PRMEngine:
                 for (i, r), scores in zip(chunk, out):
                     results[(i, r)] = [float(s) for s in scores]
 
+            # Rows by length, so each forward pass pads to a near neighbour rather than to the longest of a random
+            # mix; its budget counts the padded tokens (rows x longest), which is what it computes and holds.
+            flat.sort(key=lambda key: len(plans[key[0]][0][key[1]][0]))
             for key in flat:
                 n = len(plans[key[0]][0][key[1]][0])
-                if chunk and tokens + n > self.max_batch_tokens:
+                if chunk and (len(chunk) + 1) * n > self.max_batch_tokens:
                     run(chunk)
-                    chunk, tokens = [], 0
+                    chunk = []
                 chunk.append(key)
-                tokens += n
             if chunk:
                 run(chunk)
         out = []

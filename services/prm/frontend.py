@@ -1,4 +1,6 @@
-"""The PRM's request path: the checks a request must pass, then one batched engine call for concurrent callers.
+"""The PRM's request path: the checks a request must pass, then one batched engine call for concurrent callers
+(prorag.rpc.batching: merged up to max_batch_steps, a queue bounded in steps refusing with RESOURCE_EXHAUSTED, a
+deadline that cannot be met refused with DEADLINE_EXCEEDED).
 
 It holds the engine served now: none until a PRM is loaded (the service is live but not ready, and says why),
 swapped by the server when a newer PRM is published."""
@@ -18,11 +20,14 @@ MODEL_INFO = Info("prorag_prm_model", "The PRM served: its name@version ('' = no
 
 
 class ScoringFrontend:
-    def __init__(self, engine: PRMEngine | None, max_items: int, max_steps: int, max_batch_items: int = 256,
-                 max_queue: int = 1024):
+    def __init__(self, engine: PRMEngine | None, max_items: int, max_steps: int, max_batch_steps: int = 1024,
+                 max_queue_steps: int = 4096, max_queue: int = 1024, batch_wait_s: float = 0.002):
         self.engine, self.max_items, self.max_steps = engine, max_items, max_steps
-        self.batcher = MicroBatcher(lambda _key, items: self.engine.score(items), max_items=max_batch_items,
-                                    max_queue=max_queue, name="prm")
+        # weighed in steps: a request of one 64-step trajectory is not one of one 2-step trajectory
+        self.batcher = MicroBatcher(lambda _key, items: self.engine.score(items), max_items=max_batch_steps,
+                                    max_queue=max_queue, name="prm",
+                                    weight=lambda items: sum(len(i.steps) for i in items),
+                                    max_queue_weight=max_queue_steps, max_wait_s=batch_wait_s, what="steps")
         self.publish_version()
 
     def publish_version(self) -> None:

@@ -1,5 +1,6 @@
 """PRM service process: batched step scoring (all steps of a trajectory in one pass, concurrent callers in one
-engine call), the model version in every response, and hot-swap of a newly published PRM."""
+engine call, bounded in steps), admission control (a bounded queue, deadlines honoured), the model version in every
+response, and hot-swap of a newly published PRM."""
 
 from __future__ import annotations
 
@@ -34,8 +35,21 @@ class PRMServeConfig(DeviceConfig):
     max_len: int = cfg_field(0, help="longest scored input in tokens (0 = the model's context)", min=0)
     max_items: int = cfg_field(512, help="most trajectories in one request", min=1, max=100000)
     max_steps: int = cfg_field(64, help="most steps in one trajectory", min=1, max=10000)
-    max_batch_tokens: int = cfg_field(32768, help="tokens per forward pass when merged requests are scored",
-                                      min=256)
+    max_batch_tokens: int = cfg_field(32768, help="tokens per forward pass when merged requests are scored, padding "
+                                                  "included (rows are sorted by length first)", min=256)
+    max_batch_steps: int = cfg_field(1024, help="most steps of concurrent callers merged into one engine call (run as "
+                                                "forward passes of max_batch_tokens); a larger request runs alone",
+                                     min=1)
+    max_queue_steps: int = cfg_field(4096, help="most steps waiting for the engine; past it a caller is refused with "
+                                                "RESOURCE_EXHAUSTED at once (retry with backoff) instead of queueing "
+                                                "behind a wait that only grows. A request reaching an empty queue is "
+                                                "always taken", min=1)
+    max_queue_requests: int = cfg_field(1024, help="most requests waiting for the engine (RESOURCE_EXHAUSTED past it)",
+                                        min=1)
+    batch_wait_ms: float = cfg_field(2.0, help="while callers overlap (the last engine call merged several), wait up "
+                                               "to this long for more requests before an engine call below "
+                                               "max_batch_steps; a lone caller never waits (0 = never)",
+                                     min=0.0, max=1000.0)
 
 
 def resolve_model(cfg: PRMServeConfig):
@@ -93,7 +107,9 @@ async def start(serve: ServeConfig, cfg: PRMServeConfig | None = None, engine=No
             # named before it is trained (a deployment started ahead of stage 2): ready at the first publish
             log.warning("no PRM %r published yet in world %r; not ready until one is", cfg.model, cfg.world)
     # without a model (a stack started before any PRM is trained) it is live but not ready, and says why
-    frontend = ScoringFrontend(engine, cfg.max_items, cfg.max_steps)
+    frontend = ScoringFrontend(engine, cfg.max_items, cfg.max_steps, max_batch_steps=cfg.max_batch_steps,
+                               max_queue_steps=cfg.max_queue_steps, max_queue=cfg.max_queue_requests,
+                               batch_wait_s=cfg.batch_wait_ms / 1e3)
     servicer = PRMServicer(frontend)
     spec = ServerSpec(name="prm",
                       services=[(SERVICE, lambda s: prm_pb2_grpc.add_ProcessRewardModelServicer_to_server(servicer, s))],

@@ -31,6 +31,19 @@ def test_one_pass_equals_each_prefix(prm):
     assert len({round(float(s), 6) for s in together[0]}) == 3
 
 
+def test_padding_does_not_change_a_score(prm):
+    """A short row padded to a long one (no padding mask: the padding is on the right of a causal model) scores as it
+    does alone, whatever token pads it."""
+    model, tok = prm
+    g = torch.Generator().manual_seed(1)
+    short, long_ = (torch.randint(300, len(tok), (n,), generator=g).tolist() for n in (7, 120))
+    with torch.no_grad():
+        alone = [float(s) for s in score_batch(model, [short], [[2, 6]], max_len=512)[0]]
+        for pad in (tok.pad_token_id, 0, 301):
+            padded = score_batch(model, [long_, short], [[119], [2, 6]], max_len=512, pad_id=pad)[1]
+            assert [float(s) for s in padded] == pytest.approx(alone, abs=1e-5)
+
+
 def test_left_truncation_keeps_the_newest_step(prm):
     model, tok = prm
     ids = list(range(300, 360))

@@ -163,3 +163,87 @@ def test_the_policy_scheduler_gives_vllm_concurrent_calls_and_transformers_one()
     vllm_like = Plain()
     vllm_like.concurrent_calls = VLLMEngine.concurrent_calls
     assert GenerationScheduler(vllm_like).batcher._concurrency == VLLMEngine.concurrent_calls
+
+
+def test_the_queue_is_bounded_by_weight_and_a_request_past_it_is_refused_with_what_to_do():
+    gate = threading.Event()
+    sizes = []
+
+    def fn(key, items):
+        gate.wait(5)
+        sizes.append(sum(items))
+        return list(items)
+
+    async def main():
+        # each item weighs its value (a PRM weighs its steps)
+        b = MicroBatcher(fn, max_items=10, max_queue_weight=6, weight=sum, what="steps")
+        running = asyncio.create_task(b.submit("k", [9]))  # taken at once, whatever its weight
+        while b._pending or not b._running:
+            await asyncio.sleep(0.01)
+        queued = [asyncio.create_task(b.submit("k", [2])), asyncio.create_task(b.submit("k", [4]))]
+        await asyncio.sleep(0.05)
+        with pytest.raises(ResourceExhausted, match="6 steps already queued and this request brings 1.*retry"):
+            await b.submit("k", [1])
+        gate.set()
+        out = await asyncio.gather(running, *queued)
+        after = await b.submit("k", [7])  # served again once the queue drained
+        await b.close()
+        return out, after
+
+    out, after = asyncio.run(main())
+    assert out == [[9], [2], [4]] and after == [7]
+    assert sizes == [9, 6, 7]  # the two queued requests merged into one call of weight 6
+
+
+def test_a_deadline_the_queue_cannot_meet_is_refused_at_once():
+    """Refused when the queue ahead would take longer than the deadline leaves, at the rate measured so far. The
+    first call is held at least 0.3 s, so the measured rate is at most 1 / 0.3 units per second: 10 units queued
+    take 3 s or more, past a 2 s deadline, however fast the machine."""
+    gate = threading.Event()
+    ran = []
+
+    def fn(key, items):
+        gate.wait(5)
+        ran.append(list(items))
+        return list(items)
+
+    async def main():
+        b = MicroBatcher(fn, max_items=100)
+        first = asyncio.create_task(b.submit("k", [0]))
+        await asyncio.sleep(0.3)
+        gate.set()
+        await first
+        gate.clear()
+        held = asyncio.create_task(b.submit("k", [1]))  # runs, held by the gate
+        while b._pending or not b._running:
+            await asyncio.sleep(0.01)
+        queued = asyncio.create_task(b.submit("k", list(range(10, 20))))
+        await asyncio.sleep(0.05)
+        with pytest.raises(DeadlineExceeded, match="queued ahead"):
+            await b.submit("k", [99], deadline=time.monotonic() + 2.0)
+        with pytest.raises(DeadlineExceeded, match="had passed"):
+            await b.submit("k", [98], deadline=time.monotonic() - 0.1)
+        gate.set()
+        out = await asyncio.gather(held, queued)
+        await b.close()
+        return out
+
+    assert asyncio.run(main()) == [[1], list(range(10, 20))]
+    assert [99] not in ran and [98] not in ran
+
+
+def test_waiting_for_overlapping_callers_still_answers_each_its_own():
+    def fn(key, items):
+        time.sleep(0.01)
+        return [x * 2 for x in items]
+
+    async def main():
+        b = MicroBatcher(fn, max_items=8, max_wait_s=0.05)
+        out = []
+        for _ in range(3):  # rounds of overlapping callers, as a closed loop of clients makes them
+            out.append(await asyncio.gather(*[b.submit("k", [i]) for i in range(12)]))
+        await b.close()
+        return out
+
+    for round_ in asyncio.run(main()):
+        assert round_ == [[2 * i] for i in range(12)]

@@ -1,5 +1,6 @@
 """The PRM service as a real gRPC server on port 0 on loopback: whole trajectories scored in one pass, equal to
-the engine in process; concurrent callers merged; the version in every response; hot-swap of a newly
+the engine in process; concurrent callers merged, each scored as alone; a full queue refused with
+RESOURCE_EXHAUSTED and a passed deadline with DEADLINE_EXCEEDED; the version in every response; hot-swap of a newly
 published PRM; bad input refused with the right status while the server keeps serving."""
 
 import threading
@@ -8,6 +9,7 @@ import time
 import grpc
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from prorag.data.loaders import Document
 from prorag.modeling import save_pretrained
@@ -247,3 +249,127 @@ def test_out_of_memory_fails_that_request_with_resource_exhausted_and_the_server
     assert "out of memory" in ei.value.details() and "max_batch_tokens" in ei.value.details()
     resp = stub.ScoreSteps(prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)]), timeout=30)
     assert len(resp.results[0].scores) == len(STEPS)
+
+
+class HeldEngine(PRMEngine):
+    """The real engine, each call held until the test releases it: callers queue behind it."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.entered, self.release, self.questions = threading.Event(), threading.Event(), []
+
+    def score(self, items):
+        self.questions += [it.question for it in items]
+        self.entered.set()
+        assert self.release.wait(60)
+        return super().score(items)
+
+
+class _Held:
+    """A PRM server on port 0 over a HeldEngine of the served PRM, with ``cfg`` settings."""
+
+    def __init__(self, model_dir, **cfg):
+        self.engine = HeldEngine(model_dir)
+        self.loop = LoopThread()
+        self.started = self.loop.run(start(ServeConfig(port=0), PRMServeConfig(model=str(model_dir), **cfg),
+                                           engine=self.engine))
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.started.grpc_port}")
+        self.stub = prm_pb2_grpc.ProcessRewardModelStub(self.channel)
+
+    def call_in_thread(self, request, timeout=60):
+        box = {}
+
+        def run():
+            try:
+                box["ok"] = self.stub.ScoreSteps(request, timeout=timeout)
+            except grpc.RpcError as e:
+                box["error"] = e
+        t = threading.Thread(target=run)
+        t.start()
+        return t, box
+
+    def close(self):
+        self.engine.release.set()
+        self.channel.close()
+        self.loop.run(self.started.stop())
+        self.loop.close()
+
+
+def _wait_until(cond, what):
+    """Polls a state the test waits for (not a timing assertion: a hung server fails here after a minute)."""
+    deadline = time.monotonic() + 60
+    while not cond():
+        assert time.monotonic() < deadline, f"never {what}"
+        time.sleep(0.01)
+
+
+def test_concurrent_callers_get_the_scores_each_gets_alone(served):
+    """Trajectories of different lengths merged into one engine call and padded to the longest: every score is the
+    one its trajectory gets alone."""
+    stub, engine, *_ = served
+    other = [Step("subquery", thought="Next the city.", content="Where was Tova Lunn born?", docs=[DOC]),
+             Step("subanswer", thought="Not in the document.", content="unknown")]
+    requests = [prm_pb2.ScoreStepsRequest(inputs=[_input(s, question=q)])
+                for s, q in [(STEPS, Q), (STEPS[:1], Q), (other, "Where was the founder of Mai Brewery born?"),
+                             (STEPS[:2], "Who started Mai Brewery?")] * 3]
+    alone = [list(stub.ScoreSteps(r, timeout=30).results[0].scores) for r in requests]
+    before, out, errors = CountingEngine.calls, [None] * len(requests), []
+
+    def call(k):
+        try:
+            out[k] = list(stub.ScoreSteps(requests[k], timeout=30).results[0].scores)
+        except grpc.RpcError as e:  # pragma: no cover - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert CountingEngine.calls - before < len(requests)  # merged (the engine holds each call 50 ms)
+    for got, want in zip(out, alone):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_a_full_queue_refuses_with_resource_exhausted_and_the_server_keeps_serving(served):
+    _, engine, *_ = served
+    s = _Held(engine.model_dir, max_queue_steps=4)
+    try:
+        req = prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)])  # 3 steps
+        first, first_box = s.call_in_thread(req)
+        _wait_until(s.engine.entered.is_set, "ran the first request")
+        second, second_box = s.call_in_thread(req)  # queued: 3 of the 4 steps the queue holds
+        depth = lambda: REGISTRY.get_sample_value("prorag_batcher_queue_weight", {"batcher": "prm"})  # noqa: E731
+        _wait_until(lambda: depth() == 3, "queued the second request")
+        with pytest.raises(grpc.RpcError) as ei:
+            s.stub.ScoreSteps(req, timeout=30)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "3 steps already queued" in ei.value.details() and "retry with backoff" in ei.value.details()
+        s.engine.release.set()
+        first.join()
+        second.join()
+        assert "ok" in first_box and "ok" in second_box
+        resp = s.stub.ScoreSteps(req, timeout=30)  # still serving
+        assert list(resp.results[0].scores) == pytest.approx(list(first_box["ok"].results[0].scores), abs=1e-5)
+    finally:
+        s.close()
+
+
+def test_a_deadline_that_passes_in_the_queue_gives_deadline_exceeded_and_is_never_scored(served):
+    _, engine, *_ = served
+    s = _Held(engine.model_dir)
+    try:
+        first, first_box = s.call_in_thread(prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS)]))
+        _wait_until(s.engine.entered.is_set, "ran the first request")
+        late = prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS, question="Who owns Mai Brewery?")])
+        with pytest.raises(grpc.RpcError) as ei:
+            s.stub.ScoreSteps(late, timeout=0.5)  # queued behind the held call until its deadline passes
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        s.engine.release.set()
+        first.join()
+        assert "ok" in first_box
+        resp = s.stub.ScoreSteps(prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS[:2])]), timeout=30)
+        assert len(resp.results[0].scores) == 2
+        assert "Who owns Mai Brewery?" not in s.engine.questions  # dropped from the queue, not scored late
+    finally:
+        s.close()
