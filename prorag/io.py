@@ -170,6 +170,28 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
 
 
+def append_jsonl_synced(path: str | Path, row: dict) -> None:
+    """Append ``row`` as one JSON line and fsync it: a journal or cache that a killed process keeps up to its
+    last whole row."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_jsonl_journal(path: str | Path) -> Iterator[dict]:
+    """The rows of an append-only JSONL journal (none when the file is absent), skipping any line a kill tore:
+    what that line held is redone by whoever wrote it."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            continue
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:

@@ -1,5 +1,5 @@
 """prorag.io.atomic_dir: durable, and a replaced directory is never missing, even when the process dies
-between the steps."""
+between the steps; the JSONL journals resumed jobs read keep every whole row."""
 
 from __future__ import annotations
 
@@ -121,3 +121,13 @@ def test_the_next_atomic_dir_call_repairs_a_crash_between_the_renames_by_itself(
         write_tree(tmp, "new")
     assert read_tree(old_dir) == ("new-a", "new-b")
     assert not (old_dir.parent / ".artifact.old").exists()
+
+
+def test_a_journal_keeps_every_whole_row_and_skips_the_line_a_kill_tore(tmp_path):
+    journal = tmp_path / "journal.jsonl"
+    assert list(io.read_jsonl_journal(journal)) == []  # absent: nothing done yet
+    io.append_jsonl_synced(journal, {"question_id": "q1", "n": 1})
+    io.append_jsonl_synced(journal, {"question_id": "q2", "n": 2})
+    with open(journal, "a", encoding="utf-8") as fh:
+        fh.write('{"question_id": "q3", "n"')  # a kill in the middle of the third row
+    assert list(io.read_jsonl_journal(journal)) == [{"question_id": "q1", "n": 1}, {"question_id": "q2", "n": 2}]

@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 from prorag.config import cfg_field
 from prorag.data.loaders import Document
 from prorag.errors import InvalidArgument
+from prorag.io import append_jsonl_synced, read_jsonl_journal
 from prorag.metrics import exact_match, normalize_answer
 
 __all__ = ["DATASETS", "Passage", "SourceHop", "SourceRecord", "Alignment", "AlignConfig", "ImportConfig",
@@ -525,13 +526,9 @@ class OpenAITeacher:
         self.cache: dict[str, str] = {}
         self.calls = 0
         self._lock = threading.Lock()
-        if self.cache_path.exists():
-            for line in self.cache_path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                    self.cache[row["key"]] = row["reply"]
-                except (json.JSONDecodeError, KeyError):
-                    continue  # a torn last line from an interrupted run
+        # a torn last line from an interrupted run is skipped: that reply is asked for again
+        self.cache.update((row["key"], row["reply"]) for row in read_jsonl_journal(self.cache_path)
+                          if "key" in row and "reply" in row)
 
     def __call__(self, messages: list[dict]) -> str:
         key = hashlib.sha256(json.dumps([self.model, self.max_tokens, messages], sort_keys=True).encode()).hexdigest()
@@ -545,10 +542,8 @@ class OpenAITeacher:
             self.calls += 1
             self.cache[key] = text
             self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.cache_path, "a") as fh:  # appended and synced: an interrupted import keeps its replies
-                fh.write(json.dumps({"key": key, "reply": text}) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+            # appended and synced: an interrupted import keeps its replies
+            append_jsonl_synced(self.cache_path, {"key": key, "reply": text})
         return text
 
 

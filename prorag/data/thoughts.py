@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 from prorag.data.sft import template_thought
+from prorag.io import append_jsonl_synced, read_jsonl_journal
 
 log = logging.getLogger("prorag.data.thoughts")
 
@@ -45,13 +46,9 @@ class OpenAIThoughtWriter:
         self.calls = 0
         self.fallbacks = 0
         self._lock = threading.Lock()
-        if self.cache_path.exists():
-            for line in self.cache_path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                    self.cache[row["key"]] = row["thought"]
-                except (json.JSONDecodeError, KeyError):
-                    continue  # a torn last line from an interrupted run
+        # a torn last line from an interrupted run is skipped: that thought is asked for again
+        self.cache.update((row["key"], row["thought"]) for row in read_jsonl_journal(self.cache_path)
+                          if "key" in row and "thought" in row)
 
     def _key(self, prompt: str) -> str:
         return hashlib.sha256(json.dumps([self.model, prompt]).encode()).hexdigest()
@@ -80,8 +77,5 @@ class OpenAIThoughtWriter:
         with self._lock:
             self.cache[key] = text
             self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.cache_path, "a") as fh:
-                fh.write(json.dumps({"key": key, "thought": text}) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+            append_jsonl_synced(self.cache_path, {"key": key, "thought": text})
         return text

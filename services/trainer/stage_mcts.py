@@ -11,8 +11,6 @@ questions it has not finished.
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prorag.config import cfg_field
+from prorag.io import append_jsonl_synced, read_jsonl_journal
 from prorag.search.mcts import MCTSConfig
 from prorag.training.context import JobContext
 from services.trainer.stages import PolicySamplingConfig, register_stage, resolve_model
@@ -46,24 +45,9 @@ class MCTSStageConfig(PolicySamplingConfig):
     min_margin: float = cfg_field(0.01, help="value margin from which a pair gets a value label", min=0.0)
 
 
-def _append(path: Path, row: dict) -> None:
-    # one line per finished question, fsynced: the journal a resumed job reads
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _read_journal(path: Path) -> dict[str, dict]:
-    done = {}
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a kill: that question is searched again
-            done[row["question_id"]] = row
-    return done
+    # one row per finished question (append_jsonl_synced); a question whose line a kill tore is searched again
+    return {row["question_id"]: row for row in read_jsonl_journal(path)}
 
 
 def judge_pairs(client, questions: dict, pairs: list) -> None:
@@ -138,7 +122,7 @@ def run_mcts(ctx: JobContext) -> dict:
                "stats": {"simulations": stats.simulations, "tokens": stats.tokens, "seconds": stats.seconds,
                          "stopped_by": stats.stopped_by}}
         with lock:
-            _append(journal, row)
+            append_jsonl_synced(journal, row)
             done[q.id] = row
             sims_here[0] += stats.simulations
             ctx.emit(len(done), len(qs), message="")

@@ -18,7 +18,6 @@ in the candidate list, so a resumed job samples what an uninterrupted one would)
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from prorag.algorithms.rl import ANSWER_CREDIT_F1, OUTCOME_REWARDS
 from prorag.config import cfg_field
 from prorag.data.loaders import load_split
 from prorag.errors import FailedPrecondition
+from prorag.io import append_jsonl_synced, read_jsonl_journal
 from prorag.rpc.clients import PolicyClient
 from prorag.training.context import JobContext
 from services.trainer.sampling import (answer_f1, rollout, rollout_index_field, rollout_seed, rollout_topk_field,
@@ -112,24 +112,10 @@ def pool_counts(rows: Sequence[dict]) -> dict:
 
 
 # ---------------------------------------------------------------- the journal
-def _append(path: Path, row: dict) -> None:
-    # one line per finished Rollout request, fsynced: what a resumed job skips
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _read_journal(path: Path) -> dict[int, list[dict]]:
-    done: dict[int, list[dict]] = {}
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a kill: that request is sampled again
-            done[int(row["request"])] = row["rows"]
-    return done
+    # one row per finished Rollout request (append_jsonl_synced): what a resumed job skips; a request whose line a
+    # kill tore is sampled again
+    return {int(row["request"]): row["rows"] for row in read_jsonl_journal(path)}
 
 
 # ---------------------------------------------------------------- the stage
@@ -178,7 +164,7 @@ def run_rlpool(ctx: JobContext) -> dict:
                 return {}  # stopped, not done: the journal keeps what was sampled
             start = starts[k]
             rows = sample_request(cfg, policy, qs[start:start + cfg.questions_per_request], start, stats)
-            _append(journal, {"request": k, "rows": rows})
+            append_jsonl_synced(journal, {"request": k, "rows": rows})
             done[k] = rows
             ctx.emit(answered(), len(qs), message="")
     rows = [r for k in range(len(starts)) for r in done[k]]

@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from prorag.config import cfg_field
+from prorag.io import append_jsonl_synced
 from prorag.training.context import JobContext
-from services.trainer.stage_mcts import _append, _read_journal, flat_counts, hash_id, judge_pairs, pair_counts
+from services.trainer.stage_mcts import _read_journal, flat_counts, hash_id, judge_pairs, pair_counts
 from services.trainer.stages import PolicySamplingConfig, register_stage, resolve_model
 
 
@@ -415,7 +416,7 @@ def run_siblings(ctx: JobContext) -> dict:
         stats["judge_s"] = time.monotonic() - t
         row = {"question_id": q.id, "pairs": [p.to_dict() for p in pairs], "stats": stats}
         with lock:
-            _append(journal, row)
+            append_jsonl_synced(journal, row)
             done[q.id] = row
             judge_s[0] += stats["judge_s"]
             ctx.emit(len(done), len(qs), message="")
