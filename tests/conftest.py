@@ -93,3 +93,51 @@ def tiny_policy(tmp_path_factory):
     return root / "model", tok
 
 
+
+
+# ---------------------------------------------------------------- running beside another worker (`make test`: -n 2)
+
+#: modules that take longest (CI's --durations), slowest first. They are started first, so the end-to-end test
+#: (~400 s alone) does not start last on one worker while the other idles; the rest keep their collection order.
+SLOW_FIRST = (
+    "tests/app/test_end_to_end.py",
+    "tests/training/test_distributed.py",
+    "tests/services/trainer/test_service_faults.py",
+    "tests/app/test_cli_up.py",
+    "tests/services/trainer/test_sft_stage.py",
+    "tests/services/trainer/test_rl_stage.py",
+    "tests/app/test_check_gpu.py",
+)
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        # two workers on two cores: torch's default of a thread per core in each would make four threads fight
+        # for two cores (tests that want more threads set their own; service processes keep the default)
+        torch.set_num_threads(1)
+
+
+def _module_scoped(item) -> bool:
+    """Whether the test uses a fixture set up once per module or class (a server, a trained model): such a
+    module's tests go to one worker together, or each worker would set the fixture up again."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info else ()
+    # (package-scoped fixtures are set up once per package on each worker whatever the grouping)
+    return any(str(d.scope).split(".")[-1].lower() in ("module", "class")
+               and d.argname != "one_thread" for ds in defs for d in ds)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks (--dist loadgroup)
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(SLOW_FIRST)}
+
+    def module(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    # a stable sort keeps each module's tests together and in order (module fixtures are set up once)
+    items.sort(key=lambda item: rank.get(module(item), len(rank)))
+    for item in items:
+        if _module_scoped(item):
+            item.add_marker(pytest.mark.xdist_group(module(item)))

@@ -16,6 +16,56 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def xdist_worker() -> tuple[int, int]:
+    """(index, count) of this pytest-xdist worker (`make test` runs two); (0, 1) in a plain pytest run."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    return (int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0), max(count, 1)
+
+
+def _ephemeral_top() -> int:
+    """The last port of Linux's ephemeral range (32768-60999 by default): outgoing connections and bind-to-0 take
+    ports below it at any moment, so a fixed port there can be taken between its check and the bind."""
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 60999
+
+
+#: the documented ports a ServiceStack shifts by its port_offset (prorag.paths), lowest and highest
+_BASE_LOW, _BASE_HIGH = 8000, 50055
+#: how far above its offset a run's stacks reach: the evaluations' policies at +100 + 10 i, stages 3-4 at +200 and
+#: +210 (prorag_app.pipeline); a worker's offsets are this far from any other worker's
+_SPAN = 300
+
+
+def free_offset() -> int:
+    """A port_offset for a ServiceStack (or `prorag up/run --port-offset`) whose ports, and those of the stacks a
+    run starts at offset +100 to +210, are free now and can be taken by nobody else in the suite: each xdist worker
+    draws from its own slice of offsets, and the gRPC ports (50051 + offset) lie above the ephemeral range where the
+    kernel can hand them to any connection (the cause of a rare 'ports already in use' in the end-to-end test).
+    The HTTP and metrics ports then lie at 19000-25000, below the ephemeral range."""
+    import random
+
+    from prorag import paths
+    from prorag_app.stack import port_free
+
+    low, high = _ephemeral_top() + 1 - 50051, 65535 - _BASE_HIGH - _SPAN
+    if low + _BASE_LOW < 1024 or high <= low:  # an unusual ephemeral range: anywhere from 3000 up, as before
+        low, high = 3000, 14000
+    index, count = xdist_worker()
+    width = (high - low) // count
+    lo, hi = low + index * width, low + (index + 1) * width - _SPAN
+    base = [*paths.GRPC_PORTS.values(), *paths.HTTP_PORTS.values(), *paths.METRICS_PORTS.values()]
+    rng = random.Random()  # random within the slice: a stack a killed test left behind is stepped over
+    for _ in range(50):
+        off = rng.randrange(lo, hi)
+        ports = [p + off + extra for p in base for extra in (0, 100, 110, 120, 130, 140, 200, 210)]
+        if all(port_free("127.0.0.1", p) for p in ports):
+            return off
+    raise RuntimeError(f"no free port range on loopback in offsets {lo}-{hi}")
+
+
 class LoopThread:
     """An asyncio loop in a daemon thread: servers run on it, synchronous clients call in."""
 

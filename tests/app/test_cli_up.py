@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from prorag import paths
 from prorag.rpc.clients import wait_for_health
-from tests.app.test_end_to_end import _free_offset
+from tests.helpers import free_offset
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def test_up_serves_all_five_securely_and_stops_on_sigterm(tmp_path, monkeypatch)
     from prorag.rpc.clients import channel
     from prorag.rpc.security import ClientSecurity, generate_secrets
 
-    off = _free_offset()
+    off = free_offset()
     files = generate_secrets(tmp_path / "secrets")
     # One environment for servers and clients alike; the stack's own clients (health, the trainer's calls to
     # the policy and retriever) use the admin token.
@@ -168,7 +168,7 @@ def test_up_serves_the_newest_prm_and_the_readme_examples_run_as_printed(two_prm
     newest, _ = two_prms
     for var in SECURITY_VARS:  # the README's examples call a plaintext `prorag up`
         monkeypatch.delenv(var, raising=False)
-    off = _free_offset()
+    off = free_offset()
     env = dict(os.environ, PRORAG_TRACKING="local", PYTHONUNBUFFERED="1")
     log = open(tmp_path / "up.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "prorag_app.cli", "up", "--world", "tiny", "--port-offset", str(off)],

@@ -6,24 +6,11 @@ trained through the trainer service, standard RAG read by the agent, evaluation 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
-from prorag_app.stack import port_free
-
-
-def _free_offset() -> int:
-    rng = random.Random()
-    for _ in range(50):
-        off = rng.randrange(3000, 14000)
-        ports = [p + off for p in (50051, 50052, 50053, 50054, 50055, 8000, 8001, 9101, 9102, 9103, 9104, 9105)]
-        ports += [p + 100 + 10 * i for p in ports for i in range(3)]  # the evaluations' policy processes
-        ports += [p + 200 + 10 * i for p in ports[:12] for i in range(2)]  # stages 3-4's policy and PRM processes
-        if all(port_free("127.0.0.1", p) for p in ports):
-            return off
-    raise RuntimeError("no free port range on loopback")
+from tests.helpers import free_offset
 
 
 @pytest.mark.slow
@@ -43,7 +30,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
 
     # a world other than the profile's, built with another seed: trained and evaluated as it was built
     ensure_world("tiny-s7", size="tiny", seed=7)
-    results = run_main_job(profile="tiny", world="tiny-s7", port_offset=_free_offset())
+    results = run_main_job(profile="tiny", world="tiny-s7", port_offset=free_offset())
     assert results["world"] == "tiny-s7"
     assert json.loads((tmp_path / "data" / "worlds" / "tiny-s7" / "world.json").read_text())["config"]["seed"] == 7
 
@@ -146,7 +133,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     assert "outcome_grpo" in html and "<svg" in html
 
     # a second run reuses the finished jobs instead of training again
-    again = run_main_job(profile="tiny", world="tiny-s7", port_offset=_free_offset())
+    again = run_main_job(profile="tiny", world="tiny-s7", port_offset=free_offset())
     assert {m: j["job_id"] for m, j in again["jobs"].items()} == {m: j["job_id"] for m, j in on_disk["jobs"].items()}
     assert again["timings"]["train_sft_s"] < results["timings"]["train_sft_s"]
     # ... and reads back the evaluations of the same weights on the same questions: same scores, same predictions
@@ -172,7 +159,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     from prorag.diagnosis import SOLVE_RATE_BINS
     from prorag_app.diagnose import run_diagnosis
 
-    diag = run_diagnosis(results["run_dir"], questions=3, samples=2, iterations=(1,), port_offset=_free_offset())
+    diag = run_diagnosis(results["run_dir"], questions=3, samples=2, iterations=(1,), port_offset=free_offset())
     assert {"sft", "outcome_grpo", "outcome_grpo@it1"} <= set(diag["models"]) and "prorag" not in diag["models"]
     for name, row in diag["models"].items():
         for s in ("pool", "unseen"):
@@ -193,7 +180,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     from prorag_app.profiles import AblationPlan
 
     report = run_ablation(AblationPlan(profile="tiny", seeds=(1, 2), betas=(), eval_iterations=(1,), methods=()),
-                          world="tiny-s7", port_offset=_free_offset())
+                          world="tiny-s7", port_offset=free_offset())
     assert report["seeds"]["sft"] == 2 and report["seeds"]["outcome_grpo"] == 2
     assert report["seeds"]["outcome_grpo@it1"] == 1  # the first seed's adapter after 1 of its 2 iterations
     # ... evaluated on the deep split too, so the data-efficiency curve counts its questions

@@ -124,8 +124,8 @@ def test_retriever_policy_and_prm_start_without_the_optional_packages(without_op
     from prorag.modeling import save_pretrained
     from prorag.prm.model import prm_from_policy
     from prorag.trajectory import Step
-    from prorag_app.check_gpu import _free_offset
     from prorag_app.stack import ServiceStack
+    from tests.helpers import free_offset
 
     policy_dir, _ = tiny_policy
     model, tok = prm_from_policy(str(policy_dir), seed=0)
@@ -133,7 +133,7 @@ def test_retriever_policy_and_prm_start_without_the_optional_packages(without_op
     # what `prorag check gpu` starts: a BM25-only retriever (it builds the tiny world and its BM25 index on the way),
     # the policy and the PRM on the device (here the CPU)
     stack = ServiceStack(world="tiny", services=("retriever", "policy", "prm"), log_dir=str(tmp_path / "logs"),
-                         port_offset=_free_offset(("retriever", "policy", "prm"), start=4000), start_timeout=90,
+                         port_offset=free_offset(), start_timeout=90,
                          overrides={"retriever": {"default_index": "bm25"},
                                     "policy": {"model": str(policy_dir), "device": "cpu", "dtype": "float32",
                                                "restore_active": "false", "compile_decode": "off"},

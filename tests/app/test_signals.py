@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from prorag import paths
-from tests.app.test_end_to_end import _free_offset
+from tests.helpers import free_offset
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
@@ -241,7 +241,7 @@ def _stop_and_check(args: list[str], home: Path, tmp_path: Path, sig: int, serve
 
 # `prorag up` stopped by SIGTERM: tests/app/test_cli_up.py (each service's port stops answering, exit code 0)
 def test_up_killed_with_sigkill_takes_its_services_with_it(home, tmp_path):
-    off = _free_offset()
+    off = free_offset()
     _stop_and_check(["up", "--world", "tiny", "--port-offset", str(off)], home, tmp_path, signal.SIGKILL,
                     servers=len(paths.SERVICES), expect_code=-signal.SIGKILL)
 
@@ -249,7 +249,7 @@ def test_up_killed_with_sigkill_takes_its_services_with_it(home, tmp_path):
 def test_up_stopped_by_sigterm_while_still_starting_stops_what_it_started_and_exits_0(home, tmp_path):
     """`docker stop` does not wait for readiness: SIGTERM once the first service listens, the others still
     loading, ends `up` as a stop while serving does."""
-    off = _free_offset()
+    off = free_offset()
     _stop_and_check(["up", "--world", "tiny", "--port-offset", str(off)], home, tmp_path, signal.SIGTERM,
                     servers=1, expect_code=0)
 
@@ -262,6 +262,6 @@ def test_bench_policy_stopped_by_sigterm(home, tmp_path):
 
 
 def test_run_stopped_by_sigterm_while_its_services_are_up(home, tmp_path):
-    off = _free_offset()
+    off = free_offset()
     _stop_and_check(["run", "--profile", "tiny", "--port-offset", str(off)], home, tmp_path, signal.SIGTERM,
                     servers=len(paths.SERVICES), expect_code=128 + signal.SIGTERM)

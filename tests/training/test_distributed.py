@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from prorag.training.distributed import my_micro_batches
+from tests.helpers import free_port
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +40,7 @@ def _run(cmd, out: Path) -> dict:
 @pytest.mark.slow
 def test_two_gloo_processes_match_one_process(tmp_path):
     one = _run([sys.executable], tmp_path / "one")
-    port = 29500 + os.getpid() % 1000
+    port = free_port()  # the other xdist worker may launch processes at the same time
     # torchrun sets RANK / WORLD_SIZE / MASTER_* as `accelerate launch` does on GPU hosts; accelerate's
     # Accelerator then runs the loop on the gloo backend (accelerate's own launcher wants MPI for CPU processes)
     two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
@@ -165,7 +166,7 @@ def launched(tmp_path_factory):
     with scripted_stack(root / "data", _counting_engine()) as stack:
         configs = _configs(stack, _pairs_file(root / "data" / "pairs.jsonl"))
         work = {(run, s): root / f"{run}-{s}" for run in ("one", "two") for s in STAGES}
-        port = 29500 + (os.getpid() + 11) % 1000
+        port, resume_port = free_port(), free_port()  # one per launch; a worker's own, not a fixed one
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                     "127.0.0.1"]
         calls = [stack["engine"].sequences]  # sequences the policy generated (RFT's samples, RL's rollouts)
@@ -185,7 +186,7 @@ def launched(tmp_path_factory):
         bad.write_text("this is not a question\n")
         failing = {"stage": "sft", "config": {**configs["sft"], "questions": str(bad)}, "expect_error": True,
                    "work_dir": str(root / "two-sft-fails")}
-        _launch(torchrun + ["--master_port", str(port + 1)],
+        _launch(torchrun + ["--master_port", str(resume_port)],
                 [{"stage": s, "config": configs[s], "work_dir": str(work["two", s])} for s in STOP_AT] + [failing],
                 root / "plan-resume.json")
         calls.append(stack["engine"].sequences)
