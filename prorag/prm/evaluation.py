@@ -51,10 +51,14 @@ from __future__ import annotations
 
 import random
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from prorag.errors import InvalidArgument
+from prorag.evaluation import question_entity
+from prorag.metrics import cover_exact_match, normalize_answer
+from prorag.search.judging import judge_step, open_hop
 from prorag.trajectory import Step
 
 #: the in-distribution families (:func:`corrupt`)
@@ -93,8 +97,6 @@ def corrupt(question, steps: Sequence[Step], rng: random.Random, entities: Seque
 
     entities: names to swap into a subquery (any world entity); answers: sub-answers to put where the documents
     say something else (a replacement is never one the step's documents contain)."""
-    from prorag.evaluation import question_entity
-
     hops = [s for s in question.decomposition if s.doc_id]
     subqueries = [i for i, s in enumerate(steps) if s.kind == "subquery"]
     subanswers = [i for i, s in enumerate(steps) if s.kind == "subanswer"]
@@ -150,8 +152,6 @@ _PARENTHETICAL = re.compile(r"\s*\([^)]*\)\s*$")
 
 
 def _tokens(text: str) -> set[str]:
-    from prorag.metrics import normalize_answer
-
     return set(normalize_answer(text).split())
 
 
@@ -177,8 +177,6 @@ def _is_number(text: str) -> bool:
 
 
 def _covers(text: str, names: Sequence[str]) -> bool:
-    from prorag.metrics import cover_exact_match
-
     return bool(names) and cover_exact_match(text, list(names)) == 1.0
 
 
@@ -200,8 +198,6 @@ def _near_misses(entity: str, entities: Sequence[str], common: int = 5) -> list[
     >>> _near_misses("Yxine City", ["Yxine", "Yxine City", "Revyrnor City", "Lasar City", "Zaford"], common=2)
     ['Yxine']
     """
-    from collections import Counter
-
     df = Counter(w for e in set(entities) for w in _tokens(e))
     rare = {w for w in _tokens(entity) if df[w] <= common}
     words = entity.split()
@@ -214,9 +210,6 @@ def _near_misses(entity: str, entities: Sequence[str], common: int = 5) -> list[
 
 def _options_held_out(question, steps: Sequence[Step], entities: Sequence[str]) -> dict[str, list]:
     """family -> [(position, corrupted step)]: every rewrite of ``steps`` each held-out family can make."""
-    from prorag.evaluation import question_entity
-    from prorag.search.judging import open_hop
-
     opts: dict[str, list] = {k: [] for k in HELD_OUT}
     hops = question.decomposition
     retrieval = [k for k, h in enumerate(hops) if h.needs_retrieval]
@@ -263,8 +256,6 @@ def _options_held_out(question, steps: Sequence[Step], entities: Sequence[str]) 
 
 
 def _differs(a: Step, b: Step) -> bool:
-    from prorag.metrics import normalize_answer
-
     return a.kind != b.kind or normalize_answer(a.content) != normalize_answer(b.content)
 
 
@@ -277,8 +268,6 @@ def corrupt_held_out(question, steps: Sequence[Step], rng: random.Random, entiti
     question: a Question with its gold decomposition (the judge needs it); steps: [Step], ending with the
     answer; entities: world entity names, where ``partial_entity`` looks for near misses (the right entity cut
     short is tried whatever they are); families: a subset of :data:`HELD_OUT`."""
-    from prorag.search.judging import judge_step
-
     unknown = [f for f in families if f not in HELD_OUT]
     if unknown:
         raise InvalidArgument(f"unknown held-out families {unknown}; known: {', '.join(HELD_OUT)}")
@@ -305,9 +294,6 @@ def validation_cases(questions: Sequence, trajectories: Sequence[Sequence[Step]]
     validation always has (the same cases for the same seed), the held-out ones from their own stream, so
     adding or removing held-out families never changes the in-distribution cases. entities / answers default
     to the questions' entities (their first hop's title) / every hop's answer."""
-    from prorag.evaluation import question_entity
-    from prorag.search.judging import judge_step
-
     if len(questions) != len(trajectories):
         raise InvalidArgument(f"{len(questions)} questions but {len(trajectories)} trajectories: give one "
                               "correct trajectory per question")
@@ -340,7 +326,7 @@ def validation_cases(questions: Sequence, trajectories: Sequence[Sequence[Step]]
 
 
 def _pooled(gold: Sequence[float], bad: Sequence[float]) -> dict:
-    from prorag.algorithms.prm import auc
+    from prorag.algorithms.prm import auc  # its module loads torch; the corruption builders above do not
 
     return {"auc": auc(list(gold), list(bad)) if gold else None, "n": len(gold)}
 
@@ -354,7 +340,7 @@ def auc_by_kind(cases: Sequence[ProbeCase], gold_scores: Sequence[float],
     kinds at one position; it is counted once per case, as its own contrast). "overall" pools every case, of
     every family given; the two groups pool theirs (auc None, n 0 when a group has no case); "kinds" lists the
     group's families present. Kinds outside :data:`FAMILIES` are reported in by_kind after the known ones."""
-    from prorag.algorithms.prm import auc
+    from prorag.algorithms.prm import auc  # its module loads torch; the corruption builders above do not
 
     if not (len(cases) == len(gold_scores) == len(corrupted_scores)):
         raise ValueError("one gold and one corrupted score per case")

@@ -3,7 +3,9 @@ matching the servers'. Other systems can use these or the protos directly."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
+import socket
 import threading
 import time
 
@@ -11,9 +13,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prorag.data.loaders import Document
-from prorag.rpc.observability import RequestIdForwarding
+from prorag.errors import Unavailable
 from prorag.pb import retriever_pb2, retriever_pb2_grpc
-from prorag.rpc.pbconv import document_from_pb, scored_document_from_pb
+from prorag.pb import common_pb2, judge_pb2, judge_pb2_grpc, policy_pb2, policy_pb2_grpc, prm_pb2, prm_pb2_grpc
+from prorag.rpc.observability import RequestIdForwarding
+from prorag.rpc.pbconv import document_from_pb, scored_document_from_pb, step_pb
 from prorag.rpc.security import ClientSecurity, secure_channel
 
 MiB = 1024 * 1024
@@ -71,8 +75,6 @@ def call_with_service_wait(fn, target: str, what: str, wait_s: float, stats: dic
     returns what the interrupted one would have; partial results of a stream are dropped by making fn consume
     the stream (``list(...)``). after_back(): run once the service is back, before the retry (e.g. push the
     adapter again). stats["service_retries"] counts the retries (thread-safe)."""
-    from prorag.errors import Unavailable
-
     deadline = time.monotonic() + wait_s
     attempt = 0
     while True:
@@ -164,8 +166,6 @@ class PolicyClient(_Client):
     """Typed client of prorag.v1.Policy (generation, rollouts, adapters)."""
 
     def __init__(self, target: str, timeout: float = 600.0, max_message_mb: int = 64):
-        from prorag.pb import policy_pb2, policy_pb2_grpc
-
         self._pb = policy_pb2
         self.target = target
         self.timeout = timeout
@@ -193,20 +193,14 @@ class PolicyClient(_Client):
             yield ev.trajectory if ev.HasField("trajectory") else ev.summary
 
     def load_adapter(self, name: str, version: str, path: str = "", timeout: float | None = None):
-        from prorag.pb import common_pb2
-
         return self._stub.LoadAdapter(self._pb.LoadAdapterRequest(ref=common_pb2.AdapterRef(name=name, version=version),
                                                                   path=path), timeout=timeout or self.timeout)
 
     def activate_adapter(self, name: str, version: str, timeout: float | None = None):
-        from prorag.pb import common_pb2
-
         return self._stub.ActivateAdapter(self._pb.ActivateAdapterRequest(
             ref=common_pb2.AdapterRef(name=name, version=version)), timeout=timeout or self.timeout)
 
     def unload_adapter(self, name: str, version: str, timeout: float | None = None):
-        from prorag.pb import common_pb2
-
         return self._stub.UnloadAdapter(self._pb.UnloadAdapterRequest(
             ref=common_pb2.AdapterRef(name=name, version=version)), timeout=timeout or self.timeout)
 
@@ -222,8 +216,6 @@ class JudgeClient(_Client):
     """Typed client of prorag.v1.Judge: which of two or more sibling steps is sound progress, which is flawed."""
 
     def __init__(self, target: str, timeout: float = 120.0, max_message_mb: int = 64):
-        from prorag.pb import judge_pb2, judge_pb2_grpc
-
         self._pb = judge_pb2
         self.target = target
         self.timeout = timeout
@@ -233,8 +225,6 @@ class JudgeClient(_Client):
     def judge(self, items, timeout: float | None = None):
         """items: (id, question_id, question, golden answers, history steps, candidate steps, q values, visits)
         tuples; returns one Verdict per item (chosen / rejected candidate index, -1 = none; rationale)."""
-        from prorag.rpc.pbconv import step_pb
-
         pbs = [self._pb.JudgeItem(
             id=i, question_id=qid, question=q, golden_answers=list(golden), history=[step_pb(s) for s in history],
             candidates=[self._pb.Candidate(step=step_pb(c), q_value=float(v), visits=int(n))
@@ -252,8 +242,6 @@ class PRMClient(_Client):
     pass, with the model version that produced them."""
 
     def __init__(self, target: str, timeout: float = 120.0, max_message_mb: int = 64):
-        from prorag.pb import prm_pb2, prm_pb2_grpc
-
         self._pb = prm_pb2
         self.target = target
         self.timeout = timeout
@@ -262,8 +250,6 @@ class PRMClient(_Client):
 
     def score(self, inputs, timeout: float | None = None) -> tuple[str, list[list[float]]]:
         """inputs: (question, steps, last_step_only) tuples -> (model version, per input its step scores)."""
-        from prorag.rpc.pbconv import step_pb
-
         req = self._pb.ScoreStepsRequest(inputs=[
             self._pb.ScoringInput(question=q, steps=[step_pb(s) for s in steps], last_step_only=bool(last))
             for q, steps, last in inputs])
@@ -278,8 +264,6 @@ def resolve_replicas(target: str) -> list[str]:
     A record per pod) -> every resolved IP; ``ipv4:10.0.0.1:50052,10.0.0.2:50052`` (gRPC's static list)
     and ``a:1,b:2`` -> those addresses. The lookup is made now: call it again to see replicas that came
     or went."""
-    import socket
-
     target = target.strip()
     if target.startswith("ipv4:") or target.startswith("ipv6:"):
         return [a.strip() for a in target.split(":", 1)[1].split(",") if a.strip()]
@@ -312,10 +296,6 @@ def push_adapter(replicas: list[str] | str, name: str, version: str, activate: b
     ``replicas`` is a list of addresses or one target that :func:`resolve_replicas` expands (a headless
     Service's pod IPs in k8s); every replica is attempted even when one fails, so the caller sees exactly
     which ones hold the version. A replica that restarts later loads the active version by itself."""
-    import concurrent.futures as cf
-
-    from prorag.pb import common_pb2
-
     if isinstance(replicas, str):
         replicas = resolve_replicas(replicas)
 

@@ -3,13 +3,16 @@ benchmarks measure speed, not judgement)."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
+from prorag.errors import NotFound
+from prorag.registry import registry
+from prorag_app.embedded import ensure_policy_model
+
 
 def bench_model(world: str, model: str) -> str:
     """The model to benchmark: a path, a published name (sft -> newest sft), or the embedded base."""
-    from prorag.errors import NotFound
-    from prorag.registry import registry
-    from prorag_app.embedded import ensure_policy_model
-
     if model == "base":
         return str(ensure_policy_model(world))
     try:
@@ -23,14 +26,8 @@ def bench_model(world: str, model: str) -> str:
 def bench_prm_model(world: str, model: str) -> str:
     """A published PRM (name[@version] or path); with none published, a PRM freshly made from the world's
     policy (same shape and cost: the benchmark measures speed, not judgement)."""
-    import tempfile
-    from pathlib import Path
-
-    from prorag.errors import NotFound
-    from prorag.modeling import save_pretrained
+    from prorag.modeling import save_pretrained  # torch: only when a model is built here
     from prorag.prm.model import prm_from_policy
-    from prorag.registry import registry
-
     try:
         return str(registry("prm", world).resolve(model))
     except NotFound:
@@ -45,7 +42,7 @@ def bench_prm_model(world: str, model: str) -> str:
 def random_lora(model: str):
     """(``model`` with an RL-shaped LoRA: r16, alpha 32, every linear projection, B drawn so it changes the
     outputs, its tokenizer)."""
-    import torch
+    import torch  # torch, peft: only when an adapter is built here
     from peft import LoraConfig, get_peft_model
 
     from prorag.modeling import load_policy

@@ -5,13 +5,22 @@ vLLM) on the same questions with the same sampling: rollouts, and one GenerateSt
 from __future__ import annotations
 
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 from prorag import paths
-from prorag.rpc.clients import wait_for_health
+from prorag.data.loaders import load_split
+from prorag.engine import SamplingSpec
+from prorag.rollout import run_rollouts
+from prorag.rpc.clients import PolicyClient, wait_for_health
+from prorag.trajectory import render_prompt
+from prorag_app import procs
 from prorag_app.bench.decode import bench_adapter_decode, bench_decode
 from prorag_app.bench.harness import free_port, load_average, machine, median_dicts, serve, stop
 from prorag_app.bench.models import bench_model
+from prorag_app.embedded import ensure_indexes
+from services.policy.vllm_engine import vllm_python
 
 
 #: vLLM's policy for the engine comparison: the transformers engine's float32 on a CPU host, a 2 GiB KV cache (vLLM's
@@ -28,8 +37,6 @@ VLLM_START_S = 900
 def bench_engines(args) -> tuple[list[str], dict]:
     """The engines ``args.engines`` asks for, comma-separated (absent or auto: transformers, and the vLLM policies
     where a Python with vLLM is found), and why any asked for is left out."""
-    from services.policy.vllm_engine import vllm_python
-
     asked = str(getattr(args, "engines", "auto") or "auto")
     names = list(ENGINES) if asked == "auto" else [e.strip() for e in asked.split(",") if e.strip()]
     unknown = [e for e in names if e not in ENGINES]
@@ -49,9 +56,6 @@ def bench_engines(args) -> tuple[list[str], dict]:
 
 def start_vllm_policy(sets: dict, port: int, log_path) -> subprocess.Popen:
     """``prorag serve policy`` with engine=vllm, from the Python that has vLLM (its own environment)."""
-    from prorag_app import procs
-    from services.policy.vllm_engine import vllm_python
-
     cmd = [vllm_python(), "-m", "prorag_app.cli", "serve", "policy", "--port", str(port), "--http-port", "-1",
            "--metrics-port", str(free_port(port + 7000))]
     for k, v in {**sets, **VLLM_SETS}.items():
@@ -84,13 +88,8 @@ def service_steps(client, first_step_prompts, n: int, max_tokens: int, seed: int
 
 def bench_policy(args) -> dict:
     """GRPO-sized rollouts (questions x samples) through the policy service vs the same engine in-process."""
-    from prorag.rpc.clients import PolicyClient
-    from prorag.data.loaders import load_split
-    from prorag_app.embedded import ensure_indexes
-    from prorag.engine import SamplingSpec
-    from services.policy.engine import TransformersEngine
-    from prorag.rollout import run_rollouts
-    from services.retriever.server import RetrieverConfig, open_engine
+    from services.policy.engine import TransformersEngine  # torch, transformers: only the in-process reference
+    from services.retriever.server import RetrieverConfig, open_engine  # faiss and the encoder, as above
 
     world = args.world
     engines, skipped = bench_engines(args)
@@ -114,8 +113,6 @@ def bench_policy(args) -> dict:
     pol = serve("policy", pport, {"world": world, "model": model, "retriever": f"127.0.0.1:{rport}",
                                   "max_n": max(64, n), "max_batch_size": 512, "restore_active": "false"})
     runs = {"inprocess": [], "service": [], "inprocess_no_search_cache": []}
-    from prorag.trajectory import render_prompt
-
     first_steps = [render_prompt(q.question) for q in questions]
     by_engine: dict = {}
     try:
@@ -173,11 +170,6 @@ class VLLMStartError(RuntimeError):
 def bench_vllm_service(world: str, model: str, rport: int, max_n: int, qs, n: int, max_tokens: int, seed: int,
                        repeats: int, first_steps, variant: dict) -> dict:
     """The policy service on vLLM (its own environment's Python), same retriever, questions and sampling."""
-    import tempfile
-    from pathlib import Path
-
-    from prorag.rpc.clients import PolicyClient
-
     port = free_port(paths.GRPC_PORTS["policy"] + 1200)
     log_path = Path(tempfile.mkdtemp(prefix="bench-vllm-")) / "policy-vllm.log"
     sets = {"world": world, "model": model, "retriever": f"127.0.0.1:{rport}", "max_n": max_n,

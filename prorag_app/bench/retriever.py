@@ -4,17 +4,29 @@ then Search-R1's load shapes against our gRPC and HTTP (security off and on), th
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import ssl
 import subprocess
+import tempfile
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from prorag import paths
+from prorag.data.loaders import load_split
+from prorag.pb import retriever_pb2, retriever_pb2_grpc
+from prorag.rpc.clients import channel
+from prorag.rpc.pbconv import scored_document_from_pb
+from prorag.rpc.security import ClientSecurity, generate_secrets
 from prorag_app.bench.harness import free_port, load_average, machine, median_dicts, percentile, serve, stop
+from prorag_app.embedded import ensure_indexes
 
 if TYPE_CHECKING:
     from prorag.rpc.security import ClientSecurity
@@ -124,10 +136,6 @@ class HttpCaller:
     """One keep-alive HTTP(S) connection posting Search-R1's ``/retrieve`` body; checks the answer's shape."""
 
     def __init__(self, url: str, topk: int, security=None):
-        import http.client
-        import ssl
-        import urllib.parse
-
         u = urllib.parse.urlsplit(url)
         self.path, self.topk = u.path or "/retrieve", topk
         self.headers = {"Content-Type": "application/json"}
@@ -166,10 +174,6 @@ class GrpcCaller:
     """One channel calling prorag.v1.Retriever/Search, documents converted as RetrieverClient does."""
 
     def __init__(self, target: str, topk: int, index: str, security=None):
-        from prorag.rpc.clients import channel
-        from prorag.pb import retriever_pb2, retriever_pb2_grpc
-        from prorag.rpc.pbconv import scored_document_from_pb
-
         self._pb, self._conv = retriever_pb2, scored_document_from_pb
         self.channel = channel(target, security=security)
         self.stub = retriever_pb2_grpc.RetrieverStub(self.channel)
@@ -215,10 +219,6 @@ def _start_server(world: str, index: str, security: ClientSecurity, log_path: Pa
 
 def _wait_serving(target: str, security, timeout: float = 180.0) -> bool:
     """grpc.health.v1 of the retriever over ``security`` (TLS servers need the CA even for health)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from prorag.rpc.clients import channel
-
     deadline = time.monotonic() + timeout
     with channel(target, security=security) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
@@ -237,8 +237,6 @@ def _start_servers(world: str, index: str, secure: bool, tmp: Path) -> dict[str,
     """The plain server under "" and, with ``secure``, one with TLS and a bearer token under "_secure" (the
     suffixes of their targets' names), each serving before the next starts; on a failure every one started is
     stopped."""
-    from prorag.rpc.security import ClientSecurity, generate_secrets
-
     servers: dict[str, _Server] = {}
     try:
         plain = servers[""] = _start_server(world, index, ClientSecurity(), tmp / "plain.log")
@@ -265,8 +263,6 @@ def _start_servers(world: str, index: str, secure: bool, tmp: Path) -> dict[str,
 # ---------------------------------------------------------------- the benchmark, step by step
 def _query_pool(world: str) -> list[str]:
     """The test split's gold sub-questions (what a rollout searches), else its whole questions."""
-    from prorag.data.loaders import load_split
-
     questions = load_split(paths.world_dir(world), "test")
     return [s.question for q in questions for s in q.decomposition] or [q.question for q in questions]
 
@@ -359,10 +355,7 @@ def bench_retriever(args) -> dict:
     gRPC and HTTP with security off and on (TLS + bearer token), the in-process engine and, with
     ``--reference-url``, an external Search-R1-compatible ``/retrieve`` server: qps, p50/p95 per request, medians of
     ``--repeats`` interleaved runs, and ratios ours / reference and ours / in-process."""
-    import tempfile
-
-    from prorag_app.embedded import ensure_indexes
-    from services.retriever.server import RetrieverConfig, open_engine
+    from services.retriever.server import RetrieverConfig, open_engine  # faiss, the encoder: in-process only
 
     world, index, batch, iters, topk = args.world, args.index, args.batch, args.iters, 3
     secure = not getattr(args, "no_secure", False)

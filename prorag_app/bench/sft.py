@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import statistics
+import tempfile
 
+from prorag.training.context import local_context
+from prorag.trajectory import CHAT_TOKENS, TAGS
 from prorag_app.bench.harness import machine, median_dicts
 from prorag_app.bench.models import bench_model
 
@@ -18,19 +21,14 @@ def bench_sft(args) -> dict:
     measured peak matmul FLOP/s of the dtype used (--device / --dtype / --compile, as a stage's config takes them;
     auto = the first GPU in bf16, else the CPU in float32). Per repeat the first logging window (allocation,
     warm-up) is dropped."""
-    import tempfile
-
-    import torch
+    import torch  # torch and the training loop: this bench alone, not `prorag bench`'s other targets
 
     from prorag.modeling import load_for_training, load_policy, num_parameters
     from prorag.training.devices import resolve
     from prorag.training.run_config import TrainRunConfig
-    from prorag.training.context import local_context
     from prorag.training.flops import peak_matmul_flops
     from prorag.training.lm import weighted_lm_loss
     from prorag.training.loop import LoopConfig, run_loop
-    from prorag.trajectory import CHAT_TOKENS, TAGS
-
     placement = resolve(TrainRunConfig(device=args.device, dtype=args.dtype))
     model_dir = bench_model(args.world, args.model)
     vocab = len(load_policy(model_dir)[1])

@@ -4,10 +4,14 @@ server, this project's policy service) with ProRAG's judging prompt, through a p
 
 from __future__ import annotations
 
+import email.utils
 import json
 import logging
 import os
+import random
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -15,9 +19,9 @@ from typing import Sequence
 from prorag.data.loaders import Question, load_split
 from prorag.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ProragError,
                            ResourceExhausted, Unavailable)
-from prorag.search.judging import judge_step
 from prorag.metrics import normalize_answer
-from prorag.trajectory import Step
+from prorag.search.judging import MalformedJudgeReply, judge_step, pair_messages, parse_pair_reply, request_key
+from prorag.trajectory import Step, render_step
 
 SPLITS = ("train", "dev", "test")
 log = logging.getLogger("prorag.judge")
@@ -190,7 +194,7 @@ class OpenAIJudge:
                  timeout_s: float = 60.0, max_retries: int = 4, malformed_retries: int = 2,
                  temperature: float = 0.0, max_tokens: int = 128, concurrency: int = 8,
                  backoff_s: float = 0.5, max_backoff_s: float = 8.0, max_retry_after_s: float = 30.0):
-        import openai
+        import openai  # optional (prorag[openai]): only the openai backend needs it
 
         self.model = model
         self.cache, self.budget = cache, budget
@@ -212,9 +216,6 @@ class OpenAIJudge:
 
     def _retry_after(self, headers) -> float | None:
         """Seconds the endpoint asked us to wait (Retry-After-Ms, Retry-After as seconds or an HTTP date)."""
-        import email.utils
-        import time
-
         if headers is None:
             return None
         for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
@@ -231,7 +232,7 @@ class OpenAIJudge:
 
     def _attempt(self, messages: list[dict]) -> tuple[str, dict]:
         """One HTTP request; raises _Retry for what a later attempt may cure, a ProragError for what it cannot."""
-        import openai
+        import openai  # optional (prorag[openai]): only the openai backend needs it
 
         try:
             resp = self.client.chat.completions.create(model=self.model, messages=messages, **self.params)
@@ -263,9 +264,6 @@ class OpenAIJudge:
         return text, tokens
 
     def _ask(self, messages: list[dict]) -> tuple[str, dict]:
-        import random
-        import time
-
         for attempt in range(1 + self.max_retries):
             self._count("requests")
             try:
@@ -294,9 +292,6 @@ class OpenAIJudge:
         raise type(err)(f"{err} (after {1 + self.max_retries} attempt(s))") from None
 
     def judge_one(self, item: PairRequest) -> Judgement:
-        from prorag.search.judging import MalformedJudgeReply, pair_messages, parse_pair_reply, request_key
-        from prorag.trajectory import render_step
-
         if len(item.candidates) != 2:
             raise InvalidArgument(f"item {item.id!r}: the openai judge compares exactly two sibling steps, got "
                                   f"{len(item.candidates)} (send one item per pair)")
@@ -334,8 +329,6 @@ class OpenAIJudge:
     def judge(self, items: Sequence[PairRequest]) -> list[Judgement]:
         """Items in order; up to ``concurrency`` requests in flight (an endpoint's latency, not its compute,
         bounds one request at a time)."""
-        from concurrent.futures import ThreadPoolExecutor
-
         if len(items) <= 1 or self.concurrency <= 1:
             return [self.judge_one(it) for it in items]
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(items))) as pool:

@@ -25,6 +25,13 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+from prorag import validation
+from prorag.config import to_dict
+from prorag.io import write_json
+from prorag.training.context import local_context
+from prorag.training.distributed import accelerator_from_env, check_engine, finish_distributed
+from services.trainer.stages import check_job_config, get_stage, load_stage_modules, validate_config
+
 #: stages whose work is the one training loop and whose outputs are written by the main process only (mcts
 #: searches through the services and trains nothing: it runs on one process)
 MULTI_PROCESS_STAGES = ("warmup", "sft", "prm", "rft", "rl", "dpo")
@@ -65,14 +72,7 @@ def run_stage(stage_name: str, raw: dict, work_dir: str | Path, accelerator, *,
     ``accelerator`` is given); returns the stage's result on the main process ({} on the others, or when stopped)
     and writes it to work_dir/result.json. emit: the main process's progress events (default: the log); stop: set
     it to make the stage checkpoint and return at its next step, as the trainer service does when it stops."""
-    from prorag import validation
-    from prorag.config import to_dict
-    from prorag.io import write_json
-    from prorag.training.context import local_context
-    from prorag.training.distributed import check_engine
-    from services.trainer.server import TrainerConfig
-    from services.trainer.stages import check_job_config, get_stage, load_stage_modules, validate_config
-
+    from services.trainer.server import TrainerConfig  # the server's module (grpc): only a launched job reads it
     load_stage_modules()
     stage = get_stage(stage_name)
     cfg = validate_config(stage, raw)
@@ -103,8 +103,6 @@ def run_stage(stage_name: str, raw: dict, work_dir: str | Path, accelerator, *,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from prorag.training.distributed import accelerator_from_env, finish_distributed
-
     p = argparse.ArgumentParser(prog="python -m services.trainer.launch", description=__doc__.splitlines()[0])
     p.add_argument("stage", help="a trainer stage (" + ", ".join(MULTI_PROCESS_STAGES) + ", mcts on one process)")
     p.add_argument("config", help="the job config as a JSON file")

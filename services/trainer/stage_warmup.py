@@ -9,12 +9,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from prorag import paths
-from prorag.config import cfg_field
+from prorag.config import ConfigError, cfg_field
+from prorag.data.loaders import iter_corpus, load_split
+from prorag.data.sft import BASELINE_SYSTEM_PROMPT, template_phrases
+from prorag.data.warmup import facts_from_questions
 from prorag.modeling import PRESETS, WarmupConfig
-from prorag.trajectory import CHAT_TOKENS, TAGS
+from prorag.modeling import (build_model, load_policy, num_parameters, prepare_for_training, save_pretrained,
+                             train_tokenizer)
 from prorag.training.context import JobContext
+from prorag.training.distributed import from_main, full_state_dict
 from prorag.training.run_config import StageRunConfig
+from prorag.training.warmup import warm_up
+from prorag.trajectory import CHAT_TOKENS, SYSTEM_PROMPT, TAGS
 from services.trainer.stages import register_stage
 
 
@@ -38,8 +47,6 @@ class WarmupStageConfig(StageRunConfig):
                                         "batch_size and copy_mix", min=1, max=1024)
 
     def validate(self) -> None:
-        from prorag.config import ConfigError
-
         super().validate()
         for name in ("batch_size", "copy_mix"):
             if getattr(self.warmup, name) % self.grad_accum:
@@ -50,10 +57,6 @@ class WarmupStageConfig(StageRunConfig):
 def tokenizer_texts(world_dir) -> list[str]:
     """What the new tokenizer is trained on: the corpus, train and dev questions, gold sub-questions, and the
     format's fixed prompt and thought text repeated so its words become whole tokens (shorter sequences)."""
-    from prorag.data.loaders import iter_corpus, load_split
-    from prorag.data.sft import BASELINE_SYSTEM_PROMPT, template_phrases
-    from prorag.trajectory import SYSTEM_PROMPT
-
     train = load_split(world_dir, "train")
     questions = [q.question for q in train + load_split(world_dir, "dev")]
     subs = [s.question for q in train for s in q.decomposition]
@@ -63,15 +66,7 @@ def tokenizer_texts(world_dir) -> list[str]:
 
 def run_warmup(ctx: JobContext) -> dict:
     """Warm up the base policy; artifact "model" (and cfg.output when set)."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from prorag.data.loaders import iter_corpus, load_split
-    from prorag.modeling import (build_model, load_policy, num_parameters, prepare_for_training, save_pretrained,
-                                 train_tokenizer)
-    from prorag.training.distributed import from_main, full_state_dict
-    from prorag.training.warmup import warm_up
-    from prorag.data.warmup import facts_from_questions
+    from transformers import AutoTokenizer  # seconds to import: only a tokenizer's training needs it
 
     cfg: WarmupStageConfig = ctx.config
     cfg.apply_threads()
