@@ -10,9 +10,12 @@ sent back to the policy is exactly the sequence the policy produced.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
+from prorag.io import append_jsonl_synced, read_jsonl_journal
 from prorag.rpc.clients import call_with_service_wait
 from prorag.data.loaders import Document
 from prorag.metrics import f1_score
@@ -236,6 +239,53 @@ def questions_to_search(cfg) -> list:
     if not qs:
         raise FailedPrecondition(f"no questions in split {cfg.split!r} of world {cfg.world!r}")
     return qs
+
+
+def resume_questions(ctx, cfg, journal_name: str, done_verb: str) -> tuple[list, dict, Path, dict[str, dict], list]:
+    """Where a searching stage's job stands: its questions (:func:`questions_to_search`), them by id, its journal
+    in the checkpoint directory (one row per finished question, prorag.io.append_jsonl_synced), the journalled
+    rows by question id (a question whose line a kill tore is done again) and the questions left; the counts are
+    emitted as the job's first progress ("<n> already <done_verb>")."""
+    qs = questions_to_search(cfg)
+    by_id = {q.id: q for q in qs}
+    journal = ctx.checkpoint_dir / journal_name
+    ctx.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    done = {row["question_id"]: row for row in read_jsonl_journal(journal) if row["question_id"] in by_id}
+    todo = [q for q in qs if q.id not in done]
+    ctx.emit(len(done), len(qs), message=f"{len(qs)} questions, {len(done)} already {done_verb}, "
+                                         f"{cfg.concurrency} at a time")
+    return qs, by_id, journal, done, todo
+
+
+def run_questions(ctx, todo: list, work: Callable[[Any], dict], *, concurrency: int, thread_name: str,
+                  journal: Path, done: dict[str, dict], total: int) -> list[dict]:
+    """``work(question) -> row`` for each question left, ``concurrency`` at a time; each row is journalled
+    (fsynced) and counted in ``done`` as its question finishes. Returns the rows this run added. Once a question
+    fails (a service that did not come back) no other starts and the failure is raised; a stop request starts no
+    other either, and is raised when the running ones are finished."""
+    lock = threading.Lock()
+    failed = threading.Event()
+    fresh: list[dict] = []
+
+    def one(q) -> None:
+        if ctx.should_stop() or failed.is_set():
+            return
+        try:
+            row = work(q)
+        except BaseException:
+            failed.set()
+            raise
+        with lock:
+            append_jsonl_synced(journal, row)
+            done[q.id] = row
+            fresh.append(row)
+            ctx.emit(len(done), total, message="")
+
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=thread_name) as pool:
+        for fut in [pool.submit(one, q) for q in todo]:
+            fut.result()
+    ctx.check_stop()
+    return fresh
 
 
 class SearchServices:

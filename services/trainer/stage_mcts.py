@@ -11,14 +11,10 @@ questions it has not finished.
 
 from __future__ import annotations
 
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 from prorag.config import cfg_field
-from prorag.io import append_jsonl_synced, read_jsonl_journal
 from prorag.search.mcts import MCTSConfig
 from prorag.training.context import JobContext
 from services.trainer.stages import PolicySamplingConfig, register_stage, resolve_model
@@ -43,11 +39,6 @@ class MCTSStageConfig(PolicySamplingConfig):
     temperature: float = cfg_field(1.0, help="sampling temperature of expansions", min=0.0, max=5.0)
     rollout_temperature: float = cfg_field(1.0, help="sampling temperature of rollouts", min=0.0, max=5.0)
     min_margin: float = cfg_field(0.01, help="value margin from which a pair gets a value label", min=0.0)
-
-
-def _read_journal(path: Path) -> dict[str, dict]:
-    # one row per finished question (append_jsonl_synced); a question whose line a kill tore is searched again
-    return {row["question_id"]: row for row in read_jsonl_journal(path)}
 
 
 def judge_pairs(client, questions: dict, pairs: list) -> None:
@@ -87,51 +78,29 @@ def run_mcts(ctx: JobContext) -> dict:
     from prorag.rpc.clients import JudgeClient
     from prorag.io import write_jsonl
     from prorag.search.mcts import extract_pairs, search
-    from services.trainer.search_env import SearchServices, questions_to_search
+    from services.trainer.search_env import SearchServices, resume_questions, run_questions
     from prorag.search.pairs import StepPair, label_agreement
 
     cfg: MCTSStageConfig = ctx.config
-    qs = questions_to_search(cfg)
-    by_id = {q.id: q for q in qs}
+    qs, by_id, journal, done, todo = resume_questions(ctx, cfg, "mcts-journal.jsonl", "searched")
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(cfg.world, cfg.policy_model, "policy_model")))
-    journal = ctx.checkpoint_dir / "mcts-journal.jsonl"
-    ctx.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    done = _read_journal(journal)
-    todo = [q for q in qs if q.id not in done]
-    ctx.emit(len(done), len(qs), message=f"{len(qs)} questions, {len(done)} already searched, "
-                                         f"{cfg.concurrency} at a time")
 
     clients = SearchServices(cfg)
-    lock = threading.Lock()
     started = time.monotonic()
-    sims_here = [0]
-    failed = threading.Event()  # one question failed (a service that did not come back): start no other
 
-    def one(q) -> None:
-        if ctx.should_stop() or failed.is_set():
-            return
+    def search_one(q) -> dict:
         env = clients.env(tokenizer, q, (cfg.seed * 7919 + hash_id(q.id)) if cfg.seed else 0, cfg.mcts.max_depth,
-                           rollout_temperature=cfg.rollout_temperature)
-        try:
-            root, stats = search(env.expand, env.rollout, env.reward, cfg.mcts)
-        except BaseException:
-            failed.set()
-            raise
+                          rollout_temperature=cfg.rollout_temperature)
+        root, stats = search(env.expand, env.rollout, env.reward, cfg.mcts)
         pairs = extract_pairs(root, q.id, q.question, min_margin=cfg.min_margin)
-        row = {"question_id": q.id, "tree": root.to_dict(), "pairs": [p.to_dict() for p in pairs],
-               "stats": {"simulations": stats.simulations, "tokens": stats.tokens, "seconds": stats.seconds,
-                         "stopped_by": stats.stopped_by}}
-        with lock:
-            append_jsonl_synced(journal, row)
-            done[q.id] = row
-            sims_here[0] += stats.simulations
-            ctx.emit(len(done), len(qs), message="")
+        return {"question_id": q.id, "tree": root.to_dict(), "pairs": [p.to_dict() for p in pairs],
+                "stats": {"simulations": stats.simulations, "tokens": stats.tokens, "seconds": stats.seconds,
+                          "stopped_by": stats.stopped_by}}
 
     with clients:
-        with ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="mcts") as pool:
-            for fut in [pool.submit(one, q) for q in todo]:
-                fut.result()
-        ctx.check_stop()
+        fresh = run_questions(ctx, todo, search_one, concurrency=cfg.concurrency, thread_name="mcts",
+                              journal=journal, done=done, total=len(qs))
+        sims_here = sum(r["stats"]["simulations"] for r in fresh)
         wall = time.monotonic() - started
         rows = [done[q.id] for q in qs]
         pairs = [StepPair.from_dict(p) for r in rows for p in r["pairs"]]
@@ -157,7 +126,7 @@ def run_mcts(ctx: JobContext) -> dict:
         "value_labelled": sum(p.value_choice is not None for p in pairs),
         "judge_labelled": sum(p.judge_choice is not None for p in pairs),
         "both_labelled": agreement["both_labelled"],
-        "simulations_per_s": sims_here[0] / wall if wall > 0 else 0.0, "wall_s": wall,
+        "simulations_per_s": sims_here / wall if wall > 0 else 0.0, "wall_s": wall,
         "stopped_by_budget": sum(r["stats"]["stopped_by"] != "simulations" for r in rows),
         **clients.metrics(),
         # the nested counts reach the manifest; a job's metrics over the API are numbers, so they also go flat

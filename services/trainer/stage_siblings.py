@@ -31,17 +31,14 @@ is done, so a stopped or killed job resumes with the questions it has not finish
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from prorag.config import cfg_field
-from prorag.io import append_jsonl_synced
 from prorag.training.context import JobContext
-from services.trainer.stage_mcts import _read_journal, flat_counts, hash_id, judge_pairs, pair_counts
+from services.trainer.stage_mcts import flat_counts, hash_id, judge_pairs, pair_counts
 from services.trainer.stages import PolicySamplingConfig, register_stage, resolve_model
 
 
@@ -367,19 +364,12 @@ def run_siblings(ctx: JobContext) -> dict:
     from prorag.data.world.files import entity_relations
     from prorag.rpc.clients import JudgeClient, call_with_service_wait
     from prorag.io import write_jsonl
-    from services.trainer.search_env import SearchServices, questions_to_search
+    from services.trainer.search_env import SearchServices, resume_questions, run_questions
     from prorag.search.pairs import StepPair
 
     cfg: SiblingsStageConfig = ctx.config
-    qs = questions_to_search(cfg)
-    by_id = {q.id: q for q in qs}
+    qs, by_id, journal, done, todo = resume_questions(ctx, cfg, "siblings-journal.jsonl", "sampled")
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(cfg.world, cfg.policy_model, "policy_model")))
-    journal = ctx.checkpoint_dir / "siblings-journal.jsonl"
-    ctx.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    done = {k: v for k, v in _read_journal(journal).items() if k in by_id}
-    todo = [q for q in qs if q.id not in done]
-    ctx.emit(len(done), len(qs), message=f"{len(qs)} questions, {len(done)} already sampled, "
-                                         f"{cfg.concurrency} at a time")
 
     # drawn before anything is sampled: a job that cannot have decoys fails at its start
     decoys = {q.id: decoy_question(qs, q) for q in qs} if cfg.reading_samples or cfg.bridge_samples else {}
@@ -388,44 +378,28 @@ def run_siblings(ctx: JobContext) -> dict:
                                    entity_relations(paths.world_dir(cfg.world))) if cfg.relation_samples else None
     clients = SearchServices(cfg)
     judge = JudgeClient(cfg.judge, timeout=600)
-    lock = threading.Lock()
     started = time.monotonic()
-    judge_s = [0.0]
-    failed = threading.Event()  # one question failed (a service that did not come back): start no other
 
-    def one(q) -> None:
-        if ctx.should_stop() or failed.is_set():
-            return
+    def sample_one(q) -> dict:
         env = clients.env(tokenizer, q, (cfg.seed * 7919 + hash_id(q.id)) if cfg.seed else 0, cfg.max_steps)
-        try:
-            decoy = decoys.get(q.id)
-            pairs, stats = sample_question(env, q.id, q.question, cfg.samples, cfg.max_steps, Counterfactuals(
-                reading_samples=cfg.reading_samples,
-                decoy_docs=(lambda: clients.cache(decoy.question)) if decoy else None,
-                bridge_samples=cfg.bridge_samples,
-                decoy_answers=tuple(h.answer for h in decoy.decomposition if h.answer) if decoy else (),
-                relation_samples=cfg.relation_samples, templates=templates))
-            # judged before the question is journalled: a resumed job never pays for a verdict twice (a judge
-            # cache answers a question asked again after a restart)
-            t = time.monotonic()
-            call_with_service_wait(lambda: judge_pairs(judge, by_id, pairs), cfg.judge, "judge",
-                                   cfg.service_wait_s, clients.waits["judge"])
-        except BaseException:
-            failed.set()
-            raise
+        decoy = decoys.get(q.id)
+        pairs, stats = sample_question(env, q.id, q.question, cfg.samples, cfg.max_steps, Counterfactuals(
+            reading_samples=cfg.reading_samples,
+            decoy_docs=(lambda: clients.cache(decoy.question)) if decoy else None,
+            bridge_samples=cfg.bridge_samples,
+            decoy_answers=tuple(h.answer for h in decoy.decomposition if h.answer) if decoy else (),
+            relation_samples=cfg.relation_samples, templates=templates))
+        # judged before the question is journalled: a resumed job never pays for a verdict twice (a judge
+        # cache answers a question asked again after a restart)
+        t = time.monotonic()
+        call_with_service_wait(lambda: judge_pairs(judge, by_id, pairs), cfg.judge, "judge",
+                               cfg.service_wait_s, clients.waits["judge"])
         stats["judge_s"] = time.monotonic() - t
-        row = {"question_id": q.id, "pairs": [p.to_dict() for p in pairs], "stats": stats}
-        with lock:
-            append_jsonl_synced(journal, row)
-            done[q.id] = row
-            judge_s[0] += stats["judge_s"]
-            ctx.emit(len(done), len(qs), message="")
+        return {"question_id": q.id, "pairs": [p.to_dict() for p in pairs], "stats": stats}
 
     try:
-        with ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="siblings") as pool:
-            for fut in [pool.submit(one, q) for q in todo]:
-                fut.result()
-        ctx.check_stop()
+        fresh = run_questions(ctx, todo, sample_one, concurrency=cfg.concurrency, thread_name="siblings",
+                              journal=journal, done=done, total=len(qs))
     finally:
         clients.close()
         judge.close()
@@ -457,7 +431,7 @@ def run_siblings(ctx: JobContext) -> dict:
         "relation_judge_labelled": sum(p.meta.get("source") == "siblings-relation" and p.judge_choice is not None
                                        for p in pairs),
         "trajectory_steps_mean": total("steps") / len(rows), "trajectory_f1_mean": total("f1") / len(rows),
-        "wall_s": wall, "judge_wait_s": judge_s[0], **clients.metrics(),
+        "wall_s": wall, "judge_wait_s": sum(r["stats"]["judge_s"] for r in fresh), **clients.metrics(),
         # the nested counts reach the manifest; a job's metrics over the API are numbers, so they also go flat
         "pairs_by_kind": by_kind, **flat_counts(by_kind), "judge_reasons_by_kind": reason_counts(pairs),
     }
