@@ -209,6 +209,17 @@ def _supporting_titles(row: dict, where: str, dataset: str) -> list[str]:
     return list(dict.fromkeys(str(t) for t, _ in pairs))
 
 
+def _wiki_record(row: dict, where: str,
+                 dataset: str) -> tuple[str, str, tuple[str, ...], dict[str, Passage], list[str]]:
+    """What a HotpotQA and a 2Wiki record share: its id, question, golden answers, context paragraphs by title key
+    and supporting titles."""
+    qid = str(row.get("_id", row.get("id", "")))
+    if not qid:
+        raise InvalidArgument(f"{where}: {dataset} record has no '_id'")
+    question, answers = _str(row, "question", where, dataset), _answers(row, where, dataset)
+    return qid, question, answers, _context(row, where, dataset), _supporting_titles(row, where, dataset)
+
+
 def _final_aliases(answer: str, answers: Sequence[str]) -> tuple[str, ...]:
     """A last hop's aliases: the question's golden answers too when the hop's answer is one of them."""
     if exact_match(answer, answers):
@@ -286,12 +297,7 @@ def _musique(row: dict, where: str) -> SourceRecord:
 
 def _two_wiki(row: dict, where: str) -> SourceRecord:
     ds = "2wiki"
-    qid = str(row.get("_id", row.get("id", "")))
-    if not qid:
-        raise InvalidArgument(f"{where}: 2wiki record has no '_id'")
-    question, answers = _str(row, "question", where, ds), _answers(row, where, ds)
-    context = _context(row, where, ds)
-    titles = _supporting_titles(row, where, ds)
+    qid, question, answers, context, titles = _wiki_record(row, where, ds)
     supporting = tuple(context[title_key(t)] for t in titles if title_key(t) in context)
     source_type = str(row.get("type", ""))
     qtype = source_type if source_type in ("comparison", "bridge_comparison") else "compositional"
@@ -319,12 +325,7 @@ def _two_wiki(row: dict, where: str) -> SourceRecord:
 
 def _hotpotqa(row: dict, where: str) -> SourceRecord:
     ds = "hotpotqa"
-    qid = str(row.get("_id", row.get("id", "")))
-    if not qid:
-        raise InvalidArgument(f"{where}: hotpotqa record has no '_id'")
-    question, answers = _str(row, "question", where, ds), _answers(row, where, ds)
-    context = _context(row, where, ds)
-    titles = _supporting_titles(row, where, ds)
+    qid, question, answers, context, titles = _wiki_record(row, where, ds)
     missing = [t for t in titles if title_key(t) not in context]
     if missing:
         raise InvalidArgument(f"{where}: hotpotqa supporting fact titles {missing} are not in its 'context'")
