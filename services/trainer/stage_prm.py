@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
-from prorag.training.distributed import full_state_dict
 from prorag.training.loop import accumulated_epochs, call_in_engine, run_loop
 from prorag.training.run_config import TrainRunConfig
-from services.trainer.stages import register_stage, resolve_model
+from services.trainer.stages import publish_trained, register_stage, resolve_model
 
 
 @dataclass
@@ -93,11 +92,9 @@ def run_prm(ctx: JobContext) -> dict:
 
     from prorag.algorithms.mcts import pair_kind
     from prorag.algorithms.prm import bradley_terry_loss, pairwise_accuracy
-    from prorag.modeling import save_pretrained
     from prorag.search.pairs import load_pairs
     from prorag.modeling import prepare_for_training
     from prorag.prm.model import prm_from_policy
-    from prorag.registry import ArtifactRef, registry, weights_sha256
 
     cfg: PRMConfig = ctx.config
     cfg.apply_threads()
@@ -143,18 +140,11 @@ def run_prm(ctx: JobContext) -> dict:
             idx = [i for i, k in enumerate(kinds) if k == kind]
             metrics[f"heldout_pairwise_accuracy.{kind}"] = pairwise_accuracy([c[i] for i in idx], [r[i] for i in idx])
             metrics[f"heldout_pairs.{kind}"] = len(idx)
-    weights = full_state_dict(ctx.accelerator, model)  # every process of a launch takes part in the gather
-    if not ctx.is_main:  # the other processes of a launch publish nothing
+    published = publish_trained(ctx, model, tokenizer, kind="prm", world=cfg.world, name=cfg.publish_name,
+                                base=policy, stage="prm", metrics=metrics, step=total)
+    if published is None:  # the other processes of a launch publish nothing
         return {}
-    with ctx.artifact_dir("prm") as tmp:
-        save_pretrained(model, tokenizer, tmp / "m", state_dict=weights)
-        for f in (tmp / "m").iterdir():
-            f.rename(tmp / f.name)
-        (tmp / "m").rmdir()
-    prms = registry("prm", cfg.world)
-    ref = ArtifactRef.of(cfg.publish_name, ctx.job_id)
-    prms.publish(ctx.run_dir / "prm", ref, base_model=str(policy), base_model_sha256=weights_sha256(policy),
-                 config={"stage": "prm", "job_id": ctx.job_id, **ctx.config_dict}, metrics=metrics, step=total)
+    prms, ref = published
     ctx.emit(total, total, message=f"published {ref.key} at {prms.path(ref)}")
     return {**metrics, "steps": total, "prm": ref.key}
 

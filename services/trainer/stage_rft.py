@@ -30,7 +30,7 @@ from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
 from prorag.training.run_config import TrainRunConfig
 from services.trainer.sampling import prm_logits, rollout, rollout_index_field, rollout_topk_field, step_tokens_field
-from services.trainer.stage_sft import fit_and_publish
+from services.trainer.stage_sft import fit_and_publish, kept_trajectories, load_to_fine_tune
 from services.trainer.stages import register_stage, resolve_model
 
 
@@ -287,26 +287,11 @@ def replay_samples(cfg: RFTConfig, base: Path, tokenizer, n: int) -> list:
 
 
 def run_rft(ctx: JobContext) -> dict:
-    import torch
-
-    from prorag.io import atomic_path
-    from prorag.modeling import load_for_training
-    from prorag.tokens import TokenTrajectory
-    from prorag.training.checkpoint import load_weights_file
-    from prorag.training.distributed import from_main
-
     cfg: RFTConfig = ctx.config
-    cfg.apply_threads()
     base = Path(resolve_model(cfg.world, cfg.base_model, "base_model"))
-    ctx.seed_everything(cfg.seed)
-    model, tokenizer = load_for_training(base, cfg.placement(), gradient_checkpointing=cfg.gradient_checkpointing)
-    # Sampled once and kept with the checkpoints, so a resumed job trains on the same trajectories (plain lists,
-    # loaded weights-only).
-    data_path = ctx.checkpoint_dir / "rft_data.pt"
+    model, tokenizer = load_to_fine_tune(ctx, cfg, base)
 
-    def data() -> dict:
-        if data_path.exists():
-            return load_weights_file(data_path)
+    def sample() -> tuple[list, dict]:
         ctx.emit(0, 1, message=f"sampling {cfg.samples_per_question} trajectories per question through the policy "
                                f"at {cfg.policy}" + (f", steps scored by the PRM at {cfg.prm}" if cfg.prm else ""))
         samples, stats = sample_and_filter(cfg, tokenizer,
@@ -314,15 +299,9 @@ def run_rft(ctx: JobContext) -> dict:
         if cfg.replay > 0:
             replayed = replay_samples(cfg, base, tokenizer, round(cfg.replay * len(samples)))
             samples, stats = samples + replayed, {**stats, "replayed": len(replayed)}
-        blob = {"samples": [s.to_dict() for s in samples], "stats": stats}
-        with atomic_path(data_path) as tmp:
-            torch.save(blob, tmp)
-        return blob
+        return samples, stats
 
-    # on a launch of several processes only the main one samples through the services; the others get its data
-    blob = from_main(ctx.accelerator, data)
-    samples, stats = [TokenTrajectory.from_dict(d) for d in blob["samples"]], blob["stats"]
-    ctx.emit(0, 1, message=f"data: {stats}")
+    samples, stats = kept_trajectories(ctx, "rft_data.pt", sample)
     prm_version = stats.pop("prm_version", "")
     out = fit_and_publish(ctx, cfg, model, tokenizer, samples, stats, base=base, name=cfg.publish_name,
                           stage="rft", max_steps=cfg.max_train_steps)

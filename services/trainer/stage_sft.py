@@ -15,18 +15,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 from prorag import paths
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.methods import DOCS_PER_SEARCH, SFT_MODES
+from prorag.modeling import load_for_training
 from prorag.data.sft import length_grouped_batches
 from prorag.training.context import JobContext
-from prorag.training.distributed import from_main, full_state_dict
+from prorag.io import atomic_path
+from prorag.tokens import TokenTrajectory
+from prorag.training.checkpoint import load_weights_file
+from prorag.training.distributed import from_main
 from prorag.training.lm import weighted_lm_loss
 from prorag.training.loop import run_loop
 from prorag.training.run_config import TrainRunConfig
-from services.trainer.stages import register_stage
+from services.trainer.stages import publish_trained, register_stage
 
 
 @dataclass
@@ -174,8 +181,6 @@ def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]
 
 def collate(samples, pad_id: int):
     """[B] samples -> input_ids [B,T], attention [B,T], labels [B,T] (-100 off the loss), weights [B,T]."""
-    import torch
-
     T = max(len(s.token_ids) for s in samples)
     B = len(samples)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -194,41 +199,46 @@ def collate(samples, pad_id: int):
 
 
 # ---------------------------------------------------------------- stage
-def run_sft(ctx: JobContext) -> dict:
-    import torch
-
-    from prorag.modeling import load_for_training
-    from prorag.tokens import TokenTrajectory
-
-    cfg: SFTConfig = ctx.config
+def load_to_fine_tune(ctx: JobContext, cfg: TrainRunConfig, base: Path):
+    """(model, tokenizer) of ``base``, placed for training with the job's threads and seed set; shared by the SFT
+    and RFT stages."""
     cfg.apply_threads()
-    base = Path(cfg.base_model)
     ctx.seed_everything(cfg.seed)
-    model, tokenizer = load_for_training(base, cfg.placement(), gradient_checkpointing=cfg.gradient_checkpointing)
+    return load_for_training(base, cfg.placement(), gradient_checkpointing=cfg.gradient_checkpointing)
 
-    # Data is built once and kept with the checkpoints, so a resumed job trains on identical samples. Saved as
-    # plain lists and loaded with weights_only: nothing in the job store is unpickled into code.
-    data_path = ctx.checkpoint_dir / "sft_data.pt"
+
+def kept_trajectories(ctx: JobContext, file_name: str, build: Callable[[], tuple[list, dict]]) -> tuple[list, dict]:
+    """The (token trajectories, stats) a fine-tuning job trains on: built once by ``build`` and kept with the
+    checkpoints as ``file_name``, so a resumed job trains on identical samples. Saved as plain lists and loaded with
+    weights_only: nothing in the job store is unpickled into code. On a launch of several processes only the main
+    one builds (through the services) and keeps them; the others get its data. Shared by the SFT and RFT stages."""
+    data_path = ctx.checkpoint_dir / file_name
 
     def data() -> dict:
         if data_path.exists():
-            from prorag.training.checkpoint import load_weights_file
-
             return load_weights_file(data_path)
-        ctx.emit(0, 1, message=f"building {cfg.mode} training data through the retriever at {cfg.retriever}")
-        samples, stats = build_samples(cfg, tokenizer)
-        from prorag.io import atomic_path
-
+        samples, stats = build()
         blob = {"samples": [s.to_dict() for s in samples], "stats": stats}
         with atomic_path(data_path) as tmp:
             torch.save(blob, tmp)
         return blob
 
-    # on a launch of several processes the main one asks the retriever and keeps the data; the others get it
     blob = from_main(ctx.accelerator, data)
     samples, stats = [TokenTrajectory.from_dict(d) for d in blob["samples"]], blob["stats"]
     ctx.emit(0, 1, message=f"data: {stats}")
+    return samples, stats
 
+
+def run_sft(ctx: JobContext) -> dict:
+    cfg: SFTConfig = ctx.config
+    base = Path(cfg.base_model)
+    model, tokenizer = load_to_fine_tune(ctx, cfg, base)
+
+    def build() -> tuple[list, dict]:
+        ctx.emit(0, 1, message=f"building {cfg.mode} training data through the retriever at {cfg.retriever}")
+        return build_samples(cfg, tokenizer)
+
+    samples, stats = kept_trajectories(ctx, "sft_data.pt", build)
     name = cfg.publish_name or ("sft" if cfg.mode == "agent" else cfg.mode)
     return fit_and_publish(ctx, cfg, model, tokenizer, samples, stats, base=base, name=name, stage="sft",
                            max_steps=cfg.max_steps)
@@ -240,9 +250,6 @@ def fit_and_publish(ctx: JobContext, cfg: TrainRunConfig, model, tokenizer, samp
     then publish it as name@<job id> in cfg.world's model registry. Shared by the SFT and RFT stages; ``cfg`` is
     either's config: the shared run fields, plus batch_size, grad_accum, epochs and world, named alike in both.
     max_steps: optimizer steps, overriding epochs when > 0."""
-    from prorag.modeling import save_pretrained
-    from prorag.registry import ArtifactRef, registry, weights_sha256
-
     # batch_size sequences per optimizer step, as grad_accum length-grouped micro-batches
     micro = cfg.batch_size // cfg.grad_accum
     per_epoch = math.ceil(len(samples) / micro)
@@ -266,20 +273,12 @@ def fit_and_publish(ctx: JobContext, cfg: TrainRunConfig, model, tokenizer, samp
                       placement=cfg.placement())
     if not result.completed:
         return {}
-    weights = full_state_dict(ctx.accelerator, model)  # every process of a launch takes part in the gather
-    if not ctx.is_main:  # the other processes of a launch publish nothing
-        return {}
     loss_v = result.loss
-    with ctx.artifact_dir("model") as tmp:
-        save_pretrained(model, tokenizer, tmp / "m", state_dict=weights)
-        for f in (tmp / "m").iterdir():
-            f.rename(tmp / f.name)
-        (tmp / "m").rmdir()
-    models = registry("model", cfg.world)
-    ref = ArtifactRef.of(name, ctx.job_id)
-    models.publish(ctx.run_dir / "model", ref, base_model=str(base), base_model_sha256=weights_sha256(base),
-                   config={"stage": stage, "job_id": ctx.job_id, **ctx.config_dict}, metrics={"final_loss": loss_v},
-                   step=total)
+    out = publish_trained(ctx, model, tokenizer, kind="model", world=cfg.world, name=name, base=base, stage=stage,
+                          metrics={"final_loss": loss_v}, step=total)
+    if out is None:  # the other processes of a launch publish nothing
+        return {}
+    models, ref = out
     published = models.path(ref)
     ctx.emit(total, total, message=f"published {name}@{ctx.job_id} at {published}")
     return {"final_loss": loss_v, "steps": total, "model": ref.key,

@@ -370,3 +370,29 @@ def resolve_model(world: str, spec: str, field_name: str):
         return registry("model", world).resolve(spec)
     except NotFound as e:
         raise InvalidArgument(f"{field_name} {spec!r}: {e}") from None
+
+
+def publish_trained(ctx: JobContext, model, tokenizer, *, kind: str, world: str, name: str, base: Path, stage: str,
+                    metrics: dict, step: int):
+    """Publish a trained model whole as name@<job id> in ``world``'s ``kind`` registry (the job's artifact of that
+    name), recording the base it trained from. Every process of a launch must call it: the weights are gathered
+    from all of them. Returns (registry, ref) on the main process; None on the others, which publish nothing."""
+    # torch and transformers: loaded only by the stages that train
+    from prorag.modeling import save_pretrained
+    from prorag.registry import ArtifactRef, registry, weights_sha256
+    from prorag.training.distributed import full_state_dict
+
+    weights = full_state_dict(ctx.accelerator, model)
+    if not ctx.is_main:
+        return None
+    with ctx.artifact_dir(kind) as tmp:
+        # save_pretrained writes a directory of its own; its files become the artifact's
+        save_pretrained(model, tokenizer, tmp / "m", state_dict=weights)
+        for f in (tmp / "m").iterdir():
+            f.rename(tmp / f.name)
+        (tmp / "m").rmdir()
+    published = registry(kind, world)
+    ref = ArtifactRef.of(name, ctx.job_id)
+    published.publish(ctx.run_dir / kind, ref, base_model=str(base), base_model_sha256=weights_sha256(base),
+                      config={"stage": stage, "job_id": ctx.job_id, **ctx.config_dict}, metrics=metrics, step=step)
+    return published, ref
