@@ -138,6 +138,20 @@ def pytest_collection_modifyitems(config, items):
 
     # a stable sort keeps each module's tests together and in order (module fixtures are set up once)
     items.sort(key=lambda item: rank.get(module(item), len(rank)))
+    grouped = {id(item) for item in items if _module_scoped(item)}
     for item in items:
-        if _module_scoped(item):
+        if id(item) in grouped:
             item.add_marker(pytest.mark.xdist_group(module(item)))
+    # xdist (loadgroup) hands each worker two units at the start and gives it more only as tests finish: the second
+    # unit of the first worker waits behind the whole end-to-end test. Make that third unit overall one quick test
+    # (the first outside the slow modules) instead of the next slow module.
+    units = []  # the first item of each unit, in order: a group is one unit, any other test is one
+    seen = set()
+    for i, item in enumerate(items):
+        key = module(item) if id(item) in grouped else item.nodeid
+        if key not in seen:
+            seen.add(key)
+            units.append(i)
+    quick = next((i for i, item in enumerate(items) if module(item) not in rank and id(item) not in grouped), None)
+    if len(units) > 2 and quick is not None:
+        items.insert(units[2], items.pop(quick))
