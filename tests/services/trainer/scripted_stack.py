@@ -1,11 +1,18 @@
 """Real retriever, policy and PRM servers on loopback over the tiny world, the policy running a scripted engine
-(the MCTS test's GoldWalkEngine or a subclass), for the stages that sample through the services (RFT, RL)."""
+(the MCTS test's GoldWalkEngine or a subclass), for the stages that sample through the services (MCTS, siblings, RFT,
+RL), and those stages' configs against it."""
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 
+import pytest
+
+from prorag.config import from_dict
+from prorag.io import read_jsonl
 from prorag.rpc.service import ServeConfig
+from prorag.training.context import StageStopped, local_context
 from tests.helpers import LoopThread, env
 
 
@@ -53,3 +60,51 @@ def scripted_stack(data, engine_cls, judge: bool = False):
             for srv in servers:
                 loop.run(srv.stop())
             loop.close()
+
+
+def stack_fixture(name: str, engine_cls, judge: bool = False):
+    """A test module's ``services`` fixture: one scripted stack (``engine_cls``, the judge when asked) for all of
+    its tests, its data in a fresh directory named after ``name``."""
+
+    @pytest.fixture(scope="module", name="services")
+    def services(tmp_path_factory):
+        with scripted_stack(tmp_path_factory.mktemp(name) / "data", engine_cls, judge=judge) as stack:
+            yield stack
+
+    return services
+
+
+def _stack_fields(stack: dict) -> dict:
+    # what every stage sampling through a scripted stack is set to: the tiny world, the stack's policy, seed 3
+    return {"world": "tiny", "policy": stack["policy"], "seed": 3, "max_step_tokens": 48, "tracking": "local"}
+
+
+def search_stage_config(config_cls, stack: dict, **fields):
+    """A searching stage's config (MCTS, siblings) against ``stack`` (with its judge): the first six train
+    questions, three at a time, one document per search; ``fields`` add to it or override it."""
+    return from_dict(config_cls, {**_stack_fields(stack), "split": "train", "max_questions": 6,
+                                  "policy_model": stack["base"], "retriever": stack["retriever"],
+                                  "judge": stack["judge"], "topk": 1, "concurrency": 3, **fields})
+
+
+def training_stage_config(config_cls, stack: dict, **fields):
+    """A stage that trains on what ``stack`` samples (RFT, RL): from its base model, steps scored by its PRM, at
+    most six steps a trajectory; ``fields`` add to it or override it."""
+    return from_dict(config_cls, {**_stack_fields(stack), "base_model": stack["base"], "prm": stack["prm"],
+                                  "max_steps": 6, **fields})
+
+
+def journal_after_a_stop(run, cfg, work, stage: str) -> list[dict]:
+    """Run a searching stage's job in ``work`` and stop it once two questions are journalled; returns its journal
+    (at least those two rows), what a resumed job starts from."""
+    stop = threading.Event()
+
+    def emit(ev):
+        if ev.get("step", 0) >= 2:
+            stop.set()
+
+    with pytest.raises(StageStopped):
+        run(local_context(work, cfg, emit=emit, stop=stop, stage=stage))
+    journal = list(read_jsonl(work / "checkpoints" / f"{stage}-journal.jsonl"))
+    assert len(journal) >= 2
+    return journal

@@ -1,23 +1,25 @@
 """The `dpo` stage (ReasonRAG's baseline): DPO with LoRA on value-labelled sibling steps raises the chosen step's
 log-probability over the rejected one's relative to the reference, trains only the step's own tokens, publishes
-an adapter, and refuses what it cannot train on."""
+an adapter (what it refuses: test_pairs_stages)."""
 
-import json
-
-import pytest
 import torch
 
-from prorag.config import from_dict
-from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag.registry import registry
 from prorag.training.context import local_context
 from services.trainer.stage_dpo import DPOConfig, encode_preference, preference_logps, run_dpo
 from tests.helpers import founder_pairs
+from tests.services.trainer.test_pairs_stages import pairs_job, run_logging_bfloat16
 
 def _pairs(n, seed=0):
     """The chosen subanswer reads the founder from the document, the rejected one guesses (value-labelled only: ReasonRAG
     has no judge)."""
     return founder_pairs(n, seed, judge=False)
+
+
+def _job(tmp_path, model_dir, n_pairs: int, **fields) -> DPOConfig:
+    """A DPO job on ``n_pairs`` value-labelled pairs, a rank-4 adapter over the tiny policy at ``model_dir``."""
+    return pairs_job(DPOConfig, tmp_path, _pairs(n_pairs), base_model=str(model_dir), lr=1e-2, lora_r=4,
+                     lora_alpha=8, **fields)
 
 
 def test_a_preference_is_trls_example_of_the_shared_context_and_each_siblings_generated_tokens(tiny_policy):
@@ -47,12 +49,7 @@ def test_dpo_stage_prefers_the_chosen_step_and_publishes_an_adapter(tiny_policy,
 
     monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
     model_dir, tok = tiny_policy
-    pairs_file = tmp_path / "pairs.jsonl"
-    train = _pairs(48)
-    pairs_file.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in train))
-    cfg = from_dict(DPOConfig, {"world": "tiny", "pairs": str(pairs_file), "base_model": str(model_dir),
-                                "epochs": 4, "batch_size": 8, "lr": 1e-2, "lora_r": 4, "lora_alpha": 8,
-                                "threads": 1, "checkpoint_every": 1000, "max_len": 512, "warmup_ratio": 0.0})
+    cfg = _job(tmp_path, model_dir, 48, epochs=4, warmup_ratio=0.0)
     out = run_dpo(local_context(tmp_path / "work", cfg))
     assert out["train_pairs"] == 48 and out["steps"] == 24 and out["too_long"] == 0
     assert out["final_loss"] < 0.5  # from ln 2 = 0.69 where the adapter starts as the reference
@@ -73,35 +70,13 @@ def test_dpo_stage_prefers_the_chosen_step_and_publishes_an_adapter(tiny_policy,
     assert float((implicit_reward > 0).float().mean()) >= 0.75
 
 
-def test_dpo_stage_refuses_what_it_cannot_train(tiny_policy, tmp_path, monkeypatch):
-    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
-    model_dir, _ = tiny_policy
-    with pytest.raises(InvalidArgument, match="pairs file"):
-        run_dpo(local_context(tmp_path / "a", from_dict(DPOConfig, {"base_model": str(model_dir)})))
-    unlabelled = tmp_path / "pairs.jsonl"
-    unlabelled.write_text("".join(json.dumps({**p.to_dict(), "value_choice": None}) + "\n" for p in _pairs(4)))
-    with pytest.raises(FailedPrecondition, match="no value-labelled pairs"):
-        run_dpo(local_context(tmp_path / "b", from_dict(DPOConfig, {"pairs": str(unlabelled),
-                                                                    "base_model": str(model_dir)})))
-    with pytest.raises(InvalidArgument, match="base_model"):
-        run_dpo(local_context(tmp_path / "c", from_dict(DPOConfig, {"pairs": str(unlabelled),
-                                                                    "base_model": "nowhere"})))
-
-
 def test_dpo_stage_trains_float32_adapters_over_a_bfloat16_base_on_the_cpu(tiny_policy, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
     model_dir, _ = tiny_policy
-    pairs_file = tmp_path / "pairs.jsonl"
-    pairs_file.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in _pairs(16)))
-    cfg = from_dict(DPOConfig, {"world": "tiny", "pairs": str(pairs_file), "base_model": str(model_dir),
-                                "epochs": 1, "batch_size": 8, "lr": 1e-2, "lora_r": 4, "lora_alpha": 8,
-                                "threads": 1, "checkpoint_every": 1000, "max_len": 512, "dtype": "bfloat16",
-                                "log_every": 1})
-    events = []
-    out = run_dpo(local_context(tmp_path / "work", cfg, emit=events.append))
-    assert {e["metrics"]["dtype"] for e in events if e.get("loss") is not None} == {"bfloat16"}
+    cfg = _job(tmp_path, model_dir, 16, epochs=1, dtype="bfloat16", log_every=1)
+    out = run_logging_bfloat16(run_dpo, cfg, tmp_path / "work")
     assert out["steps"] == 2 and 0 < out["final_loss"] < float("inf")
     adapter = load_file(str(registry("adapter", "tiny").resolve(out["adapter"]) / "adapter_model.safetensors"))
     assert adapter and {v.dtype for v in adapter.values()} == {torch.float32}

@@ -10,17 +10,13 @@ sometimes right and sometimes wrong. Everything else (servers, retrieval, judgin
 
 from __future__ import annotations
 
-import threading
-
-import pytest
-
-from prorag.config import from_dict
 from prorag.io import read_jsonl
 from prorag.search.mcts import step_key
 from prorag.search.pairs import StepPair
 from prorag.training.context import local_context
 from prorag.engine import GeneratedSeq
 from tests.helpers import scripted_engine_base
+from tests.services.trainer.scripted_stack import journal_after_a_stop, search_stage_config, stack_fixture
 
 ScriptedEngine = scripted_engine_base()
 
@@ -70,21 +66,13 @@ class GoldWalkEngine(ScriptedEngine):
         return out
 
 
-@pytest.fixture(scope="module")
-def services(tmp_path_factory):
-    from tests.services.trainer.scripted_stack import scripted_stack
-
-    with scripted_stack(tmp_path_factory.mktemp("mcts") / "data", GoldWalkEngine, judge=True) as stack:
-        yield stack
+services = stack_fixture("mcts", GoldWalkEngine, judge=True)
 
 
 def _config(services, **kw):
     from services.trainer.stage_mcts import MCTSStageConfig
 
-    return from_dict(MCTSStageConfig, {
-        "world": "tiny", "split": "train", "max_questions": 6, "policy": services["policy"],
-        "policy_model": services["base"], "retriever": services["retriever"], "judge": services["judge"],
-        "topk": 1, "concurrency": 3, "seed": 3, "max_step_tokens": 48, "tracking": "local",
+    return search_stage_config(MCTSStageConfig, services, **{
         "mcts": {"simulations": 6, "expansions": 3, "max_children": 3, "max_depth": 4, "rollouts": 1}, **kw})
 
 
@@ -169,20 +157,8 @@ def test_stopped_mcts_job_resumes_without_searching_finished_questions_again(ser
     from services.trainer.stage_mcts import run_mcts
 
     cfg = _config(services, judge="", max_questions=4, concurrency=1)
-    stop = threading.Event()
-    seen = []
-
-    def emit(ev):
-        seen.append(ev)
-        if ev.get("step", 0) >= 2:
-            stop.set()  # stop after two questions are journalled
-
-    from prorag.training.context import StageStopped
-
-    with pytest.raises(StageStopped):
-        run_mcts(local_context(tmp_path / "job", cfg, emit=emit, stop=stop, stage="mcts"))
-    journal = list(read_jsonl(tmp_path / "job" / "checkpoints" / "mcts-journal.jsonl"))
-    assert 2 <= len(journal) < 4
+    journal = journal_after_a_stop(run_mcts, cfg, tmp_path / "job", "mcts")
+    assert len(journal) < 4
     first = {r["question_id"]: r["tree"] for r in journal}
     metrics = run_mcts(local_context(tmp_path / "job", cfg, stage="mcts"))
     trees = {r["question_id"]: r["tree"] for r in read_jsonl(tmp_path / "job" / "run" / "trees.jsonl")}

@@ -1,32 +1,31 @@
 """The `prm` stage: Bradley-Terry on labelled sibling pairs learns a contrast it can see, holds questions out,
-publishes to the PRM registry, and refuses what it cannot train on."""
+publishes to the PRM registry (what it refuses: test_pairs_stages)."""
 
-import json
-
-import pytest
 import torch
 
-from prorag.config import from_dict
-from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag.search.pairs import prm_inputs
 from prorag.prm.model import load_prm, score_batch
 from prorag.registry import registry
 from prorag.training.context import local_context
 from services.trainer.stage_prm import PRMConfig, run_prm
 from tests.helpers import founder_pairs
+from tests.services.trainer.test_pairs_stages import pairs_job, run_logging_bfloat16
 
 def _pairs(n, seed=0):
     return founder_pairs(n, seed, value=False)
 
 
+def _job(tmp_path, model_dir, n_pairs: int, **fields) -> PRMConfig:
+    """A PRM job on ``n_pairs`` judge-labelled pairs from the tiny policy at ``model_dir``, a quarter of their
+    questions held out."""
+    return pairs_job(PRMConfig, tmp_path, _pairs(n_pairs), policy_model=str(model_dir), holdout=0.25, lr=2e-3,
+                     **fields)
+
+
 def test_prm_stage_learns_publishes_and_scores(tiny_policy, tmp_path, monkeypatch):
     monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
     model_dir, tok = tiny_policy
-    pairs_file = tmp_path / "pairs.jsonl"
-    pairs_file.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in _pairs(80)))
-    cfg = from_dict(PRMConfig, {"world": "tiny", "pairs": str(pairs_file), "policy_model": str(model_dir),
-                                "holdout": 0.25, "epochs": 4, "batch_size": 8, "lr": 2e-3, "threads": 1,
-                                "checkpoint_every": 1000, "max_len": 512})
+    cfg = _job(tmp_path, model_dir, 80, epochs=4)
     out = run_prm(local_context(tmp_path / "work", cfg))
     assert out["heldout_pairs"] > 5 and out["train_pairs"] + out["heldout_pairs"] == 80
     assert out["final_loss"] < 0.3  # from ln 2 = 0.69 at a random head
@@ -45,32 +44,11 @@ def test_prm_stage_learns_publishes_and_scores(tiny_policy, tmp_path, monkeypatc
     assert float(sc[0][0]) > float(sc[1][0])
 
 
-def test_prm_stage_refuses_what_it_cannot_train(tiny_policy, tmp_path, monkeypatch):
-    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
-    model_dir, _ = tiny_policy
-    with pytest.raises(InvalidArgument, match="pairs file"):
-        run_prm(local_context(tmp_path / "a", from_dict(PRMConfig, {"policy_model": str(model_dir)})))
-    unlabelled = tmp_path / "pairs.jsonl"
-    unlabelled.write_text("".join(json.dumps({**p.to_dict(), "judge_choice": None}) + "\n" for p in _pairs(4)))
-    with pytest.raises(FailedPrecondition, match="no judge-labelled pairs"):
-        run_prm(local_context(tmp_path / "b", from_dict(PRMConfig, {"pairs": str(unlabelled),
-                                                                    "policy_model": str(model_dir)})))
-    with pytest.raises(InvalidArgument, match="policy_model"):
-        run_prm(local_context(tmp_path / "c", from_dict(PRMConfig, {"pairs": str(unlabelled),
-                                                                    "policy_model": "nowhere"})))
-
-
 def test_prm_stage_trains_in_bfloat16_on_the_cpu_through_the_gpu_path(tiny_policy, tmp_path, monkeypatch):
     monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
     model_dir, _ = tiny_policy
-    pairs_file = tmp_path / "pairs.jsonl"
-    pairs_file.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in _pairs(24)))
-    cfg = from_dict(PRMConfig, {"world": "tiny", "pairs": str(pairs_file), "policy_model": str(model_dir),
-                                "holdout": 0.25, "epochs": 1, "batch_size": 8, "lr": 2e-3, "threads": 1,
-                                "checkpoint_every": 1000, "max_len": 512, "dtype": "bfloat16", "log_every": 1})
-    events = []
-    out = run_prm(local_context(tmp_path / "work", cfg, emit=events.append))
-    assert {e["metrics"]["dtype"] for e in events if e.get("loss") is not None} == {"bfloat16"}
+    cfg = _job(tmp_path, model_dir, 24, epochs=1, dtype="bfloat16", log_every=1)
+    out = run_logging_bfloat16(run_prm, cfg, tmp_path / "work")
     assert 0 < out["final_loss"] < float("inf") and "heldout_pairwise_accuracy" in out
     prm, _ = load_prm(registry("prm", "tiny").resolve(out["prm"]))
     assert next(prm.parameters()).dtype == torch.float32

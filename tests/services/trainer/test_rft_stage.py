@@ -14,23 +14,19 @@ import torch
 from prorag.config import from_dict
 from prorag.errors import FailedPrecondition
 from prorag.training.context import local_context
-from tests.services.trainer.scripted_stack import scripted_stack
+from tests.services.trainer.scripted_stack import stack_fixture, training_stage_config
 from tests.services.trainer.test_mcts_stage import GoldWalkEngine
 
 
-@pytest.fixture(scope="module")
-def services(tmp_path_factory):
-    with scripted_stack(tmp_path_factory.mktemp("rft") / "data", GoldWalkEngine) as stack:
-        yield stack
+services = stack_fixture("rft", GoldWalkEngine)
 
 
 def _config(services, **kw):
     from services.trainer.stage_rft import RFTConfig
 
-    return from_dict(RFTConfig, {
-        "world": "tiny", "max_questions": 6, "base_model": services["base"], "policy": services["policy"],
-        "prm": services["prm"], "samples_per_question": 8, "max_step_tokens": 48, "max_steps": 6,
-        "questions_per_request": 4, "max_train_steps": 2, "batch_size": 4, "seed": 3, "tracking": "local", **kw})
+    return training_stage_config(RFTConfig, services, **{
+        "max_questions": 6, "samples_per_question": 8, "questions_per_request": 4, "max_train_steps": 2,
+        "batch_size": 4, **kw})
 
 
 def test_rft_keeps_correct_prm_approved_trajectories_and_publishes_a_model(services, tmp_path, one_thread):

@@ -13,10 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prorag.config import from_dict
 from prorag.rpc.service import ServeConfig
 from prorag.training.context import local_context
-from tests.services.trainer.scripted_stack import scripted_stack
+from tests.services.trainer.scripted_stack import stack_fixture, training_stage_config
 from tests.services.trainer.test_mcts_stage import GoldWalkEngine
 
 
@@ -37,20 +36,15 @@ class RecordingGoldWalk(GoldWalkEngine):
         return super().generate(prompts, params, adapter, seeds)
 
 
-@pytest.fixture(scope="module")
-def services(tmp_path_factory):
-    with scripted_stack(tmp_path_factory.mktemp("rl") / "data", RecordingGoldWalk) as stack:
-        yield stack
+services = stack_fixture("rl", RecordingGoldWalk)
 
 
 def _config(services, **kw):
     from services.trainer.stage_rl import RLConfig
 
-    return from_dict(RLConfig, {
-        "world": "tiny", "max_questions": 4, "base_model": services["base"], "policy": services["policy"],
-        "prm": services["prm"], "group_size": 4, "questions_per_iteration": 2, "iterations": 2,
-        "max_step_tokens": 48, "max_steps": 6, "lora_r": 4, "lora_alpha": 8, "lr": 1e-3, "seed": 3,
-        "tracking": "local", **kw})
+    return training_stage_config(RLConfig, services, **{
+        "max_questions": 4, "group_size": 4, "questions_per_iteration": 2, "iterations": 2, "lora_r": 4,
+        "lora_alpha": 8, "lr": 1e-3, **kw})
 
 
 def _journal(work):

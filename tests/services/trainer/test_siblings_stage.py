@@ -8,8 +8,6 @@ now and then (JunkyWalkEngine), since the stage must drop both; everything else 
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from prorag.config import ConfigError, from_dict
@@ -17,7 +15,8 @@ from prorag.io import read_jsonl
 from prorag.search.mcts import step_key
 from prorag.search.pairs import StepPair, load_pairs
 from prorag.trajectory import Step
-from prorag.training.context import StageStopped, local_context
+from prorag.training.context import local_context
+from tests.services.trainer.scripted_stack import journal_after_a_stop, search_stage_config, stack_fixture
 from tests.services.trainer.test_mcts_stage import GoldWalkEngine
 
 
@@ -73,22 +72,13 @@ class JunkyWalkEngine(GoldWalkEngine):
         return step
 
 
-@pytest.fixture(scope="module")
-def services(tmp_path_factory):
-    from tests.services.trainer.scripted_stack import scripted_stack
-
-    with scripted_stack(tmp_path_factory.mktemp("siblings") / "data", JunkyWalkEngine, judge=True) as stack:
-        yield stack
+services = stack_fixture("siblings", JunkyWalkEngine, judge=True)
 
 
 def _config(services, **kw):
     from services.trainer.stage_siblings import SiblingsStageConfig
 
-    return from_dict(SiblingsStageConfig, {
-        "world": "tiny", "split": "train", "max_questions": 6, "policy": services["policy"],
-        "policy_model": services["base"], "retriever": services["retriever"], "judge": services["judge"],
-        "topk": 1, "samples": 4, "concurrency": 3, "seed": 3, "max_step_tokens": 48, "max_steps": 6,
-        "tracking": "local", **kw})
+    return search_stage_config(SiblingsStageConfig, services, **{"samples": 4, "max_steps": 6, **kw})
 
 
 def test_siblings_stage_pairs_every_valid_distinct_sibling_and_the_judge_labels_them(services, tmp_path, one_thread):
@@ -241,16 +231,8 @@ def test_stopped_siblings_job_resumes_without_sampling_or_judging_finished_quest
     from services.trainer.stage_siblings import run_siblings
 
     cfg = _config(services, max_questions=4, concurrency=1)
-    stop = threading.Event()
-
-    def emit(ev):
-        if ev.get("step", 0) >= 2:
-            stop.set()  # stop after two questions are journalled
-
-    with pytest.raises(StageStopped):
-        run_siblings(local_context(tmp_path / "job", cfg, emit=emit, stop=stop, stage="siblings"))
-    journal = list(read_jsonl(tmp_path / "job" / "checkpoints" / "siblings-journal.jsonl"))
-    assert 2 <= len(journal) < 4
+    journal = journal_after_a_stop(run_siblings, cfg, tmp_path / "job", "siblings")
+    assert len(journal) < 4
     # the journal holds judged pairs: a resumed job does not ask the judge again
     assert any(p["judge_choice"] is not None for r in journal for p in r["pairs"])
     first = {r["question_id"]: r["pairs"] for r in journal}
