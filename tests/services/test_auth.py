@@ -6,10 +6,7 @@ plaintext client cannot talk to a TLS server; with mutual TLS a client without a
 
 from __future__ import annotations
 
-import json
 import ssl
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
@@ -18,19 +15,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prorag.rpc.clients import PolicyClient, RetrieverClient
 from prorag.rpc.clients_trainer import TrainerClient
-from prorag.pb import judge_pb2, policy_pb2, prm_pb2, retriever_pb2, trainer_pb2
+from prorag.pb import trainer_pb2
 from prorag.rpc.security import ClientSecurity, generate_secrets, secure_channel
 from prorag.rpc.service import ServeConfig
-from tests.helpers import three_doc_corpus as _corpus
 from tests.helpers import LoopThread
+from tests.services.five_services import DESCRIPTORS, build_stack_files
+from tests.services.http_json import post_json
 
-DESCRIPTORS = {
-    "retriever": retriever_pb2.DESCRIPTOR.services_by_name["Retriever"],
-    "policy": policy_pb2.DESCRIPTOR.services_by_name["Policy"],
-    "prm": prm_pb2.DESCRIPTOR.services_by_name["ProcessRewardModel"],
-    "judge": judge_pb2.DESCRIPTOR.services_by_name["Judge"],
-    "trainer": trainer_pb2.DESCRIPTOR.services_by_name["Trainer"],
-}
 ADMIN = {"/prorag.v1.Policy/LoadAdapter", "/prorag.v1.Policy/ActivateAdapter", "/prorag.v1.Policy/UnloadAdapter"}
 
 
@@ -54,7 +45,6 @@ def services(tiny_policy, secrets_dir, tmp_path_factory):
     from services.prm.server import PRMServeConfig
     from services.prm.server import start as start_prm
     from services.retriever.engine import RetrievalEngine
-    from services.retriever.indexing import build_bm25_index, build_docstore
     from services.retriever.server import RetrieverConfig
     from services.retriever.server import start as start_retriever
     from services.trainer.server import TrainerConfig
@@ -65,15 +55,8 @@ def services(tiny_policy, secrets_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("auth-home")
     mp = pytest.MonkeyPatch()
     mp.setenv("PRORAG_DATA", str(tmp / "data"))
-    corpus = _corpus(tmp / "corpus.jsonl")
-    build_docstore(corpus, tmp / "index" / "docstore")
-    build_bm25_index(corpus, tmp / "index" / "bm25")
     model_dir, _ = tiny_policy
-    from prorag.modeling import save_pretrained
-    from prorag.prm.model import prm_from_policy
-
-    prm, tok = prm_from_policy(model_dir, seed=1)
-    save_pretrained(prm, tok, tmp / "prm")
+    build_stack_files(tmp, model_dir)
 
     def serve(http: bool) -> ServeConfig:
         return ServeConfig(port=0, http_port=0 if http else -1, grace_s=1, tls_cert=files["server_cert"],
@@ -203,15 +186,7 @@ def test_a_plaintext_client_cannot_talk_to_a_tls_server(services, secrets_dir):
 
 
 def _post(url: str, body: dict, token: str | None, ctx: ssl.SSLContext) -> tuple[int, dict]:
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=60, context=ctx) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(url, body, token=token, context=ctx)
 
 
 def test_http_endpoints_answer_401_without_a_token_and_work_with_one(services, secrets_dir):

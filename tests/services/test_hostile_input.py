@@ -29,18 +29,11 @@ from prorag.pb import common_pb2, judge_pb2, policy_pb2, prm_pb2, retriever_pb2,
 from prorag.rpc.security import ClientSecurity, generate_secrets, secure_channel
 from prorag.rpc.service import ServeConfig
 from prorag.trajectory import STOP_TAGS
-from tests.helpers import three_doc_corpus as _corpus
 from tests.helpers import LoopThread
+from tests.services.five_services import DESCRIPTORS, build_stack_files
 from tests.services import hostile
 
-SERVICES = {
-    "retriever": retriever_pb2.DESCRIPTOR.services_by_name["Retriever"],
-    "policy": policy_pb2.DESCRIPTOR.services_by_name["Policy"],
-    "prm": prm_pb2.DESCRIPTOR.services_by_name["ProcessRewardModel"],
-    "judge": judge_pb2.DESCRIPTOR.services_by_name["Judge"],
-    "trainer": trainer_pb2.DESCRIPTOR.services_by_name["Trainer"],
-}
-METHODS = [(name, m.name) for name, desc in SERVICES.items() for m in desc.methods]
+METHODS = [(name, m.name) for name, desc in DESCRIPTORS.items() for m in desc.methods]
 
 #: what a caller may be answered: a success or a status it can act on (ALREADY_EXISTS: a trainer job id reused with
 #: another config; PERMISSION_DENIED: a token without the scope)
@@ -108,7 +101,7 @@ def _hints() -> dict:
 
 
 def _strategy(service: str, method: str):
-    m = SERVICES[service].methods_by_name[method]
+    m = DESCRIPTORS[service].methods_by_name[method]
     hints = _hints()
     if method == "CancelJob":  # the blocker must keep its slot: cancel a finished job (or an unknown one) instead
         hints["job_id"] = st.sampled_from(["", "nope", CANCELLED, "../x", "a" * 200])
@@ -162,8 +155,6 @@ def secrets(tmp_path_factory):
 def stack(request, tiny_policy, secrets, tmp_path_factory):
     """The five services, started once per auth mode: name -> (grpc port, http port or None), plus the client
     security that gets a call past auth (the admin token over TLS when auth is on)."""
-    from prorag.modeling import save_pretrained
-    from prorag.prm.model import prm_from_policy
     from services.judge.engine import ReferenceJudge
     from services.judge.server import JudgeConfig
     from services.judge.server import start as start_judge
@@ -173,7 +164,6 @@ def stack(request, tiny_policy, secrets, tmp_path_factory):
     from services.prm.server import PRMServeConfig
     from services.prm.server import start as start_prm
     from services.retriever.engine import RetrievalEngine
-    from services.retriever.indexing import build_bm25_index, build_docstore
     from services.retriever.server import RetrieverConfig
     from services.retriever.server import start as start_retriever
     from services.trainer.server import TrainerConfig
@@ -185,12 +175,8 @@ def stack(request, tiny_policy, secrets, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"hostile-{request.param}")
     mp = pytest.MonkeyPatch()
     mp.setenv("PRORAG_DATA", str(tmp / "data"))
-    corpus = _corpus(tmp / "corpus.jsonl")
-    build_docstore(corpus, tmp / "index" / "docstore")
-    build_bm25_index(corpus, tmp / "index" / "bm25")
     model_dir, _ = tiny_policy
-    prm, tok = prm_from_policy(model_dir, seed=1)
-    save_pretrained(prm, tok, tmp / "prm")
+    build_stack_files(tmp, model_dir)
 
     def serve(http: bool) -> ServeConfig:
         tls = dict(tls_cert=secrets["server_cert"], tls_key=secrets["server_key"],
@@ -245,13 +231,13 @@ def stack(request, tiny_policy, secrets, tmp_path_factory):
 
 
 def _classes(service: str, method: str):
-    m = SERVICES[service].methods_by_name[method]
+    m = DESCRIPTORS[service].methods_by_name[method]
     return m, message_factory.GetMessageClass(m.input_type), message_factory.GetMessageClass(m.output_type)
 
 
 def _unary(channel, service: str, method: str):
     m, req, resp = _classes(service, method)
-    path = f"/{SERVICES[service].full_name}/{method}"
+    path = f"/{DESCRIPTORS[service].full_name}/{method}"
     kw = dict(request_serializer=req.SerializeToString, response_deserializer=resp.FromString)
     if m.server_streaming:
         call = channel.unary_stream(path, **kw)
@@ -301,7 +287,7 @@ def assert_healthy(stack, service: str) -> None:
     port = stack["ports"][service][0]
     with secure_channel(f"localhost:{port}", security=stack["security"]) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        for name in ("", SERVICES[service].full_name):
+        for name in ("", DESCRIPTORS[service].full_name):
             resp = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING, (service, name)
         for method, request, check in _valid_requests(service):

@@ -6,11 +6,8 @@ The engine is scripted (one step per round, 0.2 s per engine call) so that a rol
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
@@ -18,6 +15,7 @@ import pytest
 from prorag.rpc.clients import PolicyClient
 from prorag.rpc.service import ServeConfig
 from tests.helpers import LoopThread
+from tests.services.http_json import post_json
 from tests.test_rollout import ScriptedEngine
 
 LOOP_Q = "Loop question?"
@@ -140,13 +138,7 @@ def test_requests_asking_for_too_much_work_are_refused(policy):
 
 
 def _post(port: int, body) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(f"http://127.0.0.1:{port}/v1/completions", body)
 
 
 def test_http_completions_are_bounded(policy):

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import threading
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
@@ -16,6 +13,7 @@ from prorag.rpc.clients import RetrieverClient
 from prorag.pb import retriever_pb2, retriever_pb2_grpc
 from prorag.rpc.service import ServeConfig
 from tests.helpers import LoopThread, env
+from tests.services.http_json import post_json
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +47,7 @@ def test_questions(world_home):
 
 
 def _post(port: int, body, raw: bytes | None = None):
-    data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/retrieve", data=data,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(f"http://127.0.0.1:{port}/retrieve", body, raw=raw)
 
 
 def test_reflection_and_health(server):
