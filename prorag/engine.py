@@ -103,6 +103,16 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_model_l
             raise InvalidArgument(f"prompt {i} has token id {lo if lo < 0 else hi} outside [0, {vocab_size})")
 
 
+def check_generate(prompts: Sequence[Sequence[int]], params: SamplingSpec, seeds: Sequence[int] | None,
+                   vocab_size: int, max_model_len: int) -> None:
+    """What every engine's ``generate`` checks before it samples: the sampling, each prompt against the model, and
+    one seed per prompt when seeds are given."""
+    params.validate()
+    check_prompts(prompts, vocab_size, max_model_len)
+    if seeds is not None and len(seeds) != len(prompts):
+        raise InvalidArgument(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
+
+
 class GenerationEngine(abc.ABC):
     """What the policy service needs from an engine (transformers or vLLM).
 

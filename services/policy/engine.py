@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from prorag.engine import (GeneratedSeq, GenerationEngine, SamplingSpec, check_prompts, derive_seed,
+from prorag.engine import (GeneratedSeq, GenerationEngine, SamplingSpec, check_generate, derive_seed,
                            validate_adapter_dir)
 from prorag.errors import InvalidArgument, NotFound
 from prorag.modeling import load_policy, num_parameters
@@ -147,10 +147,7 @@ class TransformersEngine(GenerationEngine):
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingSpec, adapter: str | None = None,
                  seeds: Sequence[int] | None = None) -> list[list[GeneratedSeq]]:
-        params.validate()
-        check_prompts(prompts, self.vocab_size, self.max_model_len)
-        if seeds is not None and len(seeds) != len(prompts):
-            raise InvalidArgument(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
+        check_generate(prompts, params, seeds, self.vocab_size, self.max_model_len)
         stops = set(int(t) for t in params.stop_token_ids)
         if self.eos_id is not None:
             stops.add(int(self.eos_id))  # like vLLM: EOS always ends a sequence

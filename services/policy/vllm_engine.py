@@ -28,7 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Sequence
 
-from prorag.engine import (GeneratedSeq, GenerationEngine, SamplingSpec, already_loaded, check_prompts, derive_seed,
+from prorag.engine import (GeneratedSeq, GenerationEngine, SamplingSpec, already_loaded, check_generate, derive_seed,
                            validate_adapter_dir)
 from prorag.errors import FailedPrecondition, InvalidArgument, NotFound, ProragError, Unavailable
 from prorag.trajectory import TAGS
@@ -326,10 +326,7 @@ class VLLMEngine(GenerationEngine):
                  seeds: Sequence[int] | None = None) -> list[list[GeneratedSeq]]:
         from vllm.inputs import TokensPrompt
 
-        params.validate()
-        check_prompts(prompts, self.vocab_size, self.max_model_len)
-        if seeds is not None and len(seeds) != len(prompts):
-            raise InvalidArgument(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
+        check_generate(prompts, params, seeds, self.vocab_size, self.max_model_len)
         entry = self._adapters.get(adapter) if adapter is not None else None
         if adapter is not None and entry is None:
             raise NotFound(f"adapter {adapter!r} is not loaded (loaded: {', '.join(self._adapters) or 'none'})")
