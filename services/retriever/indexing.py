@@ -115,6 +115,14 @@ def scan_corpus(corpus_path: str | Path, progress: Progress | None = None) -> Co
     return scan
 
 
+def _scan_documents(corpus_path: str | Path, progress: Progress | None) -> CorpusScan:
+    # an index needs something to search: an empty corpus is the caller's mistake, refused before any work
+    scan = scan_corpus(corpus_path, progress)
+    if scan.n_docs == 0:
+        raise InvalidArgument(f"corpus {corpus_path} has no documents")
+    return scan
+
+
 def read_docs(scan: CorpusScan, start: int, stop: int) -> list[Document]:
     """Documents ``start..stop-1`` with one contiguous read."""
     if stop <= start:
@@ -346,9 +354,7 @@ def build_dense_index(corpus_path: str | Path, out_dir: str | Path, cfg: DenseIn
     cfg = cfg or DenseIndexConfig()
     out_dir = Path(out_dir)
     t0 = time.time()
-    scan = scan_corpus(corpus_path, progress)
-    if scan.n_docs == 0:
-        raise InvalidArgument(f"corpus {corpus_path} has no documents")
+    scan = _scan_documents(corpus_path, progress)
     key = _key({"corpus_sha256": scan.sha256, **cfg.index_key()})
     meta = read_meta(out_dir)
     if meta and meta.get("config_key") == key and (out_dir / "index.faiss").is_file():
@@ -434,9 +440,7 @@ def build_bm25_index(corpus_path: str | Path, out_dir: str | Path, cfg: BM25Conf
     cfg = cfg or BM25Config()
     out_dir = Path(out_dir)
     t0 = time.time()
-    scan = scan_corpus(corpus_path, progress)
-    if scan.n_docs == 0:
-        raise InvalidArgument(f"corpus {corpus_path} has no documents")
+    scan = _scan_documents(corpus_path, progress)
     key = _key({"corpus_sha256": scan.sha256, "format_version": FORMAT_VERSION, **to_dict(cfg)})
     meta = read_meta(out_dir)
     if meta and meta.get("config_key") == key:
