@@ -11,6 +11,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from prorag.algorithms import lookup
 from prorag.errors import AlreadyExists
 
 #: every attention and MLP projection of a decoder block (the default LoRA targets)
@@ -130,9 +131,8 @@ def rl_loss(model, batch, cfg):
     """The policy loss cfg.policy_loss (algorithms.rl.POLICY_LOSSES; the clipped surrogate by default, clipped at
     cfg.clip), plus k3 KL to the base when cfg.kl_coef > 0 (the adapter disabled), of one collate_rl batch;
     (loss scalar, stats: clip_fraction, approx_kl, kl, tokens)."""
-    import torch
+    import torch  # torch and the losses (which load it): only when a loss is computed, as elsewhere in this module
 
-    from prorag.algorithms import lookup
     from prorag.algorithms.rl import POLICY_LOSSES
 
     loss_fn = lookup(POLICY_LOSSES, "policy loss", cfg.policy_loss)
