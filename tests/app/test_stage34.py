@@ -257,6 +257,16 @@ def test_the_default_profile_runs_the_headline_and_says_where_rft_and_full_prora
     assert set(research_rl) <= {f.name for f in fields(RLConfig)}
     RLConfig(**{**research_rl, "base_model": "sft@x"}).validate()
     assert research_rl["pool_max_solve_rate"] < 1 and "pool" in PROFILES["research"].stage34
+    # `make run`'s RL draws from a learnable pool too, and its arms differ in the process term only (issue 47)
+    default_rl = s34["rl"]
+    RLConfig(**{**default_rl, "base_model": "sft@x"}).validate()
+    assert default_rl["pool_max_solve_rate"] < 1 and s34["pool"]["samples"] == default_rl["group_size"]
+    assert default_rl["reward"] == "f1" and default_rl["step_score"] == "verdict"
+    assert default_rl["process_answer_step"] is False
+    # the research profile changes its size and centring only
+    assert {k: v for k, v in research_rl.items() if k not in ("iterations", "questions_per_iteration", "kl_coef",
+                                                               "prm_centering")} == \
+        {k: v for k, v in default_rl.items() if k not in ("iterations", "questions_per_iteration")}
     # the data-efficiency point is a third of the RL questions
     assert PROFILES["research"].stage34["eval_iterations"] == (research_rl["iterations"] // 3,)
     # the research profile keeps its own MCTS size whatever the default's
