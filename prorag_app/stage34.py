@@ -133,6 +133,13 @@ def rl_summary(iterations_path: str | Path) -> dict:
     out["lag_max"] = max(float(r.get("lag_max", 0.0)) for r in rows)
     out["reward_first"], out["reward_last"] = float(rows[0].get("reward_mean", 0.0)), float(rows[-1].get("reward_mean", 0.0))
     out["f1_first"], out["f1_last"] = float(rows[0].get("f1_mean", 0.0)), float(rows[-1].get("f1_mean", 0.0))
+    # one iteration's 16 questions make first/last a noisy pair: the halves' means say whether the rollouts rise
+    half = len(rows) // 2
+    if half:
+        for key in ("reward_mean", "f1_mean"):
+            early = statistics.fmean(float(r.get(key, 0.0)) for r in rows[:half])
+            late = statistics.fmean(float(r.get(key, 0.0)) for r in rows[len(rows) - half:])
+            out[f"{key.removesuffix('_mean')}_halves"] = [early, late]
 
     def fraction(part: str, whole: str) -> float:
         return sum(float(r.get(part, 0)) for r in rows) / max(1.0, sum(float(r.get(whole, 0)) for r in rows))
@@ -316,7 +323,7 @@ def print_rl(rl: dict) -> None:
         return
     table = Table(title="RL jobs: median seconds per iteration, and what the rollouts scored")
     cols = ("method", "iterations", "questions", "rollout", "PRM", "update", "adapter sync", "reward first/last",
-            "F1 first/last", "flat groups")
+            "F1 first/last", "F1 first/second half", "flat groups")
     for col in cols:
         table.add_column(col, justify="left" if col == "method" else "right")
     for m, s in rl.items():
@@ -325,7 +332,9 @@ def print_rl(rl: dict) -> None:
         table.add_row(m, str(s["iterations"]), str(s["questions"]), f"{s['median_rollout_s']:.1f}",
                       f"{s['median_prm_scoring_s']:.2f}", f"{s['median_update_s']:.1f}",
                       f"{s['median_adapter_sync_s']:.2f}", f"{s['reward_first']:.2f}/{s['reward_last']:.2f}",
-                      f"{s['f1_first']:.2f}/{s['f1_last']:.2f}", f"{100 * s['groups_flat_fraction']:.0f}%")
+                      f"{s['f1_first']:.2f}/{s['f1_last']:.2f}",
+                      "/".join(f"{v:.3f}" for v in s["f1_halves"]) if "f1_halves" in s else "-",
+                      f"{100 * s['groups_flat_fraction']:.0f}%")
     console.print(table)
 
 

@@ -94,6 +94,10 @@ def test_rl_summary_reports_zero_variance_groups_and_reward_per_iteration(tmp_pa
     assert s["groups_flat_fraction"] == 0.5
     assert s["per_iteration"] == [{"iteration": 0, "groups_flat_fraction": 0.75, "reward_mean": 0.5, "f1_mean": 0.1},
                                   {"iteration": 1, "groups_flat_fraction": 0.25, "reward_mean": 1.5, "f1_mean": 0.4}]
+    assert s["f1_halves"] == [0.1, 0.4] and s["reward_halves"] == [0.5, 1.5]
+    # an odd count leaves the middle iteration out of both halves
+    path.write_text("".join(json.dumps({"iteration": i, "f1_mean": f}) + "\n" for i, f in enumerate((0.1, 0.2, 0.9))))
+    assert rl_summary(path)["f1_halves"] == [0.1, 0.9]
 
 
 def test_comparisons_name_the_oracle_ceiling_and_the_same_start_headline():
