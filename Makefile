@@ -6,6 +6,12 @@ STAMP  := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE ?= offline
+# Every `prorag serve`, torchrun worker and stage process the suite and `make run` start imports torch, transformers
+# and grpc. The venv is installed with --no-compile (below), so those imports only stay cheap once Python has written
+# the .pyc files on first use; an environment exporting PYTHONDONTWRITEBYTECODE (Docker images and CI runners often do)
+# made every such process compile them again: 8-10 s more per process start on 2 cores (23.6-28.9 s against 7.7-10.6 s
+# to import the policy, retriever and trainer servers under load), hundreds of times in `make test`. Empty = unset.
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: run test install proto bench clean-data deploy-tools browser smoke-containers gpu-check vllm-env test-vllm lock
 

@@ -47,7 +47,7 @@ from prorag_app.eval import evaluate, format_table, print_prm_families, reader_s
 from prorag_app.profiles import ABLATION, PROFILES, AblationPlan, Profile, with_overrides, with_stage34
 from prorag_app.report import build_report
 from prorag_app.run_tables import console, print_diagnostics, print_figure, print_retrieval_table, print_stage34
-from prorag_app.stack import ServiceStack
+from prorag_app.stack import OnDemand, ServiceStack
 from prorag_app.stage2 import run_stage2
 from prorag_app.stage34 import COMPARISONS, per_question_f1, print_comparisons, run_stage34
 from prorag_app.stage_settings import Stage2Settings, Stage34Settings
@@ -239,14 +239,16 @@ def evaluate_methods(models: dict[str, str], world: str, stack: ServiceStack, qu
 
 def stage2(prof: Profile, stack: ServiceStack, world: str, sft_model: str, run_dir, port_offset: int,
            timings: dict) -> dict:
-    """Stage 2 on the trained agent: a policy process serving it, then prorag_app.stage2.run_stage2."""
+    """Stage 2 on the trained agent: a policy process serving it (started once a search job is submitted: none
+    when they are all finished), then prorag_app.stage2.run_stage2."""
     settings = from_dict(Stage2Settings, prof.stage2)
-    serving = ServiceStack(port_offset=port_offset, world=world, services=("policy",),
-                           overrides={"policy": {"model": sft_model, "retriever": stack.grpc_target("retriever")}},
-                           log_dir=str(run_dir / "logs" / "stage2-policy"))
+    serving = OnDemand(ServiceStack(port_offset=port_offset, world=world, services=("policy",),
+                                    overrides={"policy": {"model": sft_model,
+                                                          "retriever": stack.grpc_target("retriever")}},
+                                    log_dir=str(run_dir / "logs" / "stage2-policy")))
     with timed(timings, "stage2_s"), serving:
         out = run_stage2(stack, serving.grpc_target("policy"), world, sft_model, prof.sft_for("sft"), settings,
-                         run_dir, f"{world}-stage2", timings)
+                         run_dir, f"{world}-stage2", timings, before_search=serving.need)
     if "auc_gold_vs_corrupted" in out:
         print_prm_families(out)
     return out

@@ -105,3 +105,29 @@ class ServiceStack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class OnDemand:
+    """A stack that serves trainer jobs, started by the first :meth:`need` (just before a job that samples through
+    it is submitted) rather than on entry, and stopped on exit when it was started. Its targets are known before:
+    they follow from its port offset. A run whose jobs are all finished, and reused, then starts none of its
+    processes (each one a model load and ~4-10 s of imports, for nothing)."""
+
+    def __init__(self, stack: ServiceStack):
+        self.stack, self.started = stack, False
+
+    def grpc_target(self, svc: str) -> str:
+        return self.stack.grpc_target(svc)
+
+    def need(self) -> None:
+        if not self.started:
+            self.stack.__enter__()
+            self.started = True
+
+    def __enter__(self) -> "OnDemand":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.started:
+            self.started = False
+            self.stack.__exit__(*exc)

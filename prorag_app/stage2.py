@@ -61,16 +61,19 @@ def siblings_job_id(job_prefix: str, sib_cfg: dict) -> str:
 
 
 def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settings: dict, settings: Stage2Settings,
-               run_dir: Path, job_prefix: str, timings: dict) -> dict:
+               run_dir: Path, job_prefix: str, timings: dict, before_search=None) -> dict:
     """MCTS -> judged pairs -> PRM -> validation, through the stack's trainer, retriever and judge and the policy
-    service at ``policy_target`` (serving ``sft_model``). Returns results.json's "prm"."""
+    service at ``policy_target`` (serving ``sft_model``); before_search(), when given, is called just before a search
+    job (mcts, siblings) is submitted, not when a finished one is reused: it starts that policy service. Returns
+    results.json's "prm"."""
     t = time.monotonic()
     services = {"world": world, "policy": policy_target, "policy_model": sft_model,
                 "retriever": stack.grpc_target("retriever"), "judge": stack.grpc_target("judge"),
                 "topk": int(sft_settings.get("topk", 1))}
     mcts_cfg = {**services, **settings.mcts}
     # the version: a finished job whose pairs were made by another rule is not reused
-    mcts = run_job(stack, "mcts", mcts_cfg, settings_job_id(job_prefix, "mcts", mcts_cfg, {"pairs": PAIRS_VERSION}))
+    mcts = run_job(stack, "mcts", mcts_cfg, settings_job_id(job_prefix, "mcts", mcts_cfg, {"pairs": PAIRS_VERSION}),
+                   before_start=before_search)
     timings["stage2_mcts_s"] = time.monotonic() - t
     m = mcts["metrics"]
     summary = {k: m.get(k) for k in ("questions", "simulations", "pairs", "pairs_per_question", "value_labelled",
@@ -83,8 +86,8 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
     if settings.siblings:
         t = time.monotonic()
         sib_cfg = {**services, **settings.siblings}
-        siblings = run_job(stack, "siblings", sib_cfg,
-                           siblings_job_id(job_prefix, sib_cfg))
+        siblings = run_job(stack, "siblings", sib_cfg, siblings_job_id(job_prefix, sib_cfg),
+                           before_start=before_search)
         timings["stage2_siblings_s"] = time.monotonic() - t
         jobs["siblings"] = siblings["job_id"]
         sm = siblings["metrics"]

@@ -34,7 +34,7 @@ from rich.table import Table
 
 from prorag.io import sha256_file
 from prorag.registry import registry, weights_sha256
-from prorag_app.stack import ServiceStack
+from prorag_app.stack import OnDemand, ServiceStack
 from prorag_app.stage_settings import Stage34Settings
 from prorag_app.trainer_jobs import run_job, settings_job_id
 
@@ -187,8 +187,9 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
     overrides = {"policy": {"model": sft_dir, "retriever": stack.grpc_target("retriever"), "restore_active": False}}
     if prm_dir:
         overrides["prm"] = {"model": prm_dir, "world": world}
-    sft_serving = ServiceStack(port_offset=port_offset, world=world, services=services, overrides=overrides,
-                               log_dir=str(run_dir / "logs" / "stage34-sft-policy"))
+    # started once a job that samples through it or asks its PRM is submitted: none when they are all finished
+    sft_serving = OnDemand(ServiceStack(port_offset=port_offset, world=world, services=services, overrides=overrides,
+                                        log_dir=str(run_dir / "logs" / "stage34-sft-policy")))
     t0 = time.monotonic()
     with sft_serving:
         prm_target = sft_serving.grpc_target("prm") if prm_dir else ""
@@ -203,7 +204,7 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
             if cfg.get("replay"):
                 cfg["retriever"] = stack.grpc_target("retriever")
             try:
-                rft = run_job(stack, "rft", cfg, _job_id(prefix, "rft", cfg, prm_sha))
+                rft = run_job(stack, "rft", cfg, _job_id(prefix, "rft", cfg, prm_sha), before_start=sft_serving.need)
             except SystemExit as e:  # RFT kept nothing: report it, go on with what does not need it
                 for m in ("rft", "prorag"):
                     if m in wanted:
@@ -214,7 +215,7 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
         if settings.pool and any(m in wanted for m in RL_METHODS):
             t = time.monotonic()
             cfg = pool_job_config(world, sft_ref, sft_policy, topk, settings.rl, settings.pool)
-            job = run_job(stack, "rlpool", cfg, _job_id(prefix, "rlpool", cfg))
+            job = run_job(stack, "rlpool", cfg, _job_id(prefix, "rlpool", cfg), before_start=sft_serving.need)
             pool_path = job["outputs"]["pool_path"]
             artifact = json.loads(Path(pool_path).read_text())
             out["pool"] = {"job": job["job_id"], "path": pool_path, "size": len(artifact["pool"]),
@@ -228,11 +229,12 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
                                                      "on every candidate")
         pool_sha = sha256_file(pool_path) if pool_path else ""
 
-        def train_rl(method: str, base_model: str, policy: str, model_dir: str) -> None:
+        def train_rl(method: str, base_model: str, policy: str, model_dir: str, need=sft_serving.need) -> None:
             """One RL method's job (or its finished one), its final adapter and its iterations' summary."""
             t = time.monotonic()
             cfg = rl_job_config(method, rl_common, base_model, policy, prm_target, settings.beta, pool_path)
-            job = run_job(stack, "rl", cfg, _job_id(prefix, method, cfg, prm_sha if cfg["prm"] else "", pool_sha))
+            job = run_job(stack, "rl", cfg, _job_id(prefix, method, cfg, prm_sha if cfg["prm"] else "", pool_sha),
+                          before_start=need)
             out["jobs"][method] = job["job_id"]
             out["models"][method] = {"model": model_dir, "adapter": job["outputs"]["adapter"]}
             out["rl"][method] = rl_summary(Path(job["run_dir"]) / "iterations.jsonl")
@@ -258,12 +260,18 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
             if "rft" in wanted:
                 out["models"]["rft"] = {"model": rft_dir, "adapter": ""}
             if runs("prorag"):
-                rft_serving = ServiceStack(port_offset=port_offset + 10, world=world, services=("policy",),
-                                           overrides={"policy": {"model": rft_dir, "restore_active": False,
-                                                                 "retriever": stack.grpc_target("retriever")}},
-                                           log_dir=str(run_dir / "logs" / "stage34-rft-policy"))
+                rft_serving = OnDemand(ServiceStack(
+                    port_offset=port_offset + 10, world=world, services=("policy",),
+                    overrides={"policy": {"model": rft_dir, "restore_active": False,
+                                          "retriever": stack.grpc_target("retriever")}},
+                    log_dir=str(run_dir / "logs" / "stage34-rft-policy")))
+
+                def need_both() -> None:  # ProRAG samples from the RFT model and asks the PRM the other stack serves
+                    sft_serving.need()
+                    rft_serving.need()
+
                 with rft_serving:
-                    train_rl("prorag", rft_ref, rft_serving.grpc_target("policy"), rft_dir)
+                    train_rl("prorag", rft_ref, rft_serving.grpc_target("policy"), rft_dir, need=need_both)
         if "reasonrag" in wanted:
             if not pairs_path:
                 out["skipped"]["reasonrag"] = "stage 2 wrote no sibling pairs, ReasonRAG's DPO data"

@@ -21,13 +21,17 @@ console = Console()
 ADDRESS_KEYS = ("policy", "prm", "retriever", "judge", "threads")
 
 
-def run_job(stack, stage: str, config: dict, job_id: str) -> dict:
-    """Run (or reuse) one trainer job and wait; returns the finished Job as a dict of metrics and outputs."""
+def run_job(stack, stage: str, config: dict, job_id: str, before_start=None) -> dict:
+    """Run (or reuse) one trainer job and wait; returns the finished Job as a dict of metrics and outputs.
+    before_start(): called only when the job is submitted, not when a finished one is reused (it starts the
+    services the job samples through: prorag_app.stack.OnDemand.need)."""
     with TrainerClient(stack.grpc_target("trainer"), timeout=60, wait_for_ready=True) as client:
         existing = {j.job_id: j for j in client.list(stage)}
         if job_id in existing and state_name(existing[job_id].state) == "SUCCEEDED":
             console.print(f"[green]{stage}[/green]: reusing finished job {job_id}")
         else:
+            if before_start is not None:
+                before_start()
             client.start(stage, config, job_id=job_id)
             with progress_bars() as progress:
                 follow_job(client, job_id, stage, progress)

@@ -66,6 +66,34 @@ def free_offset() -> int:
     raise RuntimeError(f"no free port range on loopback in offsets {lo}-{hi}")
 
 
+_tiny_lock = threading.Lock()
+_tiny_template: list = []  # [the directory], once built in this process
+
+
+def tiny_data(data) -> None:
+    """Fill the data directory ``data`` (what PRORAG_DATA names) with the tiny world, its dense and BM25 indexes
+    and its embedded base policy, copied from one built once per test process (each xdist worker). Building them
+    (the dense index encodes the corpus) took 5-10 s, once in every module that started services on the tiny
+    world; a copy takes a fraction of a second. Callers still call ensure_indexes / ensure_policy_model after it:
+    those find the copy complete (the indexes name the corpus by its hash and by a path relative to their tree),
+    and would rebuild whatever were not."""
+    import atexit
+    import shutil
+    import tempfile
+
+    with _tiny_lock:
+        if not _tiny_template:
+            template = tempfile.mkdtemp(prefix="prorag-tiny-data-")
+            atexit.register(shutil.rmtree, template, True)
+            with env("PRORAG_DATA", template):
+                from prorag_app.embedded import ensure_indexes, ensure_policy_model
+
+                ensure_indexes("tiny")
+                ensure_policy_model("tiny")
+            _tiny_template.append(template)
+    shutil.copytree(_tiny_template[0], data, dirs_exist_ok=True)
+
+
 class LoopThread:
     """An asyncio loop in a daemon thread: servers run on it, synchronous clients call in."""
 

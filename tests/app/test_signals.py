@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from prorag import paths
-from tests.helpers import free_offset
+from tests.helpers import env as env_var
+from tests.helpers import free_offset, tiny_data
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
@@ -182,10 +183,14 @@ def home(tmp_path_factory):
     """One PRORAG_HOME with the tiny world, its indexes and base policy, shared by the commands below (each then
     starts its services without building anything)."""
     root = tmp_path_factory.mktemp("home")
-    env = _env(root)
-    subprocess.run([sys.executable, "-c", "from prorag_app.embedded import ensure_indexes, ensure_policy_model; "
-                    "ensure_indexes('tiny'); ensure_policy_model('tiny')"], cwd=REPO, env=env, check=True,
-                   stdout=subprocess.DEVNULL, timeout=900)
+    # the worker's copy (tests.helpers.tiny_data) in PRORAG_HOME/data, the data directory of the commands' _env;
+    # ensure_* then find it complete, as the commands do
+    tiny_data(root / "data")
+    with env_var("PRORAG_DATA", str(root / "data")):
+        from prorag_app.embedded import ensure_indexes, ensure_policy_model
+
+        ensure_indexes("tiny")
+        ensure_policy_model("tiny")
     return root
 
 

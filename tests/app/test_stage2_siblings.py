@@ -36,7 +36,9 @@ def _recorder(tmp_path, mcts_judged=1, siblings_judged=2):
     made = {"mcts": _pairs([("subquery", 0)] * mcts_judged + [("subanswer", None)]),
             "siblings": _pairs([("subanswer", 1)] * siblings_judged + [("answer|subquery", None)])}
 
-    def run_job(stack, stage, config, job_id):
+    def run_job(stack, stage, config, job_id, before_start=None):
+        if before_start is not None:  # as the real one does when it submits a job (every one here)
+            before_start()
         submitted.append((stage, config, job_id))
         if stage == "prm":
             raise _PRMSubmitted

@@ -130,7 +130,9 @@ def _recording_trainer(tmp_path, learnable_ids):
 
     submitted = []
 
-    def run_job(stack, stage, config, job_id):
+    def run_job(stack, stage, config, job_id, before_start=None):
+        if before_start is not None:  # as the real one does when it submits a job (every one here)
+            before_start()
         submitted.append((stage, config, job_id))
         run = tmp_path / job_id
         run.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ import pytest
 
 from prorag.rpc.clients import PolicyClient, push_adapter
 from prorag.rpc.service import ServeConfig
-from tests.helpers import LoopThread, env, free_port
+from tests.helpers import LoopThread, env, free_port, tiny_data
 
 ENGINES = ("transformers", "vllm")
 #: the model each engine's cases serve: (preset, variant of the tiny world's base)
@@ -45,6 +45,7 @@ def run(loop, coro, timeout=300):
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
     home = tmp_path_factory.mktemp("policy-home")
+    tiny_data(home / "data")
     with env("PRORAG_DATA", str(home / "data")):
         yield home
 

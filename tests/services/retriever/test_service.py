@@ -12,13 +12,14 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from prorag.rpc.clients import RetrieverClient
 from prorag.pb import retriever_pb2, retriever_pb2_grpc
 from prorag.rpc.service import ServeConfig
-from tests.helpers import LoopThread, env
+from tests.helpers import LoopThread, env, tiny_data
 from tests.services.http_json import post_json
 
 
 @pytest.fixture(scope="module")
 def world_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
+    tiny_data(home / "data")
     with env("PRORAG_DATA", str(home / "data")):
         from prorag_app.embedded import ensure_indexes
 

@@ -13,7 +13,7 @@ from prorag.config import from_dict
 from prorag.io import read_jsonl
 from prorag.rpc.service import ServeConfig
 from prorag.training.context import StageStopped, local_context
-from tests.helpers import LoopThread, env
+from tests.helpers import LoopThread, env, tiny_data
 
 
 @contextmanager
@@ -21,6 +21,7 @@ def scripted_stack(data, engine_cls, judge: bool = False):
     """Yields {"policy", "prm", "retriever" (targets), "base" (the tiny base's directory), "engine", "loop"}, and
     "judge" (the reference judge on the tiny world) when asked; the PRM is a fresh head on the tiny base, saved
     under ``data``/prm. PRORAG_DATA points at ``data`` meanwhile."""
+    tiny_data(data)
     with env("PRORAG_DATA", str(data)):
         from transformers import AutoTokenizer
 

@@ -28,7 +28,7 @@ from prorag.config import from_dict
 from prorag.io import read_jsonl
 from prorag.training.context import local_context
 from tests.helpers import env
-from tests.helpers import free_port
+from tests.helpers import free_port, tiny_data
 
 REPO = Path(__file__).resolve().parents[3]
 #: seconds each policy engine call takes: a rollout or a search question spans several, so a kill lands inside one
@@ -89,6 +89,7 @@ def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     logs = root / "logs"
     logs.mkdir()
+    tiny_data(root / "data")
     with env("PRORAG_DATA", str(root / "data")):
         from prorag.modeling import save_pretrained
         from prorag.prm.model import prm_from_policy

@@ -18,7 +18,7 @@ import torch
 from prorag.rpc.clients import wait_for_health
 from prorag.rpc.clients_trainer import TrainerClient, state_name
 from prorag.rpc.service import ServeConfig
-from tests.helpers import LoopThread, env, free_port
+from tests.helpers import LoopThread, env, free_port, tiny_data
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[3]
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("sft") / "data"
+    tiny_data(d)
     with env("PRORAG_DATA", str(d)):
         from prorag_app.embedded import ensure_indexes, ensure_policy_model
 
