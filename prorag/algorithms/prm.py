@@ -56,6 +56,59 @@ def left_truncate(token_ids: Sequence[int], positions: Sequence[int], max_len: i
     return ids, shifted
 
 
+def shared_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Tokens at the start of ``a`` and ``b`` that are equal (their longest common prefix). Compared on ids, not
+    text: a step can tokenise differently across the boundary with what precedes it."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def branch_attention(rows: Sequence[tuple[int, int, int]], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention and positions for rows that each hold a prefix and two branches continuing it independently.
+
+    rows [B] of (prefix, first, second) token counts: a row's tokens are the prefix, then the first branch, then
+    the second, then padding up to ``length`` T (first = second = 0: a plain sequence). Returns (allowed
+    [B, T, T] bool, True where query i may attend key j; position_ids [B, T] long). Every token attends causally
+    to the prefix and its own branch only, and the second branch's positions restart where the prefix ends, so
+    each branch computes what it would as the continuation of the prefix in a sequence of its own. A padding
+    token attends only to itself (a query with no key would make softmax undefined) at position 0."""
+    if any(min(r) < 0 for r in rows):
+        raise ValueError("token counts must be >= 0")
+    if any(sum(r) > length for r in rows):
+        raise ValueError(f"a row holds more than length={length} tokens")
+    counts = torch.tensor([list(r) for r in rows], dtype=torch.long).reshape(len(rows), 3)
+    p, a, b = (counts[:, k:k + 1] for k in range(3))
+    idx = torch.arange(length).unsqueeze(0)  # [1, T]
+    seg = (idx >= p).long() + (idx >= p + a).long() + (idx >= p + a + b).long()  # [B, T]: 0 prefix .. 3 padding
+    q, k = seg.unsqueeze(2), seg.unsqueeze(1)  # [B, T, 1] query, [B, 1, T] key
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = causal & ((k == 0) | (k == q)) & (q < 3)
+    allowed |= (q == 3) & torch.eye(length, dtype=torch.bool)
+    positions = torch.where(seg == 2, idx - a, idx)
+    positions = torch.where(seg == 3, torch.zeros_like(positions), positions)
+    return allowed, positions
+
+
+def join_pair(chosen: Sequence[int], chosen_pos: int, rejected: Sequence[int], rejected_pos: int,
+              max_len: int) -> tuple[list[int], tuple[int, int, int], int, int] | None:
+    """One sequence for a pair of renderings that share their first tokens: (ids [prefix + chosen tail + rejected
+    tail], (prefix, chosen tail, rejected tail) counts for branch_attention, chosen score index, rejected score
+    index), or None where the pair must be encoded as two sequences: no token is shared, a score token lies in the
+    shared prefix (one rendering starts the other), or either rendering is longer than ``max_len`` (left
+    truncation would then cut the two differently)."""
+    if len(chosen) > max_len or len(rejected) > max_len:
+        return None
+    n = shared_prefix_length(chosen, rejected)
+    if n == 0 or chosen_pos < n or rejected_pos < n:
+        return None
+    ids = list(chosen) + list(rejected[n:])
+    return ids, (n, len(chosen) - n, len(rejected) - n), chosen_pos, len(chosen) + rejected_pos - n
+
+
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor,
                        margin: torch.Tensor | None = None) -> torch.Tensor:
     """Pairwise reward-model loss: mean of -log sigmoid(r_chosen - r_rejected - margin).
@@ -93,4 +146,5 @@ def auc(positive: Sequence[float], negative: Sequence[float]) -> float:
     return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 
 
-__all__ = ["auc", "bradley_terry_loss", "left_truncate", "pairwise_accuracy", "score_positions"]
+__all__ = ["auc", "bradley_terry_loss", "branch_attention", "join_pair", "left_truncate", "pairwise_accuracy",
+           "score_positions", "shared_prefix_length"]

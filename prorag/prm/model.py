@@ -91,4 +91,52 @@ def score_batch(model, sequences: Sequence[Sequence[int]], positions: Sequence[S
     return [[None if p is None else logits[i, p] for p in pos] for i, (_, pos) in enumerate(cut)]
 
 
-__all__ = ["load_prm", "prm_from_policy", "score_batch"]
+#: attention implementations that take a custom 4D mask (flash_attention_2 takes none: only padding and packing)
+BRANCH_ATTENTION = ("sdpa", "eager")
+
+
+def attn_implementation(model) -> str | None:
+    """The attention implementation ``model`` (or the module a wrapper holds) runs with."""
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+def score_branched(model, sequences: Sequence[Sequence[int]], branches: Sequence[tuple[int, int, int]],
+                   positions: Sequence[Sequence[int]], pad_id: int = 0) -> list[list[torch.Tensor]]:
+    """Score the listed positions of sequences that each hold a prefix and two branches continuing it, in one
+    forward pass with a custom attention mask (prorag.algorithms.prm.branch_attention).
+
+    sequences: B token-id lists, each its prefix, first branch and second branch; branches [B]: their (prefix,
+    first, second) token counts (first = second = 0 for a plain sequence); positions: per sequence, indices into
+    it. A second-branch token scores as it would right after the prefix in a sequence of its own, up to float
+    rounding (tests/prm/test_model.py). No truncation: the caller fits each branch into its max_len. The model
+    must run sdpa or eager attention (BRANCH_ATTENTION). Returns [B][S_b] scores as 0-d tensors; gradients flow
+    as in score_batch."""
+    from prorag.algorithms.prm import branch_attention
+
+    if not len(sequences) == len(branches) == len(positions):
+        raise InvalidArgument("one branches triple and one positions list per sequence")
+    impl = attn_implementation(model)
+    if impl not in BRANCH_ATTENTION:
+        raise InvalidArgument(f"branched scoring needs a custom attention mask: attn_implementation {impl!r} takes "
+                              f"none (use one of {', '.join(BRANCH_ATTENTION)})")
+    if any(sum(b) != len(ids) for ids, b in zip(sequences, branches)):
+        raise InvalidArgument("a sequence's branches must add up to its length")
+    T = max(len(ids) for ids in sequences)
+    x = torch.full((len(sequences), T), pad_id, dtype=torch.long)
+    for i, ids in enumerate(sequences):
+        x[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+    allowed, position_ids = branch_attention(branches, T)
+    param = next(model.parameters())
+    mask = allowed.unsqueeze(1).to(param.device)  # [B, 1, T, T]: one mask for every head
+    if impl == "eager":  # eager adds the mask to the scores: 0 where allowed, the dtype's lowest elsewhere
+        mask = torch.zeros(mask.shape, dtype=param.dtype, device=param.device).masked_fill_(
+            ~mask, torch.finfo(param.dtype).min)
+    # A 4D mask reaches the attention as given (transformers' create_causal_mask returns it unchanged); with a 2D
+    # mask or none, a position_ids restart would instead be read as sequence packing.
+    logits = model(input_ids=x.to(param.device), attention_mask=mask, position_ids=position_ids.to(param.device),
+                   use_cache=False).logits[..., 0].float()
+    return [[logits[i, p] for p in pos] for i, pos in enumerate(positions)]
+
+
+__all__ = ["BRANCH_ATTENTION", "attn_implementation", "load_prm", "prm_from_policy", "score_batch", "score_branched"]

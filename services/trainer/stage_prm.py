@@ -5,6 +5,10 @@ loop; here the score is read at each step's last token of the one rendering that
 (prorag.search.pairs.prm_inputs), so one forward pass later scores a whole trajectory, and the project's one loop
 gives checkpoints, exact resume, cancellation and the same events as every other stage. The objective is the
 same: -log sigmoid(r_chosen - r_rejected).
+
+A pair's two renderings share the question, the earlier steps and their documents; by default
+(pair_encoding "shared") the pair is one sequence holding that prefix once, the rejected step masked from the
+chosen one and its positions restarting where the prefix ends, so each step scores as in its own sequence.
 """
 
 from __future__ import annotations
@@ -45,6 +49,12 @@ class PRMConfig(TrainRunConfig):
     max_len: int = cfg_field(2048, help="longest input; longer ones are cut on the left, after the prompt",
                              min=16)
     publish_name: str = cfg_field("prm", help="publish as name@<job id> under data/prms/<world>")
+    pair_encoding: str = cfg_field("shared", help="how a pair reaches the model: shared (one sequence, the shared "
+                                                  "prefix once, the rejected step masked from the chosen one; same "
+                                                  "scores, fewer tokens) or separate (two full sequences). shared "
+                                                  "needs sdpa or eager attention; under flash_attention_2, and for "
+                                                  "pairs sharing no tokens or longer than max_len, it is separate",
+                                   choices=("shared", "separate"))
 
     def validate(self) -> None:
         from prorag.config import ConfigError
@@ -74,17 +84,57 @@ def encode_pairs(tokenizer, pairs, source: str) -> list[tuple[list[int], int, li
     return out
 
 
-def pair_scores(model, batch, max_len: int, pad_id: int, keep_prefix: int = 0):
-    """[N] chosen and [N] rejected scores of a batch of encoded pairs, in one forward pass."""
+def pair_rows(batch, max_len: int, keep_prefix: int = 0, encoding: str = "shared"):
+    """The rows one forward pass scores a batch of encoded pairs from: (sequences, branches, positions).
+
+    encoding "shared": a pair whose two renderings share their first tokens is one row, the shared prefix once
+    then the chosen and the rejected step's tokens (prorag.algorithms.prm.join_pair); the others, and every pair
+    under "separate", two rows, each left-truncated to max_len after keep_prefix. Rows [R] of ids; branches [R]
+    (prefix, first, second) counts (prorag.algorithms.prm.branch_attention); positions [R] of score indices: for
+    pair k, chosen then rejected are read from the rows it owns, in order (see pair_scores)."""
+    from prorag.algorithms.prm import join_pair, left_truncate
+
+    seqs, branches, pos = [], [], []
+    for c_ids, c_pos, r_ids, r_pos in batch:
+        joined = join_pair(c_ids, c_pos, r_ids, r_pos, max_len) if encoding == "shared" else None
+        if joined is not None:
+            ids, counts, c_at, r_at = joined
+            seqs.append(ids)
+            branches.append(counts)
+            pos.append([c_at, r_at])
+            continue
+        for ids, p in ((c_ids, c_pos), (r_ids, r_pos)):
+            cut, (at,) = left_truncate(ids, [p], max_len, keep_prefix)
+            seqs.append(cut)
+            branches.append((len(cut), 0, 0))
+            pos.append([at])
+    return seqs, branches, pos
+
+
+def pair_scores(model, batch, max_len: int, pad_id: int, keep_prefix: int = 0, encoding: str = "shared"):
+    """([N] chosen, [N] rejected scores, tokens processed) of a batch of encoded pairs, in one forward pass.
+
+    encoding "separate": two full sequences per pair, causal attention with no mask (prorag.prm.model.score_batch);
+    "shared": pair_rows' rows with a branch mask (score_branched), the same scores up to float rounding
+    (tests/services/trainer/test_prm_pairs.py). Training and the held-out accuracy both score through here.
+    The mask's cost: SDPA given a mask computes the whole T x T square where the causal kernel skips the upper
+    half, so attention grows with the joined length (about 1.3-1.5 times a pair's longer rendering); the linear
+    layers, most of the compute at these lengths, see the prefix once."""
     import torch
 
-    from prorag.prm.model import score_batch
+    from prorag.prm.model import score_batch, score_branched
 
-    seqs = [b[0] for b in batch] + [b[2] for b in batch]
-    pos = [[b[1]] for b in batch] + [[b[3]] for b in batch]
-    scores = torch.stack([s[0] for s in score_batch(model, seqs, pos, max_len, pad_id, keep_prefix)])
-    n = len(batch)
-    return scores[:n], scores[n:]
+    rows = pair_rows(batch, max_len, keep_prefix, encoding) if encoding == "shared" else None
+    if rows is None or all(len(p) == 1 for p in rows[2]):  # nothing joined: the unmasked causal kernel is cheaper
+        seqs = [b[0] for b in batch] + [b[2] for b in batch]
+        pos = [[b[1]] for b in batch] + [[b[3]] for b in batch]
+        scores = torch.stack([s[0] for s in score_batch(model, seqs, pos, max_len, pad_id, keep_prefix)])
+        n = len(batch)
+        return scores[:n], scores[n:], sum(min(len(s), max_len) for s in seqs)
+    seqs, branches, pos = rows
+    flat = [s for row in score_branched(model, seqs, branches, pos, pad_id) for s in row]
+    scores = torch.stack(flat).reshape(len(batch), 2)  # each pair owns two scores, chosen first, in batch order
+    return scores[:, 0], scores[:, 1], sum(len(s) for s in seqs)
 
 
 def run_prm(ctx: JobContext) -> dict:
@@ -94,7 +144,7 @@ def run_prm(ctx: JobContext) -> dict:
     from prorag.algorithms.prm import bradley_terry_loss, pairwise_accuracy
     from prorag.search.pairs import load_pairs
     from prorag.modeling import prepare_for_training
-    from prorag.prm.model import prm_from_policy
+    from prorag.prm.model import BRANCH_ATTENTION, attn_implementation, prm_from_policy
 
     cfg: PRMConfig = ctx.config
     cfg.apply_threads()
@@ -112,25 +162,28 @@ def run_prm(ctx: JobContext) -> dict:
                                  f"{' and '.join(p for p in (cfg.pairs, cfg.extra_pairs) if p)} "
                                  f"({len(pairs)} pairs read)")
     pad = tokenizer.pad_token_id
+    # the branch mask needs an attention that takes a custom mask; flash_attention_2 takes none
+    encoding = cfg.pair_encoding if attn_implementation(model) in BRANCH_ATTENTION else "separate"
     total, batch_at = accumulated_epochs(train, cfg.batch_size, cfg.grad_accum, cfg.epochs, cfg.seed)
 
     def loss_fn(m, batch):
-        chosen, rejected = pair_scores(m, batch, cfg.max_len, pad)
-        return bradley_terry_loss(chosen, rejected), sum(len(b[0]) + len(b[2]) for b in batch)
+        chosen, rejected, tokens = pair_scores(m, batch, cfg.max_len, pad, encoding=encoding)
+        return bradley_terry_loss(chosen, rejected), tokens
 
     result = run_loop(ctx, model, batch_at, loss_fn, cfg.loop_config(total, grad_accum=cfg.grad_accum),
                       placement=placement)
     if not result.completed:
         return {}
     model.eval()
-    metrics = {"final_loss": result.loss, "train_pairs": len(train), "heldout_pairs": len(held)}
+    metrics = {"final_loss": result.loss, "train_pairs": len(train), "heldout_pairs": len(held),
+               "shared_pairs": sum(len(r) == 2 for r in pair_rows(train, cfg.max_len, encoding=encoding)[2])}
     if held:
         # every process of a launch scores all of them: under FSDP each forward is a collective
         with torch.no_grad(), placement.autocast():
             c, r = [], []
             for i in range(0, len(held), cfg.batch_size):
-                sc, sr = call_in_engine(model, lambda m, part=held[i:i + cfg.batch_size]:
-                                        pair_scores(m, part, cfg.max_len, pad))
+                sc, sr, _ = call_in_engine(model, lambda m, part=held[i:i + cfg.batch_size]:
+                                           pair_scores(m, part, cfg.max_len, pad, encoding=encoding))
                 c += sc.tolist()
                 r += sr.tolist()
         metrics["heldout_pairwise_accuracy"] = pairwise_accuracy(c, r)
