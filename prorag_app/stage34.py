@@ -140,6 +140,10 @@ def rl_summary(iterations_path: str | Path) -> dict:
             early = statistics.fmean(float(r.get(key, 0.0)) for r in rows[:half])
             late = statistics.fmean(float(r.get(key, 0.0)) for r in rows[len(rows) - half:])
             out[f"{key.removesuffix('_mean')}_halves"] = [early, late]
+        # over the start model's F1 on the same questions (jobs with a pool): the draw of questions cancels
+        if all("start_f1_mean" in r for r in rows):
+            gains = [float(r["f1_mean"]) - float(r["start_f1_mean"]) for r in rows]
+            out["f1_gain_halves"] = [statistics.fmean(gains[:half]), statistics.fmean(gains[len(rows) - half:])]
 
     def fraction(part: str, whole: str) -> float:
         return sum(float(r.get(part, 0)) for r in rows) / max(1.0, sum(float(r.get(whole, 0)) for r in rows))
@@ -149,7 +153,8 @@ def rl_summary(iterations_path: str | Path) -> dict:
     # and the rollouts' mean reward, what shows whether RL is learning at all
     out["per_iteration"] = [{"iteration": int(r.get("iteration", i)),
                              "groups_flat_fraction": float(r.get("groups_flat", 0)) / max(1.0, float(r.get("groups", 0))),
-                             "reward_mean": float(r.get("reward_mean", 0.0)), "f1_mean": float(r.get("f1_mean", 0.0))}
+                             "reward_mean": float(r.get("reward_mean", 0.0)), "f1_mean": float(r.get("f1_mean", 0.0)),
+                             **({"start_f1_mean": float(r["start_f1_mean"])} if "start_f1_mean" in r else {})}
                             for i, r in enumerate(rows)]
     if any("groups_uncredited" in r for r in rows):  # jobs from before these counts have none
         out["groups_uncredited_fraction"] = fraction("groups_uncredited", "groups")
@@ -331,7 +336,7 @@ def print_rl(rl: dict) -> None:
         return
     table = Table(title="RL jobs: median seconds per iteration, and what the rollouts scored")
     cols = ("method", "iterations", "questions", "rollout", "PRM", "update", "adapter sync", "reward first/last",
-            "F1 first/last", "F1 first/second half", "flat groups")
+            "F1 first/last", "F1 first/second half", "F1 - start model's, halves", "flat groups")
     for col in cols:
         table.add_column(col, justify="left" if col == "method" else "right")
     for m, s in rl.items():
@@ -342,6 +347,7 @@ def print_rl(rl: dict) -> None:
                       f"{s['median_adapter_sync_s']:.2f}", f"{s['reward_first']:.2f}/{s['reward_last']:.2f}",
                       f"{s['f1_first']:.2f}/{s['f1_last']:.2f}",
                       "/".join(f"{v:.3f}" for v in s["f1_halves"]) if "f1_halves" in s else "-",
+                      "/".join(f"{v:+.3f}" for v in s["f1_gain_halves"]) if "f1_gain_halves" in s else "-",
                       f"{100 * s['groups_flat_fraction']:.0f}%")
     console.print(table)
 

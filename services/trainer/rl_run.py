@@ -43,6 +43,9 @@ class RLRun:
     policy: Any = None  # PolicyClient on the main process
     prm: Any = None  # PRMClient on the main process when the PRM scores steps
     loop: Any = None  # the TrainingLoop, once entered
+    #: question id -> the start model's mean sampled F1 on it, from question_pool (empty without one): what each
+    #: iteration's rollouts are read against, the same questions before any update
+    start_f1: dict = field(default_factory=dict)
 
     @property
     def cfg(self) -> RLConfig:

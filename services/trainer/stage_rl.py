@@ -63,7 +63,8 @@ PRM_SCORING_VERSION = 3
 
 # what callers read from the stage by name (the pipeline, diagnostics, tests)
 __all__ = ["ORACLE_LOGIT", "ORACLE_SCORING_VERSION", "PRM_SCORING_VERSION", "RLConfig", "adapter_version", "collect",
-           "oracle_step_logits", "policy_lag", "pool_questions", "read_question_pool", "run_rl", "select_questions"]
+           "oracle_step_logits", "policy_lag", "pool_questions", "pool_start_f1", "read_question_pool", "run_rl",
+           "select_questions", "start_f1_mean"]
 
 
 # ---------------------------------------------------------------- the questions
@@ -97,6 +98,20 @@ def read_question_pool(path: str | Path, world: str, split: str, max_solve_rate:
                                  f"questions (e.g. {unrated[0]!r}), so pool_max_solve_rate cannot select from it "
                                  "(rebuild it with the rlpool stage)")
     return [q for q in pool["pool"] if rates[q]["solve_rate"] <= max_solve_rate + 1e-9]
+
+
+def pool_start_f1(path: str | Path) -> dict[str, float]:
+    """question id -> the mean F1 of the pool agent's samples on it, as a pool artifact (stage rlpool) records it
+    ({} for an artifact without per-question figures)."""
+    rates = json.loads(Path(path).read_text()).get("questions", {})
+    return {q: float(r["f1_mean"]) for q, r in rates.items() if "f1_mean" in r}
+
+
+def start_f1_mean(start_f1: dict[str, float], questions) -> float | None:
+    """The start model's mean sampled F1 over ``questions`` [Q] (each question weighted once, as each group is),
+    or None when the pool records none of them."""
+    known = [start_f1[q.id] for q in questions if q.id in start_f1]
+    return sum(known) / len(known) if known else None
 
 
 def rl_questions(cfg: RLConfig) -> list:
@@ -142,7 +157,8 @@ def start_run(ctx: JobContext) -> RLRun:
     ctx.seed_everything(cfg.seed)
     # the base is frozen under the adapter: stored in the compute dtype, the LoRA weights in float32
     model, tokenizer = load_for_training(base, placement, frozen=True, gradient_checkpointing=cfg.gradient_checkpointing)
-    run = RLRun(ctx, qs, build_lora(model, cfg), tokenizer, placement, base, base_sha)
+    run = RLRun(ctx, qs, build_lora(model, cfg), tokenizer, placement, base, base_sha,
+                start_f1=pool_start_f1(cfg.question_pool) if cfg.question_pool else {})
     # On a launch of several processes every process trains on each iteration's rollouts, but only the main one
     # talks to the services (publishes, pushes, rolls out, asks the PRM) and keeps the journal.
     if ctx.is_main:
@@ -161,8 +177,12 @@ def iteration_data(run: RLRun, iteration: int) -> tuple[str, dict, IterationData
         return iteration_from_kept(blob)
     cfg, ctx = run.cfg, run.ctx
     version, push = publish_and_push(run, iteration)
-    data = from_main(run.acc, partial(collect, cfg, questions_at(run, iteration), iteration, ctx.job_id,
+    questions = questions_at(run, iteration)
+    data = from_main(run.acc, partial(collect, cfg, questions, iteration, ctx.job_id,
                                       f"{cfg.adapter_name}@{version}", run.policy, run.prm))
+    start = start_f1_mean(run.start_f1, questions)
+    if start is not None:  # the same questions' F1 under the start model: a rise over it is learning, not the draw
+        data.stats["start_f1_mean"] = start
     if cfg.recompute_old_logprobs and data.samples:
         recompute_old_logprobs(run, data.samples)
     keep_iteration(run, iteration, version, push, data)

@@ -3,6 +3,8 @@ shared question pool) and what the stage reports."""
 
 from __future__ import annotations
 
+import pytest
+
 from prorag_app.stage34 import _job_id
 
 
@@ -97,7 +99,13 @@ def test_rl_summary_reports_zero_variance_groups_and_reward_per_iteration(tmp_pa
     assert s["f1_halves"] == [0.1, 0.4] and s["reward_halves"] == [0.5, 1.5]
     # an odd count leaves the middle iteration out of both halves
     path.write_text("".join(json.dumps({"iteration": i, "f1_mean": f}) + "\n" for i, f in enumerate((0.1, 0.2, 0.9))))
-    assert rl_summary(path)["f1_halves"] == [0.1, 0.9]
+    assert rl_summary(path)["f1_halves"] == [0.1, 0.9] and "f1_gain_halves" not in rl_summary(path)
+    # with a pool, each iteration's F1 is also read against the start model's on the same questions
+    path.write_text("".join(json.dumps({"iteration": i, "f1_mean": f, "start_f1_mean": s}) + "\n"
+                            for i, (f, s) in enumerate(((0.3, 0.4), (0.5, 0.3)))))
+    summary = rl_summary(path)
+    assert summary["f1_gain_halves"] == pytest.approx([-0.1, 0.2])
+    assert summary["per_iteration"][1]["start_f1_mean"] == 0.3
 
 
 def test_comparisons_name_the_oracle_ceiling_and_the_same_start_headline():

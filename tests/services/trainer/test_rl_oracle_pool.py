@@ -244,7 +244,9 @@ def test_rl_with_a_question_pool_draws_only_its_questions(services, tmp_path, on
     train = load_split(paths.world_dir("tiny"), "train")
     picked = [train[1].id, train[4].id, train[6].id]
     path = tmp_path / "pool.json"
-    path.write_text(json.dumps({"world": "tiny", "split": "train", "pool": picked}))
+    start_f1 = dict(zip(picked, (0.25, 0.5, 1.0)))  # the pool agent's mean sampled F1 on each
+    path.write_text(json.dumps({"world": "tiny", "split": "train", "pool": picked,
+                                "questions": {q: {"f1_mean": f} for q, f in start_f1.items()}}))
     cfg = _config(services, prm="", beta=0.0, question_pool=str(path), max_questions=0, iterations=3)
     asked: list[str] = []
     real_rollout = PolicyClient.rollout
@@ -260,6 +262,12 @@ def test_rl_with_a_question_pool_draws_only_its_questions(services, tmp_path, on
     assert out["questions_drawn_from"] == 3.0 and out["total_kept"] == (2 + 1 + 2) * 4
     first = list(asked)
     assert len(first) == 5 and set(first[:3]) == set(picked) and set(first) == set(picked)
+    # each iteration's journal row reads its rollouts against the start model's F1 on the same questions
+    journal = next((tmp_path / "rl-pool").rglob("rl-iterations.jsonl"))
+    rows = [json.loads(line) for line in journal.read_text().splitlines()]
+    drawn = [first[:2], first[2:3], first[3:]]
+    assert [r["start_f1_mean"] for r in rows] == pytest.approx(
+        [sum(start_f1[q] for q in qs) / len(qs) for qs in drawn])
     asked.clear()
     run_rl(local_context(tmp_path / "rl-pool-again", cfg, stage="rl"))
     assert asked == first  # the same seeded draw for every method that reads the same pool
