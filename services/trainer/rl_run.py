@@ -44,7 +44,9 @@ class RLRun:
     prm: Any = None  # PRMClient on the main process when the PRM scores steps
     loop: Any = None  # the TrainingLoop, once entered
     #: question id -> the start model's mean sampled F1 on it, from question_pool (empty without one): what each
-    #: iteration's rollouts are read against, the same questions before any update
+    #: iteration's rollouts are read against, the same questions before any update. Where the pool was filtered by
+    #: these same samples (pool_max_solve_rate) they read low (regression to the mean); iteration 0, rolled out
+    #: before any update, measures that offset
     start_f1: dict = field(default_factory=dict)
 
     @property
