@@ -403,8 +403,11 @@ def test_recomputed_log_probs_match_a_real_engines_sampling_log_probs(services, 
     from prorag.training.lora import RLSample, build_lora, collate_rl, token_logprobs
 
     loop = services["loop"]
+    # the base itself, never an adapter the world's adapter root records as active for it: the tests' bases are
+    # copies of one build, so an RL test before this one in the same worker may have activated one for its weights
     real = loop.run(start_policy(ServeConfig(port=0, http_port=-1),
-                                 PolicyConfig(model=services["base"], world="tiny", retriever=services["retriever"])))
+                                 PolicyConfig(model=services["base"], world="tiny", retriever=services["retriever"],
+                                              restore_active=False)))
     try:
         with PolicyClient(f"127.0.0.1:{real.grpc_port}") as c:
             trajs = [t for t in c.rollout([("q", "Who founded Kest?")], c.sampling(n=2, temperature=1.0, max_tokens=24,
