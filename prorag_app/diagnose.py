@@ -28,7 +28,7 @@ from prorag.rpc.clients import PolicyClient, push_adapter
 from prorag_app.pipeline import eval_options
 from prorag_app.run_tables import console
 from prorag_app.stack import ServiceStack
-from services.trainer.stage_rl import adapter_version, select_questions
+from services.trainer.stage_rl import adapter_version, read_question_pool, select_questions
 
 #: the RL methods that start from the SFT agent, so their adapters are served over it and read against it
 #: (ProRAG proper starts from the RFT model: its reference would be RFT, which this does not serve)
@@ -47,12 +47,15 @@ def pool_of(run: dict) -> dict | None:
 
 
 def question_sets(run: dict, n: int, seed: int = 0) -> dict[str, list]:
-    """{"pool": up to n of the questions the run's RL drew from (its pool's, or without one the RL's own selection
-    of its split), "unseen": up to n dev deep questions}, each a seeded draw in the split's order."""
+    """{"pool": up to n of the questions the run's RL drew from (its pool's that pool_max_solve_rate kept, or without
+    a pool the RL's own selection of its split), "unseen": up to n dev deep questions}, each a seeded draw in the
+    split's order."""
     world = run["world"]
     pool, rl = pool_of(run), ((run.get("stage34") or {}).get("settings") or {}).get("rl") or {}
     if pool is not None:
-        wanted = set(pool["pool"])
+        # the learnable questions the RL kept (pool_max_solve_rate), not the whole pool: the others it never drew
+        wanted = set(read_question_pool(run["stage34"]["pool"]["path"], pool["world"], pool["split"],
+                                        float(rl.get("pool_max_solve_rate", 1.0))))
         pool_qs = [q for q in load_split(paths.world_dir(world), pool["split"]) if q.id in wanted]
     else:
         pool_qs = load_split(paths.world_dir(world), rl.get("split", "train"))
