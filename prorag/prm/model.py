@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from prorag.algorithms.prm import left_truncate
+from prorag.algorithms.prm import branch_attention, left_truncate
 from prorag.errors import InvalidArgument, NotFound
 from prorag.modeling import _dtype, _quiet, add_format_tokens
 
@@ -112,7 +112,6 @@ def score_branched(model, sequences: Sequence[Sequence[int]], branches: Sequence
     rounding (tests/prm/test_model.py). No truncation: the caller fits each branch into its max_len. The model
     must run sdpa or eager attention (BRANCH_ATTENTION). Returns [B][S_b] scores as 0-d tensors; gradients flow
     as in score_batch."""
-    from prorag.algorithms.prm import branch_attention
 
     if not len(sequences) == len(branches) == len(positions):
         raise InvalidArgument("one branches triple and one positions list per sequence")

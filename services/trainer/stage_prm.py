@@ -92,6 +92,7 @@ def pair_rows(batch, max_len: int, keep_prefix: int = 0, encoding: str = "shared
     under "separate", two rows, each left-truncated to max_len after keep_prefix. Rows [R] of ids; branches [R]
     (prefix, first, second) counts (prorag.algorithms.prm.branch_attention); positions [R] of score indices: for
     pair k, chosen then rejected are read from the rows it owns, in order (see pair_scores)."""
+    # torch comes with these: imported when a job runs, not when the trainer registers its stages
     from prorag.algorithms.prm import join_pair, left_truncate
 
     seqs, branches, pos = [], [], []
@@ -120,7 +121,7 @@ def pair_scores(model, batch, max_len: int, pad_id: int, keep_prefix: int = 0, e
     The mask's cost: SDPA given a mask computes the whole T x T square where the causal kernel skips the upper
     half, so attention grows with the joined length (about 1.3-1.5 times a pair's longer rendering); the linear
     layers, most of the compute at these lengths, see the prefix once."""
-    import torch
+    import torch  # when a job runs, not when the trainer registers its stages
 
     from prorag.prm.model import score_batch, score_branched
 
@@ -144,7 +145,7 @@ def run_prm(ctx: JobContext) -> dict:
     from prorag.algorithms.prm import bradley_terry_loss, pairwise_accuracy
     from prorag.search.pairs import load_pairs
     from prorag.modeling import prepare_for_training
-    from prorag.prm.model import BRANCH_ATTENTION, attn_implementation, prm_from_policy
+    from prorag.prm.model import BRANCH_ATTENTION, attn_implementation, prm_from_policy  # torch, as above
 
     cfg: PRMConfig = ctx.config
     cfg.apply_threads()
