@@ -15,8 +15,12 @@ import time
 from dataclasses import dataclass
 
 from prorag.config import cfg_field
-from prorag.search.mcts import MCTSConfig
+from prorag.io import write_jsonl
+from prorag.rpc.clients import JudgeClient
+from prorag.search.mcts import MCTSConfig, extract_pairs, search
+from prorag.search.pairs import StepPair, label_agreement
 from prorag.training.context import JobContext
+from services.trainer.search_env import SearchServices, resume_questions, run_questions
 from services.trainer.stages import PolicySamplingConfig, register_stage, resolve_model
 
 
@@ -73,13 +77,7 @@ def flat_counts(by_kind: dict[str, dict[str, int]], prefix: str = "pairs_by_kind
 
 
 def run_mcts(ctx: JobContext) -> dict:
-    from transformers import AutoTokenizer
-
-    from prorag.rpc.clients import JudgeClient
-    from prorag.io import write_jsonl
-    from prorag.search.mcts import extract_pairs, search
-    from services.trainer.search_env import SearchServices, resume_questions, run_questions
-    from prorag.search.pairs import StepPair, label_agreement
+    from transformers import AutoTokenizer  # heavy: imported when a job runs, not when the trainer registers stages
 
     cfg: MCTSStageConfig = ctx.config
     qs, by_id, journal, done, todo = resume_questions(ctx, cfg, "mcts-journal.jsonl", "searched")

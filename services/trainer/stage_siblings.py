@@ -36,8 +36,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from prorag import paths
 from prorag.config import cfg_field
+from prorag.data.loaders import load_split
+from prorag.data.world.files import entity_relations
+from prorag.io import write_jsonl
+from prorag.rpc.clients import JudgeClient, call_with_service_wait
+from prorag.search.pairs import StepPair
 from prorag.training.context import JobContext
+from services.trainer.search_env import SearchServices, resume_questions, run_questions
 from services.trainer.stage_mcts import flat_counts, hash_id, judge_pairs, pair_counts
 from services.trainer.stages import PolicySamplingConfig, register_stage, resolve_model
 
@@ -357,15 +364,7 @@ def reason_counts(pairs: list, top: int = 8) -> dict[str, dict[str, int]]:
 
 
 def run_siblings(ctx: JobContext) -> dict:
-    from transformers import AutoTokenizer
-
-    from prorag import paths
-    from prorag.data.loaders import load_split
-    from prorag.data.world.files import entity_relations
-    from prorag.rpc.clients import JudgeClient, call_with_service_wait
-    from prorag.io import write_jsonl
-    from services.trainer.search_env import SearchServices, resume_questions, run_questions
-    from prorag.search.pairs import StepPair
+    from transformers import AutoTokenizer  # heavy: imported when a job runs, not when the trainer registers stages
 
     cfg: SiblingsStageConfig = ctx.config
     qs, by_id, journal, done, todo = resume_questions(ctx, cfg, "siblings-journal.jsonl", "sampled")
