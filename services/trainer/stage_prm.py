@@ -16,8 +16,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from prorag.config import cfg_field
+import torch
+
+from prorag.algorithms.mcts import pair_kind
+from prorag.algorithms.prm import bradley_terry_loss, join_pair, left_truncate, pairwise_accuracy
+from prorag.config import ConfigError, cfg_field
 from prorag.errors import FailedPrecondition
+from prorag.modeling import prepare_for_training
+from prorag.prm.model import BRANCH_ATTENTION, attn_implementation, prm_from_policy, score_batch, score_branched
+from prorag.search.pairs import load_pairs, prm_inputs
 from prorag.training.context import JobContext
 from prorag.training.loop import accumulated_epochs, call_in_engine, run_loop
 from prorag.training.run_config import TrainRunConfig
@@ -27,7 +34,6 @@ from services.trainer.stages import publish_trained, register_stage, resolve_mod
 @dataclass
 class PRMConfig(TrainRunConfig):
     """Train a PRM (the policy's trunk with a scalar head) on labelled sibling pairs."""
-
     world: str = cfg_field("default", help="embedded world whose registry receives the PRM")
     pairs: str = cfg_field("", help="required: JSONL of sibling pairs (prorag.search.pairs.StepPair rows), e.g. the "
                                     "MCTS stage's output")
@@ -57,8 +63,6 @@ class PRMConfig(TrainRunConfig):
                                    choices=("shared", "separate"))
 
     def validate(self) -> None:
-        from prorag.config import ConfigError
-
         super().validate()
         if self.batch_size % self.grad_accum:
             raise ConfigError("grad_accum", f"must divide batch_size ({self.batch_size}), got {self.grad_accum}")
@@ -71,8 +75,6 @@ def _held_out(question_id: str, share: float) -> bool:
 
 def encode_pairs(tokenizer, pairs, source: str) -> list[tuple[list[int], int, list[int], int]]:
     """(chosen ids, chosen score position, rejected ids, rejected position) per labelled pair."""
-    from prorag.search.pairs import prm_inputs
-
     out = []
     for p in pairs:
         choice = p.label(source)
@@ -92,9 +94,6 @@ def pair_rows(batch, max_len: int, keep_prefix: int = 0, encoding: str = "shared
     under "separate", two rows, each left-truncated to max_len after keep_prefix. Rows [R] of ids; branches [R]
     (prefix, first, second) counts (prorag.algorithms.prm.branch_attention); positions [R] of score indices: for
     pair k, chosen then rejected are read from the rows it owns, in order (see pair_scores)."""
-    # torch comes with these: imported when a job runs, not when the trainer registers its stages
-    from prorag.algorithms.prm import join_pair, left_truncate
-
     seqs, branches, pos = [], [], []
     for c_ids, c_pos, r_ids, r_pos in batch:
         joined = join_pair(c_ids, c_pos, r_ids, r_pos, max_len) if encoding == "shared" else None
@@ -121,10 +120,6 @@ def pair_scores(model, batch, max_len: int, pad_id: int, keep_prefix: int = 0, e
     The mask's cost: SDPA given a mask computes the whole T x T square where the causal kernel skips the upper
     half, so attention grows with the joined length (about 1.3-1.5 times a pair's longer rendering); the linear
     layers, most of the compute at these lengths, see the prefix once."""
-    import torch  # when a job runs, not when the trainer registers its stages
-
-    from prorag.prm.model import score_batch, score_branched
-
     rows = pair_rows(batch, max_len, keep_prefix, encoding) if encoding == "shared" else None
     if rows is None or all(len(p) == 1 for p in rows[2]):  # nothing joined: the unmasked causal kernel is cheaper
         seqs = [b[0] for b in batch] + [b[2] for b in batch]
@@ -139,14 +134,6 @@ def pair_scores(model, batch, max_len: int, pad_id: int, keep_prefix: int = 0, e
 
 
 def run_prm(ctx: JobContext) -> dict:
-    import torch
-
-    from prorag.algorithms.mcts import pair_kind
-    from prorag.algorithms.prm import bradley_terry_loss, pairwise_accuracy
-    from prorag.search.pairs import load_pairs
-    from prorag.modeling import prepare_for_training
-    from prorag.prm.model import BRANCH_ATTENTION, attn_implementation, prm_from_policy  # torch, as above
-
     cfg: PRMConfig = ctx.config
     cfg.apply_threads()
     placement = cfg.placement()
