@@ -121,6 +121,17 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor,
     return -F.logsigmoid(diff).mean()
 
 
+def verdict_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Pointwise term beside :func:`bradley_terry_loss` for judge-labelled pairs, whose chosen step the judge
+    accepted and whose rejected step it rejected: mean of (-log sigmoid(r_chosen) - log sigmoid(-r_rejected)) / 2.
+
+    chosen [N], rejected [N] scalar scores -> scalar. Why: Bradley-Terry fixes only differences within a pair, and
+    nearly every pair holds two steps of one kind, so each kind's level floats free (a sound subquery may score
+    below an unsound answer); a step score read on its own (ProRAG's sigmoid(PRM), RFT's logit >= 0) and a
+    comparison across kinds need sound steps above 0 and unsound ones below, which this term asks for."""
+    return -(F.logsigmoid(chosen.float()) + F.logsigmoid(-rejected.float())).mean() / 2
+
+
 def pairwise_accuracy(chosen: Sequence[float], rejected: Sequence[float]) -> float:
     """Share of pairs whose chosen step scores strictly higher; ties count half."""
     if len(chosen) != len(rejected) or not chosen:
@@ -147,4 +158,4 @@ def auc(positive: Sequence[float], negative: Sequence[float]) -> float:
 
 
 __all__ = ["auc", "bradley_terry_loss", "branch_attention", "join_pair", "left_truncate", "pairwise_accuracy",
-           "score_positions", "shared_prefix_length"]
+           "score_positions", "shared_prefix_length", "verdict_loss"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from prorag.algorithms.mcts import pair_kind
-from prorag.algorithms.prm import bradley_terry_loss, join_pair, left_truncate, pairwise_accuracy
+from prorag.algorithms.prm import bradley_terry_loss, join_pair, left_truncate, pairwise_accuracy, verdict_loss
 from prorag.config import ConfigError, cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.modeling import prepare_for_training
@@ -62,8 +62,18 @@ class PRMConfig(TrainRunConfig):
                                                   "pairs sharing no tokens or longer than max_len, it is separate",
                                    choices=("shared", "separate"))
 
+    verdict_weight: float = cfg_field(0.0, help="weight of a pointwise term beside Bradley-Terry: the judge's accepted "
+                                                "step above 0, its rejected one below (prorag.algorithms.prm."
+                                                "verdict_loss), so scores compare across step kinds and a score "
+                                                "means something on its own; 0 = Bradley-Terry alone, as ProRAG "
+                                                "trains it. Needs judge verdicts: label_source judge or both",
+                                      min=0.0, max=100.0)
+
     def validate(self) -> None:
         super().validate()
+        if self.verdict_weight and self.label_source == "value":
+            raise ConfigError("verdict_weight", "needs the judge's verdicts (label_source judge or both): a value "
+                                                "label says which sibling led to more reward, not that either is sound")
         if self.batch_size % self.grad_accum:
             raise ConfigError("grad_accum", f"must divide batch_size ({self.batch_size}), got {self.grad_accum}")
 
@@ -156,7 +166,10 @@ def run_prm(ctx: JobContext) -> dict:
 
     def loss_fn(m, batch):
         chosen, rejected, tokens = pair_scores(m, batch, cfg.max_len, pad, encoding=encoding)
-        return bradley_terry_loss(chosen, rejected), tokens
+        loss = bradley_terry_loss(chosen, rejected)
+        if cfg.verdict_weight:
+            loss = loss + cfg.verdict_weight * verdict_loss(chosen, rejected)
+        return loss, tokens
 
     result = run_loop(ctx, model, batch_at, loss_fn, cfg.loop_config(total, grad_accum=cfg.grad_accum),
                       placement=placement)
@@ -175,6 +188,8 @@ def run_prm(ctx: JobContext) -> dict:
                 c += sc.tolist()
                 r += sr.tolist()
         metrics["heldout_pairwise_accuracy"] = pairwise_accuracy(c, r)
+        # the judge accepted every chosen step and rejected every other: how often a score's sign alone says so
+        metrics["heldout_verdict_accuracy"] = (sum(x > 0 for x in c) + sum(x < 0 for x in r)) / (2 * len(c))
         # per step kind: one kind's pairs can outnumber the rest, and the overall figure then hides another's
         kinds = [p.meta.get("step_kind") or pair_kind(p.steps[0].kind, p.steps[1].kind) for p in held_pairs]
         for kind in sorted(set(kinds)):

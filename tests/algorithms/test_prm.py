@@ -39,6 +39,41 @@ def test_bradley_terry_loss():
     assert prm.bradley_terry_loss(c, r, margin=torch.tensor([2.0, 0.0])).item() == pytest.approx(math.log(2.0))
 
 
+def test_verdict_loss_asks_accepted_steps_above_zero_and_rejected_below():
+    c, r = torch.tensor([2.0, 0.0]), torch.tensor([-1.0, 0.0])
+    sp = lambda x: math.log1p(math.exp(x))  # -log sigmoid(-x)
+    want = ((sp(-2.0) + sp(-1.0)) / 2 + (sp(0.0) + sp(0.0)) / 2) / 2
+    assert prm.verdict_loss(c, r).item() == pytest.approx(want, rel=1e-6)
+    # unlike Bradley-Terry, a shift of both scores changes it: the level of a kind is no longer free
+    assert prm.bradley_terry_loss(c + 5, r + 5).item() == pytest.approx(prm.bradley_terry_loss(c, r).item())
+    assert prm.verdict_loss(c + 5, r + 5).item() != pytest.approx(prm.verdict_loss(c, r).item())
+    assert prm.verdict_loss(torch.tensor([30.0]), torch.tensor([-30.0])).item() < 1e-6
+
+
+def _fit_two_kinds(verdict_weight: float):
+    """A scorer w * x + b[kind] on pairs within two kinds (chosen x = +1, rejected x = -1), its kind levels
+    starting apart (+8, -8) as a fine-tuned trunk's may; returns (chosen scores, rejected scores) of both kinds."""
+    w, b = torch.zeros(1, requires_grad=True), torch.tensor([8.0, -8.0], requires_grad=True)
+    kind = torch.tensor([0, 1])
+    opt = torch.optim.SGD([w, b], lr=0.5)
+    for _ in range(300):
+        c, r = w + b[kind], -w + b[kind]
+        loss = prm.bradley_terry_loss(c, r) + verdict_weight * prm.verdict_loss(c, r)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        return (w + b[kind]).tolist(), (-w + b[kind]).tolist()
+
+
+def test_verdict_loss_puts_kinds_on_one_scale_where_bradley_terry_leaves_them():
+    c, r = _fit_two_kinds(0.0)
+    assert all(x > y for x, y in zip(c, r))  # within a kind both rank right
+    assert prm.auc(c, r) < 1.0  # across kinds kind 0's rejected step outscores kind 1's chosen one
+    c, r = _fit_two_kinds(1.0)
+    assert prm.auc(c, r) == 1.0 and min(c) > 0 > max(r)
+
+
 def test_pairwise_accuracy_and_auc():
     assert prm.pairwise_accuracy([1.0, 0.0, 2.0], [0.0, 1.0, 2.0]) == pytest.approx(0.5)
     assert prm.auc([0.9, 0.8], [0.1, 0.2]) == 1.0

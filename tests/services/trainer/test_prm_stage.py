@@ -1,8 +1,10 @@
 """The `prm` stage: Bradley-Terry on labelled sibling pairs learns a contrast it can see, holds questions out,
 publishes to the PRM registry (what it refuses: test_pairs_stages)."""
 
+import pytest
 import torch
 
+from prorag.config import ConfigError
 from prorag.search.pairs import prm_inputs
 from prorag.prm.model import load_prm, score_batch
 from prorag.registry import registry
@@ -42,6 +44,22 @@ def test_prm_stage_learns_publishes_and_scores(tiny_policy, tmp_path, monkeypatc
     with torch.no_grad():
         sc = score_batch(prm, [s[0] for s in seqs], [[s[1][-1]] for s in seqs], 512, ptok.pad_token_id)
     assert float(sc[0][0]) > float(sc[1][0])
+
+
+def test_verdict_weight_puts_accepted_steps_above_zero_and_rejected_below(tiny_policy, tmp_path, monkeypatch):
+    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
+    model_dir, _ = tiny_policy
+    out = run_prm(local_context(tmp_path / "work", _job(tmp_path, model_dir, 80, epochs=4, verdict_weight=1.0)))
+    assert out["heldout_pairwise_accuracy"] >= 0.9
+    # the share of held-out steps on their verdict's side of 0 (what the term is for; its effect across kinds is
+    # tests/algorithms/test_prm.py's)
+    assert out["heldout_verdict_accuracy"] >= 0.9
+
+
+def test_verdict_weight_needs_the_judges_verdicts():
+    with pytest.raises(ConfigError, match="verdict_weight"):
+        PRMConfig(pairs="p.jsonl", policy_model="m", label_source="value", verdict_weight=1.0).validate()
+    PRMConfig(pairs="p.jsonl", policy_model="m", label_source="both", verdict_weight=1.0).validate()
 
 
 def test_prm_stage_trains_in_bfloat16_on_the_cpu_through_the_gpu_path(tiny_policy, tmp_path, monkeypatch):
