@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from prorag.config import ConfigError, cfg_field, from_dict
+from prorag.config import ConfigError, cfg_field, from_dict, to_dict
 from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag.io import sha256_file
 from prorag.training.context import JobContext, manifest_path
@@ -198,6 +198,39 @@ def check_job_config(stage: Stage, config: Mapping[str, Any], *, roots: Sequence
                 v.check_url(field, value, allowed_endpoints)
 
     walk(config, "config.")
+
+
+#: the check kinds that say where a job's services are, not what it computes
+WHERE_KINDS = ("endpoint", "url")
+
+
+def work_differences(stage: Stage, stored: Mapping[str, Any], submitted: Mapping[str, Any]) -> list[str]:
+    """The fields (dotted) in which a new submission of a job asks for other work than its stored config: every
+    difference except where its services are (endpoint and url fields, which `prorag run --port-offset` moves)
+    and fields the stored config predates, submitted at their default (a field added later defaults to the old
+    behaviour). [] means the same job, to be run or resumed against the submission's addresses."""
+    kinds = {**FIELD_CHECKS, **stage.checks}
+    try:
+        defaults = to_dict(stage.config_cls())
+    except (TypeError, ValueError):  # a config class whose defaults do not construct: no field counts as added
+        defaults = {}
+
+    def walk(old: Mapping, new: Mapping, default: Mapping, prefix: str) -> list[str]:
+        out = []
+        for key in sorted(set(old) | set(new)):
+            if kinds.get(key) in WHERE_KINDS:
+                continue
+            if key not in old and key in new and key in default and new[key] == default[key]:
+                continue
+            a, b = old.get(key), new.get(key)
+            if isinstance(a, Mapping) and isinstance(b, Mapping):
+                d = default.get(key)
+                out += walk(a, b, d if isinstance(d, Mapping) else {}, f"{prefix}{key}.")
+            elif key not in old or key not in new or a != b:
+                out.append(f"{prefix}{key}")
+        return out
+
+    return walk(stored, submitted, defaults, "")
 
 
 def _check_model(field: str, value: str, roots: Sequence[str | Path]) -> None:

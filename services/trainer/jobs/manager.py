@@ -19,7 +19,7 @@ from services.trainer.jobs.ledger import JobLedger
 from services.trainer.jobs.record import Job, JobState, now_iso
 from services.trainer.jobs.runner import JobRunner
 from services.trainer.jobs.store import JobStore
-from services.trainer.stages import get_stage, known_stages, resolve_inputs
+from services.trainer.stages import get_stage, known_stages, resolve_inputs, work_differences
 
 log = logging.getLogger("prorag.trainer.jobs")
 
@@ -165,8 +165,14 @@ class JobManager:
                     if existing.state in (JobState.FAILED, JobState.CANCELLED):
                         return self._requeue(existing)
                     return existing.copy()  # idempotent retry of the same submission
-                raise AlreadyExists(f"job {job_id!r} already exists with a different "
-                                    f"{'stage' if existing.stage != stage.name else 'config'}; "
+                if existing.stage != stage.name:
+                    raise AlreadyExists(f"job {job_id!r} already exists with a different stage ({existing.stage}); "
+                                        "pick another job_id")
+                differ = work_differences(stage, existing.config, cfg_dict)
+                if not differ:
+                    return self._readdressed(existing, cfg_dict, cfg_json)
+                raise AlreadyExists(f"job {job_id!r} already exists with a different config ("
+                                    f"{', '.join(differ[:6])}{' ...' if len(differ) > 6 else ''}); "
                                     "pick another job_id")
             if self.store.exists(job_id):
                 raise AlreadyExists(f"job {job_id!r}: {self.store.job_dir(job_id)} exists but is not a loadable job")
@@ -188,6 +194,26 @@ class JobManager:
             self._enqueue(job_id)
             log.info("job %s (%s) queued", job_id, stage.name)
             return job.copy()
+
+    def _readdressed(self, job: Job, cfg_dict: dict, cfg_json: str) -> Job:
+        """The same job submitted again with its services at other addresses (a run resumed with another
+        --port-offset), or with fields added since at their defaults: a job that is not running takes the new
+        config, so it runs or resumes against the addresses given (FAILED or CANCELLED: re-queued as by
+        _requeue). A finished job is returned as it is (where its services were does not change what it made);
+        a running one too: it keeps the addresses it started with until it stops (lock held)."""
+        if job.state is JobState.SUCCEEDED:
+            return job.copy()
+        if job.state is JobState.RUNNING:
+            log.warning("job %s was submitted again with its services at other addresses while running; it goes on "
+                        "with the ones it started with", job.job_id)
+            return job.copy()
+        moved = sorted(k for k in set(job.config) | set(cfg_dict) if job.config.get(k) != cfg_dict.get(k))
+        job.config, job.config_json = cfg_dict, cfg_json
+        self.ledger.event(job, message="submitted again with the same work and its services at other addresses; "
+                                       "it now uses " + ", ".join(f"{k}={cfg_dict.get(k)}" for k in moved))
+        if job.state in (JobState.FAILED, JobState.CANCELLED):
+            return self._requeue(job)
+        return job.copy()
 
     def _requeue(self, job: Job) -> Job:
         """A FAILED or CANCELLED job submitted again with the same config runs again, resuming from its last

@@ -231,6 +231,77 @@ def test_start_is_idempotent_and_conflicting_id_is_refused(managers):
     assert m.submit("selftest", FAST, job_id="same").state is JobState.SUCCEEDED  # still idempotent when done
 
 
+@dataclass
+class TalksToConfig:
+    retriever: str = cfg_field("127.0.0.1:50051", help="a service the job calls")
+    topk: int = cfg_field(1, help="what it computes")
+    fail_while_missing: str = cfg_field("", help="fail while this file does not exist")
+
+
+@dataclass
+class TalksToConfigLater(TalksToConfig):
+    note: str = cfg_field("", help="a field added after jobs were stored; its default keeps the old behaviour")
+
+
+@pytest.fixture
+def talks_to_stage():
+    """A stage that records the retriever address it ran with: (fn, the addresses it ran with)."""
+    ran = []
+
+    def fn(ctx):
+        if ctx.config.fail_while_missing and not Path(ctx.config.fail_while_missing).exists():
+            raise RuntimeError("talks_to: the service was not there")
+        ran.append(ctx.config.retriever)
+        return {"ok": 1}
+
+    register_stage("talks_to", TalksToConfig, fn, replace=True)
+    yield fn, ran
+    unregister_stage("talks_to")
+
+
+def test_a_job_submitted_again_with_its_services_elsewhere_runs_against_them(tmp_path, managers, talks_to_stage):
+    """`prorag run --port-offset` moves every service: an unfinished job submitted again from such a run is the
+    same job (its id leaves addresses out) and must run or resume against the new addresses, not be refused."""
+    root = tmp_path / "jobs"
+    m = JobManager(root, tracking="local")
+    m.load()  # no worker: the job stays QUEUED, as a killed trainer leaves it
+    m.submit("talks_to", {"retriever": "127.0.0.1:1001"}, job_id="moved")
+    again = m.submit("talks_to", {"retriever": "127.0.0.1:2002"}, job_id="moved")
+    assert again.config["retriever"] == "127.0.0.1:2002" and again.state is JobState.QUEUED
+    with pytest.raises(AlreadyExists, match=r"different config \(topk\)"):  # other work is still refused
+        m.submit("talks_to", {"retriever": "127.0.0.1:2002", "topk": 3}, job_id="moved")
+    m.stop()
+    # a field added to the stage's config since, submitted at its default, is the same work too
+    fn, ran = talks_to_stage
+    register_stage("talks_to", TalksToConfigLater, fn, replace=True)
+    m2 = JobManager(root, tracking="local")
+    m2.load()
+    m2.submit("talks_to", {"retriever": "127.0.0.1:3003"}, job_id="moved")
+    m2.start()
+    assert m2.wait("moved", 60).state is JobState.SUCCEEDED and ran == ["127.0.0.1:3003"]
+    assert "127.0.0.1:3003" in json.loads((root / "moved" / "job.json").read_text())["config_json"]
+    with pytest.raises(AlreadyExists, match=r"different config \(note\)"):
+        m2.submit("talks_to", {"retriever": "127.0.0.1:3003", "note": "other"}, job_id="moved")
+    # finished: returned as it is, whatever the addresses now
+    done = m2.submit("talks_to", {"retriever": "127.0.0.1:4004"}, job_id="moved")
+    assert done.state is JobState.SUCCEEDED and done.config["retriever"] == "127.0.0.1:3003"
+    m2.stop(10)
+
+
+def test_a_failed_job_submitted_again_with_its_services_elsewhere_resumes_against_them(tmp_path, managers,
+                                                                                       talks_to_stage):
+    m = managers()
+    fixed = tmp_path / "service-up"
+    cfg = {"retriever": "127.0.0.1:1001", "fail_while_missing": str(fixed)}
+    assert m.wait(m.submit("talks_to", cfg, job_id="down").job_id, 60).state is JobState.FAILED
+    fixed.touch()
+    m.submit("talks_to", {**cfg, "retriever": "127.0.0.1:2002"}, job_id="down")
+    assert m.wait("down", 60).state is JobState.SUCCEEDED and talks_to_stage[1] == ["127.0.0.1:2002"]
+    messages = [e["message"] for e in m.events_after("down")]
+    assert any("other addresses" in msg and "retriever=127.0.0.1:2002" in msg for msg in messages), messages
+    assert any(msg.startswith("re-queued by a new submission") for msg in messages), messages
+
+
 def test_a_failed_or_cancelled_job_submitted_again_resumes_from_its_checkpoint(tmp_path, managers):
     m = managers()
     fixed = tmp_path / "cause-fixed"
