@@ -688,6 +688,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--profile", default="default", choices=list(PROFILES),
                    help="prm: the profile whose agent format the gold steps are written in")
     e.add_argument("--seed", type=int, default=0, help="prm: seed of the corruptions")
+    e.add_argument("--reference-policy", default="",
+                   help="prm: also score the same cases by this policy's own log-likelihood of each step (published "
+                        "model name[@version] or a path), the reference the PRM is read against")
     e.add_argument("--method", default="sft", help=f"a method of the table ({', '.join(METHODS)}) or another "
                                                    "name, evaluated as an agent (step-by-step rollouts)")
     e.add_argument("--model", default=None, help="published model name[@version] or a path (default: --method; "

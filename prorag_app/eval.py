@@ -24,7 +24,8 @@ from rich.table import Table
 
 from prorag import paths
 from prorag.data.loaders import load_corpus, load_split
-from prorag.data.sft import agent_prompt, agent_steps, baseline_prompt, content_prefix_ids, single_search_thoughts
+from prorag.data.sft import (agent_prompt, agent_steps, baseline_prompt, content_prefix_ids, encode_segments,
+                              single_search_thoughts)
 from prorag.data.world import canonical_question
 from prorag.errors import FailedPrecondition
 from prorag.evaluation import MULTI_HOP_MIN, names_entity, question_entity, score_records
@@ -36,7 +37,7 @@ from prorag.prm.evaluation import (CORRUPTIONS, FAMILIES, HELD_OUT, auc_by_kind,
                                    validation_cases)
 from prorag.registry import MANIFEST, Manifest, registry
 from prorag.runs import new_run_dir, point_latest
-from prorag.trajectory import (ANSWER_END, ANY_TAG, IM_END, STOP_TAGS, SUBANSWER_END, Step, extract_answer,
+from prorag.trajectory import (ANSWER_END, ANY_TAG, IM_END, STOP_TAGS, SUBANSWER_END, TAGS, Step, extract_answer,
                                parse_step)
 
 
@@ -231,6 +232,37 @@ def score_cases(prm_dir: str, cases) -> tuple[list[float], list[float], str]:
     return scored[0::2], scored[1::2], engine.version
 
 
+def likelihood_cases(policy_dir: str, cases) -> tuple[list[float], list[float]]:
+    """(gold [N], corrupted [N]) log-likelihoods of ``cases`` [N] (prorag.prm.evaluation.ProbeCase) under the policy
+    of ``policy_dir``: for each of a case's two steps after its context, the sum of log p(token) over the tokens the
+    policy writes (documents the environment inserts left out), from the first token where the two renderings part.
+    The reference a PRM is read against: how far the policy itself already prefers the sound step."""
+    import torch  # heavy: only for this reference
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    tag_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in TAGS}
+
+    def written_loglik(traj, start: int) -> float:
+        ids = torch.tensor([traj.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, :-1].float(), -1)
+        token_logp = logp.gather(1, ids[0, 1:, None])[:, 0]  # [T-1]: log p(token t+1 | tokens ..t)
+        end = traj.spans[-1].end
+        return sum(float(token_logp[t - 1]) for t in range(max(start, 1), end) if traj.generated_mask[t])
+
+    gold, bad = [], []
+    for c in cases:
+        pair = [encode_segments(tokenizer, agent_prompt(c.question), [*c.context, step], tag_ids, {})
+                for step in (c.gold, c.corrupted)]
+        a, b = pair[0].token_ids, pair[1].token_ids
+        start = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        gold.append(written_loglik(pair[0], start))
+        bad.append(written_loglik(pair[1], start))
+    return gold, bad
+
+
 def gold_trajectories(questions, docs_by_id: dict, sft_settings: dict) -> list[list]:
     """Each question's gold step-by-step trajectory, written as the SFT agent was trained to write it (its
     restated questions, plans and subquery phrasing), one gold document per search."""
@@ -240,13 +272,16 @@ def gold_trajectories(questions, docs_by_id: dict, sft_settings: dict) -> list[l
 
 
 def validate_prm_families(prm_dir: str, questions, docs_by_id: dict, sft_settings: dict, seed: int = 0,
-                          png: Path | None = None, families=None, trajectories=None) -> dict:
+                          png: Path | None = None, families=None, trajectories=None,
+                          reference_policy: str = "") -> dict:
     """The PRM of ``prm_dir`` on gold (or given correct) steps against corrupted ones, in-distribution and
     held-out families (prorag.prm.evaluation.validation_cases): auc_by_kind's report, plus ``questions``, ``version``,
     ``dropped`` (per family, cases that were no contrast) and ``png`` when one is drawn.
 
     trajectories: one correct trajectory (list of Steps) per question, e.g. the agent's own; None = each
-    question's gold trajectory written as the SFT agent was trained to write it (``sft_settings``)."""
+    question's gold trajectory written as the SFT agent was trained to write it (``sft_settings``).
+    reference_policy: a policy directory whose own likelihood of each step is scored on the same cases
+    (:func:`likelihood_cases`), reported as ``reference``: AUC per family and pooled."""
     if trajectories is None:
         questions = [q for q in questions if any(s.doc_id for s in q.decomposition)
                      and all(s.doc_id in docs_by_id for s in q.decomposition if s.doc_id)]
@@ -261,6 +296,10 @@ def validate_prm_families(prm_dir: str, questions, docs_by_id: dict, sft_setting
     centred = auc_by_kind(cases, centred_gold, centred_bad)
     out.update(questions=len(questions), version=version, dropped=dropped,
                centred={"overall": centred["overall"], "by_kind": centred["by_kind"], "kind_means": means})
+    if reference_policy:
+        ref = auc_by_kind(cases, *likelihood_cases(reference_policy, cases))
+        out["reference"] = {"policy": reference_policy, "score": "log-likelihood of the written tokens",
+                            **{k: ref[k] for k in ("overall", "by_kind", "n", "in_distribution", "held_out")}}
     if png is not None:
         plot_family_scores(cases, gold, bad, out, png)
         out["png"] = str(png)
@@ -330,7 +369,8 @@ def print_prm_families(prm: dict) -> None:
     centred = prm.get("auc_centred_per_kind") or {}
     split = prm.get("split", prm.get("validation_split", "test"))  # eval prm's key, and stage 2's
     table = Table(title=f"PRM validation: gold steps against corrupted ones ({split} split)")
-    for col in ("family", "group", "AUC", "centred per kind", "cases"):
+    ref = prm.get("reference_policy_likelihood") or {}
+    for col in ("family", "group", "AUC", "centred per kind", *(("policy likelihood",) if ref else ()), "cases"):
         table.add_column(col, justify="left" if col in ("family", "group") else "right")
 
     def shown(v) -> str:
@@ -338,12 +378,14 @@ def print_prm_families(prm: dict) -> None:
 
     for kind, v in auc["by_kind"].items():
         table.add_row(kind, "held out" if kind in HELD_OUT else "in distribution", shown(v["auc"]),
-                      shown((centred.get("by_kind") or {}).get(kind, {}).get("auc")), str(v["n"]))
+                      shown((centred.get("by_kind") or {}).get(kind, {}).get("auc")),
+                      *((shown((ref.get("by_kind") or {}).get(kind, {}).get("auc")),) if ref else ()), str(v["n"]))
     for group in ("in_distribution", "held_out"):
         v = auc.get(group) or {}
-        table.add_row(f"[b]{group.replace('_', ' ')}[/b]", "pooled", shown(v.get("auc")), "", str(v.get("n", 0)))
+        table.add_row(f"[b]{group.replace('_', ' ')}[/b]", "pooled", shown(v.get("auc")), "",
+                      *((shown((ref.get(group) or {}).get("auc")),) if ref else ()), str(v.get("n", 0)))
     table.add_row("[b]overall[/b]", "every family", shown(auc["overall"]), shown(centred.get("overall")),
-                  str(auc["n"]))
+                  *((shown(ref.get("overall")),) if ref else ()), str(auc["n"]))
     console = Console()
     console.print(table)
     pa = prm.get("pairwise_accuracy")
@@ -372,8 +414,9 @@ def eval_prm(args) -> int:
     qs = qs[:args.limit] if args.limit else qs
     docs = {d.id: d for d in load_corpus(world_dir / "corpus.jsonl")}
     out = Path(args.out) if args.out else new_run_dir("eval-prm")
+    reference = str(registry("model", args.world).resolve(args.reference_policy)) if args.reference_policy else ""
     validation = validate_prm_families(str(prm_dir), qs, docs, PROFILES[args.profile].sft_for("sft"),
-                                       seed=args.seed, png=out / "prm" / "scores.png")
+                                       seed=args.seed, png=out / "prm" / "scores.png", reference_policy=reference)
     manifest = prm_dir / MANIFEST
     metrics = Manifest.read(manifest).metrics if manifest.is_file() else {}
     prm = {"model": validation["version"], "split": args.split,
@@ -387,6 +430,8 @@ def eval_prm(args) -> int:
            # additive: the verdict before any PRM-guided stage, and what the validation left out
            "gate": gate_verdict(validation), "cases_dropped": validation["dropped"],
            "questions": validation["questions"]}
+    if "reference" in validation:  # additive: the policy's own likelihood on the same cases
+        prm["reference_policy_likelihood"] = validation["reference"]
     write_json(out / "results.json", {"prm": prm})
     if not args.out:
         point_latest(out)

@@ -63,5 +63,48 @@ def test_eval_prm_writes_auc_per_kind_and_a_png(tmp_path, monkeypatch, capsys):
     assert dev["split"] == "dev" and dev["auc_gold_vs_corrupted"]["held_out"]["n"] > 0 and "gate" in dev
     capsys.readouterr()
 
+    # the policy's own likelihood of each step on the same cases, beside the PRM's AUC (additive)
+    base = str(ensure_policy_model("tiny"))
+    assert main(["eval", "prm", "--world", "tiny", "--limit", "30", "--profile", "tiny", "--split", "dev",
+                 "--reference-policy", base, "--out", str(tmp_path / "ref")]) == 0
+    ref = json.loads((tmp_path / "ref" / "results.json").read_text())["prm"]
+    likelihood = ref["reference_policy_likelihood"]
+    assert likelihood["policy"] == base and likelihood["n"] == ref["auc_gold_vs_corrupted"]["n"]
+    assert set(likelihood["by_kind"]) == set(FAMILIES) and 0.0 <= likelihood["overall"] <= 1.0
+    assert ref["auc_gold_vs_corrupted"] == dev["auc_gold_vs_corrupted"]  # the PRM's figures as without it
+    table = capsys.readouterr().out.strip().rsplit("\n", 1)[0]  # the printed table, the JSON line left out
+    assert "likelihood" in table  # its column (the header may wrap)
+
     assert main(["eval", "prm", "--world", "tiny", "--model", "prm@nope", "--out", str(tmp_path / "o2")]) == 2
     assert "prm@nope" in capsys.readouterr().err
+
+
+def test_likelihood_counts_the_written_tokens_from_where_the_steps_part(tmp_path, monkeypatch):
+    """A case's two scores: the policy's log-likelihood of what each step writes after the shared context, the
+    documents the environment inserts left out (a search scores the same with or without them), and the same
+    whatever context both steps share."""
+    monkeypatch.setenv("PRORAG_HOME", str(tmp_path))
+    monkeypatch.delenv("PRORAG_DATA", raising=False)
+    from prorag.data.loaders import Document
+    from prorag.prm.evaluation import ProbeCase
+    from prorag.trajectory import Step
+    from prorag_app.embedded import ensure_policy_model, ensure_world
+    from prorag_app.eval import likelihood_cases
+
+    ensure_world("tiny")
+    base = str(ensure_policy_model("tiny"))
+    doc = Document.from_parts("d1", "Ana Berg", "Ana Berg was born in Oslo. She wrote two books.")
+    search = Step("subquery", thought="One search to go.", content="Where was Ana Berg born?", docs=[doc])
+    bare = Step("subquery", thought="One search to go.", content="Where was Ana Berg born?")
+    other = Step("subquery", thought="One search to go.", content="Where was Oslo founded?", docs=[doc])
+    said, wrong = (Step("subanswer", thought="The document says it.", content=c) for c in ("Oslo", "Bergen"))
+    cases = [ProbeCase("q", "Where was Ana Berg born?", "x", 1, [search], said, wrong),
+             ProbeCase("q", "Where was Ana Berg born?", "x", 0, [], search, other),
+             ProbeCase("q", "Where was Ana Berg born?", "x", 0, [], bare, other)]
+    gold, bad = likelihood_cases(base, cases)
+    assert all(x < 0 for x in gold + bad)  # log-probabilities of at least one written token
+    assert gold[1] == pytest.approx(gold[2], abs=1e-4)  # the inserted documents are not the policy's to write
+    # a longer shared context changes what is predicted, not which tokens are counted: both steps part at the answer
+    longer = ProbeCase("q", "Where was Ana Berg born?", "x", 2, [bare, search], said, wrong)
+    g2, b2 = likelihood_cases(base, [longer])
+    assert g2[0] < 0 and b2[0] < 0 and (g2[0], b2[0]) != (gold[0], bad[0])
