@@ -133,15 +133,19 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
         ids = sorted({s.doc_id for q in held for s in q.decomposition if s.doc_id})
         docs = {d.id: d for d in client.get_documents(ids)}
     prm_dir = str(registry("prm", world).resolve(prm["outputs"]["prm"]))
+    sft_dir = str(registry("model", world).resolve(sft_model))  # a directory, or a published name@version
     # the same PRM validated on the same questions by the same code is read back (prorag_app.memo)
     key = memo.memo_key("prm-validation", {"prm": weights_sha256(prm_dir), "sft": sft_settings, "seed": settings.seed,
-                                           "families": list(FAMILIES),
+                                           "families": list(FAMILIES), "reference": weights_sha256(sft_dir),
                                            "corpus": memo.corpus_fingerprint(world),
                                            "questions": memo.questions_fingerprint(held)})
     png = run_dir / "prm" / "scores.png"
     validation = memo.load("prm-validation", key, into=png.parent)
     if validation is None:
-        validation = validate_prm_families(prm_dir, held, docs, sft_settings, seed=settings.seed, png=png)
+        # the policy the PRM starts from, scored on the same cases by its own likelihood: the reference its figures
+        # are read against (docs/BENCHMARKS.md, "What the SFT policy itself knows about these steps")
+        validation = validate_prm_families(prm_dir, held, docs, sft_settings, seed=settings.seed, png=png,
+                                           reference_policy=sft_dir)
         memo.store("prm-validation", key, validation, [png])
     validation["png"] = str(png)
     timings["stage2_validate_s"] = time.monotonic() - t
@@ -152,6 +156,8 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
         # the same with scores centred per step kind, as the process advantage reads them (a diagnostic: the gate
         # reads the raw scores)
         "auc_centred_per_kind": validation.get("centred"),
+        # the SFT policy's own log-likelihood of each step on the same cases (additive)
+        "reference_policy_likelihood": validation.get("reference"),
         # whether this PRM may guide stages 3-4 (prorag.prm.evaluation.prm_gate: unsupported sub-answers and overall)
         "gate": gate_verdict(validation),
         "cases_dropped": validation.get("dropped"),

@@ -100,6 +100,10 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
         assert isinstance(prm["gate"]["passed"], bool) and (prm["gate"]["passed"] or prm["gate"]["reasons"])
         assert (run_dir / "prm" / "scores.png").read_bytes()[:4] == b"\x89PNG"
         assert prm["model"].startswith("prm@tiny-s7-stage2-prm-")
+        # the SFT agent's own likelihood on the same cases, the reference the PRM is read against
+        reference = prm["reference_policy_likelihood"]
+        assert reference["n"] == auc["n"] and set(reference["by_kind"]) == set(auc["by_kind"])
+        assert "sft" in reference["policy"] and 0.0 <= reference["overall"] <= 1.0
 
     # stages 3-4: outcome-only GRPO from the SFT agent (2 iterations x 4 questions x 2 samples), its final adapter
     # evaluated through a policy process; RFT and ProRAG's RL only with a PRM from stage 2
