@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 
+from prorag import paths
+from prorag.data.loaders import load_split
+from prorag_app.diagnose import question_sets
+from prorag_app.embedded import ensure_world
+
 
 def test_the_pool_set_is_the_questions_the_rl_drew_from_not_the_whole_pool(tmp_path, monkeypatch):
-    from prorag import paths
-    from prorag.data.loaders import load_split
-    from prorag_app.diagnose import question_sets
-    from prorag_app.embedded import ensure_world
-
     monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
     ensure_world("tiny")
     train = load_split(paths.world_dir("tiny"), "train")

@@ -9,6 +9,12 @@ import json
 
 import pytest
 
+from prorag.data.loaders import Document
+from prorag.prm.evaluation import ProbeCase
+from prorag.trajectory import Step
+from prorag_app.embedded import ensure_policy_model, ensure_world
+from prorag_app.eval import likelihood_cases
+
 
 def test_eval_prm_writes_auc_per_kind_and_a_png(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PRORAG_HOME", str(tmp_path))
@@ -85,12 +91,6 @@ def test_likelihood_counts_the_written_tokens_from_where_the_steps_part(tmp_path
     whatever context both steps share."""
     monkeypatch.setenv("PRORAG_HOME", str(tmp_path))
     monkeypatch.delenv("PRORAG_DATA", raising=False)
-    from prorag.data.loaders import Document
-    from prorag.prm.evaluation import ProbeCase
-    from prorag.trajectory import Step
-    from prorag_app.embedded import ensure_policy_model, ensure_world
-    from prorag_app.eval import likelihood_cases
-
     ensure_world("tiny")
     base = str(ensure_policy_model("tiny"))
     doc = Document.from_parts("d1", "Ana Berg", "Ana Berg was born in Oslo. She wrote two books.")
