@@ -56,6 +56,49 @@ def left_truncate(token_ids: Sequence[int], positions: Sequence[int], max_len: i
     return ids, shifted
 
 
+def written_positions(spans: Sequence[StepSpan], generated_mask: Sequence[int]) -> list[list[int]]:
+    """[S] per step, the indices inside its span of the tokens the policy wrote (generated_mask [T] true: its
+    subquery, sub-answer or answer and their tags), in order; the documents the environment inserted and the glue
+    are not written. What a likelihood readout averages over."""
+    return [[p for p in range(s.start, s.end) if generated_mask[p]] for s in spans]
+
+
+def left_truncate_steps(token_ids: Sequence[int], positions: Sequence[int], written: Sequence[Sequence[int]],
+                        max_len: int, keep_prefix: int = 0) -> tuple[list[int], list[int | None], list[list[int]]]:
+    """:func:`left_truncate` that also carries each step's written-token indices (written [S] lists into token_ids):
+    returns (ids, positions [S] as left_truncate's, written [S], each shifted into the new sequence, the indices the
+    cut removed left out)."""
+    flat = [p for w in written for p in w]
+    ids, shifted = left_truncate(token_ids, [*positions, *flat], max_len, keep_prefix)
+    out, at = [], len(positions)
+    for w in written:
+        out.append([p for p in shifted[at:at + len(w)] if p is not None])
+        at += len(w)
+    return ids, shifted[:len(positions)], out
+
+
+def predecessors(indices: Sequence[int], branch: tuple[int, int, int]) -> list[int]:
+    """For token indices of a row laid out as :func:`branch_attention`'s (prefix, first, second) counts, the index
+    whose output predicts each token: the one before it, except the second branch's first token, which continues
+    the prefix and is predicted by the prefix's last. An index 0 has no predecessor (ValueError)."""
+    prefix, first, second = branch
+    out = []
+    for j in indices:
+        if j <= 0:
+            raise ValueError("token 0 has no predecessor: nothing predicts it")
+        out.append(prefix - 1 if second and j == prefix + first else j - 1)
+    return out
+
+
+def mean_per_step(values: torch.Tensor, step_of: torch.Tensor, steps: int) -> torch.Tensor:
+    """Mean of ``values`` [K] per step: step_of [K] long, each value's step in [0, steps). Returns [steps], 0 for a
+    step with no value (a step the policy wrote nothing in gets no likelihood term)."""
+    total = torch.zeros(steps, dtype=values.dtype, device=values.device).index_add(0, step_of, values)
+    count = torch.zeros(steps, dtype=values.dtype, device=values.device).index_add(
+        0, step_of, torch.ones_like(values))
+    return total / count.clamp(min=1)
+
+
 def shared_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """Tokens at the start of ``a`` and ``b`` that are equal (their longest common prefix). Compared on ids, not
     text: a step can tokenise differently across the boundary with what precedes it."""
@@ -157,5 +200,6 @@ def auc(positive: Sequence[float], negative: Sequence[float]) -> float:
     return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 
 
-__all__ = ["auc", "bradley_terry_loss", "branch_attention", "join_pair", "left_truncate", "pairwise_accuracy",
+__all__ = ["auc", "bradley_terry_loss", "branch_attention", "join_pair", "left_truncate", "left_truncate_steps",
+           "mean_per_step", "pairwise_accuracy", "predecessors", "written_positions",
            "score_positions", "shared_prefix_length", "verdict_loss"]

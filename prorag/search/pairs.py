@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from prorag.algorithms.prm import score_positions
+from prorag.algorithms.prm import score_positions, written_positions
 from prorag.data.loaders import Document
 from prorag.errors import InvalidArgument
 from prorag.trajectory import KINDS, TAGS, Step
@@ -108,17 +108,24 @@ def label_agreement(pairs: Sequence[StepPair]) -> dict:
             "neither": sum(p.value_choice is None and p.judge_choice is None for p in pairs)}
 
 
-def prm_inputs(tokenizer, question: str, steps: Sequence[Step]) -> tuple[list[int], list[int]]:
-    """The PRM's one rendering: (token ids [T], score positions [S]) of ``steps`` after ``question``'s agent
-    prompt; training renders context + candidate, scoring a whole trajectory; a step's ids and position are
-    the same in both."""
+def prm_rendering(tokenizer, question: str, steps: Sequence[Step]) -> tuple[list[int], list[int], list[list[int]]]:
+    """The PRM's one rendering: (token ids [T], score positions [S], written [S]: per step the indices of the tokens
+    the policy wrote, prorag.algorithms.prm.written_positions) of ``steps`` after ``question``'s agent prompt;
+    training renders context + candidate, scoring a whole trajectory; a step's ids and position are the same in
+    both."""
     from prorag.data.sft import agent_prompt, encode_segments
 
     if not steps:
         raise InvalidArgument("nothing to score: no steps")
     tag_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in TAGS}
     traj = encode_segments(tokenizer, agent_prompt(question), steps, tag_ids, {})
-    return list(traj.token_ids), score_positions(traj.spans)
+    return list(traj.token_ids), score_positions(traj.spans), written_positions(traj.spans, traj.generated_mask)
+
+
+def prm_inputs(tokenizer, question: str, steps: Sequence[Step]) -> tuple[list[int], list[int]]:
+    """(token ids [T], score positions [S]) of :func:`prm_rendering`: for a head read at each step's last token."""
+    ids, positions, _ = prm_rendering(tokenizer, question, steps)
+    return ids, positions
 
 
 def prompt_length(tokenizer, question: str) -> int:
@@ -128,4 +135,4 @@ def prompt_length(tokenizer, question: str) -> int:
     return len(tokenizer.encode(agent_prompt(question), add_special_tokens=False))
 
 
-__all__ = ["StepPair", "label_agreement", "load_pairs", "prm_inputs", "prompt_length", "step_from_dict", "step_to_dict"]
+__all__ = ["StepPair", "label_agreement", "load_pairs", "prm_inputs", "prm_rendering", "prompt_length", "step_from_dict", "step_to_dict"]

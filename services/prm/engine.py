@@ -1,6 +1,7 @@
 """PRM engine: every step of many trajectories scored in one forward pass per batch of rows.
 
-A trajectory is rendered once (prorag.search.pairs.prm_inputs) and read at each step's last token. One that does not
+A trajectory is rendered once (prorag.search.pairs.prm_rendering) and read at each step's last token (plus, for a PRM
+with a likelihood weight, its trunk's likelihood of the step's written tokens). One that does not
 fit the context is cut on the left (prompt kept); steps whose score token the cut removed are scored on rows
 of their own (their prefix, cut the same way), in the same forward pass. The reference code instead cut on
 the right, dropping the newest step, and called the model once per step.
@@ -15,8 +16,8 @@ from typing import Sequence
 
 import torch
 
-from prorag.algorithms.prm import left_truncate
-from prorag.search.pairs import prm_inputs, prompt_length
+from prorag.algorithms.prm import left_truncate_steps
+from prorag.search.pairs import prm_rendering, prompt_length
 from prorag.prm.model import load_prm, score_batch
 from prorag.registry import artifact_name
 from prorag.trajectory import Step
@@ -55,20 +56,22 @@ class PRMEngine:
             self.version = artifact_name(model_dir)
         return self.version
 
-    def _rows(self, item: ScoringItem) -> tuple[list[tuple[list[int], list[int | None]]], list[tuple[int, int]]]:
-        """Rows to run and, per scored step, (row, index into that row's positions)."""
-        ids, positions = prm_inputs(self.tokenizer, item.question, item.steps)
+    def _rows(self, item: ScoringItem) -> tuple[list[tuple[list[int], list[int | None], list[list[int]]]],
+                                                list[tuple[int, int]]]:
+        """Rows to run, each (ids, score positions, per position its step's written-token indices), and, per scored
+        step, (row, index into that row's positions)."""
+        ids, positions, written = prm_rendering(self.tokenizer, item.question, item.steps)
         keep = prompt_length(self.tokenizer, item.question)
         wanted = [len(positions) - 1] if item.last_step_only else list(range(len(positions)))
-        cut_ids, cut_pos = left_truncate(ids, [positions[k] for k in wanted], self.max_len, keep)
-        rows = [(cut_ids, cut_pos)]
+        rows = [left_truncate_steps(ids, [positions[k] for k in wanted], [written[k] for k in wanted],
+                                    self.max_len, keep)]
         where = []
         for j, k in enumerate(wanted):
-            if cut_pos[j] is not None:
+            if rows[0][1][j] is not None:
                 where.append((0, j))
             else:  # its score token was cut away: score its own prefix
                 p = positions[k]
-                rows.append(left_truncate(ids[:p + 1], [p], self.max_len, keep))
+                rows.append(left_truncate_steps(ids[:p + 1], [p], [written[k]], self.max_len, keep))
                 where.append((len(rows) - 1, 0))
         return rows, where
 
@@ -83,10 +86,13 @@ class PRMEngine:
 
             def run(chunk):
                 seqs = [plans[i][0][r][0] for i, r in chunk]
-                pos = [[p for p in plans[i][0][r][1] if p is not None] for i, r in chunk]
+                kept = [[n for n, p in enumerate(plans[i][0][r][1]) if p is not None] for i, r in chunk]
+                pos = [[plans[i][0][r][1][n] for n in ns] for (i, r), ns in zip(chunk, kept)]
+                written = [[plans[i][0][r][2][n] for n in ns] for (i, r), ns in zip(chunk, kept)]
                 try:
                     with torch.no_grad():
-                        out = score_batch(model, seqs, pos, max_len=self.max_len, pad_id=tok.pad_token_id or 0)
+                        out = score_batch(model, seqs, pos, max_len=self.max_len, pad_id=tok.pad_token_id or 0,
+                                          written=written)
                 except Exception as exc:
                     if not is_out_of_memory(exc):
                         raise

@@ -19,12 +19,14 @@ from dataclasses import dataclass
 import torch
 
 from prorag.algorithms.mcts import pair_kind
-from prorag.algorithms.prm import bradley_terry_loss, join_pair, left_truncate, pairwise_accuracy, verdict_loss
+from prorag.algorithms.prm import (bradley_terry_loss, join_pair, left_truncate, left_truncate_steps, pairwise_accuracy,
+                                   verdict_loss)
 from prorag.config import ConfigError, cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.modeling import prepare_for_training
 from prorag.prm.model import BRANCH_ATTENTION, attn_implementation, prm_from_policy, score_batch, score_branched
-from prorag.search.pairs import load_pairs, prm_inputs
+from prorag.search.pairs import load_pairs, prm_rendering
+from prorag.training.distributed import sharding_asked
 from prorag.training.context import JobContext
 from prorag.training.loop import accumulated_epochs, call_in_engine, run_loop
 from prorag.training.run_config import TrainRunConfig
@@ -68,6 +70,13 @@ class PRMConfig(TrainRunConfig):
                                                 "means something on its own; 0 = Bradley-Terry alone, as ProRAG "
                                                 "trains it. Needs judge verdicts: label_source judge or both",
                                       min=0.0, max=100.0)
+    likelihood_weight: float = cfg_field(0.0, help="add this weight times the trunk's own mean log-probability of a "
+                                                   "step's written tokens (read through its tied embeddings) to the "
+                                                   "head's score, in training and wherever the PRM scores "
+                                                   "(prorag.prm.model); the SFT trunk already ranks sound steps above "
+                                                   "corrupted ones by it. 0 = the head alone, as ProRAG scores. "
+                                                   "Needs a policy with tied embeddings and no FSDP/DeepSpeed "
+                                                   "sharding", min=0.0, max=100.0)
 
     def validate(self) -> None:
         super().validate()
@@ -83,42 +92,58 @@ def _held_out(question_id: str, share: float) -> bool:
     return int(hashlib.sha256(question_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < share
 
 
-def encode_pairs(tokenizer, pairs, source: str) -> list[tuple[list[int], int, list[int], int]]:
-    """(chosen ids, chosen score position, rejected ids, rejected position) per labelled pair."""
+def encode_pairs(tokenizer, pairs, source: str) -> list[tuple[list[int], int, list[int], int, list[int], list[int]]]:
+    """(chosen ids, chosen score position, rejected ids, rejected position, chosen written, rejected written) per
+    labelled pair; written: the indices of the step's written tokens (prorag.search.pairs.prm_rendering)."""
     out = []
     for p in pairs:
         choice = p.label(source)
         if choice is None:
             continue
-        encoded = [prm_inputs(tokenizer, p.question, [*p.context, p.steps[i]]) for i in (choice, 1 - choice)]
-        (c_ids, c_pos), (r_ids, r_pos) = encoded
-        out.append((c_ids, c_pos[-1], r_ids, r_pos[-1]))
+        encoded = [prm_rendering(tokenizer, p.question, [*p.context, p.steps[i]]) for i in (choice, 1 - choice)]
+        (c_ids, c_pos, c_w), (r_ids, r_pos, r_w) = encoded
+        out.append((c_ids, c_pos[-1], r_ids, r_pos[-1], c_w[-1], r_w[-1]))
     return out
 
 
+def _written(pair) -> tuple[list[int] | None, list[int] | None]:
+    # an encoded pair may come without written indices (chosen ids, position, rejected ids, position): a head-only PRM
+    return (pair[4], pair[5]) if len(pair) > 4 else (None, None)
+
+
 def pair_rows(batch, max_len: int, keep_prefix: int = 0, encoding: str = "shared"):
-    """The rows one forward pass scores a batch of encoded pairs from: (sequences, branches, positions).
+    """The rows one forward pass scores a batch of encoded pairs from: (sequences, branches, positions, written).
 
     encoding "shared": a pair whose two renderings share their first tokens is one row, the shared prefix once
     then the chosen and the rejected step's tokens (prorag.algorithms.prm.join_pair); the others, and every pair
     under "separate", two rows, each left-truncated to max_len after keep_prefix. Rows [R] of ids; branches [R]
     (prefix, first, second) counts (prorag.algorithms.prm.branch_attention); positions [R] of score indices: for
-    pair k, chosen then rejected are read from the rows it owns, in order (see pair_scores)."""
-    seqs, branches, pos = [], [], []
-    for c_ids, c_pos, r_ids, r_pos in batch:
+    pair k, chosen then rejected are read from the rows it owns, in order (see pair_scores); written [R], per
+    position the step's written-token indices into the row (None when the batch carries none)."""
+    seqs, branches, pos, written = [], [], [], []
+    for pair in batch:
+        c_ids, c_pos, r_ids, r_pos = pair[:4]
+        c_w, r_w = _written(pair)
         joined = join_pair(c_ids, c_pos, r_ids, r_pos, max_len) if encoding == "shared" else None
         if joined is not None:
             ids, counts, c_at, r_at = joined
             seqs.append(ids)
             branches.append(counts)
             pos.append([c_at, r_at])
+            if c_w is not None:
+                n = counts[0]  # the rejected rendering's own tail follows the chosen one's in the joined row
+                written.append([list(c_w), [i if i < n else len(c_ids) + i - n for i in r_w]])
             continue
-        for ids, p in ((c_ids, c_pos), (r_ids, r_pos)):
-            cut, (at,) = left_truncate(ids, [p], max_len, keep_prefix)
+        for ids, p, w in ((c_ids, c_pos, c_w), (r_ids, r_pos, r_w)):
+            if w is None:
+                cut, (at,) = left_truncate(ids, [p], max_len, keep_prefix)
+            else:
+                cut, (at,), (w,) = left_truncate_steps(ids, [p], [w], max_len, keep_prefix)
+                written.append([w])
             seqs.append(cut)
             branches.append((len(cut), 0, 0))
             pos.append([at])
-    return seqs, branches, pos
+    return seqs, branches, pos, (written or None)
 
 
 def pair_scores(model, batch, max_len: int, pad_id: int, keep_prefix: int = 0, encoding: str = "shared"):
@@ -134,11 +159,14 @@ def pair_scores(model, batch, max_len: int, pad_id: int, keep_prefix: int = 0, e
     if rows is None or all(len(p) == 1 for p in rows[2]):  # nothing joined: the unmasked causal kernel is cheaper
         seqs = [b[0] for b in batch] + [b[2] for b in batch]
         pos = [[b[1]] for b in batch] + [[b[3]] for b in batch]
-        scores = torch.stack([s[0] for s in score_batch(model, seqs, pos, max_len, pad_id, keep_prefix)])
+        carried = [_written(b) for b in batch]
+        written = None if carried and carried[0][0] is None else [[c] for c, _ in carried] + [[r] for _, r in carried]
+        scored = score_batch(model, seqs, pos, max_len, pad_id, keep_prefix, written=written)
+        scores = torch.stack([s[0] for s in scored])
         n = len(batch)
         return scores[:n], scores[n:], sum(min(len(s), max_len) for s in seqs)
-    seqs, branches, pos = rows
-    flat = [s for row in score_branched(model, seqs, branches, pos, pad_id) for s in row]
+    seqs, branches, pos, written = rows
+    flat = [s for row in score_branched(model, seqs, branches, pos, pad_id, written=written) for s in row]
     scores = torch.stack(flat).reshape(len(batch), 2)  # each pair owns two scores, chosen first, in batch order
     return scores[:, 0], scores[:, 1], sum(len(s) for s in seqs)
 
@@ -150,7 +178,13 @@ def run_prm(ctx: JobContext) -> dict:
     pairs = load_pairs(cfg.pairs) + (load_pairs(cfg.extra_pairs) if cfg.extra_pairs else [])
     policy = resolve_model(cfg.world, cfg.policy_model, "policy_model")
     ctx.seed_everything(cfg.seed)
-    model, tokenizer = prm_from_policy(policy, seed=cfg.seed, attn_implementation=placement.attn_implementation)
+    if cfg.likelihood_weight and sharding_asked():
+        # the readout multiplies by the whole embedding matrix outside the forward, where FSDP/ZeRO-3 hold a shard
+        raise FailedPrecondition("likelihood_weight reads the trunk's embeddings outside its forward pass, which a "
+                                 "sharded launch (FSDP or DeepSpeed) does not allow: launch with DDP (no accelerate "
+                                 "config) or set likelihood_weight 0")
+    model, tokenizer = prm_from_policy(policy, seed=cfg.seed, attn_implementation=placement.attn_implementation,
+                                       likelihood_weight=cfg.likelihood_weight)
     model = prepare_for_training(model, placement, gradient_checkpointing=cfg.gradient_checkpointing)
     train = encode_pairs(tokenizer, [p for p in pairs if not _held_out(p.question_id, cfg.holdout)], cfg.label_source)
     held_pairs = [p for p in pairs if _held_out(p.question_id, cfg.holdout) and p.label(cfg.label_source) is not None]

@@ -124,3 +124,34 @@ def test_join_pair_and_when_it_declines():
     assert prm.join_pair([9, 2, 3], 2, [1, 2, 3], 2, max_len=8) is None  # nothing shared
     assert prm.join_pair([1, 2, 3], 2, [1, 2, 3, 4], 3, max_len=8) is None  # chosen's score token is shared
     assert prm.join_pair([1, 2, 3], 2, [1, 2, 4], 2, max_len=2) is None  # truncation would cut them apart
+
+
+def test_written_positions_are_the_policys_tokens_inside_each_span():
+    spans = [StepSpan(3, 6, 9), StepSpan(9, 12, 12)]
+    mask = [0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1]  # step 0: written 3-5, documents 6-7, closing tag 8 written
+    assert prm.written_positions(spans, mask) == [[3, 4, 5, 8], [9, 10, 11]]
+
+
+def test_left_truncate_steps_shifts_written_indices_and_drops_those_cut():
+    ids = list(range(20))
+    written = [[3, 4, 5], [8, 9], [15, 16, 17]]
+    cut, pos, kept = prm.left_truncate_steps(ids, [6, 10, 19], written, max_len=12, keep_prefix=2)
+    assert cut == ids[:2] + ids[10:]  # 8 tokens after the prompt cut
+    assert pos == [None, 2, 11]
+    assert kept == [[], [], [7, 8, 9]]
+    # nothing to cut: as given
+    assert prm.left_truncate_steps(ids, [6], [[3, 4]], max_len=20) == (ids, [6], [[3, 4]])
+
+
+def test_predecessors_continue_the_prefix_for_the_second_branch():
+    # prefix 5, first branch 3 (5-7), second branch 4 (8-11): token 8 follows the prefix, not the first branch
+    assert prm.predecessors([3, 5, 6, 8, 9, 11], (5, 3, 4)) == [2, 4, 5, 4, 8, 10]
+    assert prm.predecessors([5, 8], (9, 0, 0)) == [4, 7]  # a plain row
+    with pytest.raises(ValueError, match="predecessor"):
+        prm.predecessors([0], (4, 0, 0))
+
+
+def test_mean_per_step_averages_each_steps_values_and_gives_zero_to_an_empty_step():
+    values = torch.tensor([-1.0, -3.0, -0.5, -2.0])
+    got = prm.mean_per_step(values, torch.tensor([0, 0, 2, 2]), 3)
+    assert torch.allclose(got, torch.tensor([-2.0, 0.0, -1.25]))
