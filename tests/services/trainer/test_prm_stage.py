@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from prorag.config import ConfigError
-from prorag.search.pairs import prm_inputs
-from prorag.prm.model import load_prm, score_batch
+from prorag.errors import FailedPrecondition
+from prorag.search.pairs import prm_inputs, prm_rendering
+from prorag.prm.model import likelihood_weight, load_prm, score_batch
 from prorag.registry import registry
 from prorag.training.context import local_context
 from services.trainer.stage_prm import PRMConfig, run_prm
@@ -54,6 +55,32 @@ def test_verdict_weight_puts_accepted_steps_above_zero_and_rejected_below(tiny_p
     # the share of held-out steps on their verdict's side of 0 (what the term is for; its effect across kinds is
     # tests/algorithms/test_prm.py's)
     assert out["heldout_verdict_accuracy"] >= 0.9
+
+
+def test_likelihood_weight_trains_a_prm_that_the_engine_scores_with_its_readout(tiny_policy, tmp_path, monkeypatch):
+    from services.prm.engine import PRMEngine, ScoringItem
+
+    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
+    model_dir, _ = tiny_policy
+    out = run_prm(local_context(tmp_path / "work", _job(tmp_path, model_dir, 80, epochs=4, likelihood_weight=1.0)))
+    assert out["heldout_pairwise_accuracy"] >= 0.9
+    published = registry("prm", "tiny").resolve(out["prm"])
+    prm, ptok = load_prm(published)
+    assert likelihood_weight(prm) == 1.0  # saved with the PRM: every scorer reads the same score
+    fresh = _pairs(1, seed=98)[0]
+    steps = [*fresh.context, fresh.steps[0]]
+    ids, positions, written = prm_rendering(ptok, fresh.question, steps)
+    with torch.no_grad():
+        direct = [float(s) for s in score_batch(prm, [ids], [positions], 512, ptok.pad_token_id, written=[written])[0]]
+    _, served = PRMEngine(published).score([ScoringItem(fresh.question, steps)])[0]
+    assert served == pytest.approx(direct, abs=1e-4)
+
+
+def test_likelihood_weight_is_refused_under_a_sharded_launch(tiny_policy, tmp_path, monkeypatch):
+    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(FailedPrecondition, match="sharded"):
+        run_prm(local_context(tmp_path / "work", _job(tmp_path, tiny_policy[0], 8, likelihood_weight=1.0)))
 
 
 def test_verdict_weight_needs_the_judges_verdicts():
