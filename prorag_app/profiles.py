@@ -133,11 +133,17 @@ RECIPE = Profile(
         "standard_rag_ft": {"hop_samples": True, "topk": 1}},
     stage2={
         # MCTS on 100 train questions: ProRAG's search cut to what 2 cores finish in minutes (the research profile:
-        # 200, beside the sibling sampler)
+        # 200)
         "mcts": {"max_questions": 100, "concurrency": 32, "max_step_tokens": 96, "seed": 1,
                  "mcts": {"simulations": 12, "expansions": 4, "max_children": 4}},
-        # a Bradley-Terry PRM on the pairs the reference judge labelled
-        "prm": {"epochs": 2, "batch_size": 8, "lr": 5e-4, "label_source": "judge"},
+        # the sibling sampler on 400 train questions beside the trees: judged pairs that contain reading, subqueries
+        # under another stated name, and sub-answers read from another relation of the same document
+        "siblings": {"max_questions": 400, "samples": 4, "concurrency": 32, "max_step_tokens": 96, "max_steps": 10,
+                     "seed": 1, "reading_samples": 2, "bridge_samples": 2, "relation_samples": 2},
+        # a Bradley-Terry PRM on the pairs the reference judge labelled, scoring a step by its head plus twice its
+        # trunk's mean log-probability of the step's written tokens, at a rate that keeps the trunk's reading
+        # (chosen on dev: docs/BENCHMARKS.md, "Why the profiles' settings")
+        "prm": {"epochs": 1, "batch_size": 8, "lr": 1e-4, "label_source": "judge", "likelihood_weight": 2.0},
         "eval_questions": 100},  # every corruption family on 100 dev questions, which the PRM gate reads
     stage34={
         # the headline: ProRAG without RFT against outcome GRPO (same start, questions, budget), ReasonRAG beside it
@@ -173,10 +179,9 @@ RESEARCH_PROFILE = dataclasses.replace(
     sft={**RECIPE.sft, "max_steps": 3600},
     stage2={**RECIPE.stage2,
             "mcts": {**RECIPE.stage2["mcts"], "max_questions": 200},
-            # pairs that contain reading, and subqueries under another stated name, so the PRM also ranks gold
-            # subqueries above their corruptions (docs/BENCHMARKS.md, "Why the profiles' settings")
-            "siblings": {"max_questions": 2000, "samples": 4, "concurrency": 32, "max_step_tokens": 96,
-                         "max_steps": 10, "seed": 1, "reading_samples": 2, "bridge_samples": 2},
+            # the default's sibling pairs from five times the questions (docs/BENCHMARKS.md, "Why the profiles'
+            # settings")
+            "siblings": {**RECIPE.stage2["siblings"], "max_questions": 2000},
             "eval_questions": 0},  # the PRM validated on the whole split
     stage34={**RECIPE.stage34,
              # the oracle ceiling (prorag_oracle) beside them: a diagnostic, never a headline
@@ -205,7 +210,7 @@ PROFILES = {
                     stage2={"mcts": {"max_questions": 6, "concurrency": 3, "max_step_tokens": 64, "seed": 1,
                                      "mcts": {"simulations": 4, "expansions": 2, "max_children": 2, "max_depth": 6}},
                             "prm": {"epochs": 1, "batch_size": 4, "log_every": 1, "checkpoint_every": 10,
-                                    "label_source": "judge"},
+                                    "label_source": "judge", "likelihood_weight": 2.0},
                             "eval_questions": 20},
                     stage34={"rft": {"max_questions": 8, "samples_per_question": 2, "max_step_tokens": 32,
                                      "max_train_steps": 2, "batch_size": 2, "checkpoint_every": 1},
