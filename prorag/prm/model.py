@@ -80,6 +80,7 @@ def prm_from_policy(policy_dir: str | Path, seed: int = 0, dtype="float32", attn
                                                             **extra)
     if likelihood_weight:
         _require_tied(model.config, f"policy {policy_dir}")
+        _final_norm(model)
     setattr(model.config, LIKELIHOOD_WEIGHT, float(likelihood_weight))
     add_format_tokens(tokenizer, model)
     g = torch.Generator().manual_seed(seed)
@@ -106,7 +107,33 @@ def load_prm(path: str | Path, device: str | torch.device = "cpu", dtype="float3
     return model.to(device).eval(), tokenizer
 
 
-def _step_scores(model, out, x: torch.Tensor, positions, written, branches) -> list[list[torch.Tensor | None]]:
+def _final_norm(model):
+    """The trunk's last module, whose output is its normed last hidden state: what a tied LM head reads."""
+    inner = getattr(model, "module", model)
+    norm = getattr(getattr(inner, "base_model", inner), "norm", None)
+    if norm is None:
+        raise FailedPrecondition(f"{type(inner).__name__} has no final norm (base_model.norm) to read the trunk's "
+                                 "hidden state from: the likelihood readout needs a Qwen3- or Llama-style trunk")
+    return norm
+
+
+def _forward(model, **inputs):
+    """(the model's output, the trunk's normed last hidden state [B, T, H] or None): for a PRM with a likelihood
+    weight, the hidden state is caught by a hook on the final norm. Why not output_hidden_states: that keeps every
+    layer's output alive, which under no_grad (the PRM service) would hold L times the activations for one of them."""
+    if not likelihood_weight(model):
+        return model(**inputs, use_cache=False), None
+    caught = []
+    handle = _final_norm(model).register_forward_hook(lambda module, args, output: caught.append(output))
+    try:
+        out = model(**inputs, use_cache=False)
+    finally:
+        handle.remove()
+    return out, caught[-1]
+
+
+def _step_scores(model, out, hidden, x: torch.Tensor, positions, written,
+                 branches) -> list[list[torch.Tensor | None]]:
     """Each listed position's score from one forward pass's output: the head's scalar there, plus, for a PRM with a
     likelihood weight, that weight times the mean log-probability of the step's written tokens (written [B][S_b]
     index lists; each token predicted by prorag.algorithms.prm.predecessors of its row's branches)."""
@@ -128,7 +155,6 @@ def _step_scores(model, out, x: torch.Tensor, positions, written, branches) -> l
                 targets.append(j)
                 step_of.append(len(slots))
             slots.append((i, k))
-    hidden = out.hidden_states[-1]  # [B, T, H]: the trunk's normed last layer, what a tied LM head reads
     embeddings = getattr(model, "module", model).get_input_embeddings().weight  # [V, H]
     rows_t, targets_t = torch.tensor(rows, dtype=torch.long), torch.tensor(targets, dtype=torch.long)
     preds_t = torch.tensor(preds, dtype=torch.long)
@@ -174,10 +200,9 @@ def score_batch(model, sequences: Sequence[Sequence[int]], positions: Sequence[S
     # its fused causal kernel to the math one, which materialises B x heads x T x T scores (measured on CPU: a batch
     # of 32 trajectories ran at a third of the speed of one at a time; issue 49). Positions count from 0 in every row.
     # use_cache=False: scoring and training read every position once; a KV cache would only cost memory
-    reads_likelihood = bool(likelihood_weight(model))
-    out = model(input_ids=x.to(device), use_cache=False, output_hidden_states=reads_likelihood)
-    return _step_scores(model, out, x, [pos for _, pos, _ in cut], None if written is None else [w for *_, w in cut],
-                        [(len(ids), 0, 0) for ids, _, _ in cut])
+    out, hidden = _forward(model, input_ids=x.to(device))
+    return _step_scores(model, out, hidden, x, [pos for _, pos, _ in cut],
+                        None if written is None else [w for *_, w in cut], [(len(ids), 0, 0) for ids, _, _ in cut])
 
 
 #: attention implementations that take a custom 4D mask (flash_attention_2 takes none: only padding and packing)
@@ -223,9 +248,9 @@ def score_branched(model, sequences: Sequence[Sequence[int]], branches: Sequence
             ~mask, torch.finfo(param.dtype).min)
     # A 4D mask reaches the attention as given (transformers' create_causal_mask returns it unchanged); with a 2D
     # mask or none, a position_ids restart would instead be read as sequence packing.
-    out = model(input_ids=x.to(param.device), attention_mask=mask, position_ids=position_ids.to(param.device),
-                use_cache=False, output_hidden_states=bool(likelihood_weight(model)))
-    return _step_scores(model, out, x, positions, written, branches)
+    out, hidden = _forward(model, input_ids=x.to(param.device), attention_mask=mask,
+                           position_ids=position_ids.to(param.device))
+    return _step_scores(model, out, hidden, x, positions, written, branches)
 
 
 __all__ = ["BRANCH_ATTENTION", "LIKELIHOOD_WEIGHT", "attn_implementation", "likelihood_weight", "load_prm",
