@@ -50,8 +50,11 @@ class JobManager:
                                    memory_check=memory_check)
         self.ledger = JobLedger(self.store)
         self._stop = threading.Event()
+        #: job id -> (config dict, json) of a submission that moved a RUNNING job's services: taken if it fails
+        self._readdress: dict[str, tuple[dict, str]] = {}
+        self._requeue_after_run: set[str] = set()  # re-addressed on failure: queued when its worker lets go of it
         self.runner = JobRunner(self.ledger, self.admission, self._stop, keep_checkpoints=keep_checkpoints,
-                                tracking=tracking)
+                                tracking=tracking, requeue_on_failure=self._take_readdress)
         self._lock_fd: int | None = None
         self._queue: collections.deque[str] = collections.deque()
         self._cancel: dict[str, threading.Event] = {}
@@ -199,13 +202,17 @@ class JobManager:
         """The same job submitted again with its services at other addresses (a run resumed with another
         --port-offset), or with fields added since at their defaults: a job that is not running takes the new
         config, so it runs or resumes against the addresses given (FAILED or CANCELLED: re-queued as by
-        _requeue). A finished job is returned as it is (where its services were does not change what it made);
-        a running one too: it keeps the addresses it started with until it stops (lock held)."""
+        _requeue). A finished job is returned as it is (where its services were does not change what it made).
+        A running one goes on with the addresses it started with; should it fail (a trainer restarted by the new
+        run resumed it against the old run's services, which are gone), it is re-queued with the new ones before
+        anyone sees it fail (lock held)."""
         if job.state is JobState.SUCCEEDED:
             return job.copy()
         if job.state is JobState.RUNNING:
-            log.warning("job %s was submitted again with its services at other addresses while running; it goes on "
-                        "with the ones it started with", job.job_id)
+            self._readdress[job.job_id] = (cfg_dict, cfg_json)
+            self.ledger.event(job, message="submitted again with its services at other addresses while running: it "
+                                           "goes on with the ones it started with, and if it fails it resumes with "
+                                           "the new ones")
             return job.copy()
         moved = sorted(k for k in set(job.config) | set(cfg_dict) if job.config.get(k) != cfg_dict.get(k))
         job.config, job.config_json = cfg_dict, cfg_json
@@ -214,6 +221,23 @@ class JobManager:
         if job.state in (JobState.FAILED, JobState.CANCELLED):
             return self._requeue(job)
         return job.copy()
+
+    def _take_readdress(self, job: Job, why: str) -> bool:
+        """Called by the runner, lock held, when a running job fails: if a submission moved its services meanwhile,
+        the job takes that config and goes back to QUEUED (the worker queues it once it has let go of it), and
+        True; else False and the job fails as usual."""
+        pending = self._readdress.pop(job.job_id, None)
+        if pending is None:
+            return False
+        moved = sorted(k for k in set(job.config) | set(pending[0]) if job.config.get(k) != pending[0].get(k))
+        job.config, job.config_json = pending
+        job.state = JobState.QUEUED
+        self._requeue_after_run.add(job.job_id)
+        self.ledger.event(job, message=f"failed against the services it started with ({why}); re-queued with the "
+                                       "addresses of the latest submission, " +
+                                       ", ".join(f"{k}={pending[0].get(k)}" for k in moved) +
+                                       "; resumes from its last checkpoint")
+        return True
 
     def _requeue(self, job: Job) -> Job:
         """A FAILED or CANCELLED job submitted again with the same config runs again, resuming from its last
@@ -302,5 +326,12 @@ class JobManager:
                                            error="internal trainer error; see the trainer log",
                                            tb=traceback.format_exc())
             finally:
-                with self.ledger.lock:
+                with self.ledger.changed:
                     self.running.discard(job_id)
+                    job = self.ledger.get(job_id)
+                    if job.state.terminal:
+                        self._readdress.pop(job_id, None)  # it finished with the addresses it had
+                    if job_id in self._requeue_after_run:  # re-addressed after failing: runs again with them
+                        self._requeue_after_run.discard(job_id)
+                        if not self._stop.is_set():  # else the next start's recovery queues it
+                            self._enqueue(job_id)

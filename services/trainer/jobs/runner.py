@@ -10,7 +10,7 @@ import logging
 import threading
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from prorag.runs import code_version
 from prorag.training.context import JobContext, sha256_tree
@@ -27,8 +27,11 @@ class JobRunner:
     """Runs a queued job's stage in the calling thread, recording what happens in the ledger."""
 
     def __init__(self, ledger: JobLedger, admission: Admission, stop: threading.Event, *, keep_checkpoints: int,
-                 tracking: str):
+                 tracking: str, requeue_on_failure: Callable[[Job, str], bool] | None = None):
+        """requeue_on_failure(job, error): asked, lock held, before a stage's failure is recorded; True = the
+        caller has put the job back in QUEUED (a newer submission moved its services), so it does not fail."""
         self.ledger = ledger
+        self.requeue_on_failure = requeue_on_failure
         self.admission = admission
         self.stop = stop  # the trainer is stopping: the stage checkpoints and the job resumes at the next start
         self.keep_checkpoints = keep_checkpoints
@@ -80,6 +83,9 @@ class JobRunner:
                 elif self.stop.is_set():
                     job.stopped_cleanly = True
                     ledger.event(job, message="trainer stopping; the job resumes from its last checkpoint")
+                elif self.requeue_on_failure and self.requeue_on_failure(job, f"{type(exc).__name__}: {exc}"):
+                    log.warning("job %s (%s) failed and was re-queued with its services' new addresses: %s",
+                                job.job_id, stage.name, exc)
                 else:
                     tb = traceback.format_exc()
                     log.error("job %s (%s) failed:\n%s", job.job_id, stage.name, tb)

@@ -236,6 +236,8 @@ class TalksToConfig:
     retriever: str = cfg_field("127.0.0.1:50051", help="a service the job calls")
     topk: int = cfg_field(1, help="what it computes")
     fail_while_missing: str = cfg_field("", help="fail while this file does not exist")
+    hold_while_missing: str = cfg_field("", help="keep running until this file exists (up to 30 s)")
+    gone: str = cfg_field("", help="an address whose service is gone: a run against it fails")
 
 
 @dataclass
@@ -249,8 +251,14 @@ def talks_to_stage():
     ran = []
 
     def fn(ctx):
+        deadline = time.monotonic() + 30
+        while ctx.config.hold_while_missing and not Path(ctx.config.hold_while_missing).exists() \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
         if ctx.config.fail_while_missing and not Path(ctx.config.fail_while_missing).exists():
             raise RuntimeError("talks_to: the service was not there")
+        if ctx.config.retriever == ctx.config.gone:
+            raise RuntimeError(f"talks_to: nothing answers at {ctx.config.gone}")
         ran.append(ctx.config.retriever)
         return {"ok": 1}
 
@@ -300,6 +308,41 @@ def test_a_failed_job_submitted_again_with_its_services_elsewhere_resumes_agains
     messages = [e["message"] for e in m.events_after("down")]
     assert any("other addresses" in msg and "retriever=127.0.0.1:2002" in msg for msg in messages), messages
     assert any(msg.startswith("re-queued by a new submission") for msg in messages), messages
+
+
+def test_a_running_job_whose_services_moved_resumes_against_them_instead_of_failing(tmp_path, managers,
+                                                                                  talks_to_stage):
+    """A trainer restarted by a run on other ports resumes the old run's job against the old addresses; the new run
+    submits it again with the new ones while it runs. When the old services fail it, it is re-queued with the new
+    addresses and succeeds: whoever waits on it never sees it fail."""
+    m = managers()
+    release = tmp_path / "release"
+    cfg = {"retriever": "127.0.0.1:1001", "gone": "127.0.0.1:1001", "hold_while_missing": str(release)}
+    m.submit("talks_to", cfg, job_id="moving")
+    while m.get("moving").state is not JobState.RUNNING:
+        time.sleep(0.01)
+    again = m.submit("talks_to", {**cfg, "retriever": "127.0.0.1:2002"}, job_id="moving")
+    assert again.state is JobState.RUNNING and again.config["retriever"] == "127.0.0.1:1001"  # goes on as it was
+    release.touch()
+    job = m.wait("moving", 60)
+    assert job.state is JobState.SUCCEEDED and talks_to_stage[1] == ["127.0.0.1:2002"]
+    states = [e.get("state") for e in m.events_after("moving")]
+    assert "FAILED" not in states, states
+    messages = [e["message"] for e in m.events_after("moving")]
+    assert any("failed against the services it started with" in msg and "retriever=127.0.0.1:2002" in msg
+               for msg in messages), messages
+    # a running job resubmitted elsewhere that finishes on its own addresses keeps them; nothing stays pending
+    m.submit("talks_to", {"retriever": "127.0.0.1:3003", "hold_while_missing": str(tmp_path / "later")},
+             job_id="stays")
+    while m.get("stays").state is not JobState.RUNNING:
+        time.sleep(0.01)
+    m.submit("talks_to", {"retriever": "127.0.0.1:4004", "hold_while_missing": str(tmp_path / "later")},
+             job_id="stays")
+    (tmp_path / "later").touch()
+    assert m.wait("stays", 60).config["retriever"] == "127.0.0.1:3003" and "stays" not in m._readdress
+    # a failure with no moved services is still a failure
+    assert m.wait(m.submit("talks_to", {"retriever": "127.0.0.1:5005", "gone": "127.0.0.1:5005"},
+                           job_id="down").job_id, 60).state is JobState.FAILED
 
 
 def test_a_failed_or_cancelled_job_submitted_again_resumes_from_its_checkpoint(tmp_path, managers):
