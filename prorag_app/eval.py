@@ -414,9 +414,11 @@ def print_prm_families(prm: dict) -> None:
     console.print(table)
     pa = prm.get("pairwise_accuracy")
     by_kind = prm.get("pairwise_accuracy_by_kind") or {}
+    ref_pa = prm.get("pairwise_accuracy_policy_likelihood")
     console.print((f"held-out pairwise accuracy: {pa:.3f}" if pa is not None else "held-out pairwise accuracy: -")
                   + ("" if not by_kind else " (" + ", ".join(f"{k} {v:.3f}" for k, v in sorted(by_kind.items()))
-                                                + ")"))
+                                                + ")")
+                  + ("" if ref_pa is None else f"; the SFT policy's own likelihood: {ref_pa:.3f}"))
     gate = prm.get("gate")
     if gate:
         console.print(f"gate for PRM-guided stages (unsupported sub-answer AUC >= {gate['min_unsupported']}, "
@@ -451,6 +453,8 @@ def eval_prm(args) -> int:
            "pairwise_accuracy": metrics.get("heldout_pairwise_accuracy"), "png": validation["png"],
            "pairwise_accuracy_by_kind": {k.split(".", 1)[1]: v for k, v in metrics.items()
                                          if k.startswith("heldout_pairwise_accuracy.")},
+           # additive: the SFT policy's own likelihood on the PRM's held-out pairs, as the PRM stage measured it
+           "pairwise_accuracy_policy_likelihood": metrics.get("heldout_policy_likelihood_accuracy"),
            # additive: the verdict before any PRM-guided stage, and what the validation left out
            "gate": gate_verdict(validation), "cases_dropped": validation["dropped"],
            "questions": validation["questions"]}

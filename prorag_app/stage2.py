@@ -164,6 +164,8 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
         "pairwise_accuracy": prm["metrics"].get("heldout_pairwise_accuracy"),
         "pairwise_accuracy_by_kind": {k.split(".", 1)[1]: v for k, v in prm["metrics"].items()
                                       if k.startswith("heldout_pairwise_accuracy.")},
+        # the SFT policy's own likelihood on the same held-out pairs (additive; absent for an untied policy)
+        "pairwise_accuracy_policy_likelihood": prm["metrics"].get("heldout_policy_likelihood_accuracy"),
         "png": validation["png"],
         "validation_split": VALIDATION_SPLIT,
         "jobs": jobs,

@@ -117,11 +117,11 @@ def _final_norm(model):
     return norm
 
 
-def _forward(model, **inputs):
-    """(the model's output, the trunk's normed last hidden state [B, T, H] or None): for a PRM with a likelihood
-    weight, the hidden state is caught by a hook on the final norm. Why not output_hidden_states: that keeps every
-    layer's output alive, which under no_grad (the PRM service) would hold L times the activations for one of them."""
-    if not likelihood_weight(model):
+def _forward(model, reads_likelihood: bool, **inputs):
+    """(the model's output, the trunk's normed last hidden state [B, T, H] or None): when the likelihood is read,
+    the hidden state is caught by a hook on the final norm. Why not output_hidden_states: that keeps every layer's
+    output alive, which under no_grad (the PRM service) would hold L times the activations for one of them."""
+    if not reads_likelihood:
         return model(**inputs, use_cache=False), None
     caught = []
     handle = _final_norm(model).register_forward_hook(lambda module, args, output: caught.append(output))
@@ -132,13 +132,14 @@ def _forward(model, **inputs):
     return out, caught[-1]
 
 
-def _step_scores(model, out, hidden, x: torch.Tensor, positions, written,
-                 branches) -> list[list[torch.Tensor | None]]:
+def _step_scores(model, out, hidden, x: torch.Tensor, positions, written, branches,
+                 likelihood_only: bool = False) -> list[list[torch.Tensor | None]]:
     """Each listed position's score from one forward pass's output: the head's scalar there, plus, for a PRM with a
     likelihood weight, that weight times the mean log-probability of the step's written tokens (written [B][S_b]
-    index lists; each token predicted by prorag.algorithms.prm.predecessors of its row's branches)."""
+    index lists; each token predicted by prorag.algorithms.prm.predecessors of its row's branches).
+    likelihood_only: that mean log-probability alone (weight 1, no head), whatever the PRM's weight."""
     head = out.logits[..., 0].float()
-    weight = likelihood_weight(model)
+    weight = 1.0 if likelihood_only else likelihood_weight(model)
     if not weight:
         return [[None if p is None else head[i, p] for p in pos] for i, pos in enumerate(positions)]
     if written is None:
@@ -168,20 +169,22 @@ def _step_scores(model, out, hidden, x: torch.Tensor, positions, written,
                           torch.tensor(step_of, dtype=torch.long, device=head.device), len(slots))
     scores: list[list[torch.Tensor | None]] = [[None] * len(pos) for pos in positions]
     for n, (i, k) in enumerate(slots):
-        scores[i][k] = head[i, positions[i][k]] + weight * means[n]
+        scores[i][k] = weight * means[n] if likelihood_only else head[i, positions[i][k]] + weight * means[n]
     return scores
 
 
 def score_batch(model, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], max_len: int,
-                pad_id: int = 0, keep_prefix: int = 0,
-                written: Sequence[Sequence[Sequence[int]]] | None = None) -> list[list[float | None]]:
+                pad_id: int = 0, keep_prefix: int = 0, written: Sequence[Sequence[Sequence[int]]] | None = None,
+                likelihood_only: bool = False) -> list[list[float | None]]:
     """Score every listed position of every sequence in one forward pass.
 
     sequences: B token-id lists; positions: per sequence, the indices whose scalar is a step's score; longer
     sequences than max_len are cut on the left after keep_prefix tokens (prorag.algorithms.prm.left_truncate:
     the newest step always stays); written: per sequence, per position, the indices of the step's written tokens
     (prorag.search.pairs.prm_rendering), needed by a PRM with a likelihood weight. Returns [B][S_b] scores as 0-d
-    tensors (``float(s)`` for a number), None for a step whose score token was cut away.
+    tensors (``float(s)`` for a number), None for a step whose score token was cut away. likelihood_only: each
+    step's mean written-token log-probability under the trunk read as its tied LM, without the head (the policy's
+    own preference, for a PRM still at its start: the reference a trained PRM is read against).
     Gradients flow when the model is in train mode and grad is enabled (training uses this too)."""
     if len(sequences) != len(positions):
         raise InvalidArgument("one positions list per sequence")
@@ -200,9 +203,12 @@ def score_batch(model, sequences: Sequence[Sequence[int]], positions: Sequence[S
     # its fused causal kernel to the math one, which materialises B x heads x T x T scores (measured on CPU: a batch
     # of 32 trajectories ran at a third of the speed of one at a time; issue 49). Positions count from 0 in every row.
     # use_cache=False: scoring and training read every position once; a KV cache would only cost memory
-    out, hidden = _forward(model, input_ids=x.to(device))
+    if likelihood_only:
+        _require_tied(_config(model), "this model")
+    out, hidden = _forward(model, likelihood_only or bool(likelihood_weight(model)), input_ids=x.to(device))
     return _step_scores(model, out, hidden, x, [pos for _, pos, _ in cut],
-                        None if written is None else [w for *_, w in cut], [(len(ids), 0, 0) for ids, _, _ in cut])
+                        None if written is None else [w for *_, w in cut], [(len(ids), 0, 0) for ids, _, _ in cut],
+                        likelihood_only=likelihood_only)
 
 
 #: attention implementations that take a custom 4D mask (flash_attention_2 takes none: only padding and packing)
@@ -248,7 +254,7 @@ def score_branched(model, sequences: Sequence[Sequence[int]], branches: Sequence
             ~mask, torch.finfo(param.dtype).min)
     # A 4D mask reaches the attention as given (transformers' create_causal_mask returns it unchanged); with a 2D
     # mask or none, a position_ids restart would instead be read as sequence packing.
-    out, hidden = _forward(model, input_ids=x.to(param.device), attention_mask=mask,
+    out, hidden = _forward(model, bool(likelihood_weight(model)), input_ids=x.to(param.device), attention_mask=mask,
                            position_ids=position_ids.to(param.device))
     return _step_scores(model, out, hidden, x, positions, written, branches)
 

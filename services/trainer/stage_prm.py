@@ -171,6 +171,35 @@ def pair_scores(model, batch, max_len: int, pad_id: int, keep_prefix: int = 0, e
     return scores[:, 0], scores[:, 1], sum(len(s) for s in seqs)
 
 
+def heldout_metrics(name: str, chosen: list[float], rejected: list[float], kinds: list[str]) -> dict[str, float]:
+    """{name: pairwise accuracy, name.<kind>: the same per step kind} of held-out pairs' scores (chosen [N],
+    rejected [N], kinds [N]): one kind's pairs can outnumber the rest, and the overall figure then hides another's."""
+    out = {name: pairwise_accuracy(chosen, rejected)}
+    for kind in sorted(set(kinds)):
+        idx = [i for i, k in enumerate(kinds) if k == kind]
+        out[f"{name}.{kind}"] = pairwise_accuracy([chosen[i] for i in idx], [rejected[i] for i in idx])
+    return out
+
+
+def policy_likelihoods(model, pairs, max_len: int, pad_id: int, batch_size: int,
+                       placement) -> tuple[list[float], list[float]]:
+    """([N] chosen, [N] rejected) mean written-token log-probabilities of encoded pairs (encode_pairs' rows) under
+    ``model``'s trunk read as its tied LM (prorag.prm.model.score_batch likelihood_only), without gradients."""
+    was_training = model.training
+    model.eval()
+    chosen, rejected = [], []
+    with torch.no_grad(), placement.autocast():
+        for i in range(0, len(pairs), batch_size):
+            part = pairs[i:i + batch_size]
+            scored = score_batch(model, [p[0] for p in part] + [p[2] for p in part],
+                                 [[p[1]] for p in part] + [[p[3]] for p in part], max_len, pad_id,
+                                 written=[[p[4]] for p in part] + [[p[5]] for p in part], likelihood_only=True)
+            chosen += [float(s[0]) for s in scored[:len(part)]]
+            rejected += [float(s[0]) for s in scored[len(part):]]
+    model.train(was_training)
+    return chosen, rejected
+
+
 def run_prm(ctx: JobContext) -> dict:
     cfg: PRMConfig = ctx.config
     cfg.apply_threads()
@@ -197,6 +226,15 @@ def run_prm(ctx: JobContext) -> dict:
     # the branch mask needs an attention that takes a custom mask; flash_attention_2 takes none
     encoding = cfg.pair_encoding if attn_implementation(model) in BRANCH_ATTENTION else "separate"
     total, batch_at = accumulated_epochs(train, cfg.batch_size, cfg.grad_accum, cfg.epochs, cfg.seed)
+    kinds = [p.meta.get("step_kind") or pair_kind(p.steps[0].kind, p.steps[1].kind) for p in held_pairs]
+    # Before any training the trunk is the policy's: its own preference on the held-out pairs is the reference the
+    # PRM's accuracy is read against (a PRM that does not beat it adds nothing the policy did not already prefer).
+    # Read through the tied embeddings; a sharded launch holds only a shard of them.
+    reference = {}
+    if held and getattr(model.config, "tie_word_embeddings", False) and not sharding_asked():
+        reference = heldout_metrics("heldout_policy_likelihood_accuracy",
+                                    *policy_likelihoods(model, held, cfg.max_len, pad, cfg.batch_size, placement),
+                                    kinds)
 
     def loss_fn(m, batch):
         chosen, rejected, tokens = pair_scores(m, batch, cfg.max_len, pad, encoding=encoding)
@@ -221,15 +259,11 @@ def run_prm(ctx: JobContext) -> dict:
                                            pair_scores(m, part, cfg.max_len, pad, encoding=encoding))
                 c += sc.tolist()
                 r += sr.tolist()
-        metrics["heldout_pairwise_accuracy"] = pairwise_accuracy(c, r)
+        metrics.update(heldout_metrics("heldout_pairwise_accuracy", c, r, kinds))
         # the judge accepted every chosen step and rejected every other: how often a score's sign alone says so
         metrics["heldout_verdict_accuracy"] = (sum(x > 0 for x in c) + sum(x < 0 for x in r)) / (2 * len(c))
-        # per step kind: one kind's pairs can outnumber the rest, and the overall figure then hides another's
-        kinds = [p.meta.get("step_kind") or pair_kind(p.steps[0].kind, p.steps[1].kind) for p in held_pairs]
-        for kind in sorted(set(kinds)):
-            idx = [i for i, k in enumerate(kinds) if k == kind]
-            metrics[f"heldout_pairwise_accuracy.{kind}"] = pairwise_accuracy([c[i] for i in idx], [r[i] for i in idx])
-            metrics[f"heldout_pairs.{kind}"] = len(idx)
+        metrics.update({f"heldout_pairs.{k}": kinds.count(k) for k in set(kinds)})
+        metrics.update(reference)
     published = publish_trained(ctx, model, tokenizer, kind="prm", world=cfg.world, name=cfg.publish_name,
                                 base=policy, stage="prm", metrics=metrics, step=total)
     if published is None:  # the other processes of a launch publish nothing

@@ -98,6 +98,11 @@ def test_likelihood_readout_adds_the_trunks_mean_log_probability_of_the_written_
     expected = [h + 0.5 * lp for h, lp in zip(head, _written_logp(model_dir, ids, written))]
     assert got == pytest.approx(expected, abs=1e-4)
     assert abs(got[0] - head[0]) > 0.1  # the readout is not negligible beside the head
+    # the readout alone (the policy's own preference, whatever the PRM's weight): no head, weight 1
+    with torch.no_grad():
+        alone_ll = [float(s) for s in score_batch(model, [ids], [positions], 512, written=[written],
+                                                  likelihood_only=True)[0]]
+    assert alone_ll == pytest.approx(_written_logp(model_dir, ids, written), abs=1e-4)
     # a step scored with the rest of its trajectory scores as its prefix alone, and left truncation keeps the newest
     with torch.no_grad():
         alone = float(score_batch(model, [ids[:13]], [[12]], 512, written=[[written[0]]])[0][0])

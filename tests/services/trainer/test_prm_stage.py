@@ -37,6 +37,11 @@ def test_prm_stage_learns_publishes_and_scores(tiny_policy, tmp_path, monkeypatc
     by_kind = {k.split(".", 1)[1]: v for k, v in out.items() if k.startswith("heldout_pairs.")}
     assert by_kind == {"subanswer": out["heldout_pairs"]}
     assert out["heldout_pairwise_accuracy.subanswer"] == out["heldout_pairwise_accuracy"]
+    # beside it, the policy's own likelihood on the same pairs before training (the tiny policy is untrained: its
+    # preference is some figure in [0, 1]; the readout's exact value is tests/prm/test_model.py's)
+    assert 0.0 <= out["heldout_policy_likelihood_accuracy"] <= 1.0
+    assert set(k for k in out if k.startswith("heldout_policy_likelihood_accuracy.")) == \
+        {"heldout_policy_likelihood_accuracy.subanswer"}
     published = registry("prm", "tiny").resolve(out["prm"])
     prm, ptok = load_prm(published)
     fresh = _pairs(1, seed=99)[0]
