@@ -80,13 +80,18 @@ def _job_id(prefix: str, stage: str, cfg: dict, prm_sha256: str = "", pool_sha25
     return settings_job_id(prefix, stage, {k: v for k, v in cfg.items() if k != "question_pool"}, extra)
 
 
+#: RL settings read only by the process term (services.trainer.rl_collect.group_advantages, with beta > 0)
+PROCESS_ONLY = ("prm_centering", "step_score", "process_answer_step", "process_std_floor")
+
+
 def rl_job_config(method: str, common: dict, base_model: str, policy: str, prm: str, beta: float,
                   question_pool: str = "") -> dict:
     """The rl job config of one RL method: ``common`` (world, topk and the profile's shared rl settings) with the
     method's start model, policy, PRM and beta; keys a method leaves at the stage's default are left out, so the
     job ids of methods that predate them do not change.
 
-    outcome_grpo: no PRM, beta 0; prorag / prorag_no_rft: the PRM at ``prm``, ``beta``; prorag_oracle: ``beta`` with
+    outcome_grpo: no PRM, beta 0, no process-term settings (PROCESS_ONLY); prorag / prorag_no_rft: the PRM at
+    ``prm``, ``beta``; prorag_oracle: ``beta`` with
     the reference judge's step verdicts (step_scorer=oracle), no PRM and its verdicts never centred per step kind.
     question_pool: every method's the same."""
     if method not in RL_METHODS:
@@ -96,6 +101,10 @@ def rl_job_config(method: str, common: dict, base_model: str, policy: str, prm: 
     cfg = {**common, "base_model": base_model, "policy": policy, "adapter_name": method}
     if method == "outcome_grpo":
         cfg.update(prm="", beta=0.0)
+        # settings of the process term only, which beta 0 never reads: left out, so a choice among the process arms'
+        # settings (a dev run of another centring) reuses the one outcome GRPO job they are all compared with
+        for key in PROCESS_ONLY:
+            cfg.pop(key, None)
     elif method == "prorag_oracle":
         cfg.update(prm="", beta=beta, step_scorer="oracle")
         if cfg.get("prm_centering", "none") != "none":

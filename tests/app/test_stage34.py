@@ -56,15 +56,20 @@ def test_the_oracle_is_its_own_job_with_no_prm_and_every_rl_method_shares_the_po
 
 
 def test_the_oracle_never_inherits_per_kind_centring_and_the_prm_arms_keep_the_shared_settings():
-    from prorag_app.stage34 import RL_METHODS, rl_job_config
+    from prorag_app.stage34 import PROCESS_ONLY, RL_METHODS, rl_job_config
 
     common = {"world": "w", "topk": 1, "prm_centering": "per_kind", "step_score": "verdict",
               "process_answer_step": False, "reward": "f1"}
     cfgs = {m: rl_job_config(m, common, "sft@a", "p", "q", 0.3) for m in RL_METHODS}
     assert cfgs["prorag_oracle"]["prm_centering"] == "none"
     assert {cfgs[m]["prm_centering"] for m in ("prorag", "prorag_no_rft")} == {"per_kind"}
-    # one outcome reward and one step score for every arm: they differ in the process term only
-    assert {c["reward"] for c in cfgs.values()} == {"f1"} and {c["step_score"] for c in cfgs.values()} == {"verdict"}
+    # one outcome reward for every arm and one step score for every process arm: they differ in the process term only
+    assert {c["reward"] for c in cfgs.values()} == {"f1"}
+    assert {c["step_score"] for m, c in cfgs.items() if m != "outcome_grpo"} == {"verdict"}
+    # outcome GRPO reads none of the process term's settings, so its job is the same whatever they are
+    assert not set(PROCESS_ONLY) & set(cfgs["outcome_grpo"])
+    assert rl_job_config("outcome_grpo", {**common, "prm_centering": "none", "process_std_floor": 0.5}, "sft@a", "p",
+                         "q", 0.3) == cfgs["outcome_grpo"]
     # without shared centring the oracle's config (and so its job id) is what it was
     plain = rl_job_config("prorag_oracle", {"world": "w", "topk": 1}, "sft@a", "p", "q", 0.3)
     assert "prm_centering" not in plain
