@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
 from prorag.modeling import save_pretrained
@@ -75,8 +76,6 @@ def test_bad_paths_and_models(tiny_policy, tmp_path):
 def _written_logp(policy_dir, ids, written):
     """Mean log-probability of each written index under the policy as a causal LM (the reference the readout equals
     before training: the PRM's trunk is the policy's)."""
-    from transformers import AutoModelForCausalLM
-
     lm = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         logp = torch.log_softmax(lm(input_ids=torch.tensor([ids])).logits[0].float(), -1)
@@ -121,8 +120,6 @@ def test_likelihood_readout_adds_the_trunks_mean_log_probability_of_the_written_
 
 
 def test_likelihood_readout_needs_tied_embeddings(tiny_policy, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     model_dir, tok = tiny_policy
     untied = AutoModelForCausalLM.from_pretrained(str(model_dir))
     untied.config.tie_word_embeddings = False

@@ -10,6 +10,7 @@ from prorag.search.pairs import prm_inputs, prm_rendering
 from prorag.prm.model import likelihood_weight, load_prm, score_batch
 from prorag.registry import registry
 from prorag.training.context import local_context
+from services.prm.engine import PRMEngine, ScoringItem
 from services.trainer.stage_prm import PRMConfig, run_prm
 from tests.helpers import founder_pairs
 from tests.services.trainer.test_pairs_stages import pairs_job, run_logging_bfloat16
@@ -63,8 +64,6 @@ def test_verdict_weight_puts_accepted_steps_above_zero_and_rejected_below(tiny_p
 
 
 def test_likelihood_weight_trains_a_prm_that_the_engine_scores_with_its_readout(tiny_policy, tmp_path, monkeypatch):
-    from services.prm.engine import PRMEngine, ScoringItem
-
     monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
     model_dir, _ = tiny_policy
     out = run_prm(local_context(tmp_path / "work", _job(tmp_path, model_dir, 80, epochs=4, likelihood_weight=1.0)))
