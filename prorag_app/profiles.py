@@ -163,7 +163,10 @@ RECIPE = Profile(
                "checkpoint_every": 5, "seed": 1,
                # the arms differ in the process term only: no format term in the step score, and the answer
                # step, whose verdict repeats the outcome, left out of it (issue 47)
-               "step_score": "verdict", "process_answer_step": False},
+               "step_score": "verdict", "process_answer_step": False,
+               # the PRM's logits centred per step kind within each group, chosen on dev (docs/BENCHMARKS.md, "Why
+               # the profiles' settings")
+               "prm_centering": "per_kind"},
         # the learnable pool both RL methods draw from: 3+ hop train questions the SFT agent sometimes answers
         "pool": {"samples": 8, "max_questions": 240},
         # ReasonRAG's DPO at the RL methods' rate: its 1 epoch at 1e-6 is for full fine-tuning of a 7B model
@@ -191,8 +194,7 @@ RESEARCH_PROFILE = dataclasses.replace(
              "rft": {**RECIPE.stage34["rft"], "filter": "step", "hop_balanced": True},
              # chosen on dev: questions the agent sometimes fails, as many iterations as still gained, no KL (it
              # weighed nothing), the answer's F1 as the reward (docs/BENCHMARKS.md, "Why the profiles' settings")
-             "rl": {**RECIPE.stage34["rl"], "iterations": 45, "questions_per_iteration": 32, "kl_coef": 0.0,
-                    "prm_centering": "per_kind"},
+             "rl": {**RECIPE.stage34["rl"], "iterations": 45, "questions_per_iteration": 32, "kl_coef": 0.0},
              # a pool as large as the dev runs' that chose these settings
              "pool": {**RECIPE.stage34["pool"], "max_questions": 1500},
              "eval_iterations": (15,),  # a third of the RL questions: the data-efficiency point
