@@ -282,9 +282,10 @@ def test_the_default_profile_runs_the_headline_and_says_where_rft_and_full_prora
     assert default_rl["pool_max_solve_rate"] < 1 and s34["pool"]["samples"] == default_rl["group_size"]
     assert default_rl["reward"] == "f1" and default_rl["step_score"] == "verdict"
     assert default_rl["process_answer_step"] is False
-    # the research profile changes its size and centring only
-    assert {k: v for k, v in research_rl.items() if k not in ("iterations", "questions_per_iteration", "kl_coef",
-                                                               "prm_centering")} == \
+    # the PRM arms' logits centred per step kind (chosen on dev), in both profiles
+    assert default_rl["prm_centering"] == research_rl["prm_centering"] == "per_kind"
+    # the research profile changes its size only
+    assert {k: v for k, v in research_rl.items() if k not in ("iterations", "questions_per_iteration", "kl_coef")} == \
         {k: v for k, v in default_rl.items() if k not in ("iterations", "questions_per_iteration")}
     # the data-efficiency point is a third of the RL questions
     assert PROFILES["research"].stage34["eval_iterations"] == (research_rl["iterations"] // 3,)
