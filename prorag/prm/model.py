@@ -156,14 +156,15 @@ def _step_scores(model, out, hidden, x: torch.Tensor, positions, written, branch
                 targets.append(j)
                 step_of.append(len(slots))
             slots.append((i, k))
-    embeddings = getattr(model, "module", model).get_input_embeddings().weight  # [V, H]
+    # [H, V], cast once for every chunk: the tied LM head the trunk's last hidden state is read with
+    lm_head = getattr(model, "module", model).get_input_embeddings().weight.float().T
     rows_t, targets_t = torch.tensor(rows, dtype=torch.long), torch.tensor(targets, dtype=torch.long)
     preds_t = torch.tensor(preds, dtype=torch.long)
     token_logp = []
     for a in range(0, len(rows), LOGPROB_CHUNK):
         part = slice(a, a + LOGPROB_CHUNK)
         h = hidden[rows_t[part].to(hidden.device), preds_t[part].to(hidden.device)].float()  # [K, H]
-        logp = torch.log_softmax(h @ embeddings.float().T, dim=-1)  # [K, V]
+        logp = torch.log_softmax(h @ lm_head, dim=-1)  # [K, V]
         token_logp.append(logp.gather(1, x[rows_t[part], targets_t[part]].to(logp.device)[:, None])[:, 0])
     means = mean_per_step(torch.cat(token_logp) if token_logp else head.new_zeros(0),
                           torch.tensor(step_of, dtype=torch.long, device=head.device), len(slots))
