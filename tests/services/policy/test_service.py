@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -22,7 +23,7 @@ import pytest
 
 from prorag.rpc.clients import PolicyClient, push_adapter
 from prorag.rpc.service import ServeConfig
-from tests.helpers import LoopThread, env, free_port, tiny_data
+from tests.helpers import LoopThread, env, tiny_data
 
 ENGINES = ("transformers", "vllm")
 #: the model each engine's cases serve: (preset, variant of the tiny world's base)
@@ -131,25 +132,34 @@ LIMITS = {"max_n": 8, "max_tokens": 64, "max_prefix_tokens": 1500, "default_step
 
 
 def start_vllm_policy(python: str, sets: dict, log_path):
-    """``prorag serve policy`` with engine=vllm from ``python`` (vLLM's environment) on free loopback ports, serving
-    float32 (the transformers engine's dtype on a CPU) with a 1 GiB KV cache; returns (process, grpc, http port)."""
+    """``prorag serve policy`` with engine=vllm from ``python`` (vLLM's environment) on ports the server binds itself
+    (0 = any free), serving float32 (the transformers engine's dtype on a CPU) with a 1 GiB KV cache; returns
+    (process, grpc, http port), read from the line the server prints once it listens.
+
+    Ports chosen here and handed over would race: vLLM's engine process binds ports of its own (0 = any free)
+    before the server binds its HTTP port, and in CI it was once handed the very port picked for HTTP."""
     from prorag.rpc.clients import wait_for_health
     from prorag_app import procs
 
-    port, http_port, metrics_port = free_port(), free_port(), free_port()
     sets = {**sets, "engine": "vllm", "vllm_dtype": "float32", "vllm_kv_cache_gb": 1, "max_model_len": 2048}
-    cmd = [python, "-m", "prorag_app.cli", "serve", "policy", "--port", str(port), "--http-port", str(http_port),
-           "--metrics-port", str(metrics_port)]
+    cmd = [python, "-m", "prorag_app.cli", "serve", "policy", "--port", "0", "--http-port", "0", "--metrics-port", "0"]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
+    start = log_path.stat().st_size if log_path.exists() else 0  # the log is appended to: read this start's lines
     proc = procs.spawn(cmd, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + VLLM_START_S
-    while not wait_for_health(f"127.0.0.1:{port}", "prorag.v1.Policy", timeout=5):
+    listening = re.compile(r"^policy: gRPC on [^\s]+:(\d+), HTTP on [^\s]+:(\d+)", re.M)
+    while True:
+        with open(log_path, "rb") as f:
+            f.seek(start)
+            found = listening.search(f.read().decode(errors="replace"))
+        if found and wait_for_health(f"127.0.0.1:{found[1]}", "prorag.v1.Policy", timeout=5):
+            return proc, int(found[1]), int(found[2])
         if proc.poll() is not None or time.monotonic() > deadline:  # a start that failed is not waited out
             procs.stop([proc])
             tail = log_path.read_text(errors="replace")[-4000:]
             pytest.fail(f"the vLLM policy ({' '.join(cmd)}) did not start; its log ends:\n{tail}")
-    return proc, port, http_port
+        time.sleep(1)
 
 
 @pytest.fixture(scope="module")
