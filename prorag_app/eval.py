@@ -377,6 +377,30 @@ def gate_verdict(auc_report: dict, **thresholds) -> dict:
     return {"passed": passed, "reasons": reasons, **applied, "figures": figures}
 
 
+def prm_results(validation: dict, job_metrics: dict) -> dict:
+    """results.json's ``prm`` figures, shared by `prorag eval prm` and stage 2: the validation's AUCs per family
+    (raw, and centred per step kind as the process advantage reads them), the policy's own likelihood on the same
+    cases, the gate's verdict, and the PRM job's held-out pairwise accuracies (``job_metrics``: its manifest's or
+    job's metrics). The caller adds where the figures come from (model, split, jobs)."""
+    return {
+        "auc_gold_vs_corrupted": {k: validation[k] for k in ("overall", "by_kind", "n", "in_distribution", "held_out")
+                                  if k in validation},
+        # additive: the same with scores centred per step kind (a diagnostic: the gate reads the raw scores)
+        "auc_centred_per_kind": validation.get("centred"),
+        # additive: the SFT policy's own log-likelihood of each step on the same cases
+        "reference_policy_likelihood": validation.get("reference"),
+        # additive: whether this PRM may guide stages 3-4 (prorag.prm.evaluation.prm_gate), and what was left out
+        "gate": gate_verdict(validation),
+        "cases_dropped": validation.get("dropped"),
+        "pairwise_accuracy": job_metrics.get("heldout_pairwise_accuracy"),
+        "pairwise_accuracy_by_kind": {k.split(".", 1)[1]: v for k, v in job_metrics.items()
+                                      if k.startswith("heldout_pairwise_accuracy.")},
+        # additive: the SFT policy's own likelihood on the PRM's held-out pairs (absent for an untied policy)
+        "pairwise_accuracy_policy_likelihood": job_metrics.get("heldout_policy_likelihood_accuracy"),
+        "png": validation["png"],
+    }
+
+
 def gate_line(gate: dict, mode: str) -> str:
     """One line for a run's output: the PRM gate's verdict, the AUCs it read, and what the verdict decided."""
     figures = ", ".join(f"{k} {v:.3f}" if isinstance(v, (int, float)) else f"{k} -"
@@ -445,21 +469,8 @@ def eval_prm(args) -> int:
                                        seed=args.seed, png=out / "prm" / "scores.png", reference_policy=reference)
     manifest = prm_dir / MANIFEST
     metrics = Manifest.read(manifest).metrics if manifest.is_file() else {}
-    prm = {"model": validation["version"], "split": args.split,
-           "auc_gold_vs_corrupted": {k: validation[k] for k in ("overall", "by_kind", "n", "in_distribution",
-                                                                  "held_out")},
-           # additive: the same with scores centred per step kind, as the process advantage reads them
-           "auc_centred_per_kind": validation["centred"],
-           "pairwise_accuracy": metrics.get("heldout_pairwise_accuracy"), "png": validation["png"],
-           "pairwise_accuracy_by_kind": {k.split(".", 1)[1]: v for k, v in metrics.items()
-                                         if k.startswith("heldout_pairwise_accuracy.")},
-           # additive: the SFT policy's own likelihood on the PRM's held-out pairs, as the PRM stage measured it
-           "pairwise_accuracy_policy_likelihood": metrics.get("heldout_policy_likelihood_accuracy"),
-           # additive: the verdict before any PRM-guided stage, and what the validation left out
-           "gate": gate_verdict(validation), "cases_dropped": validation["dropped"],
-           "questions": validation["questions"]}
-    if "reference" in validation:  # additive: the policy's own likelihood on the same cases
-        prm["reference_policy_likelihood"] = validation["reference"]
+    prm = {"model": validation["version"], "split": args.split, "questions": validation["questions"],
+           **prm_results(validation, metrics)}
     write_json(out / "results.json", {"prm": prm})
     if not args.out:
         point_latest(out)

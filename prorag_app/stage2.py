@@ -23,7 +23,7 @@ from prorag.prm.evaluation import FAMILIES
 from prorag.registry import registry, weights_sha256
 from prorag.rpc.clients import RetrieverClient
 from prorag_app import memo
-from prorag_app.eval import gate_verdict, validate_prm_families
+from prorag_app.eval import prm_results, validate_prm_families
 from prorag_app.stage_settings import Stage2Settings
 from prorag_app.trainer_jobs import run_job, settings_job_id
 from services.trainer.stage_mcts import PAIRS_VERSION
@@ -151,22 +151,7 @@ def run_stage2(stack, policy_target: str, world: str, sft_model: str, sft_settin
     timings["stage2_validate_s"] = time.monotonic() - t
     return {
         "model": prm["outputs"]["prm"],
-        "auc_gold_vs_corrupted": {k: validation[k] for k in ("overall", "by_kind", "n", "in_distribution", "held_out")
-                                  if k in validation},
-        # the same with scores centred per step kind, as the process advantage reads them (a diagnostic: the gate
-        # reads the raw scores)
-        "auc_centred_per_kind": validation.get("centred"),
-        # the SFT policy's own log-likelihood of each step on the same cases (additive)
-        "reference_policy_likelihood": validation.get("reference"),
-        # whether this PRM may guide stages 3-4 (prorag.prm.evaluation.prm_gate: unsupported sub-answers and overall)
-        "gate": gate_verdict(validation),
-        "cases_dropped": validation.get("dropped"),
-        "pairwise_accuracy": prm["metrics"].get("heldout_pairwise_accuracy"),
-        "pairwise_accuracy_by_kind": {k.split(".", 1)[1]: v for k, v in prm["metrics"].items()
-                                      if k.startswith("heldout_pairwise_accuracy.")},
-        # the SFT policy's own likelihood on the same held-out pairs (additive; absent for an untied policy)
-        "pairwise_accuracy_policy_likelihood": prm["metrics"].get("heldout_policy_likelihood_accuracy"),
-        "png": validation["png"],
+        **prm_results(validation, prm["metrics"]),
         "validation_split": VALIDATION_SPLIT,
         "jobs": jobs,
         "prm_train_pairs": prm["metrics"].get("train_pairs"),
