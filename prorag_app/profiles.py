@@ -164,8 +164,8 @@ RECIPE = Profile(
                # the arms differ in the process term only: no format term in the step score, and the answer
                # step, whose verdict repeats the outcome, left out of it (issue 47)
                "step_score": "verdict", "process_answer_step": False,
-               # the PRM's logits centred per step kind within each group, chosen on dev (docs/BENCHMARKS.md, "Why
-               # the profiles' settings")
+               # the PRM's logits centred per step kind within each group: on dev over two seeds the same as
+               # uncentred within noise, kept (docs/BENCHMARKS.md, "Why the profiles' settings")
                "prm_centering": "per_kind"},
         # the learnable pool both RL methods draw from: 3+ hop train questions the SFT agent sometimes answers
         "pool": {"samples": 8, "max_questions": 240},
