@@ -10,7 +10,24 @@ import threading
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on now (for a server that must start on a port known in advance)."""
+    """A loopback port nothing listens on now, for a server that must start on a port known in advance (and keep it
+    across restarts). Drawn above the kernel's ephemeral range, from this xdist worker's own ports (those of its
+    stacks, :func:`free_offset`): a port in the ephemeral range can be handed to any bind-to-0 or outgoing connection
+    between this check and the server's bind, as CI once lost a vLLM policy's HTTP port to vLLM's own engine. Where
+    the range leaves no room above it, a port the kernel picks."""
+    import random
+
+    span = _worker_grpc_span()
+    if span is not None:
+        rng = random.Random()
+        for _ in range(100):
+            port = rng.randrange(*span)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -39,6 +56,31 @@ _BASE_LOW, _BASE_HIGH = 8000, 50055
 _SPAN = 300
 
 
+def _worker_offsets() -> tuple[int, int] | None:
+    """This xdist worker's slice [lo, hi) of port offsets whose stacks' gRPC ports (50051 + offset, and the stacks a
+    run starts up to +210 above it) lie above the ephemeral range; None where the range leaves no room."""
+    low, high = _ephemeral_top() + 1 - 50051, 65535 - _BASE_HIGH - _SPAN
+    if low + _BASE_LOW < 1024 or high <= low:
+        return None
+    return _worker_slice(low, high)
+
+
+def _worker_slice(low: int, high: int) -> tuple[int, int]:
+    """This xdist worker's part [lo, hi) of the offsets [low, high), _SPAN short of the next worker's."""
+    index, count = xdist_worker()
+    width = (high - low) // count
+    return low + index * width, low + (index + 1) * width - _SPAN
+
+
+def _worker_grpc_span() -> tuple[int, int] | None:
+    """[lo, hi) of the gRPC ports this worker's stacks can take (see _worker_offsets); None where there is none."""
+    offsets = _worker_offsets()
+    if offsets is None:
+        return None
+    lo, hi = offsets
+    return 50051 + lo, 50051 + hi  # below the next worker's lowest: its slice starts _SPAN past this one's end
+
+
 def free_offset() -> int:
     """A port_offset for a ServiceStack (or `prorag up/run --port-offset`) whose ports, and those of the stacks a
     run starts at offset +100 to +210, are free now and can be taken by nobody else in the suite: each xdist worker
@@ -50,12 +92,8 @@ def free_offset() -> int:
     from prorag import paths
     from prorag_app.stack import port_free
 
-    low, high = _ephemeral_top() + 1 - 50051, 65535 - _BASE_HIGH - _SPAN
-    if low + _BASE_LOW < 1024 or high <= low:  # an unusual ephemeral range: anywhere from 3000 up, as before
-        low, high = 3000, 14000
-    index, count = xdist_worker()
-    width = (high - low) // count
-    lo, hi = low + index * width, low + (index + 1) * width - _SPAN
+    # an unusual ephemeral range: anywhere from 3000 up, as before
+    lo, hi = _worker_offsets() or _worker_slice(3000, 14000)
     base = [*paths.GRPC_PORTS.values(), *paths.HTTP_PORTS.values(), *paths.METRICS_PORTS.values()]
     rng = random.Random()  # random within the slice: a stack a killed test left behind is stepped over
     for _ in range(50):
