@@ -15,6 +15,7 @@ lent machine gives every figure it can. The last output line is one JSON object 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -84,6 +85,11 @@ class Check:
         self._save()
         return out
 
+    def skip(self, name: str, why: str) -> None:
+        """A phase this machine cannot run, recorded with the reason: not failed (ok), not run (ran false)."""
+        self.results[name] = {"ok": True, "ran": False, "skipped": why}
+        self._save()
+
 
 def _sync(device) -> None:
     import torch  # in the phase: a broken CUDA build fails that phase, not the check
@@ -123,17 +129,22 @@ def random_qwen3(shape: dict, device, dtype, seed: int = 0):
     return model.to(dtype).eval()
 
 
-def sft_throughput(shape: dict, placement, batch: int, seq_len: int, steps: int, compile: bool) -> dict:
+def sft_throughput(shape: dict, placement, batch: int, seq_len: int, steps: int, compile: bool,
+                   fused_ce: bool = False) -> dict:
     """Optimizer steps of the SFT loss (prorag.training.lm.weighted_lm_loss, every position trained) on synthetic
     sequences through the one training loop (placement's autocast, fused AdamW on a GPU, float32 master weights):
     tokens/s and MFU against the measured peak of the compute dtype, the first window (allocation, compilation)
-    dropped."""
+    dropped. fused_ce: the LM head and cross-entropy through liger-kernel's fused kernel (CUDA only)."""
+    import dataclasses
+
     import torch  # in the phase: a broken CUDA build fails that phase, not the check
 
     from prorag.modeling import num_parameters
     from prorag.training.lm import weighted_lm_loss
     from prorag.training.loop import LoopConfig, run_loop
 
+    placement = dataclasses.replace(placement, fused_linear_ce=fused_ce)
+    sum_ce = placement.sum_ce()
     model = random_qwen3(shape, placement.device, torch.float32)
     vocab = shape["vocab_size"]
     window = max(1, steps // 3)
@@ -145,7 +156,7 @@ def sft_throughput(shape: dict, placement, batch: int, seq_len: int, steps: int,
 
     def loss_fn(m, b):
         ids, attn, labels, w = b
-        return weighted_lm_loss(m, ids, attn, labels, w)[0], int(attn.sum())
+        return weighted_lm_loss(m, ids, attn, labels, w, sum_ce=sum_ce)[0], int(attn.sum())
 
     cfg = LoopConfig(steps=3 * window, optimizer="adamw", lr=1e-4, weight_decay=0.01, grad_clip=1.0,
                      checkpoint_every=10 ** 6, log_every=window, compile=compile)
@@ -157,7 +168,7 @@ def sft_throughput(shape: dict, placement, batch: int, seq_len: int, steps: int,
     timed = [e for e in events if e.get("loss") is not None]
     later = timed[1:] or timed
     out = {"shape": "qwen3-0.6b" if shape is QWEN3_0_6B else "cpu-stand-in", "num_parameters": num_parameters(model),
-           "batch": batch, "seq_len": seq_len, "steps": 3 * window, "compile": compile,
+           "batch": batch, "seq_len": seq_len, "steps": 3 * window, "compile": compile, "fused_linear_ce": fused_ce,
            "dtype": placement.dtype_name, "attn_implementation": placement.attn_implementation,
            "tokens_per_s": statistics.median(e["tokens_per_s"] for e in later),
            "mfu": statistics.median(e["metrics"]["mfu"] for e in later),
@@ -395,6 +406,16 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
     check.phase("sft_eager", lambda: sft_throughput(shape, placement, batch, seq, steps, compile=False))
     if not quick or on_gpu:
         check.phase("sft_compiled", lambda: sft_throughput(shape, placement, batch, seq, steps, compile=True))
+    # the LM head and cross-entropy fused (liger-kernel, Triton): CUDA only, so on a CPU the phases say why not
+    fused_why = ("" if on_gpu and importlib.util.find_spec("liger_kernel") is not None
+                 else "liger-kernel's fused linear cross-entropy is a CUDA kernel" if not on_gpu
+                 else "liger-kernel is not installed (pip install liger-kernel; device-pack.sh liger-kernel==0.8.5)")
+    for name, compiled in (("sft_fused_ce", False), ("sft_compiled_fused_ce", True)):
+        if fused_why:
+            check.skip(name, fused_why)
+        else:
+            check.phase(name, lambda c=compiled: sft_throughput(shape, placement, batch, seq, steps, compile=c,
+                                                                fused_ce=True))
 
     def decode() -> dict:
         from transformers import AutoTokenizer  # in the phase: a broken CUDA build fails that phase, not the check
@@ -410,8 +431,8 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
 def _finish(report: dict, check: Check, t_start: float) -> dict:
     r = check.results
     figures: dict[str, Any] = {}
-    for key in ("sft_eager", "sft_compiled"):
-        if r.get(key, {}).get("ok"):
+    for key in ("sft_eager", "sft_compiled", "sft_fused_ce", "sft_compiled_fused_ce"):
+        if r.get(key, {}).get("ok") and r[key].get("ran", True):
             figures[f"{key}_tokens_per_s"] = r[key]["tokens_per_s"]
             figures[f"{key}_mfu"] = r[key]["mfu"]
     d = r.get("decode", {})

@@ -652,6 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="sft: compute dtype under autocast (auto = bf16 on a GPU, float32 on the CPU)")
     b.add_argument("--compile", action="store_true", help="sft: torch.compile each decoder block")
+    b.add_argument("--fused-ce", action="store_true",
+                   help="sft: the LM head and cross-entropy through liger-kernel's fused kernel (CUDA only)")
     b.add_argument("--reference-url", default="",
                    help="retriever: a Search-R1-compatible server (http://127.0.0.1:PORT/retrieve) measured at the "
                         "same load shapes; ratios ours / reference are reported")

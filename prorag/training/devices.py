@@ -30,6 +30,7 @@ import torch
 
 from prorag.config import cfg_field
 from prorag.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from prorag.training.lm import fused_linear_ce_sum
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: float16 needs a loss scaler to train; bfloat16 does not, and every GPU this project targets has it
@@ -64,6 +65,9 @@ class ComputeConfig(DeviceConfig):
                                                          "~1/3 more compute)")
     compile: bool = cfg_field(False, help="torch.compile the model's forward (GPU: measured ~2x tokens/s at a "
                                           "0.6B shape, docs/BENCHMARKS.md; the first steps pay the compile)")
+    fused_linear_ce: bool = cfg_field(False, help="CUDA: the LM head and the cross-entropy fused in chunks "
+                                                  "(liger-kernel), so the [tokens, vocab] logits are never held at "
+                                                  "once; refused on a CPU or without liger-kernel")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class Placement:
     device: torch.device
     dtype: torch.dtype
     attn_implementation: str
+    fused_linear_ce: bool = False  # a training placement's LM-head loss through liger-kernel's fused kernel
 
     @property
     def mixed(self) -> bool:
@@ -90,7 +95,13 @@ class Placement:
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def describe(self) -> dict:
-        return {"device": str(self.device), "dtype": self.dtype_name, "attn_implementation": self.attn_implementation}
+        return {"device": str(self.device), "dtype": self.dtype_name, "attn_implementation": self.attn_implementation,
+                "fused_linear_ce": self.fused_linear_ce}
+
+    def sum_ce(self):
+        """The fused head-and-cross-entropy kernel prorag.training.lm.weighted_lm_loss takes when this placement
+        asks for one; None = the plain head, then the cross-entropy."""
+        return fused_linear_ce_sum() if self.fused_linear_ce else None
 
 
 CPU_FP32 = Placement(torch.device("cpu"), torch.float32, "sdpa")
@@ -167,7 +178,14 @@ def resolve(cfg: Any) -> Placement:
     dtype = resolve_dtype(getattr(cfg, "dtype", "auto"), device)
     if dtype == torch.float16 and isinstance(cfg, ComputeConfig):
         raise InvalidArgument("dtype float16 cannot train without a loss scaler; use bfloat16 or float32")
-    return Placement(device, dtype, resolve_attn(getattr(cfg, "attn_implementation", "auto"), device))
+    fused = bool(getattr(cfg, "fused_linear_ce", False))
+    if fused and device.type != "cuda":
+        raise FailedPrecondition(f"fused_linear_ce runs on CUDA devices only (liger-kernel's Triton kernel); this "
+                                 f"job's device is {device}; set fused_linear_ce=false")
+    if fused and importlib.util.find_spec("liger_kernel") is None:
+        raise FailedPrecondition("fused_linear_ce asked for, but the liger-kernel package is not installed (pip "
+                                 "install liger-kernel on a CUDA host); set fused_linear_ce=false")
+    return Placement(device, dtype, resolve_attn(getattr(cfg, "attn_implementation", "auto"), device), fused)
 
 
 def check_device_config(cfg: Any) -> None:

@@ -29,7 +29,8 @@ def bench_sft(args) -> dict:
     from prorag.training.flops import peak_matmul_flops
     from prorag.training.lm import weighted_lm_loss
     from prorag.training.loop import LoopConfig, run_loop
-    placement = resolve(TrainRunConfig(device=args.device, dtype=args.dtype))
+    placement = resolve(TrainRunConfig(device=args.device, dtype=args.dtype, fused_linear_ce=args.fused_ce))
+    sum_ce = placement.sum_ce()
     model_dir = bench_model(args.world, args.model)
     vocab = len(load_policy(model_dir)[1])
     batch, seq_len, window = args.batch, args.seq_len, max(1, args.iters // 3)
@@ -42,7 +43,7 @@ def bench_sft(args) -> dict:
 
     def loss_fn(m, b):
         ids, attn, labels, w = b
-        return weighted_lm_loss(m, ids, attn, labels, w)[0], int(attn.sum())
+        return weighted_lm_loss(m, ids, attn, labels, w, sum_ce=sum_ce)[0], int(attn.sum())
 
     cfg = LoopConfig(steps=3 * window, optimizer="adamw", lr=1e-4, weight_decay=0.01, grad_clip=1.0,
                      checkpoint_every=3 * window, log_every=window, compile=args.compile)

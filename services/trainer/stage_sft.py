@@ -265,12 +265,16 @@ def fit_and_publish(ctx: JobContext, cfg: TrainRunConfig, model, tokenizer, samp
             orders[epoch] = length_grouped_batches(lengths, micro, cfg.seed * 1_000_003 + epoch)
         return collate([samples[k] for k in orders[epoch][j]], tokenizer.pad_token_id)
 
+    placement = cfg.placement()
+    sum_ce = placement.sum_ce()  # the fused head-and-CE kernel when fused_linear_ce asks for it
+
     def loss_fn(m, batch):
         ids, attn, labels, w = batch
-        return weighted_lm_loss(m, ids, attn, labels, w)[0], int(attn.sum())  # throughput over every real token
+        # throughput over every real token
+        return weighted_lm_loss(m, ids, attn, labels, w, sum_ce=sum_ce)[0], int(attn.sum())
 
     result = run_loop(ctx, model, batch_at, loss_fn, cfg.loop_config(total, grad_accum=cfg.grad_accum),
-                      placement=cfg.placement())
+                      placement=placement)
     if not result.completed:
         return {}
     loss_v = result.loss

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prorag.algorithms import lookup
-from prorag.algorithms.losses import IGNORE_INDEX, LOSSES, weighted_token_ce
+from prorag.algorithms.losses import IGNORE_INDEX, LOSSES, linear_ce_sum, weighted_linear_ce, weighted_token_ce
 from prorag.errors import InvalidArgument
 
 LN2 = math.log(2.0)
@@ -50,3 +50,47 @@ def test_selected_by_name():
     assert lookup(LOSSES, "loss", "weighted_token_ce") is weighted_token_ce
     with pytest.raises(InvalidArgument, match="unknown loss 'dpo' \\(known: weighted_token_ce\\)"):
         lookup(LOSSES, "loss", "dpo")
+
+
+def _head_case(seed: int = 0):
+    """hidden [12, 8], head [16, 8], targets with two ignored, weights from the format loss's few values (one 0)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(12, 8, generator=g, requires_grad=True)
+    head = torch.randn(16, 8, generator=g, requires_grad=True)
+    targets = torch.randint(0, 16, (12,), generator=g)
+    targets[[2, 7]] = IGNORE_INDEX
+    weights = torch.tensor([1.0, 2.0, 1.0, 0.5, 0.0, 1.0, 2.0, 5.0, 1.0, 0.5, 2.0, 1.0])
+    return hidden, head, targets, weights
+
+
+def test_weighted_linear_ce_equals_the_head_then_weighted_token_ce_in_value_and_gradients():
+    hidden, head, targets, weights = _head_case()
+    ref, n_ref = weighted_token_ce(hidden @ head.T, targets, weights)
+    ref_grads = torch.autograd.grad(ref, (hidden, head))
+    loss, n = weighted_linear_ce(hidden, head, targets, weights)
+    grads = torch.autograd.grad(loss, (hidden, head))
+    assert n == n_ref == 10
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    for got, want in zip(grads, ref_grads):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_weighted_linear_ce_sums_each_weight_once_over_its_rows_only():
+    hidden, head, targets, weights = _head_case(1)
+    calls = []
+
+    def counting_sum_ce(h, w, t):
+        calls.append(len(t))
+        return linear_ce_sum(h, w, t)
+
+    weighted_linear_ce(hidden, head, targets, weights, sum_ce=counting_sum_ce)
+    # kept rows: weight 1 x4, 2 x3, 0.5 x2, 0 x1 (the ignored rows 2 and 7 take a 1 and the only 5); 0 is skipped
+    assert sorted(calls) == [2, 3, 4]
+
+
+def test_weighted_linear_ce_with_nothing_trained_is_zero_and_still_differentiable():
+    hidden, head, targets, weights = _head_case()
+    loss, n = weighted_linear_ce(hidden, head, torch.full_like(targets, IGNORE_INDEX), weights)
+    assert n == 0 and loss.item() == 0.0
+    loss.backward()
+    assert hidden.grad is not None and float(hidden.grad.abs().sum()) == 0.0

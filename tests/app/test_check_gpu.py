@@ -43,6 +43,10 @@ def test_check_gpu_runs_every_phase_on_the_cpu_and_says_so(tmp_path):
         assert fig[key] > 0, key
     assert 0 < fig["decode_engine_compile_off_fraction_of_bandwidth_limit"] < 1
     assert ph["sft_eager"]["peak_flops"] == pytest.approx(ph["peaks"]["matmul_flops"])
+    # the fused head loss is a CUDA kernel: on the CPU its phases say so instead of running
+    for name in ("sft_fused_ce", "sft_compiled_fused_ce"):
+        assert ph[name]["ran"] is False and "CUDA kernel" in ph[name]["skipped"], ph[name]
+        assert f"{name}_mfu" not in fig
     assert out["goals"] == {"sft_mfu": 0.45, "decode_fraction_of_bandwidth_limit": 0.20}
     # what a check stopped part-way would have left: every phase's result as it finished
     progress = json.loads((tmp_path / "check" / "progress.json").read_text())

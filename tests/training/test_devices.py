@@ -57,6 +57,21 @@ def test_what_the_machine_cannot_honour_is_refused_with_the_reason(monkeypatch):
         devices.resolve_attn("flash_attention_2", torch.device("cpu"))
 
 
+def test_the_fused_head_loss_is_refused_off_cuda_and_without_liger_kernel(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(FailedPrecondition, match="CUDA devices only"):
+        from_dict(TrainRunConfig, {"fused_linear_ce": True})
+    assert resolve(TrainRunConfig()).fused_linear_ce is False and resolve(TrainRunConfig()).sum_ce() is None
+    # a CUDA device without liger-kernel: simulated, there is no GPU here (nor liger-kernel, a GPU extra)
+    monkeypatch.setattr(devices, "resolve_device", lambda spec: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    real_find_spec = devices.importlib.util.find_spec
+    monkeypatch.setattr(devices.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "liger_kernel" else real_find_spec(name, *a))
+    with pytest.raises(FailedPrecondition, match="liger-kernel package is not installed"):
+        resolve(TrainRunConfig(fused_linear_ce=True))
+
+
 def test_a_trainer_job_asking_for_a_missing_gpu_is_refused_at_submission(monkeypatch):
     from services.trainer.stages import get_stage, load_stage_modules, validate_config
 

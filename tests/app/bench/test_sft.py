@@ -13,7 +13,20 @@ def test_bench_sft_measures_mfu_against_the_peak_of_the_dtype_it_computes_in(tin
     from prorag_app.bench.sft import bench_sft
 
     out = bench_sft(argparse.Namespace(world="tiny", model=str(tiny_policy[0]), batch=2, seq_len=32, iters=3,
-                                       repeats=1, device="cpu", dtype=dtype, compile=False))
+                                       repeats=1, device="cpu", dtype=dtype, compile=False,
+                                       fused_ce=False))
     assert out["dtype"] == dtype and out["device"] == "cpu" and out["steps_per_repeat"] == 3
     assert out["tokens_per_s"] > 0 and out["mfu"] > 0
     assert out["peak_matmul_flops"] == peak_matmul_flops("cpu", getattr(torch, dtype))
+    assert out["fused_linear_ce"] is False
+
+
+def test_bench_sft_refuses_the_fused_head_loss_on_a_cpu_before_it_trains(tiny_policy):
+    import argparse
+
+    from prorag.errors import FailedPrecondition
+    from prorag_app.bench.sft import bench_sft
+
+    with pytest.raises(FailedPrecondition, match="CUDA devices only"):
+        bench_sft(argparse.Namespace(world="tiny", model=str(tiny_policy[0]), batch=2, seq_len=32, iters=3,
+                                     repeats=1, device="cpu", dtype="float32", compile=False, fused_ce=True))
