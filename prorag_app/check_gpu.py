@@ -15,6 +15,7 @@ lent machine gives every figure it can. The last output line is one JSON object 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -135,8 +136,6 @@ def sft_throughput(shape: dict, placement, batch: int, seq_len: int, steps: int,
     sequences through the one training loop (placement's autocast, fused AdamW on a GPU, float32 master weights):
     tokens/s and MFU against the measured peak of the compute dtype, the first window (allocation, compilation)
     dropped. fused_ce: the LM head and cross-entropy through liger-kernel's fused kernel (CUDA only)."""
-    import dataclasses
-
     import torch  # in the phase: a broken CUDA build fails that phase, not the check
 
     from prorag.modeling import num_parameters

@@ -4,8 +4,11 @@ implementation of that signature, since liger-kernel's Triton kernel needs CUDA)
 
 from __future__ import annotations
 
+import builtins
+
 import pytest
 import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from prorag.algorithms.losses import linear_ce_sum
 from prorag.errors import FailedPrecondition, InvalidArgument
@@ -16,8 +19,6 @@ from prorag.training.lm import weighted_lm_loss
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
@@ -60,8 +61,6 @@ def test_a_head_with_a_bias_is_refused_for_the_fused_kernel(model):
 
 
 def test_a_placement_that_asks_for_the_fused_kernel_without_liger_kernel_says_how_to_get_it(monkeypatch):
-    import builtins
-
     real_import = builtins.__import__
 
     def no_liger(name, *args, **kwargs):
