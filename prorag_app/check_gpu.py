@@ -406,9 +406,11 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
     if not quick or on_gpu:
         check.phase("sft_compiled", lambda: sft_throughput(shape, placement, batch, seq, steps, compile=True))
     # the LM head and cross-entropy fused (liger-kernel, Triton): CUDA only, so on a CPU the phases say why not
-    fused_why = ("" if on_gpu and importlib.util.find_spec("liger_kernel") is not None
-                 else "liger-kernel's fused linear cross-entropy is a CUDA kernel" if not on_gpu
-                 else "liger-kernel is not installed (pip install liger-kernel; device-pack.sh liger-kernel==0.8.5)")
+    fused_why = ""
+    if not on_gpu:
+        fused_why = "liger-kernel's fused linear cross-entropy is a CUDA kernel"
+    elif importlib.util.find_spec("liger_kernel") is None:
+        fused_why = "liger-kernel is not installed (pip install liger-kernel; device-pack.sh liger-kernel==0.8.5)"
     for name, compiled in (("sft_fused_ce", False), ("sft_compiled_fused_ce", True)):
         if fused_why:
             check.skip(name, fused_why)
