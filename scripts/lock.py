@@ -48,7 +48,9 @@ TORCH_CPU_WHEELS = ("build/wheels", "/opt/wheels")
 TARGETS = {
     "cpu": {"torch": "torch==2.13.0+cpu", "faiss": None, "pins": ["transformers==5.24.0"], "base": [],
             "universal": False},
-    "cuda": {"torch": None, "faiss": None, "pins": ["transformers==5.20.2"], "base": ["torch==2.14.0"],
+    # liger-kernel: the trainer's fused LM-head loss (fused_linear_ce); pure Triton, so it adds no CUDA wheel
+    "cuda": {"torch": None, "faiss": None, "pins": ["transformers==5.20.2", "liger-kernel==0.8.5"],
+             "base": ["torch==2.14.0"],
              "universal": True},
     "cuda-faiss-gpu": {"torch": None, "faiss": "faiss-gpu-cu12==1.14.1.post1", "pins": ["transformers==5.20.2"],
                        "base": ["torch==2.14.0"], "universal": True},
