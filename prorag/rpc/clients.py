@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prorag.data.loaders import Document
-from prorag.errors import Unavailable
+from prorag.errors import DeadlineExceeded, Unavailable
 from prorag.pb import retriever_pb2, retriever_pb2_grpc
 from prorag.pb import common_pb2, judge_pb2, judge_pb2_grpc, policy_pb2, policy_pb2_grpc, prm_pb2, prm_pb2_grpc
 from prorag.rpc.observability import RequestIdForwarding
@@ -66,10 +66,22 @@ def wait_for_health(target: str, service: str = "", timeout: float = 60.0) -> bo
 _retry_lock = threading.Lock()
 
 
+#: calls made once more after their deadline ran out (call_with_service_wait): a stall the service recovers from
+#: (a paused host, a long collection) should not fail an hour-long job, but a service that cannot keep up should
+DEADLINE_RETRIES = 1
+#: how long a service whose call ran out of time gets to answer its health check before the retry
+DEADLINE_HEALTH_S = 30.0
+
+
 def call_with_service_wait(fn, target: str, what: str, wait_s: float, stats: dict | None = None, after_back=None):
     """fn() again whenever it fails with UNAVAILABLE (the service died, or restarts), once the service at
     ``target`` answers its health check again; at most ``wait_s`` seconds of waiting in all (each health probe
     adds at most 2 s), then :class:`prorag.errors.Unavailable` naming the service (``what``) and its address.
+
+    A call whose deadline runs out (DEADLINE_EXCEEDED) is made once more (DEADLINE_RETRIES) when the service
+    answers its health check within DEADLINE_HEALTH_S; the next one raises :class:`prorag.errors.DeadlineExceeded`
+    naming the service. The services stop the work of a call whose caller went away, so the retry does not
+    double their load.
 
     fn must make the whole call again with the same request (the same sampling seed), so a retried call
     returns what the interrupted one would have; partial results of a stream are dropped by making fn consume
@@ -77,12 +89,24 @@ def call_with_service_wait(fn, target: str, what: str, wait_s: float, stats: dic
     adapter again). stats["service_retries"] counts the retries (thread-safe)."""
     deadline = time.monotonic() + wait_s
     attempt = 0
+    overdue = 0
     while True:
         if attempt > 1:  # healthy again but the call still fails: the channel is reconnecting; do not spin
             time.sleep(max(0.0, min(0.05 * 2 ** min(attempt, 6), deadline - time.monotonic())))
         try:
             return fn()
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                overdue += 1
+                if overdue > DEADLINE_RETRIES or not wait_for_health(target, "", timeout=DEADLINE_HEALTH_S):
+                    raise DeadlineExceeded(
+                        f"the {what} service at {target} did not answer within the call's deadline "
+                        f"{overdue} time(s) ({e.details()}): it is overloaded or stalled; the job can be resumed "
+                        "from its last checkpoint once it keeps up") from None
+                if stats is not None:
+                    with _retry_lock:
+                        stats["service_retries"] = stats.get("service_retries", 0) + 1
+                continue
             attempt += 1
             left = deadline - time.monotonic()
             if e.code() != grpc.StatusCode.UNAVAILABLE or left <= 0:
