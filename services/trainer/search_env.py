@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 from prorag.io import append_jsonl_synced, read_jsonl_journal
 from prorag.rpc.clients import call_with_service_wait
 from prorag.data.loaders import Document
+from prorag.data.world.config import TEST_SPLITS
 from prorag.metrics import f1_score
 from prorag.trajectory import Step, clean_doc, glue_after, parse_step, render_prompt
 
@@ -231,8 +232,8 @@ def questions_to_search(cfg) -> list:
     from prorag.data.loaders import load_split
     from prorag.errors import FailedPrecondition, InvalidArgument
 
-    if cfg.split == "test":
-        raise InvalidArgument("split 'test' is held out for evaluation; search the train (or dev) split")
+    if cfg.split in TEST_SPLITS:
+        raise InvalidArgument(f"split {cfg.split!r} is held out for evaluation; search the train (or dev) split")
     qs = load_split(paths.world_dir(cfg.world), cfg.split)
     if cfg.max_questions:
         qs = qs[:cfg.max_questions]

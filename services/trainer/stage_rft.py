@@ -26,6 +26,7 @@ from pathlib import Path
 from prorag import paths
 from prorag.algorithms.rl import PRM_CENTERINGS
 from prorag.config import cfg_field
+from prorag.data.world.config import TEST_SPLITS
 from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
 from prorag.training.run_config import TrainRunConfig
@@ -115,8 +116,8 @@ class RFTConfig(TrainRunConfig):
             raise ConfigError("base_model", "required: the SFT model to fine-tune")
         if self.batch_size % self.grad_accum:
             raise ConfigError("grad_accum", f"must divide batch_size ({self.batch_size}), got {self.grad_accum}")
-        if self.split == "test":
-            raise ConfigError("split", "RFT never trains on the test split's questions")
+        if self.split in TEST_SPLITS:
+            raise ConfigError("split", f"RFT never trains on {self.split!r}: the final figures are read on it")
 
 
 def is_correct(cfg: RFTConfig, answer: str, golds) -> bool:

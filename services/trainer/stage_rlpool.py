@@ -27,6 +27,7 @@ from prorag import paths
 from prorag.algorithms.rl import ANSWER_CREDIT_F1, OUTCOME_REWARDS
 from prorag.config import cfg_field
 from prorag.data.loaders import load_split
+from prorag.data.world.config import RL_SPLIT, TEST_SPLITS
 from prorag.errors import FailedPrecondition
 from prorag.io import append_jsonl_synced, read_jsonl_journal
 from prorag.rpc.clients import PolicyClient
@@ -78,8 +79,9 @@ class RLPoolConfig:
 
         if not self.policy_model:
             raise ConfigError("policy_model", "required: the start model the policy serves")
-        if self.split == "test":
-            raise ConfigError("split", "the RL question pool never draws on the test split")
+        if self.split in TEST_SPLITS:
+            raise ConfigError("split", f"the RL question pool never draws on {self.split!r}: the final figures are "
+                                       f"read on it (draw on 'train' or {RL_SPLIT!r})")
 
 
 # ---------------------------------------------------------------- pure parts

@@ -39,6 +39,7 @@ from typing import Callable, Mapping
 from prorag import paths
 from prorag.config import cfg_field
 from prorag.data.loaders import load_split
+from prorag.data.world.config import TEST_SPLITS
 from prorag.data.world.files import entity_relations
 from prorag.io import write_jsonl
 from prorag.rpc.clients import JudgeClient, call_with_service_wait
@@ -99,8 +100,8 @@ class SiblingsStageConfig(PolicySamplingConfig):
         if not self.judge:
             raise ConfigError("judge", "required: the judge service (host:port) that labels the sibling pairs; "
                                        "they carry no value label")
-        if self.split == "test":
-            raise ConfigError("split", "'test' is held out for evaluation; sample the train (or dev) split")
+        if self.split in TEST_SPLITS:
+            raise ConfigError("split", f"{self.split!r} is held out for evaluation; sample the train (or dev) split")
 
 
 def without_sentences_naming(docs: list, name: str) -> list:

@@ -387,6 +387,54 @@ def test_the_heldout_split_is_drawn_after_both_deep_splits_and_changes_neither(w
         ensure_heldout_split(out, 0, test_n=12, dev_n=8)
 
 
+def test_the_rl_split_is_drawn_after_every_evaluation_split_and_changes_none(world, tmp_path):
+    import shutil
+
+    from prorag.data.world import (DEEP_SPLIT, DEV_DEEP_SPLIT, HELDOUT_DEEP_SPLIT, RL_SPLIT, ensure_deep_split,
+                                   ensure_drawn_split, ensure_heldout_split, ensure_rl_split, generate_deep_splits)
+    from prorag.errors import InvalidArgument
+
+    sizes = [(DEEP_SPLIT, 12), (DEV_DEEP_SPLIT, 10), (HELDOUT_DEEP_SPLIT, 8)]
+    w, drawn = generate_deep_splits(tiny(0), sizes + [(RL_SPLIT, 15)])
+    assert generate_deep_splits(tiny(0), sizes)[1] == {k: drawn[k] for k, _ in sizes}  # none changed by it
+    rl = drawn[RL_SPLIT]
+    before = [r for s in w["splits"].values() for r in s] + [r for k, _ in sizes for r in drawn[k]]
+    chains, texts = {r["metadata"]["chain"] for r in before}, {r["question"] for r in before}
+    assert len(rl) == 15 and all(r["metadata"]["hops"] >= 3 and r["metadata"]["decomposition"] for r in rl)
+    assert not any(r["metadata"]["chain"] in chains or r["question"] in texts for r in rl)  # SFT and every eval
+
+    out = tmp_path / "w"
+    shutil.copytree(world["dir"], out)
+    ensure_deep_split(out, 12)
+    ensure_deep_split(out, 10, "dev")
+    heldout = ensure_heldout_split(out, 8, test_n=12, dev_n=10)
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("*_deep.jsonl")}
+    path = ensure_rl_split(out, 15, test_n=99, dev_n=99, heldout_n=99)  # the current splits on disk keep their sizes
+    assert [q.question for q in load_split(out, RL_SPLIT)] == [r["question"] for r in rl]
+    assert (out / f"{RL_SPLIT}.after").read_text().split() == ["12", "10", "8"]
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*_deep.jsonl") if p != path} == stamps  # none rewritten
+    assert ensure_rl_split(out, 15, test_n=12, dev_n=10, heldout_n=8).stat().st_mtime_ns == path.stat().st_mtime_ns
+    # a held-out split redrawn with another size: the RL split is drawn again after it, still disjoint from it
+    ensure_heldout_split(out, 6, test_n=12, dev_n=10)
+    ensure_rl_split(out, 15, test_n=12, dev_n=10, heldout_n=99)
+    _, again = generate_deep_splits(tiny(0), [(DEEP_SPLIT, 12), (DEV_DEEP_SPLIT, 10), (HELDOUT_DEEP_SPLIT, 6),
+                                               (RL_SPLIT, 15)])
+    assert [q.question for q in load_split(out, RL_SPLIT)] == [r["question"] for r in again[RL_SPLIT]]
+    assert heldout.exists()
+
+    # asked for on a world with none of the splits before it, it draws and writes them, given their sizes
+    fresh = tmp_path / "fresh"
+    shutil.copytree(world["dir"], fresh)
+    with pytest.raises(InvalidArgument, match="drawn after the test_deep split, which is missing: give its size"):
+        ensure_drawn_split(fresh, RL_SPLIT, 15, {})
+    assert not (fresh / f"{RL_SPLIT}.jsonl").exists()
+    ensure_rl_split(fresh, 15, test_n=12, dev_n=10, heldout_n=8)
+    for split, _ in sizes:
+        assert [q.question for q in load_split(fresh, split)] == [r["question"] for r in drawn[split]]
+    with pytest.raises(InvalidArgument, match="no drawn split 'train'"):
+        ensure_drawn_split(fresh, "train", 5, {})
+
+
 def test_entity_relations_of_a_world_and_of_an_imported_corpus(tmp_path):
     import json
 

@@ -29,16 +29,19 @@ Output files (all written atomically, ``DONE`` last)::
 Modules: ``config`` (WorldConfig, size presets, split names), ``names`` (invented names), ``graph`` (entities and
 their relations), ``documents`` (one per entity), ``questions`` (questions with their decompositions, their
 phrasings, :func:`canonical_question`), ``generate`` (the world and its splits in memory), ``files`` (the folder:
-:func:`build_world`, deep splits, summaries).
+:func:`build_world`, the 3+ hop splits drawn after train, summaries).
 """
 
-from prorag.data.world.config import (CATEGORIES, DEEP_SPLIT, DEEP_SPLITS, DEV_DEEP_SPLIT,
-                                      HELDOUT_DEEP_SPLIT, SIZES, SPLITS, WORLD_VERSION, WorldConfig)
-from prorag.data.world.files import WorldSummary, build_world, ensure_deep_split, ensure_heldout_split, load_summary
+from prorag.data.world.config import (CATEGORIES, DEEP_SPLIT, DEEP_SPLITS, DEV_DEEP_SPLIT, DRAWN_SPLITS,
+                                      HELDOUT_DEEP_SPLIT, RL_SPLIT, SIZES, SPLITS, TEST_SPLITS,
+                                      WORLD_VERSION, WorldConfig)
+from prorag.data.world.files import (WorldSummary, build_world, ensure_deep_split, ensure_drawn_split,
+                                     ensure_heldout_split, ensure_rl_split, load_summary)
 from prorag.data.world.generate import generate_deep_split, generate_deep_splits, generate_world
 from prorag.data.world.questions import canonical_question
 
-__all__ = ["CATEGORIES", "DEEP_SPLIT", "DEEP_SPLITS", "DEV_DEEP_SPLIT", "HELDOUT_DEEP_SPLIT", "SIZES",
-           "SPLITS", "WORLD_VERSION", "WorldConfig", "WorldSummary", "build_world", "canonical_question",
-           "ensure_deep_split", "ensure_heldout_split", "generate_deep_split", "generate_deep_splits",
+__all__ = ["CATEGORIES", "DEEP_SPLIT", "DEEP_SPLITS", "DEV_DEEP_SPLIT", "DRAWN_SPLITS", "HELDOUT_DEEP_SPLIT",
+           "RL_SPLIT", "SIZES", "SPLITS", "TEST_SPLITS", "WORLD_VERSION", "WorldConfig", "WorldSummary",
+           "build_world", "canonical_question", "ensure_deep_split", "ensure_drawn_split", "ensure_heldout_split",
+           "ensure_rl_split", "generate_deep_split", "generate_deep_splits",
            "generate_world", "load_summary"]

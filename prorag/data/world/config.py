@@ -27,6 +27,14 @@ DEEP_SPLITS = {"test": DEEP_SPLIT, "dev": DEV_DEEP_SPLIT}
 #: a held-out test split of 3+ hop questions (issue 47), drawn after the test and dev deep splits and disjoint from
 #: both: read once, at the end of an experiment whose choices were made on dev
 HELDOUT_DEEP_SPLIT = "heldout_deep"
+#: 3+ hop questions held out of SFT for RL's question pool (issue 47 item 3): drawn after the held-out split, so the
+#: RL trains on questions the SFT agent never saw and no evaluation reads
+RL_SPLIT = "rl_deep"
+#: the extra 3+ hop splits in the order they are drawn after train (prorag.data.world.files.ensure_drawn_split): each
+#: shares no chain or question with any split before it, and is the same whatever is drawn after it
+DRAWN_SPLITS = (DEEP_SPLIT, DEV_DEEP_SPLIT, HELDOUT_DEEP_SPLIT, RL_SPLIT)
+#: the splits the final figures are read on, which no training or search stage may sample
+TEST_SPLITS = ("test", DEEP_SPLIT, HELDOUT_DEEP_SPLIT)
 
 
 @dataclass

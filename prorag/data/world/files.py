@@ -1,5 +1,5 @@
 """A world's folder: written from the generated world (atomically, ``DONE`` last), reused when finished, summarised,
-and extended with deep splits."""
+and extended with the 3+ hop splits drawn after train (test deep, dev deep, held-out, RL)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Callable
 
 from prorag.config import from_dict, to_dict
-from prorag.data.world.config import (DEEP_SPLIT, DEEP_SPLITS, DEV_DEEP_SPLIT, HELDOUT_DEEP_SPLIT, SPLITS, WORLD_VERSION,
-                                      WorldConfig)
-from prorag.data.world.generate import generate_deep_split, generate_deep_splits, generate_world
+from prorag.data.world.config import (DEEP_SPLIT, DEEP_SPLITS, DEV_DEEP_SPLIT, DRAWN_SPLITS, HELDOUT_DEEP_SPLIT, RL_SPLIT,
+                                      SPLITS, WORLD_VERSION, WorldConfig)
+from prorag.data.world.generate import generate_deep_splits, generate_world
 from prorag.io import read_jsonl, write_json, write_jsonl, write_text
 
 
@@ -97,46 +97,75 @@ def build_world(cfg: WorldConfig, out_dir: str | Path, progress: Callable[[str, 
     return _summary(cfg, out_dir, w["splits"], len(w["entities"]), time.perf_counter() - t0, False)
 
 
-def ensure_deep_split(out_dir: str | Path, n: int, split: str = "test") -> Path:
-    """``{out_dir}/test_deep.jsonl`` with ``n`` questions of 3+ hops (:func:`generate_deep_split`) for a finished
-    world, written once (atomically) and reused. The world is regenerated in memory from its recorded config;
-    if that does not reproduce its splits on disk (built by another generator version), nothing is written
-    and FailedPrecondition says to rebuild it.
+def ensure_drawn_split(out_dir: str | Path, name: str, n: int, sizes: dict[str, int]) -> Path:
+    """``{out_dir}/{name}.jsonl``: ``n`` questions of 3+ hops, one of the extra splits a finished world is extended
+    with (:data:`DRAWN_SPLITS`: test deep, dev deep, held-out, RL, in that order). Each is drawn after the ones before
+    it (:func:`prorag.data.world.generate.generate_deep_splits`), so it shares no chain or question with them or with
+    the world's own splits. Written once (atomically) and reused.
 
-    ``split="dev"``: ``dev_deep.jsonl``, ``n`` questions drawn after the test deep split (as many as are on disk,
-    or ``n`` when there is none yet, then written too), so that no dev question is a test one. A test deep split
-    rewritten with another size invalidates the dev one, which is drawn again on its next use."""
-    from prorag.errors import InvalidArgument
+    Every split but the first records the sizes of those it was drawn after (``{name}.after``, e.g. ``450 450`` for
+    the held-out one). A split before ``name`` that is on disk and current (its record matches the splits before it,
+    which are current too) keeps its size; one that is missing or stale is drawn with ``sizes[its name]`` and
+    written too, so that no split drawn later can overlap the one asked for. A split whose predecessors were redrawn
+    with other sizes is therefore drawn again when next asked for (and was then not read once). The world is
+    regenerated in memory from its recorded config; if that does not reproduce its splits on disk (built by another
+    generator version), nothing is written and FailedPrecondition says to rebuild it."""
+    from prorag.errors import InvalidArgument  # here: prorag.errors imports grpc, which world generation does not need
 
-    if split not in DEEP_SPLITS:
-        raise InvalidArgument(f"no deep split for {split!r}: one of {sorted(DEEP_SPLITS)}")
+    if name not in DRAWN_SPLITS:
+        raise InvalidArgument(f"no drawn split {name!r}: one of {list(DRAWN_SPLITS)}")
+    chain = DRAWN_SPLITS[:DRAWN_SPLITS.index(name) + 1]
+    if n < 1:
+        raise InvalidArgument(f"the {name} split: n is at least 1; got {n}")
     out_dir = Path(out_dir)
-    test_path, path = out_dir / f"{DEEP_SPLIT}.jsonl", out_dir / f"{DEEP_SPLITS[split]}.jsonl"
     if not (out_dir / "DONE").exists():
         raise FileNotFoundError(f"{out_dir}: no finished world (DONE missing); run `prorag world`")
-    test_n = sum(1 for _ in read_jsonl(test_path)) if test_path.exists() else 0
-    dev_after = out_dir / f"{DEV_DEEP_SPLIT}.after"  # the test deep split's size the dev one was drawn after
-    if path.exists() and sum(1 for _ in read_jsonl(path)) == n and (
-            split == "test" or (dev_after.exists() and dev_after.read_text().strip() == str(test_n))):
+    drawn: list[tuple[str, int]] = []  # (split, size) in drawing order
+    stale: list[str] = []  # splits before ``name`` to write
+    for split in chain[:-1]:
+        path = out_dir / f"{split}.jsonl"
+        if not stale and path.exists() and _drawn_after(out_dir, split) == [k for _, k in drawn]:
+            drawn.append((split, sum(1 for _ in read_jsonl(path))))
+            continue
+        size = sizes.get(split, 0)
+        if size < 1:
+            raise InvalidArgument(f"the {name} split is drawn after the {split} split, which is "
+                                  f"{'stale' if path.exists() else 'missing'}: give its size (at least 1)")
+        stale.append(split)
+        drawn.append((split, size))
+    path = out_dir / f"{name}.jsonl"
+    if (not stale and path.exists() and _drawn_after(out_dir, name) == [k for _, k in drawn]
+            and sum(1 for _ in read_jsonl(path)) == n):
         return path
     meta = json.loads((out_dir / "world.json").read_text())
     cfg = from_dict(WorldConfig, meta["config"])
-    if split == "test":
-        w, rows = generate_deep_split(cfg, n)
-    else:
-        test_n = test_n or n
-        w, test_rows, rows = generate_deep_split(cfg, test_n, dev=n)
-    _check_reproduced(out_dir, cfg, w, DEEP_SPLITS[split])
-    if split == "test":
-        write_jsonl(path, rows)
-        if dev_after.exists() and dev_after.read_text().strip() != str(n):
-            dev_after.unlink()  # drawn after a test deep split of another size: drawn again when next asked for
-        return path
-    if not test_path.exists():
-        write_jsonl(test_path, test_rows)
-    write_jsonl(path, rows)
-    write_text(dev_after, f"{test_n}\n")
+    w, rows = generate_deep_splits(cfg, drawn + [(name, n)])
+    _check_reproduced(out_dir, cfg, w, name)
+    for i, (split, _) in enumerate(drawn + [(name, n)]):
+        if split in stale or split == name:
+            write_jsonl(out_dir / f"{split}.jsonl", rows[split])
+            if i:
+                write_text(out_dir / f"{split}.after", " ".join(str(k) for _, k in drawn[:i]) + "\n")
     return path
+
+
+def _drawn_after(out_dir: Path, split: str) -> list[int] | None:
+    """The sizes ``split`` records it was drawn after ([] for the first of DRAWN_SPLITS); None without a record."""
+    if split == DRAWN_SPLITS[0]:
+        return []
+    after = out_dir / f"{split}.after"
+    return [int(k) for k in after.read_text().split()] if after.exists() else None
+
+
+def ensure_deep_split(out_dir: str | Path, n: int, split: str = "test") -> Path:
+    """``{out_dir}/test_deep.jsonl`` with ``n`` questions of 3+ hops for a finished world (:func:`ensure_drawn_split`).
+    ``split="dev"``: ``dev_deep.jsonl``, drawn after the test deep split (as many questions as are on disk, or ``n``
+    when there is none yet, then written too), so that no dev question is a test one."""
+    from prorag.errors import InvalidArgument  # here: as above (grpc)
+
+    if split not in DEEP_SPLITS:
+        raise InvalidArgument(f"no deep split for {split!r}: one of {sorted(DEEP_SPLITS)}")
+    return ensure_drawn_split(out_dir, DEEP_SPLITS[split], n, {DEEP_SPLIT: n})
 
 
 def _check_reproduced(out_dir: Path, cfg: WorldConfig, w: dict, adding: str) -> None:
@@ -153,45 +182,22 @@ def _check_reproduced(out_dir: Path, cfg: WorldConfig, w: dict, adding: str) -> 
 
 
 def ensure_heldout_split(out_dir: str | Path, n: int, test_n: int, dev_n: int) -> Path:
-    """``{out_dir}/heldout_deep.jsonl``: ``n`` questions of 3+ hops drawn after the test deep split and the dev deep
-    split (:func:`prorag.data.world.generate.generate_deep_splits`), so it shares no chain or question with any
-    split of the world: the test of issue 47, read once at the end. Written once (atomically) and reused.
-
-    The deep splits it is drawn after are those on disk; one that is missing is drawn first, with ``test_n`` /
-    ``dev_n`` questions, and written too, so that a deep split made later can never overlap it. The sizes it was
-    drawn after are recorded beside it (``heldout_deep.after``): if either deep split is redrawn with another size,
-    the held-out split is drawn again after them (and was then not read once)."""
+    """``{out_dir}/heldout_deep.jsonl``: ``n`` questions of 3+ hops drawn after the test and dev deep splits
+    (:func:`ensure_drawn_split`; a missing one drawn with ``test_n`` / ``dev_n`` questions), so it shares no chain or
+    question with any split of the world: the test of issue 47, read once at the end."""
     from prorag.errors import InvalidArgument  # here: as above (grpc)
 
     if n < 1 or test_n < 1 or dev_n < 1:
         raise InvalidArgument(f"held-out split: n, test_n and dev_n are at least 1; got {n}, {test_n}, {dev_n}")
-    out_dir = Path(out_dir)
-    if not (out_dir / "DONE").exists():
-        raise FileNotFoundError(f"{out_dir}: no finished world (DONE missing); run `prorag world`")
-    test_path, dev_path = out_dir / f"{DEEP_SPLIT}.jsonl", out_dir / f"{DEV_DEEP_SPLIT}.jsonl"
-    path, after = out_dir / f"{HELDOUT_DEEP_SPLIT}.jsonl", out_dir / f"{HELDOUT_DEEP_SPLIT}.after"
-    dev_after = out_dir / f"{DEV_DEEP_SPLIT}.after"
-    test_n = sum(1 for _ in read_jsonl(test_path)) if test_path.exists() else test_n
-    # a dev deep split drawn after a test one of another size (ensure_deep_split redraws it when next asked): drawn
-    # here again, after the test one on disk
-    dev_current = dev_path.exists() and dev_after.exists() and dev_after.read_text().strip() == str(test_n)
-    dev_n = sum(1 for _ in read_jsonl(dev_path)) if dev_current else dev_n
-    record = f"{test_n} {dev_n}"
-    if (path.exists() and after.exists() and after.read_text().strip() == record and dev_current
-            and sum(1 for _ in read_jsonl(path)) == n):
-        return path
-    meta = json.loads((out_dir / "world.json").read_text())
-    cfg = from_dict(WorldConfig, meta["config"])
-    w, drawn = generate_deep_splits(cfg, [(DEEP_SPLIT, test_n), (DEV_DEEP_SPLIT, dev_n), (HELDOUT_DEEP_SPLIT, n)])
-    _check_reproduced(out_dir, cfg, w, HELDOUT_DEEP_SPLIT)
-    if not test_path.exists():
-        write_jsonl(test_path, drawn[DEEP_SPLIT])
-    if not dev_current:
-        write_jsonl(dev_path, drawn[DEV_DEEP_SPLIT])
-        write_text(dev_after, f"{test_n}\n")
-    write_jsonl(path, drawn[HELDOUT_DEEP_SPLIT])
-    write_text(after, record + "\n")
-    return path
+    return ensure_drawn_split(out_dir, HELDOUT_DEEP_SPLIT, n, {DEEP_SPLIT: test_n, DEV_DEEP_SPLIT: dev_n})
+
+
+def ensure_rl_split(out_dir: str | Path, n: int, test_n: int, dev_n: int, heldout_n: int) -> Path:
+    """``{out_dir}/rl_deep.jsonl``: ``n`` questions of 3+ hops for RL's question pool, drawn after the test deep, dev
+    deep and held-out splits (:func:`ensure_drawn_split`; a missing one drawn with its size given here), so the RL
+    trains on questions that neither SFT (train) nor any evaluation reads."""
+    return ensure_drawn_split(out_dir, RL_SPLIT, n, {DEEP_SPLIT: test_n, DEV_DEEP_SPLIT: dev_n,
+                                                     HELDOUT_DEEP_SPLIT: heldout_n})
 
 
 def load_summary(out_dir: str | Path) -> dict:

@@ -164,11 +164,12 @@ def test_without_a_prm_the_outcome_alone_filters(services, tmp_path, one_thread)
     assert metrics["prm_version"] == ""
 
 
-def test_rft_never_trains_on_the_test_split(services):
+@pytest.mark.parametrize("split", ["test", "test_deep", "heldout_deep"])
+def test_rft_never_trains_on_a_split_the_final_figures_are_read_on(services, split):
     from prorag.config import ConfigError
 
-    with pytest.raises(ConfigError, match="test split"):
-        _config(services, split="test")
+    with pytest.raises(ConfigError, match=f"RFT never trains on '{split}'"):
+        _config(services, split=split)
 
 
 def test_replay_mixes_in_gold_sft_trajectories_built_as_the_sft_job_built_them(services, tmp_path, one_thread):

@@ -465,11 +465,15 @@ def test_min_hops_keeps_deep_questions_before_max_questions_cuts():
     assert select_questions(qs, min_hops=5) == []
 
 
-def test_rl_never_trains_on_the_test_split(services):
-    from prorag.config import ConfigError
+@pytest.mark.parametrize("split", ["test", "test_deep", "heldout_deep"])
+def test_rl_never_trains_on_a_split_the_final_figures_are_read_on(services, split):
+    from prorag.config import ConfigError, from_dict
+    from services.trainer.stage_rlpool import RLPoolConfig
 
-    with pytest.raises(ConfigError, match="test split"):
-        _config(services, split="test")
+    with pytest.raises(ConfigError, match=f"RL never trains on '{split}'.*'rl_deep'"):
+        _config(services, split=split)
+    with pytest.raises(ConfigError, match=f"never draws on '{split}'"):
+        from_dict(RLPoolConfig, {"policy_model": "m", "split": split})
 
 
 def test_non_finite_prm_scores_stop_the_iteration_before_any_update(services, tmp_path, one_thread):

@@ -385,10 +385,11 @@ def test_the_sibling_sampler_refuses_the_test_split_as_mcts_does(tmp_path):
     from services.trainer.stage_mcts import MCTSStageConfig
     from services.trainer.stage_siblings import SiblingsStageConfig
 
-    for cfg in (MCTSStageConfig(policy_model="m", split="test"),
-                SiblingsStageConfig(policy_model="m", judge="127.0.0.1:1", split="test")):
-        with pytest.raises(InvalidArgument, match="split 'test' is held out"):
-            questions_to_search(cfg)
+    for split in ("test", "test_deep", "heldout_deep"):
+        for cfg in (MCTSStageConfig(policy_model="m", split=split),
+                    SiblingsStageConfig(policy_model="m", judge="127.0.0.1:1", split=split)):
+            with pytest.raises(InvalidArgument, match=f"split '{split}' is held out"):
+                questions_to_search(cfg)
 
 
 def test_sample_question_adds_subqueries_that_carry_another_name_after_a_sub_answer():
