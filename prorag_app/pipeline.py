@@ -29,7 +29,7 @@ from pathlib import Path
 from prorag import paths
 from prorag.config import from_dict
 from prorag.data.loaders import load_split
-from prorag.data.world import DEEP_SPLITS, HELDOUT_DEEP_SPLIT, ensure_deep_split, ensure_heldout_split
+from prorag.data.world import DEEP_SPLITS, HELDOUT_DEEP_SPLIT, ensure_deep_split, ensure_heldout_split, ensure_rl_split
 from prorag.errors import InvalidArgument
 from prorag.evaluation import (MULTI_HOP_MIN, compare_methods, grouped_mean_ci, margin_beyond_cis, question_entity,
                                recall_at_k, retrieval_queries)
@@ -44,7 +44,8 @@ from prorag.runs import code_version, new_run_dir, point_latest, timed, write_re
 from prorag_app import memo
 from prorag_app.embedded import ensure_indexes, ensure_policy_model
 from prorag_app.eval import evaluate, format_table, print_prm_families, reader_settings
-from prorag_app.profiles import ABLATION, PROFILES, AblationPlan, Profile, with_overrides, with_stage34
+from prorag_app.profiles import (ABLATION, HELDOUT_QUESTIONS, PROFILES, AblationPlan, Profile, with_overrides,
+                                 with_stage34)
 from prorag_app.report import build_report
 from prorag_app.run_tables import console, print_diagnostics, print_figure, print_retrieval_table, print_stage34
 from prorag_app.stack import OnDemand, ServiceStack
@@ -348,6 +349,17 @@ def heldout_questions(world: str, prof: Profile) -> list:
     return load_split(paths.world_dir(world), HELDOUT_DEEP_SPLIT)
 
 
+def ensure_rl_questions(world: str, prof: Profile) -> int:
+    """The world's RL split (3+ hop questions held out of SFT) that ``prof`` trains RL on, built when missing after
+    the deep and held-out splits (with their sizes on disk, else the profile's); its size, 0 when it asks for none."""
+    if not prof.rl_questions:
+        return 0
+    ensure_rl_split(paths.world_dir(world), prof.rl_questions, test_n=prof.deep_questions,
+                    dev_n=prof.dev_deep_questions or prof.deep_questions,
+                    heldout_n=prof.heldout_questions or HELDOUT_QUESTIONS)
+    return prof.rl_questions
+
+
 def run_main_job(profile: str = "default", world: str | None = None, port_offset: int = 0,
                  stage34_seed: int | None = None, beta: float | None = None, prof: Profile | None = None) -> dict:
     """`prorag run`: the profile named ``profile`` (or ``prof``, reported under that name) on its world or
@@ -389,6 +401,7 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
             prm = stage2(prof, stack, world, published_dir(world, jobs["sft"]), run_dir, port_offset + 100, timings)
         if prof.stage34 is not None and "sft" in jobs:
             deep, heldout = deep_questions(world, prof), heldout_questions(world, prof)
+            ensure_rl_questions(world, prof)
             stage34_out, later, deep_scores, heldout_scores = stage34(
                 prof, stack, world, jobs["sft"]["model"], prm, eval_qs, run_dir, port_offset, timings, deep=deep,
                 heldout=heldout)

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 
 from prorag.config import check_fields
+from prorag.data.world.config import RL_SPLIT
 from prorag.errors import InvalidArgument
 from prorag.methods import base_method, get_method
 from prorag.modeling import WarmupConfig
@@ -57,6 +58,10 @@ class Profile:
     #: and dev deep splits, disjoint from every split), on which the SFT agent and the stage 3-4 methods are also
     #: evaluated and compared, apart, in test runs only (issue 47: read once, at the end); 0 = none
     heldout_questions: int = 0
+    #: questions of the world's RL split (prorag.data.world.ensure_rl_split: 3+ hops held out of SFT, drawn after the
+    #: held-out split) when stage34.rl.split names it: the question pool and the RL draw from questions the SFT agent
+    #: never saw; 0 = none (the RL draws from train)
+    rl_questions: int = 0
     #: the split methods are evaluated and compared on: test for reported figures, dev for choosing settings
     #: (`prorag run --split dev`, with the dev deep split: drawn after the test one, sharing no question with it)
     eval_split: str = "test"
@@ -77,6 +82,13 @@ class Profile:
             raise InvalidArgument(f"eval_split: {self.eval_split!r} is not test or dev")
         if self.heldout_questions and not self.deep_questions:
             raise InvalidArgument("heldout_questions: the held-out split is drawn after the test deep split; set "
+                                  "deep_questions too")
+        rl_split = (self.stage34 or {}).get("rl", {}).get("split", "train")
+        if (rl_split == RL_SPLIT) != bool(self.rl_questions):
+            raise InvalidArgument(f"rl_questions sizes the {RL_SPLIT} split that stage34.rl.split names: set both, or "
+                                  f"neither (rl_questions {self.rl_questions}, stage34.rl.split {rl_split!r})")
+        if self.rl_questions and not self.deep_questions:
+            raise InvalidArgument(f"rl_questions: the {RL_SPLIT} split is drawn after the deep and held-out splits; set "
                                   "deep_questions too")
         check_fields(SFTConfig, self.sft, prefix="sft.")
         for m, settings in self.method_sft.items():
@@ -174,6 +186,10 @@ RECIPE = Profile(
         "beta": 0.3},
     deep_questions=450)  # with the test split's 3+ hop questions, enough for the paired comparisons (issue 19)
 
+#: the research profile's held-out split; a profile that reads none draws its RL split after one of this size, so
+#: that a world shared by `make run` and the research run has one RL split, disjoint from that held-out split
+HELDOUT_QUESTIONS = 2500
+
 #: issue 30's experiment, sized for hours rather than `make run`'s hour (run over RESEARCH's three seeds)
 RESEARCH_PROFILE = dataclasses.replace(
     RECIPE,
@@ -202,7 +218,7 @@ RESEARCH_PROFILE = dataclasses.replace(
              "prm_gate": "report"},
     # enough held-out 3+ hop questions to halve one seed's interval; never used for a choice
     # (docs/BENCHMARKS.md, "Why the profiles' settings")
-    heldout_questions=2500,
+    heldout_questions=HELDOUT_QUESTIONS,
     dev_deep_questions=1500)  # the dev deep split the RL settings were chosen on
 
 PROFILES = {

@@ -56,6 +56,14 @@ def test_profiles_are_checked_when_they_are_defined():
     with pytest.raises(InvalidArgument, match="not a stage 3-4 method"):
         Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={},
                 stage34={"methods": ("outcome_grpo",), "left_out": {"sft": "time"}})
+    # the RL split is sized by rl_questions and named by stage34.rl.split: both or neither, after the deep splits
+    for kw in ({"rl_questions": 100, "deep_questions": 8, "stage34": {"rl": {}}},
+               {"deep_questions": 8, "stage34": {"rl": {"split": "rl_deep"}}}):
+        with pytest.raises(InvalidArgument, match="set both, or neither"):
+            Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={}, **kw)
+    with pytest.raises(InvalidArgument, match="set deep_questions too"):
+        Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={}, rl_questions=100,
+                stage34={"rl": {"split": "rl_deep"}})
 
 
 def test_a_method_that_reads_with_another_models_trains_nothing_and_needs_that_model():
