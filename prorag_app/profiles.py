@@ -84,7 +84,7 @@ class Profile:
             raise InvalidArgument("heldout_questions: the held-out split is drawn after the test deep split; set "
                                   "deep_questions too")
         rl_split = (self.stage34 or {}).get("rl", {}).get("split", "train")
-        if (rl_split == RL_SPLIT) != bool(self.rl_questions):
+        if self.stage34 is not None and (rl_split == RL_SPLIT) != bool(self.rl_questions):
             raise InvalidArgument(f"rl_questions sizes the {RL_SPLIT} split that stage34.rl.split names: set both, or "
                                   f"neither (rl_questions {self.rl_questions}, stage34.rl.split {rl_split!r})")
         if self.rl_questions and not self.deep_questions:
@@ -128,6 +128,10 @@ class Profile:
         return {**get_method(method).train, **self.sft, **self.method_sft.get(method, {})}
 
 
+#: the RL split's size in every profile of the default world (its questions depend on it): as many candidates as
+#: the research profile's pool samples, and more
+RL_QUESTIONS = 2000
+
 #: the recipe that reaches the SFT figure (docs/BENCHMARKS.md, "One document per subquery, 1,200 SFT steps,
 #: canonical subqueries")
 RECIPE = Profile(
@@ -170,8 +174,11 @@ RECIPE = Profile(
         # the same questions, iterations, group size and rate for both RL methods, sized for 2 cores; the research
         # profile's dev choices (questions the agent sometimes fails, 4 steps at 1e-3 an iteration, the answer's F1),
         # so the rollouts' reward rises within 10 iterations (docs/BENCHMARKS.md, "Why the profiles' settings")
+        # The questions are the world's RL split, 3+ hop questions SFT never saw: on dev RL there gained more over its
+        # questions' start and lost nothing on unseen ones, where train questions, which SFT had fitted, lost
+        # (docs/BENCHMARKS.md, "Why the profiles' settings")
         "rl": {"iterations": 10, "questions_per_iteration": 16, "group_size": 8, "lr": 1e-3, "mini_batches": 4,
-               "reward": "f1", "min_hops": 3, "pool_max_solve_rate": 0.5, "max_step_tokens": 96,
+               "split": RL_SPLIT, "reward": "f1", "min_hops": 3, "pool_max_solve_rate": 0.5, "max_step_tokens": 96,
                "checkpoint_every": 5, "seed": 1,
                # the arms differ in the process term only: no format term in the step score, and the answer
                # step, whose verdict repeats the outcome, left out of it (issue 47)
@@ -179,12 +186,13 @@ RECIPE = Profile(
                # the PRM's logits centred per step kind within each group: on dev over two seeds the same as
                # uncentred within noise, kept (docs/BENCHMARKS.md, "Why the profiles' settings")
                "prm_centering": "per_kind"},
-        # the learnable pool both RL methods draw from: 3+ hop train questions the SFT agent sometimes answers
+        # the learnable pool both RL methods draw from: the RL split's questions the SFT agent sometimes answers
         "pool": {"samples": 8, "max_questions": 240},
         # ReasonRAG's DPO at the RL methods' rate: its 1 epoch at 1e-6 is for full fine-tuning of a 7B model
         "dpo": {"epochs": 3, "batch_size": 8, "lr": 5e-4, "seed": 1},
         "beta": 0.3},
-    deep_questions=450)  # with the test split's 3+ hop questions, enough for the paired comparisons (issue 19)
+    deep_questions=450,  # with the test split's 3+ hop questions, enough for the paired comparisons (issue 19)
+    rl_questions=RL_QUESTIONS)
 
 #: the research profile's held-out split; a profile that reads none draws its RL split after one of this size, so
 #: that a world shared by `make run` and the research run has one RL split, disjoint from that held-out split
@@ -234,9 +242,9 @@ PROFILES = {
                                      "max_train_steps": 2, "batch_size": 2, "checkpoint_every": 1},
                              "rl": {"iterations": 2, "questions_per_iteration": 4, "group_size": 2,
                                     "max_step_tokens": 32, "max_steps": 4, "lr": 1e-3, "lora_r": 4, "lora_alpha": 8,
-                                    "checkpoint_every": 1},
+                                    "checkpoint_every": 1, "split": RL_SPLIT},
                              "dpo": {"epochs": 1, "batch_size": 4, "lora_r": 4, "lora_alpha": 8}},
-                    deep_questions=8, heldout_questions=6),
+                    deep_questions=8, heldout_questions=6, rl_questions=8),
     "default": RECIPE,
     # stage 1 of the recipe alone (~25 minutes on 2 cores): the SFT figure on worlds built with other seeds
     "stage1": dataclasses.replace(RECIPE, methods=("standard_rag", "sft"), stage2=None, stage34=None),

@@ -47,6 +47,12 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     assert held["questions"] == 6 and set(held["methods"]) == set(deep["methods"])
     assert all(m["overall"]["n"] == 6 for m in held["methods"].values())
     assert held["comparisons"]["outcome_grpo_vs_sft"]["n"] == 6
+    # the RL trained on the world's RL split (issue 47): questions SFT never saw, drawn after the held-out split
+    world_dir = tmp_path / "data" / "worlds" / "tiny-s7"
+    rl_ids = [json.loads(line)["id"] for line in (world_dir / "rl_deep.jsonl").read_text().splitlines()]
+    assert len(rl_ids) == 8 and (world_dir / "rl_deep.after").read_text().split() == ["8", "8", "6"]
+    job = json.loads((tmp_path / "runs" / "jobs" / on_disk["stage34"]["jobs"]["outcome_grpo"] / "job.json").read_text())
+    assert job["config"]["split"] == "rl_deep"
     for name, m in on_disk["methods"].items():
         overall = m["overall"]
         assert overall["n"] == 60
