@@ -131,6 +131,8 @@ class Profile:
 #: the RL split's size in every profile of the default world (its questions depend on it): as many candidates as
 #: the research profile's pool samples, and more
 RL_QUESTIONS = 2000
+#: the dev deep split's size in every profile of the default world: the one the research RL settings were chosen on
+DEV_DEEP_QUESTIONS = 1500
 
 #: the recipe that reaches the SFT figure (docs/BENCHMARKS.md, "One document per subquery, 1,200 SFT steps,
 #: canonical subqueries")
@@ -192,6 +194,9 @@ RECIPE = Profile(
         "dpo": {"epochs": 3, "batch_size": 8, "lr": 5e-4, "seed": 1},
         "beta": 0.3},
     deep_questions=450,  # with the test split's 3+ hop questions, enough for the paired comparisons (issue 19)
+    # the research profile's dev deep split: every profile of the world draws its later splits (held-out, RL) after
+    # the same one, so running one profile never redraws what another trained or will read on
+    dev_deep_questions=DEV_DEEP_QUESTIONS,
     rl_questions=RL_QUESTIONS)
 
 #: the research profile's held-out split; a profile that reads none draws its RL split after one of this size, so
@@ -226,8 +231,7 @@ RESEARCH_PROFILE = dataclasses.replace(
              "prm_gate": "report"},
     # enough held-out 3+ hop questions to halve one seed's interval; never used for a choice
     # (docs/BENCHMARKS.md, "Why the profiles' settings")
-    heldout_questions=HELDOUT_QUESTIONS,
-    dev_deep_questions=1500)  # the dev deep split the RL settings were chosen on
+    heldout_questions=HELDOUT_QUESTIONS)
 
 PROFILES = {
     # what the end-to-end test runs: every stage, in minutes
