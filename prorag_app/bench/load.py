@@ -3,7 +3,9 @@
 ``load`` drives the retriever, the policy and the PRM, each started by the bench on free loopback ports (the harness
 of :mod:`prorag_app.bench.harness`: ``serve``, ``free_port``, ``stop``), at rising concurrency (1, 2, 4, ... up to
 ``--max-concurrency`` or the ``--levels`` given; ``--level-seconds`` each). Per level: calls, status codes,
-throughput, p50/p99 latency and the largest batcher queue depth scraped from the service's /metrics. The highest
+throughput, p50/p99 latency, the largest batcher queue depth scraped from the service's /metrics, and the CPU
+seconds the service and the callers used (items per server CPU-second: the service's cost per item apart from the
+callers', which share the machine's cores). The highest
 level with 0 errors is reported as held. Then past capacity: the service started again with
 ``--max-concurrent-rpcs`` set low (``--overload-rpcs``; the retriever's batcher queue too), driven by more callers
 than that for ``--overload-seconds`` with the caller's deadline ``--deadline-s``. The goal: every call either
@@ -20,6 +22,8 @@ Nothing here asserts a timing; the last output line is one JSON object (`prorag 
 
 from __future__ import annotations
 
+import os
+import resource
 import statistics
 import tempfile
 import threading
@@ -144,6 +148,21 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds ``pid`` has used, all its threads (/proc/<pid>/stat); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+
+
+def _own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 # ---------------------------------------------------------------- driving it
 def _code(exc: BaseException) -> str:
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
@@ -205,12 +224,15 @@ def drive(w: Workload, served: _Served, clients: int, seconds: float, deadline_s
         t.start()
     watcher = threading.Thread(target=sampler, daemon=True)
     end[0] = time.monotonic() + seconds
+    server_cpu0, client_cpu0 = cpu_seconds(served.pid), _own_cpu_seconds()
     t0 = time.perf_counter()
     start.wait()
     watcher.start()
     for t in threads:
         t.join(seconds + deadline_s + 30)
     wall = time.perf_counter() - t0
+    server_cpu1, client_cpu = cpu_seconds(served.pid), _own_cpu_seconds() - client_cpu0
+    server_cpu = server_cpu1 - server_cpu0 if server_cpu0 is not None and server_cpu1 is not None else None
     done.set()
     watcher.join(10)
     for _, ch in made:
@@ -228,7 +250,12 @@ def drive(w: Workload, served: _Served, clients: int, seconds: float, deadline_s
            "p99_ms": 1e3 * percentile(lat, 0.99) if lat else None,
            "max_ms": 1e3 * lat[-1] if lat else None,
            "max_queue_depth": max(depths) if depths else None, "queue_samples": len(depths),
-           "stuck_clients": sum(t.is_alive() for t in threads)}
+           "stuck_clients": sum(t.is_alive() for t in threads),
+           # CPU the service and the callers (this process) used while the level ran: on a machine whose cores both
+           # share, items per server CPU-second says whether batching made the service cheaper per item, apart
+           # from the callers' own cost
+           "server_cpu_s": server_cpu, "client_cpu_s": client_cpu,
+           f"{w.items}_per_server_cpu_s": sum(items) / server_cpu if server_cpu else None}
     if samples:
         out["error_sample"] = samples
     return out
@@ -269,9 +296,11 @@ def load_service(w: Workload, args, log_dir: Path) -> dict:
             runs.append(r)
             if r["errors"]:
                 break  # past what it holds at its default limits: rising further measures nothing more
-        base = runs[0]["throughput_rps"]
+        base, per_cpu = runs[0]["throughput_rps"], f"{w.items}_per_server_cpu_s"
         for r in runs:
             r["throughput_vs_level1"] = r["throughput_rps"] / base if base else None
+            r["per_server_cpu_vs_level1"] = (r[per_cpu] / runs[0][per_cpu] if r[per_cpu] and runs[0][per_cpu]
+                                             else None)
         held = [r["concurrency"] for r in runs if r["errors"] == 0]
         failed = [r["concurrency"] for r in runs if r["errors"]]
         out = {"levels": runs, "held_concurrency": max(held) if held else 0,

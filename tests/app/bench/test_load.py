@@ -60,7 +60,10 @@ def test_bench_load_reports_levels_and_what_happens_past_capacity(data):
             assert 0 < lv["p50_ms"] <= lv["p99_ms"] <= lv["max_ms"]
             assert lv["throughput_rps"] > 0 and lv["queries_per_s"] == pytest.approx(lv["throughput_rps"])
         assert lv["stuck_clients"] == 0 and lv["queue_samples"] > 0
-    assert first["throughput_vs_level1"] == 1.0
+        # the service's and the callers' CPU while the level ran, and the service's cost per item from it
+        assert lv["server_cpu_s"] > 0 and lv["client_cpu_s"] > 0
+        assert lv["queries_per_server_cpu_s"] == pytest.approx(lv["queries_per_s"] * lv["seconds"] / lv["server_cpu_s"], rel=1e-3)
+    assert first["throughput_vs_level1"] == 1.0 and first["per_server_cpu_vs_level1"] == 1.0
     held = [lv["concurrency"] for lv in levels if lv["errors"] == 0]
     assert r["held_concurrency"] == max(held) >= 1
     assert r["alive_after_levels"] and r["health_after_levels"] == "SERVING"
@@ -77,6 +80,21 @@ def test_bench_load_reports_levels_and_what_happens_past_capacity(data):
     assert pc["ok_within_deadline"] and pc["max_ms"] <= 1e3 * pc["deadline_s"]
     assert pc["alive_after"] and pc["health_after"] == "SERVING" and pc["stuck_clients"] == 0
     assert pc["held"] and out["all_past_capacity_held"]
+
+
+def test_cpu_seconds_reads_a_live_process_and_none_once_it_is_gone():
+    import os
+    import subprocess
+    import sys
+
+    from prorag_app.bench.load import cpu_seconds
+
+    mine = cpu_seconds(os.getpid())
+    sum(i * i for i in range(2_000_000))  # burn some CPU in this process
+    assert cpu_seconds(os.getpid()) > mine >= 0
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert cpu_seconds(child.pid) is None  # reaped: no /proc entry
 
 
 def test_bench_soak_samples_the_service_rss_and_fits_the_second_half(data):
