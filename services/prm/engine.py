@@ -24,6 +24,47 @@ from prorag.trajectory import Step
 from prorag.training.devices import CPU_FP32, Placement, is_out_of_memory, out_of_memory
 
 
+#: a CPU's bound on padded tokens per real token in one forward pass: rows of equal length only. Measured in
+#: process on the bench's trajectories, 1 thread: 32 per call scored 191 steps per CPU-second at 1.0, 174 at 1.03,
+#: 148 at 1.1, 81 unbounded, against 184 one at a time (docs/BENCHMARKS.md, "Thirty-eighth session"). A GPU, where a
+#: pass's fixed cost dominates, keeps the token bound alone (not measured there).
+CPU_BATCH_PADDING = 1.0
+
+
+def length_batches(lengths: Sequence[int], max_tokens: int, max_padding: float) -> list[list[int]]:
+    """Rows of ``lengths`` (tokens, ascending) cut into forward passes [[row index, ...], ...] in order: a pass ends
+    before the row that would make it hold more than ``max_tokens`` tokens padded (rows x longest), or make those
+    padded tokens more than ``max_padding`` times its real ones. A row is never split; one longer than
+    ``max_tokens`` runs alone.
+
+    Why the padding bound: a pass computes every padded position, attention quadratically in the longest row, so
+    the bench's trajectories (176 to 656 tokens) cost 1.6-1.8x their real tokens batched 8-64 at a time and scored
+    fewer steps per CPU-second than one at a time (docs/BENCHMARKS.md, "Thirty-eighth session").
+
+    >>> length_batches([100, 100, 110, 300, 310], max_tokens=10_000, max_padding=1.25)
+    [[0, 1, 2], [3, 4]]
+    >>> length_batches([100, 100, 100], max_tokens=250, max_padding=2.0)
+    [[0, 1], [2]]
+    """
+    if any(b < a for a, b in zip(lengths, lengths[1:])):
+        raise ValueError("lengths must be ascending")
+    if max_padding < 1.0:
+        raise ValueError(f"max_padding {max_padding:g}: padded tokens are at least the real ones")
+    out: list[list[int]] = []
+    chunk: list[int] = []
+    real = 0
+    for i, n in enumerate(lengths):
+        padded = (len(chunk) + 1) * n  # the new row is the longest: every row pads to it
+        if chunk and (padded > max_tokens or padded > max_padding * (real + n)):
+            out.append(chunk)
+            chunk, real = [], 0
+        chunk.append(i)
+        real += n
+    if chunk:
+        out.append(chunk)
+    return out
+
+
 @dataclass
 class ScoringItem:
     question: str
@@ -35,11 +76,14 @@ class PRMEngine:
     """Loads a PRM directory; ``score(items)`` -> per item, one float per scored step."""
 
     def __init__(self, model_dir: str | Path, max_len: int = 0, max_batch_tokens: int = 32768,
-                 placement: Placement = CPU_FP32):
+                 placement: Placement = CPU_FP32, max_batch_padding: float = 0.0):
         """placement: device, weights dtype and attention kernel (prorag.training.devices.resolve of the service's
-        config); every later load (a hot-swap) uses the same."""
+        config); every later load (a hot-swap) uses the same. max_batch_tokens / max_batch_padding: the bounds of
+        one forward pass (:func:`length_batches`); padding 0 = :data:`CPU_BATCH_PADDING` on a CPU, none on a GPU."""
         self.lock = threading.Lock()
         self.max_batch_tokens = max_batch_tokens
+        self.max_batch_padding = max_batch_padding or (
+            CPU_BATCH_PADDING if torch.device(placement.device).type == "cpu" else float("inf"))
         self._max_len_cfg = max_len
         self.placement = placement
         self.load(model_dir)
@@ -82,7 +126,6 @@ class PRMEngine:
             plans = [self._rows(it) for it in items]
             flat = [(i, r) for i, (rows, _) in enumerate(plans) for r in range(len(rows))]
             results: dict[tuple[int, int], list] = {}
-            chunk: list[tuple[int, int]] = []
 
             def run(chunk):
                 seqs = [plans[i][0][r][0] for i, r in chunk]
@@ -104,16 +147,11 @@ class PRMEngine:
                     results[(i, r)] = [float(s) for s in scores]
 
             # Rows by length, so each forward pass pads to a near neighbour rather than to the longest of a random
-            # mix; its budget counts the padded tokens (rows x longest), which is what it computes and holds.
+            # mix, in passes whose padded tokens stay within both bounds.
             flat.sort(key=lambda key: len(plans[key[0]][0][key[1]][0]))
-            for key in flat:
-                n = len(plans[key[0]][0][key[1]][0])
-                if chunk and (len(chunk) + 1) * n > self.max_batch_tokens:
-                    run(chunk)
-                    chunk = []
-                chunk.append(key)
-            if chunk:
-                run(chunk)
+            lengths = [len(plans[i][0][r][0]) for i, r in flat]
+            for part in length_batches(lengths, self.max_batch_tokens, self.max_batch_padding):
+                run([flat[k] for k in part])
         out = []
         for i, (rows, where) in enumerate(plans):
             # index among the row's kept (non-None) positions

@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from prorag.config import cfg_field
+from prorag.config import ConfigError, cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.rpc.grpc_server import ServerSpec, start_server
 from prorag.pb import prm_pb2_grpc
@@ -37,6 +37,10 @@ class PRMServeConfig(DeviceConfig):
     max_steps: int = cfg_field(64, help="most steps in one trajectory", min=1, max=10000)
     max_batch_tokens: int = cfg_field(32768, help="tokens per forward pass when merged requests are scored, padding "
                                                   "included (rows are sorted by length first)", min=256)
+    max_batch_padding: float = cfg_field(0.0, help="most padded tokens per real token in one forward pass, so rows of "
+                                                   "different lengths run in separate passes; 0 = 1.0 on a CPU (where "
+                                                   "a padded batch scored fewer steps per second than rows one at a "
+                                                   "time), no bound on a GPU", min=0.0)
     max_batch_steps: int = cfg_field(1024, help="most steps of concurrent callers merged into one engine call (run as "
                                                 "forward passes of max_batch_tokens); a larger request runs alone",
                                      min=1)
@@ -51,6 +55,12 @@ class PRMServeConfig(DeviceConfig):
                                                "max_batch_steps; a lone caller never waits (0 = never)",
                                      min=0.0, max=1000.0)
 
+    def validate(self) -> None:
+        super().validate()
+        if 0.0 < self.max_batch_padding < 1.0:
+            raise ConfigError("max_batch_padding", f"{self.max_batch_padding:g}: padded tokens are at least the real "
+                                                   "ones; give 1.0 or more, or 0 for the device's default")
+
 
 def resolve_model(cfg: PRMServeConfig):
     from prorag.registry import registry
@@ -63,7 +73,8 @@ def resolve_model(cfg: PRMServeConfig):
 def _make_engine(cfg: PRMServeConfig, path):
     from services.prm.engine import PRMEngine
 
-    return PRMEngine(path, max_len=cfg.max_len, max_batch_tokens=cfg.max_batch_tokens, placement=resolve(cfg))
+    return PRMEngine(path, max_len=cfg.max_len, max_batch_tokens=cfg.max_batch_tokens, placement=resolve(cfg),
+                     max_batch_padding=cfg.max_batch_padding)
 
 
 async def _follow(cfg: PRMServeConfig, frontend: ScoringFrontend, running) -> None:
