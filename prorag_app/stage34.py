@@ -32,6 +32,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from prorag import paths
+from prorag.data.world.config import DRAWN_SPLITS
 from prorag.io import sha256_file
 from prorag.registry import registry, weights_sha256
 from prorag_app.stack import OnDemand, ServiceStack
@@ -57,7 +59,8 @@ def _job_id(prefix: str, stage: str, cfg: dict, prm_sha256: str = "", pool_sha25
     """The job id of one stage 3-4 job (prorag_app.trainer_jobs.settings_job_id): whether it uses a PRM counts,
     which PRM (its weights: the config names only the service's address, so a retrained PRM must not reuse the jobs
     its predecessor filtered or scored), and for RL with a PRM the version of what the PRM is asked to score; for the
-    oracle the version of what it scores; for a job drawing from a question pool, the pool's content."""
+    oracle the version of what it scores; for a job drawing from a question pool, the pool's content; for a job
+    sampling a split drawn after train (the RL split), that split's content."""
     extra = {"uses_prm": bool(cfg.get("prm"))}
     if cfg.get("step_scorer") == "oracle":  # the config says oracle; the version says which rules
         # imports torch; `prorag report` reads COMPARISONS from this module without it
@@ -66,6 +69,9 @@ def _job_id(prefix: str, stage: str, cfg: dict, prm_sha256: str = "", pool_sha25
         extra["oracle_scoring"] = ORACLE_SCORING_VERSION
     if cfg.get("question_pool"):  # the path names a job's artifact; its content is what the RL draws from
         extra["question_pool_sha256"] = pool_sha256
+    if cfg.get("split") in DRAWN_SPLITS:  # a drawn split is redrawn when a split before it changes size: its ids
+        # (rl_deep_17) then name other questions, so a job sampling it is named by the content it samples
+        extra["split_sha256"] = sha256_file(paths.world_dir(cfg["world"]) / f"{cfg['split']}.jsonl")
     if stage == "rlpool":
         from services.trainer.stage_rlpool import POOL_VERSION  # torch, as above
 

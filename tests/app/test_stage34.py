@@ -23,6 +23,22 @@ def test_a_retrained_prm_gets_new_prm_guided_jobs_and_keeps_the_others():
                                                                               "prm-two")
 
 
+def test_a_job_sampling_the_rl_split_is_named_by_its_content(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRORAG_DATA", str(tmp_path))
+    world = tmp_path / "worlds" / "w"
+    world.mkdir(parents=True)
+    (world / "rl_deep.jsonl").write_text('{"id": "rl_deep_0", "question": "Who?"}\n')
+    pool = {"world": "w", "split": "rl_deep", "policy_model": "sft@a", "samples": 8}
+    first = _job_id("w-stage34", "rlpool", pool)
+    assert _job_id("w-stage34", "rlpool", dict(pool)) == first
+    # redrawn after a dev deep split of another size: the same ids name other questions, so another job
+    (world / "rl_deep.jsonl").write_text('{"id": "rl_deep_0", "question": "Where?"}\n')
+    assert _job_id("w-stage34", "rlpool", pool) != first
+    # the world's own splits never change, and jobs on them keep their ids without reading them
+    train = {**pool, "split": "train"}
+    assert _job_id("w-stage34", "rlpool", train) == _job_id("w-stage34", "rlpool", {**train, "world": "w"})
+
+
 def test_the_oracle_is_its_own_job_with_no_prm_and_every_rl_method_shares_the_pool():
     import pytest
 
