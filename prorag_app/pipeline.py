@@ -349,15 +349,13 @@ def heldout_questions(world: str, prof: Profile) -> list:
     return load_split(paths.world_dir(world), HELDOUT_DEEP_SPLIT)
 
 
-def ensure_rl_questions(world: str, prof: Profile) -> int:
+def ensure_rl_questions(world: str, prof: Profile) -> None:
     """The world's RL split (3+ hop questions held out of SFT) that ``prof`` trains RL on, built when missing after
-    the deep and held-out splits (with their sizes on disk, else the profile's); its size, 0 when it asks for none."""
-    if not prof.rl_questions:
-        return 0
-    ensure_rl_split(paths.world_dir(world), prof.rl_questions, test_n=prof.deep_questions,
-                    dev_n=prof.dev_deep_questions or prof.deep_questions,
-                    heldout_n=prof.heldout_questions or HELDOUT_QUESTIONS)
-    return prof.rl_questions
+    the deep and held-out splits (with their sizes on disk, else the profile's); nothing when it asks for none."""
+    if prof.rl_questions:
+        ensure_rl_split(paths.world_dir(world), prof.rl_questions, test_n=prof.deep_questions,
+                        dev_n=prof.dev_deep_questions or prof.deep_questions,
+                        heldout_n=prof.heldout_questions or HELDOUT_QUESTIONS)
 
 
 def run_main_job(profile: str = "default", world: str | None = None, port_offset: int = 0,

@@ -10,12 +10,16 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from shutil import copytree
 
 import pytest
 
 from prorag.config import ConfigError, from_dict
 from prorag.data.loaders import load_corpus, load_split
-from prorag.data.world import SPLITS, WorldConfig, build_world, load_summary
+from prorag.data.world import (DEEP_SPLIT, DEV_DEEP_SPLIT, HELDOUT_DEEP_SPLIT, RL_SPLIT, SPLITS, WorldConfig, build_world,
+                               ensure_deep_split, ensure_drawn_split, ensure_heldout_split, ensure_rl_split,
+                               generate_deep_splits, load_summary)
+from prorag.errors import InvalidArgument
 from prorag.metrics import normalize_answer
 
 FILES = ("corpus.jsonl", "train.jsonl", "dev.jsonl", "test.jsonl", "world.json", "DONE")
@@ -388,12 +392,6 @@ def test_the_heldout_split_is_drawn_after_both_deep_splits_and_changes_neither(w
 
 
 def test_the_rl_split_is_drawn_after_every_evaluation_split_and_changes_none(world, tmp_path):
-    import shutil
-
-    from prorag.data.world import (DEEP_SPLIT, DEV_DEEP_SPLIT, HELDOUT_DEEP_SPLIT, RL_SPLIT, ensure_deep_split,
-                                   ensure_drawn_split, ensure_heldout_split, ensure_rl_split, generate_deep_splits)
-    from prorag.errors import InvalidArgument
-
     sizes = [(DEEP_SPLIT, 12), (DEV_DEEP_SPLIT, 10), (HELDOUT_DEEP_SPLIT, 8)]
     w, drawn = generate_deep_splits(tiny(0), sizes + [(RL_SPLIT, 15)])
     assert generate_deep_splits(tiny(0), sizes)[1] == {k: drawn[k] for k, _ in sizes}  # none changed by it
@@ -404,7 +402,7 @@ def test_the_rl_split_is_drawn_after_every_evaluation_split_and_changes_none(wor
     assert not any(r["metadata"]["chain"] in chains or r["question"] in texts for r in rl)  # SFT and every eval
 
     out = tmp_path / "w"
-    shutil.copytree(world["dir"], out)
+    copytree(world["dir"], out)
     ensure_deep_split(out, 12)
     ensure_deep_split(out, 10, "dev")
     heldout = ensure_heldout_split(out, 8, test_n=12, dev_n=10)
@@ -424,7 +422,7 @@ def test_the_rl_split_is_drawn_after_every_evaluation_split_and_changes_none(wor
 
     # asked for on a world with none of the splits before it, it draws and writes them, given their sizes
     fresh = tmp_path / "fresh"
-    shutil.copytree(world["dir"], fresh)
+    copytree(world["dir"], fresh)
     with pytest.raises(InvalidArgument, match="drawn after the test_deep split, which is missing: give its size"):
         ensure_drawn_split(fresh, RL_SPLIT, 15, {})
     assert not (fresh / f"{RL_SPLIT}.jsonl").exists()

@@ -5,9 +5,13 @@ timing is asserted: only counts, orderings and the invariants the benchmarks rep
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 
+from prorag_app.bench.load import cpu_seconds
 from tests.helpers import env
 
 
@@ -83,12 +87,6 @@ def test_bench_load_reports_levels_and_what_happens_past_capacity(data):
 
 
 def test_cpu_seconds_reads_a_live_process_and_none_once_it_is_gone():
-    import os
-    import subprocess
-    import sys
-
-    from prorag_app.bench.load import cpu_seconds
-
     mine = cpu_seconds(os.getpid())
     sum(i * i for i in range(2_000_000))  # burn some CPU in this process
     assert cpu_seconds(os.getpid()) > mine >= 0

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from prorag.config import ConfigError, from_dict
 from prorag.data.loaders import Document
 from prorag.modeling import save_pretrained
 from prorag.prm.model import prm_from_policy
 from prorag.trajectory import Step
 from services.prm import engine as engine_module
 from services.prm.engine import CPU_BATCH_PADDING, PRMEngine, ScoringItem, length_batches
+from services.prm.server import PRMServeConfig
 
 
 def test_length_batches_bounds_padding_and_tokens_and_keeps_the_order():
@@ -67,9 +69,6 @@ def test_padding_bound_changes_the_passes_not_the_scores(tiny_policy, tmp_path, 
 
 
 def test_the_service_config_refuses_a_padding_bound_below_one():
-    from prorag.config import ConfigError, from_dict
-    from services.prm.server import PRMServeConfig
-
     with pytest.raises(ConfigError, match="max_batch_padding"):
         from_dict(PRMServeConfig, {"model": "prm", "max_batch_padding": 0.5})
     assert from_dict(PRMServeConfig, {"model": "prm", "max_batch_padding": 1.5}).max_batch_padding == 1.5
