@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -19,6 +20,15 @@ def free_port(start: int) -> int:
     while not port_free("127.0.0.1", port):
         port += 1
     return port
+
+
+def os_port() -> int:
+    """A loopback port the OS says is free now (bound to port 0, then released). Unlike :func:`free_port`'s scan from
+    a fixed start, two processes asking at once get different ports: make test's two workers each ran a load bench
+    whose servers scanned from the same start, and one bench's calls reached the other's server."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def serve(service: str, port: int, sets: dict, log_path=None, extra_args=(), http_port: int = -1,
