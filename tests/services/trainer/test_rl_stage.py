@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prorag.config import from_dict
+from prorag.config import ConfigError, from_dict
 from prorag.rpc.service import ServeConfig
 from prorag.training.context import local_context
 from services.trainer.stage_rlpool import RLPoolConfig
@@ -469,8 +469,6 @@ def test_min_hops_keeps_deep_questions_before_max_questions_cuts():
 
 @pytest.mark.parametrize("split", ["test", "test_deep", "heldout_deep"])
 def test_rl_never_trains_on_a_split_the_final_figures_are_read_on(services, split):
-    from prorag.config import ConfigError
-
     with pytest.raises(ConfigError, match=f"RL never trains on '{split}'.*'rl_deep'"):
         _config(services, split=split)
     with pytest.raises(ConfigError, match=f"never draws on '{split}'"):
