@@ -81,14 +81,15 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
                  max_model_len: int | None = None,
                  loss_weights: Mapping[str, float] = FORMAT_LOSS_WEIGHTS,
                  search_batch: int | None = None, search_cache: bool = True,
-                 stats: dict | None = None) -> list[TrajectoryResult]:
+                 stats: dict | None = None, question_offset: int = 0) -> list[TrajectoryResult]:
     """Run ``params.n`` trajectories per (id, question); returns them question-major, sample-minor.
 
     params: n = samples per question; max_tokens caps one step; stop ids are the format's own.
     loss_weights: tag -> weight given to generated tokens in ``tokens.weights`` (as
     :func:`prorag.data.sft.encode_segments` does), so a trainer can fine-tune on rollouts directly.
-    Seeds: trajectory (q, j) at round r samples with ``derive_seed(params.seed, q, j, r)``
-    (unseeded when params.seed is 0), so a seeded run does not depend on batching.
+    Seeds: trajectory (q, j) at round r samples with ``derive_seed(params.seed, question_offset + q, j, r)``
+    (unseeded when params.seed is 0), so a seeded run does not depend on batching, and a request split into parts
+    (each with its first question's place as ``question_offset``) samples what the whole request would.
     ``on_finished`` is called as each trajectory ends, before the next round.
     search_batch: most subqueries per ``search_fn`` call; default: ``search_fn.max_batch`` when the
     search function carries one (e.g. learnt from the retriever's ListIndexes), else
@@ -104,6 +105,8 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
         raise InvalidArgument(f"max_steps must be >= 1, got {max_steps}")
     if topk < 1:
         raise InvalidArgument(f"topk must be >= 1, got {topk}")
+    if question_offset < 0:
+        raise InvalidArgument(f"question_offset must be >= 0, got {question_offset}")
     search_batch = int(search_batch or getattr(search_fn, "max_batch", 0) or DEFAULT_SEARCH_BATCH)
     if search_batch < 1:
         raise InvalidArgument(f"search_batch must be >= 1, got {search_batch}")
@@ -158,7 +161,8 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
     counts.setdefault("searches_made", 0)
     rnd = 0
     while active:
-        seeds = [derive_seed(params.seed, k // params.n, results[k].sample_index, rnd) for k in active]
+        seeds = [derive_seed(params.seed, question_offset + k // params.n, results[k].sample_index, rnd)
+                 for k in active]
         outs = engine.generate([results[k].tokens.token_ids for k in active], step_spec, adapter=adapter, seeds=seeds)
         rnd += 1
         searches: list[int] = []

@@ -423,21 +423,24 @@ def cmd_run(args) -> int:
     from prorag_app.pipeline import run_ablation, run_main_job
     from prorag_app.profiles import PLANS, PROFILES, with_overrides
 
+    if args.policy_replicas < 0:
+        raise SystemExit(f"--policy-replicas is {args.policy_replicas}: give 1 or more processes, or 0 for the "
+                         "default (one per core up to 4 on a CPU host, 1 with a GPU)")
     if args.profile == "ablation":
         if args.stage34_seed is not None or args.beta is not None or args.set or args.split != "test":
             raise SystemExit("--profile ablation runs its own seeds and betas on the test split "
                              "(prorag_app.profiles.ABLATION); --stage34-seed, --beta, --set and --split are for "
                              "single runs")
-        run_ablation(world=args.world, port_offset=args.port_offset)
+        run_ablation(world=args.world, port_offset=args.port_offset, policy_replicas=args.policy_replicas)
         return 0
     if args.profile in PLANS and args.stage34_seed is None and args.beta is None:
         # a plan over seeds (research): every seed on --split with --set applied, then one report
         run_ablation(PLANS[args.profile], world=args.world, port_offset=args.port_offset, split=args.split,
-                     overrides=tuple(args.set or ()))
+                     overrides=tuple(args.set or ()), policy_replicas=args.policy_replicas)
         return 0
     prof = with_overrides(dataclasses.replace(PROFILES[args.profile], eval_split=args.split), args.set or [])
     run_main_job(profile=args.profile, world=args.world, port_offset=args.port_offset,
-                 stage34_seed=args.stage34_seed, beta=args.beta, prof=prof)
+                 stage34_seed=args.stage34_seed, beta=args.beta, prof=prof, policy_replicas=args.policy_replicas)
     return 0
 
 
@@ -715,6 +718,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--stage34-seed; hours)")
     r.add_argument("--world", default=None)
     r.add_argument("--port-offset", type=int, default=0)
+    r.add_argument("--policy-replicas", type=int, default=0,
+                   help="processes of the policy that stages 2-4 sample from, balanced round-robin, each on its "
+                        "share of the cores (0 = one per core up to 4 on a CPU host, 1 with a GPU); changes how "
+                        "fast, not what: jobs and their samples are the same")
     r.add_argument("--stage34-seed", type=int, default=None,
                    help="seed of the RFT, RL and DPO jobs (default: the profile's); another seed trains them anew")
     r.add_argument("--beta", type=float, default=None, help="ProRAG's process-advantage weight (default: the "

@@ -48,7 +48,7 @@ from prorag_app.profiles import (ABLATION, HELDOUT_QUESTIONS, PROFILES, Ablation
                                  with_stage34)
 from prorag_app.report import build_report
 from prorag_app.run_tables import console, print_diagnostics, print_figure, print_retrieval_table, print_stage34
-from prorag_app.stack import OnDemand, ServiceStack
+from prorag_app.stack import OnDemand, ServiceStack, default_policy_replicas
 from prorag_app.stage2 import run_stage2
 from prorag_app.stage34 import COMPARISONS, per_question_f1, print_comparisons, run_stage34
 from prorag_app.stage_settings import Stage2Settings, Stage34Settings
@@ -239,14 +239,15 @@ def evaluate_methods(models: dict[str, str], world: str, stack: ServiceStack, qu
 
 
 def stage2(prof: Profile, stack: ServiceStack, world: str, sft_model: str, run_dir, port_offset: int,
-           timings: dict) -> dict:
-    """Stage 2 on the trained agent: a policy process serving it (started once a search job is submitted: none
-    when they are all finished), then prorag_app.stage2.run_stage2."""
+           timings: dict, policy_replicas: int = 1) -> dict:
+    """Stage 2 on the trained agent: a policy serving it in ``policy_replicas`` processes (started once a search job
+    is submitted: none when they are all finished), then prorag_app.stage2.run_stage2."""
     settings = from_dict(Stage2Settings, prof.stage2)
     serving = OnDemand(ServiceStack(port_offset=port_offset, world=world, services=("policy",),
                                     overrides={"policy": {"model": sft_model,
                                                           "retriever": stack.grpc_target("retriever")}},
-                                    log_dir=str(run_dir / "logs" / "stage2-policy")))
+                                    log_dir=str(run_dir / "logs" / "stage2-policy"),
+                                    replicas={"policy": policy_replicas}))
     with timed(timings, "stage2_s"), serving:
         out = run_stage2(stack, serving.grpc_target("policy"), world, sft_model, prof.sft_for("sft"), settings,
                          run_dir, f"{world}-stage2", timings, before_search=serving.need)
@@ -256,11 +257,11 @@ def stage2(prof: Profile, stack: ServiceStack, world: str, sft_model: str, run_d
 
 
 def stage34(prof: Profile, stack: ServiceStack, world: str, sft_ref: str, prm: dict | None, questions, run_dir,
-            port_offset: int, timings: dict, deep=(), heldout=()
+            port_offset: int, timings: dict, deep=(), heldout=(), policy_replicas: int = 1
             ) -> tuple[dict, dict[str, dict], dict[str, dict], dict[str, dict]]:
     """Stages 3-4 and the outcome-only baseline from the trained agent (prorag_app.stage34), then their evaluation
     side by side on ``questions``, and with the SFT agent on the ``deep`` questions (under run_dir/deep) and the
-    ``heldout`` ones (under run_dir/heldout). Returns (what stage34 did, method -> evaluation, method -> evaluation
+    ``heldout`` ones (under run_dir/heldout); policy_replicas: processes of each policy the jobs sample from. Returns (what stage34 did, method -> evaluation, method -> evaluation
     on the deep questions, the same on the held-out ones)."""
     settings = from_dict(Stage34Settings, prof.stage34)
     prm_dir = (str(registry("prm", world).resolve(prm["model"])) if prm is not None and "model" in prm else None)
@@ -269,7 +270,7 @@ def stage34(prof: Profile, stack: ServiceStack, world: str, sft_ref: str, prm: d
     with timed(timings, "stage34_s"):
         out = run_stage34(stack, world, sft_ref, sft_dir, prm_dir, prof.sft_for("sft"), settings, run_dir,
                           port_offset + 200, timings, pairs_path=(prm or {}).get("pairs_path"),
-                          prm_gate=(prm or {}).get("gate"))
+                          prm_gate=(prm or {}).get("gate"), policy_replicas=policy_replicas)
         models = out["models"]
         adapters = {m: v["adapter"] for m, v in models.items()}
         evaluated = evaluate_methods({m: v["model"] for m, v in models.items()}, world, stack, questions, run_dir,
@@ -359,10 +360,14 @@ def ensure_rl_questions(world: str, prof: Profile) -> None:
 
 
 def run_main_job(profile: str = "default", world: str | None = None, port_offset: int = 0,
-                 stage34_seed: int | None = None, beta: float | None = None, prof: Profile | None = None) -> dict:
+                 stage34_seed: int | None = None, beta: float | None = None, prof: Profile | None = None,
+                 policy_replicas: int = 0) -> dict:
     """`prorag run`: the profile named ``profile`` (or ``prof``, reported under that name) on its world or
-    ``world``; returns what results.json holds, its phases timed in order under "timings"."""
+    ``world``; returns what results.json holds, its phases timed in order under "timings". policy_replicas:
+    processes of the policy that stages 2-4 sample from (0 = prorag_app.stack.default_policy_replicas); how fast,
+    not what: the jobs and their samples do not depend on it."""
     prof = with_stage34(prof or PROFILES[profile], stage34_seed, beta)
+    policy_replicas = policy_replicas or default_policy_replicas()
     world = world or prof.world
     timings: dict[str, float] = {}
     started = time.monotonic()
@@ -396,13 +401,14 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
                                        world, stack, eval_qs, run_dir, port_offset + 100, timings)
         console.print(format_table(methods, prof.eval_split))
         if prof.stage2 is not None and "sft" in jobs:
-            prm = stage2(prof, stack, world, published_dir(world, jobs["sft"]), run_dir, port_offset + 100, timings)
+            prm = stage2(prof, stack, world, published_dir(world, jobs["sft"]), run_dir, port_offset + 100, timings,
+                         policy_replicas=policy_replicas)
         if prof.stage34 is not None and "sft" in jobs:
             deep, heldout = deep_questions(world, prof), heldout_questions(world, prof)
             ensure_rl_questions(world, prof)
             stage34_out, later, deep_scores, heldout_scores = stage34(
                 prof, stack, world, jobs["sft"]["model"], prm, eval_qs, run_dir, port_offset, timings, deep=deep,
-                heldout=heldout)
+                heldout=heldout, policy_replicas=policy_replicas)
             methods.update(later)
             comparisons = compare(run_dir, methods, [*eval_qs, *deep])
             if heldout:
@@ -445,6 +451,7 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         "base_model": str(base),
         "code_version": code_version(),
         "timings": timings,
+        "policy_replicas": policy_replicas,  # processes of the policy stages 2-4 sampled from
         "total_s": time.monotonic() - started,
     }
     path = write_results(run_dir, results)
@@ -457,10 +464,10 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
 
 # ---------------------------------------------------------------- the ablation report
 def run_ablation(plan: AblationPlan = ABLATION, world: str | None = None, port_offset: int = 0, split: str = "test",
-                 overrides: tuple[str, ...] = ()) -> dict:
+                 overrides: tuple[str, ...] = (), policy_replicas: int = 0) -> dict:
     """Every run of ``plan`` on ``split`` with ``overrides`` (`--set`) applied (each run reusing what earlier runs
     trained: the SFT agent, stage 2, RFT, the pool), then one report over them in a new run directory; returns the
-    report (prorag_app.report.build_report)."""
+    report (prorag_app.report.build_report). policy_replicas: as run_main_job's."""
     base = with_overrides(dataclasses.replace(PROFILES[plan.profile], eval_split=split), overrides)
     if base.stage34 is None:
         raise InvalidArgument(f"profile {plan.profile!r} has no stages 3-4 to ablate")
@@ -474,11 +481,13 @@ def run_ablation(plan: AblationPlan = ABLATION, world: str | None = None, port_o
                                                                         "reasonrag")), "prorag_no_rft")))
             extra = {"eval_iterations": tuple(plan.eval_iterations)} if plan.eval_iterations else {}
             prof = dataclasses.replace(prof, stage34={**prof.stage34, "methods": methods, **extra})
-        run_dirs.append(run_main_job(f"{plan.name}/seed{seed}", world, port_offset, prof=prof)["run_dir"])
+        run_dirs.append(run_main_job(f"{plan.name}/seed{seed}", world, port_offset, prof=prof,
+                                     policy_replicas=policy_replicas)["run_dir"])
     for beta in plan.betas:
         prof = with_stage34(base, plan.seeds[0] if plan.seeds else None, beta)
         prof = dataclasses.replace(prof, stage34={**prof.stage34, "methods": ("prorag",)})
-        run_dirs.append(run_main_job(f"{plan.name}/beta{beta}", world, port_offset, prof=prof)["run_dir"])
+        run_dirs.append(run_main_job(f"{plan.name}/beta{beta}", world, port_offset, prof=prof,
+                                     policy_replicas=policy_replicas)["run_dir"])
     out = new_run_dir(f"{plan.name}-report")
     report = build_report(run_dirs, out)
     point_latest(out)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import random
 import socket
 import subprocess
 import sys
@@ -23,6 +26,42 @@ def port_free(host: str, port: int) -> bool:
             return False
 
 
+#: where the ports of a service's extra replicas are drawn: below the kernel's ephemeral range (32768-60999 on Linux),
+#: where an outgoing connection could take a port between its check and the replica's bind, and above the documented
+#: ports shifted by the offsets of runs and of the test suite (their HTTP and metrics ports reach ~25,000)
+REPLICA_PORTS = (25_000, 32_768)
+
+
+def pick_port(host: str, taken: set[int] = frozenset(), span: tuple[int, int] = REPLICA_PORTS) -> int:
+    """A port in [span) that nothing on ``host`` listens on now and that is not in ``taken``; drawn at random, so
+    two stacks picking at once rarely meet (the bind check catches the rest)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(*span)
+        if port not in taken and port_free(host, port):
+            return port
+    raise SystemExit(f"no free port on {host} in {span[0]}-{span[1] - 1} for a service replica")
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_policy_replicas() -> int:
+    """Policy processes for the stacks that sample from one model at length (MCTS, the sibling sampler, RFT, the RL
+    pool and rollouts): on a CPU host one per core up to 4, each on its share of the cores, since one process of the
+    small embedded policy keeps ~1.5 of 2 cores busy and two replicas of one thread gave 1.52x the rollouts of one
+    process of two (docs/BENCHMARKS.md, "Thirty-ninth session"); on a GPU host one (replicas would each hold the
+    model on the same device)."""
+    import torch  # the app has it loaded already (the profiles import the trainer's configs)
+
+    return 1 if torch.cuda.is_available() else max(1, min(cpu_cores(), 4))
+
+
 @dataclass
 class ServiceStack:
     host: str = "127.0.0.1"
@@ -32,10 +71,42 @@ class ServiceStack:
     start_timeout: float = 180.0
     overrides: dict[str, dict] = field(default_factory=dict)  # service -> {setting: value} (--set)
     log_dir: str | None = None  # each service's output goes to <log_dir>/<service>.log when set
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    #: processes per service (default 1). The first listens on the service's documented ports shifted by
+    #: port_offset; each other one on a gRPC port drawn from REPLICA_PORTS, its metrics on any free port and without
+    #: the HTTP front. grpc_target then names them all as an ipv4: list, which the clients balance round-robin, and
+    #: each process gets the cores' share of torch threads (OMP_NUM_THREADS).
+    replicas: dict[str, int] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)  # process name (policy, policy-1, ...) -> it
+    #: service -> the gRPC ports of its replicas after the first, drawn when the stack is made: its targets are
+    #: known before it starts (prorag_app.stack.OnDemand)
+    replica_ports: dict[str, list[int]] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        taken: set[int] = set()
+        for svc, n in self.replicas.items():
+            if svc not in self.services:
+                raise ValueError(f"replicas: {svc!r} is not one of this stack's services {self.services}")
+            if n < 1:
+                raise ValueError(f"replicas: {svc} needs at least 1 process, got {n}")
+            if n > 1:
+                try:
+                    ipaddress.IPv4Address(self.host)
+                except ValueError:
+                    raise ValueError(f"replicas: the clients reach {n} {svc} processes through an ipv4: address "
+                                     f"list, so the stack's host must be an IPv4 address, not {self.host!r}") from None
+                ports = [pick_port(self.host, taken) for _ in range(n - 1)]
+                taken.update(ports)
+                self.replica_ports[svc] = ports
+
+    def _grpc_port(self, svc: str) -> int:
+        return paths.GRPC_PORTS[svc] + self.port_offset
 
     def grpc_target(self, svc: str) -> str:
-        return f"{self.host}:{paths.GRPC_PORTS[svc] + self.port_offset}"
+        """The address clients of ``svc`` use: host:port, or ``ipv4:host:p0,host:p1,...`` for a replicated one."""
+        extra = self.replica_ports.get(svc, [])
+        if not extra:
+            return f"{self.host}:{self._grpc_port(svc)}"
+        return "ipv4:" + ",".join(f"{self.host}:{p}" for p in [self._grpc_port(svc), *extra])
 
     def http_url(self, svc: str) -> str:
         return f"http://{self.host}:{paths.HTTP_PORTS[svc] + self.port_offset}"
@@ -55,13 +126,29 @@ class ServiceStack:
             raise
         return self
 
-    def _spawn_and_wait(self) -> None:
+    def _processes(self) -> list[tuple[str, str, list[str], dict | None]]:
+        """(process name, service, its `prorag serve` arguments after the service, its environment or None for this
+        one's) of every process the stack runs, in start order."""
+        out = []
         for svc in self.services:
-            cmd = [sys.executable, "-m", "prorag_app.cli", "serve", svc, "--host", self.host,
-                   "--port", str(paths.GRPC_PORTS[svc] + self.port_offset), "--port-offset", str(self.port_offset),
-                   "--metrics-port", str(paths.METRICS_PORTS[svc] + self.port_offset)]
+            extra = self.replica_ports.get(svc, [])
+            env = None
+            if extra:  # the cores shared out: each replica's torch threads
+                threads = str(max(1, cpu_cores() // (len(extra) + 1)))
+                env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+            ports = ["--port", str(self._grpc_port(svc)), "--metrics-port", str(paths.METRICS_PORTS[svc] + self.port_offset)]
             if svc in paths.HTTP_PORTS:
-                cmd += ["--http-port", str(paths.HTTP_PORTS[svc] + self.port_offset)]
+                ports += ["--http-port", str(paths.HTTP_PORTS[svc] + self.port_offset)]
+            out.append((svc, svc, ports, env))
+            for r, port in enumerate(extra, start=1):
+                out.append((f"{svc}-{r}", svc, ["--port", str(port), "--metrics-port", "0", "--http-port", "-1"], env))
+        return out
+
+    def _spawn_and_wait(self) -> None:
+        processes = self._processes()
+        for name, svc, ports, env in processes:
+            cmd = [sys.executable, "-m", "prorag_app.cli", "serve", svc, "--host", self.host, *ports,
+                   "--port-offset", str(self.port_offset)]
             if svc in ("retriever", "policy", "judge", "prm"):  # the prm: where a name@version is looked up
                 cmd += ["--set", f"world={self.world}"]
             for k, v in self.overrides.get(svc, {}).items():
@@ -69,23 +156,25 @@ class ServiceStack:
             out = None
             if self.log_dir:
                 Path(self.log_dir).mkdir(parents=True, exist_ok=True)
-                out = open(Path(self.log_dir) / f"{svc}.log", "ab")
+                out = open(Path(self.log_dir) / f"{name}.log", "ab")
             # _procs.spawn: stopped with this process, even a SIGKILLed one (prorag_app.procs)
-            self.procs[svc] = _procs.spawn(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
+            self.procs[name] = _procs.spawn(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
             if out is not None:
                 out.close()  # the child holds its own copy
-        for svc in self.services:
-            if not wait_for_health(self.grpc_target(svc), "", timeout=self.start_timeout):
-                code = self.procs[svc].poll()
-                raise SystemExit(f"{svc} did not become live on {self.grpc_target(svc)} within "
-                                 f"{self.start_timeout:.0f}s (exit code {code}){self.log_tail(svc)}")
+        for name, svc, ports, _ in processes:
+            target = f"{self.host}:{ports[1]}"
+            if not wait_for_health(target, "", timeout=self.start_timeout):
+                code = self.procs[name].poll()
+                raise SystemExit(f"{name} did not become live on {target} within "
+                                 f"{self.start_timeout:.0f}s (exit code {code}){self.log_tail(name)}")
 
-    def log_tail(self, svc: str, lines: int = 30) -> str:
-        """The last ``lines`` lines of ``svc``'s log file as a block to append to an error ('' without a log): a
-        service that dies at start on a remote machine then says why in the error itself."""
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        """The last ``lines`` lines of process ``name``'s log file (a service, or a replica: policy-1) as a block to
+        append to an error ('' without a log): a service that dies at start on a remote machine then says why in
+        the error itself."""
         if not self.log_dir:
             return ""
-        log = Path(self.log_dir) / f"{svc}.log"
+        log = Path(self.log_dir) / f"{name}.log"
         try:
             text = log.read_bytes()[-64 * 1024:].decode("utf-8", "replace")
         except OSError as e:

@@ -179,9 +179,10 @@ def rl_summary(iterations_path: str | Path) -> dict:
 
 def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | None, sft_settings: dict,
                 settings: Stage34Settings, run_dir: Path, port_offset: int, timings: dict,
-                pairs_path: str | None = None, prm_gate: dict | None = None) -> dict:
+                pairs_path: str | None = None, prm_gate: dict | None = None, policy_replicas: int = 1) -> dict:
     """Train what ``settings.methods`` asks through the stack's trainer (``pairs_path``: stage 2's sibling pairs,
-    reasonrag's data; ``prm_gate``: stage 2's gate verdict on the PRM, {"passed", "reasons", ...}). Returns {"models": {method: {"model":
+    reasonrag's data; ``prm_gate``: stage 2's gate verdict on the PRM, {"passed", "reasons", ...}; policy_replicas:
+    processes of each policy the jobs sample from, prorag_app.stack.ServiceStack.replicas). Returns {"models": {method: {"model":
     directory, "adapter": name@version or ""}}, "jobs", "rl": {method: rl_summary}, "skipped": {method: why},
     "settings", and "pool" ({"job", "path", "size", "samples", "counts"}) when ``settings.pool`` asked for one}."""
     wanted = tuple(settings.methods)
@@ -209,7 +210,8 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
         overrides["prm"] = {"model": prm_dir, "world": world}
     # started once a job that samples through it or asks its PRM is submitted: none when they are all finished
     sft_serving = OnDemand(ServiceStack(port_offset=port_offset, world=world, services=services, overrides=overrides,
-                                        log_dir=str(run_dir / "logs" / "stage34-sft-policy")))
+                                        log_dir=str(run_dir / "logs" / "stage34-sft-policy"),
+                                        replicas={"policy": policy_replicas}))
     t0 = time.monotonic()
     with sft_serving:
         prm_target = sft_serving.grpc_target("prm") if prm_dir else ""
@@ -284,7 +286,7 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
                     port_offset=port_offset + 10, world=world, services=("policy",),
                     overrides={"policy": {"model": rft_dir, "restore_active": False,
                                           "retriever": stack.grpc_target("retriever")}},
-                    log_dir=str(run_dir / "logs" / "stage34-rft-policy")))
+                    log_dir=str(run_dir / "logs" / "stage34-rft-policy"), replicas={"policy": policy_replicas}))
 
                 def need_both() -> None:  # ProRAG samples from the RFT model and asks the PRM the other stack serves
                     sft_serving.need()

@@ -196,6 +196,42 @@ def test_random_model_garbage_terminates(tiny_policy):
     assert all(r.finish_reason == "invalid_format" and r.rounds == 1 for r in short)
 
 
+class SeedRecordingEngine(ScriptedEngine):
+    """The scripted engine, recording the seeds of every generate call (one list per round)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.seeds = []
+
+    def generate(self, prompts, params, adapter=None, seeds=None):
+        self.seeds.append(list(seeds))
+        return super().generate(prompts, params, adapter, seeds)
+
+
+def test_a_request_split_with_question_offsets_samples_with_the_whole_requests_seeds(tiny_policy):
+    tok = tiny_policy[1]
+    questions = [(f"q{i}", q) for i, q in enumerate(SCRIPTS)]
+    spec = SamplingSpec(n=2, max_tokens=200, seed=3)
+    whole = SeedRecordingEngine(tok, SCRIPTS)
+    whole_res = run_rollouts(whole, tok, questions, spec, Searcher(), max_steps=6)
+    parts = [SeedRecordingEngine(tok, SCRIPTS), SeedRecordingEngine(tok, SCRIPTS)]
+    part_res = (run_rollouts(parts[0], tok, questions[:1], spec, Searcher(), max_steps=6)
+                + run_rollouts(parts[1], tok, questions[1:], spec, Searcher(), max_steps=6, question_offset=1))
+    # the scripts end each question at the same round either way, so round r's seeds of the two parts, in order,
+    # are those the whole request drew at round r
+    rounds = max(len(whole.seeds), *(len(e.seeds) for e in parts))
+    joined = [sum((e.seeds[r] if r < len(e.seeds) else [] for e in parts), []) for r in range(rounds)]
+    assert joined == whole.seeds and len(set(whole.seeds[0])) == len(questions) * 2  # every trajectory its own
+    assert [(r.question_id, r.sample_index, r.tokens.token_ids) for r in part_res] == \
+        [(r.question_id, r.sample_index, r.tokens.token_ids) for r in whole_res]
+    # without the offset the second part would reuse the first question's seeds
+    alone = SeedRecordingEngine(tok, SCRIPTS)
+    run_rollouts(alone, tok, questions[1:], spec, Searcher(), max_steps=6)
+    assert alone.seeds[0][:2] == whole.seeds[0][:2] != whole.seeds[0][2:4]
+    with pytest.raises(InvalidArgument, match="question_offset"):
+        run_rollouts(whole, tok, questions, spec, Searcher(), question_offset=-1)
+
+
 def test_bad_arguments(tiny_policy):
     tok = tiny_policy[1]
     eng = ScriptedEngine(tok, SCRIPTS)

@@ -208,11 +208,12 @@ class PolicyClient(_Client):
             prefixes=pbs, sampling=sampling or self.sampling(), adapter=adapter), timeout=timeout or self.timeout)
 
     def rollout(self, questions: list[tuple[str, str]], sampling=None, max_steps: int = 0, topk: int = 0,
-                retriever_index: str = "", adapter: str = "", timeout: float | None = None):
-        """Yields Trajectory messages as they finish, then returns (the summary is yielded last as a RolloutSummary)."""
+                retriever_index: str = "", adapter: str = "", timeout: float | None = None, question_offset: int = 0):
+        """Yields Trajectory messages as they finish, then returns (the summary is yielded last as a RolloutSummary).
+        question_offset: the place of the first question in a larger request split into parts (its seeds follow)."""
         req = self._pb.RolloutRequest(questions=[self._pb.RolloutQuestion(id=i, question=q) for i, q in questions],
                                       sampling=sampling or self.sampling(), max_steps=max_steps, topk=topk,
-                                      retriever_index=retriever_index, adapter=adapter)
+                                      retriever_index=retriever_index, adapter=adapter, question_offset=question_offset)
         for ev in self._stub.Rollout(req, timeout=timeout or self.timeout):
             yield ev.trajectory if ev.HasField("trajectory") else ev.summary
 

@@ -99,10 +99,13 @@ class PolicyFrontend:
                               seq.finish_reason, stop)
 
     def _check_rollout(self, questions: Sequence[tuple[str, str]], sampling: SamplingRequest, max_steps: int,
-                       topk: int) -> tuple[SamplingSpec, int, int]:
+                       topk: int, question_offset: int) -> tuple[SamplingSpec, int, int]:
         """(sampling, max_steps, topk) with the defaults filled in, after every check of the request's values."""
         L = self.limits
         self.checks.count(len(questions), "questions", L.max_questions)
+        if question_offset < 0:
+            raise InvalidArgument(f"question_offset is {question_offset}; it is the place of the request's first "
+                                  "question in the request it was split from, >= 0 (0 for a request on its own)")
         for i, (qid, question) in enumerate(questions):
             if not question.strip():
                 raise InvalidArgument(f"question {i} ({qid!r}) is empty")
@@ -120,14 +123,15 @@ class PolicyFrontend:
         return spec, steps, k
 
     async def rollout(self, questions: Sequence[tuple[str, str]], sampling: SamplingRequest, *, max_steps: int,
-                      topk: int, retriever_index: str, adapter: str,
-                      deadline: float | None) -> AsyncIterator[tuple[TrajectoryResult, str] | RolloutSummary]:
+                      topk: int, retriever_index: str, adapter: str, deadline: float | None,
+                      question_offset: int = 0) -> AsyncIterator[tuple[TrajectoryResult, str] | RolloutSummary]:
         """Each finished trajectory with the adapter version that wrote it, as it finishes, then the summary.
 
-        questions: (id, question) pairs; max_steps and topk 0 mean the server's defaults. A request over the
+        questions: (id, question) pairs; max_steps and topk 0 mean the server's defaults; question_offset: where
+        the first question stood in the request a client split (seeds follow from that place). A request over the
         running and queued rollouts the server admits is refused (RESOURCE_EXHAUSTED) before any work."""
         L = self.limits
-        spec, max_steps, topk = self._check_rollout(questions, sampling, max_steps, topk)
+        spec, max_steps, topk = self._check_rollout(questions, sampling, max_steps, topk, question_offset)
         if self._rollouts_admitted >= L.max_concurrent_rollouts + L.max_queued_rollouts:
             raise ResourceExhausted(f"the policy is busy: {self._rollouts_admitted} rollout requests running or "
                                     f"queued (max_concurrent_rollouts {L.max_concurrent_rollouts} + "
@@ -135,7 +139,8 @@ class PolicyFrontend:
         self._rollouts_admitted += 1
         try:
             async for event in self.rollouts.run(questions, spec, max_steps=max_steps, topk=topk,
-                                                 retriever_index=retriever_index, adapter=adapter, deadline=deadline):
+                                                 retriever_index=retriever_index, adapter=adapter, deadline=deadline,
+                                                 question_offset=question_offset):
                 yield event
         finally:
             self._rollouts_admitted -= 1

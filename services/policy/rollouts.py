@@ -72,8 +72,8 @@ class RolloutRunner:
         self._pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="rollout")
 
     async def run(self, questions: Sequence[tuple[str, str]], spec: SamplingSpec, *, max_steps: int, topk: int,
-                  retriever_index: str, adapter: str,
-                  deadline: float | None) -> AsyncIterator[tuple[TrajectoryResult, str] | RolloutSummary]:
+                  retriever_index: str, adapter: str, deadline: float | None,
+                  question_offset: int = 0) -> AsyncIterator[tuple[TrajectoryResult, str] | RolloutSummary]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         # in this context: the request id goes along
@@ -89,7 +89,7 @@ class RolloutRunner:
                 return run_rollouts(guard, self.tokenizer, [(qid or str(i), q) for i, (qid, q) in enumerate(questions)],
                                     spec, guard.search, max_steps=max_steps, topk=topk, adapter=resolved,
                                     on_finished=lambda t: loop.call_soon_threadsafe(queue.put_nowait, t),
-                                    stats=searches)
+                                    stats=searches, question_offset=question_offset)
 
             # the copied context carries the request id to the retriever calls made from the rollout's thread
             fut = loop.run_in_executor(self._pool, contextvars.copy_context().run, work)

@@ -62,7 +62,8 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         events = self.frontend.rollout([(q.id, q.question) for q in request.questions],
                                        sampling_request(request.sampling), max_steps=request.max_steps,
                                        topk=request.topk, retriever_index=request.retriever_index,
-                                       adapter=request.adapter, deadline=deadline_of(context))
+                                       adapter=request.adapter, question_offset=request.question_offset,
+                                       deadline=deadline_of(context))
         async for event in events:
             if isinstance(event, RolloutSummary):
                 yield policy_pb2.RolloutEvent(summary=summary_pb(event))

@@ -9,11 +9,12 @@ temperature, max_step_tokens, max_steps, topk, retriever_index, service_wait_s, 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from prorag.config import cfg_field
 from prorag.metrics import f1_score
-from prorag.rpc.clients import call_with_service_wait
+from prorag.rpc.clients import call_with_service_wait, resolve_replicas
 
 
 def select_questions(questions: list, min_hops: int = 0, max_questions: int = 0) -> list:
@@ -32,19 +33,62 @@ def rollout_seed(seed: int, start: int, iteration: int = 0) -> int:
 
 def rollout(policy, cfg, questions: list, n: int, seed: int, adapter: str, stats: dict, after_back=None) -> list:
     """One Rollout request: ``questions`` [q] sampled ``n`` times each with ``seed`` under cfg's sampling settings,
-    from ``adapter`` ('' = the replica's active one). A policy that goes away (UNAVAILABLE) is waited for up to
-    cfg.service_wait_s and the whole request made again with the same seed (after_back() first), so nothing is
-    lost or counted twice. Returns the trajectories (pb) [q * n], the stream's summary left out."""
+    from ``adapter`` ('' = the replica's active one). A policy target of several replicas (an ``ipv4:a:p,b:p`` list,
+    a headless Service's name) gets the request as one part per replica, sent at once: each part names its first
+    question's place (question_offset), so the parts sample what the whole request would, whatever the number of
+    replicas. A policy that goes away (UNAVAILABLE) is waited for up to cfg.service_wait_s and the part made again
+    with the same seed (after_back() first), so nothing is lost or counted twice. Returns the trajectories (pb)
+    [q * n] question-major, sample-minor (the order of ``questions``), the stream's summary left out."""
     sampling = policy.sampling(n=n, temperature=cfg.temperature, max_tokens=cfg.max_step_tokens, seed=seed)
-    request = partial(_rollout_once, policy, cfg, questions, sampling, adapter)
-    got = call_with_service_wait(request, cfg.policy, "policy", cfg.service_wait_s, stats, after_back=after_back)
-    return [t for t in got if hasattr(t, "question_id")]
+    parts = split_evenly(len(questions), len(resolve_replicas(cfg.policy)))
+
+    def part(bounds: tuple[int, int]) -> list:
+        lo, hi = bounds
+        request = partial(_rollout_once, policy, cfg, questions[lo:hi], sampling, adapter, lo)
+        got = call_with_service_wait(request, cfg.policy, "policy", cfg.service_wait_s, stats, after_back=after_back)
+        return in_request_order([t for t in got if hasattr(t, "question_id")], questions[lo:hi])
+
+    if len(parts) == 1:
+        return part(parts[0])
+    # threads: each part is a blocking gRPC stream; round robin sends them to different replicas
+    with ThreadPoolExecutor(max_workers=len(parts)) as pool:
+        return [t for got in pool.map(part, parts) for t in got]
 
 
-def _rollout_once(policy, cfg, questions: list, sampling, adapter: str) -> list:
+def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) bounds of ``count`` items in at most ``parts`` contiguous parts whose sizes differ by at most one
+    (never an empty part; one part (0, 0) for no items).
+
+    >>> split_evenly(5, 2)
+    [(0, 3), (3, 5)]
+    >>> split_evenly(1, 4)
+    [(0, 1)]
+    """
+    parts = max(1, min(parts, count))
+    base, extra = divmod(count, parts)
+    bounds, lo = [], 0
+    for i in range(parts):
+        hi = lo + base + (1 if i < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def in_request_order(trajectories: list, questions: list) -> list:
+    """``trajectories`` (pb, streamed as they finished) question-major, sample-minor in the order of ``questions``
+    (a question asked twice keeps its trajectories' streamed order between the two), so what a stage does with them
+    does not depend on which finished first, nor on how the request was split."""
+    place: dict[str, int] = {}
+    for i, q in enumerate(questions):
+        place.setdefault(q.id, i)
+    return sorted(trajectories, key=lambda t: (place.get(t.question_id, len(questions)), t.sample_index))
+
+
+def _rollout_once(policy, cfg, questions: list, sampling, adapter: str, question_offset: int = 0) -> list:
     # the stream consumed whole, so a retried request never mixes with a broken one's partial results
     return list(policy.rollout([(q.id, q.question) for q in questions], sampling, max_steps=cfg.max_steps,
-                               topk=cfg.topk, retriever_index=cfg.retriever_index, adapter=adapter))
+                               topk=cfg.topk, retriever_index=cfg.retriever_index, adapter=adapter,
+                               question_offset=question_offset))
 
 
 def answer_f1(trajectory, golden_answers) -> float:

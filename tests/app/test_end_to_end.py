@@ -30,8 +30,12 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
 
     # a world other than the profile's, built with another seed: trained and evaluated as it was built
     ensure_world("tiny-s7", size="tiny", seed=7)
-    results = run_main_job(profile="tiny", world="tiny-s7", port_offset=free_offset())
-    assert results["world"] == "tiny-s7"
+    # stages 2-4 sample from two policy processes whatever the machine's cores (the default on 2 cores)
+    results = run_main_job(profile="tiny", world="tiny-s7", port_offset=free_offset(), policy_replicas=2)
+    assert results["world"] == "tiny-s7" and results["policy_replicas"] == 2
+    for stack in ("stage2-policy", "stage34-sft-policy"):
+        logs = Path(results["run_dir"]) / "logs" / stack
+        assert {p.name for p in logs.iterdir()} >= {"policy.log", "policy-1.log"}, stack
     assert json.loads((tmp_path / "data" / "worlds" / "tiny-s7" / "world.json").read_text())["config"]["seed"] == 7
 
     on_disk = json.loads((tmp_path / "runs" / "latest" / "results.json").read_text())

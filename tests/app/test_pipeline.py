@@ -81,15 +81,19 @@ def test_the_research_plan_runs_its_profile_over_three_seeds_on_the_split_asked(
     calls = []
     monkeypatch.setattr(pipeline, "run_ablation", lambda plan, **kw: calls.append((plan, kw)))
     args = argparse.Namespace(profile="research", stage34_seed=None, beta=None, split="dev",
-                              set=["stage34.rl.iterations=50"], world=None, port_offset=0)
+                              set=["stage34.rl.iterations=50"], world=None, port_offset=0, policy_replicas=3)
     assert cli.cmd_run(args) == 0
     plan, kw = calls[0]
     assert plan.name == "research" and kw["split"] == "dev" and kw["overrides"] == ("stage34.rl.iterations=50",)
+    assert kw["policy_replicas"] == 3
+    with pytest.raises(SystemExit, match="--policy-replicas is -1"):
+        cli.cmd_run(argparse.Namespace(**{**vars(args), "policy_replicas": -1}))
     # one seed of it is a single run
     single = []
     monkeypatch.setattr(pipeline, "run_main_job", lambda **kw: single.append(kw))
     assert cli.cmd_run(argparse.Namespace(**{**vars(args), "stage34_seed": 2})) == 0
     assert single[0]["stage34_seed"] == 2 and single[0]["prof"].stage34["rl"]["iterations"] == 50
+    assert single[0]["policy_replicas"] == 3
     assert single[0]["prof"].eval_split == "dev"
 
 
@@ -98,7 +102,8 @@ def test_the_ablation_runs_its_own_stage34_methods_where_the_profile_leaves_some
 
     runs = []
 
-    def fake_run(name, world, port_offset, prof):  # each run's profile, as run_main_job would be given it
+    def fake_run(name, world, port_offset, prof, policy_replicas):  # each run's profile, as run_main_job gets it
+        assert policy_replicas == 0  # the default: run_main_job picks the processes
         runs.append((name, prof.stage34))
         return {"run_dir": str(tmp_path / str(len(runs)))}
 

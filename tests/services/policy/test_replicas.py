@@ -106,3 +106,28 @@ def test_push_reaches_every_replica_and_a_restarted_replica_serves_the_active_ve
     replicas[0].start().wait()
     with PolicyClient(f"127.0.0.1:{replicas[0].port}") as c:
         assert c.list_adapters().active == ""
+
+
+def test_the_trainers_rollouts_split_a_request_over_the_replicas_and_get_the_whole_requests_samples(replicas):
+    from types import SimpleNamespace
+
+    from services.trainer.sampling import rollout
+
+    questions = [SimpleNamespace(id=f"q{i}", question=q) for i, q in enumerate(
+        ["Who founded Kest?", "Where was the director of Red Harbour born?", "When did Vell open?",
+         "Who wrote Amber Gate?", "Which river runs through Kest?"])]
+    cfg = SimpleNamespace(temperature=1.0, max_step_tokens=6, max_steps=1, topk=1, retriever_index="",
+                          service_wait_s=30.0)
+    for r in replicas:  # every replica on the base model (an earlier test left adapters active)
+        with PolicyClient(f"127.0.0.1:{r.port}") as c:
+            c.activate_adapter("", "")
+    whole_target = f"127.0.0.1:{replicas[0].port}"
+    with PolicyClient(whole_target) as c:
+        whole = rollout(c, SimpleNamespace(**vars(cfg), policy=whole_target), questions, 2, 11, "", {})
+    with PolicyClient(_target(replicas)) as c:
+        split = rollout(c, SimpleNamespace(**vars(cfg), policy=_target(replicas)), questions, 2, 11, "", {})
+    # three parts (2 + 2 + 1 questions), one per replica, each sampling with its questions' seeds in the whole
+    assert [(t.question_id, t.sample_index) for t in whole] == [(q.id, j) for q in questions for j in range(2)]
+    assert [(t.question_id, t.sample_index, list(t.trace.token_ids)) for t in split] == \
+        [(t.question_id, t.sample_index, list(t.trace.token_ids)) for t in whole]
+    assert len({tuple(t.trace.token_ids) for t in whole}) > 1  # sampled, not one greedy answer repeated

@@ -387,6 +387,7 @@ def test_swaps_under_concurrent_load_fail_nothing(stack):
     (lambda c: list(c.rollout([("a", "  ")])), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
     (lambda c: list(c.rollout([("a", "q")], max_steps=99)), grpc.StatusCode.INVALID_ARGUMENT, "max_steps"),
     (lambda c: list(c.rollout([("a", "q")], retriever_index="nope")), grpc.StatusCode.NOT_FOUND, "nope"),
+    (lambda c: list(c.rollout([("a", "q")], question_offset=-1)), grpc.StatusCode.INVALID_ARGUMENT, "question_offset"),
 ])
 def test_bad_input_gets_clear_status_and_service_keeps_serving(stack, call, code, fragment):
     with PolicyClient(stack["target"]) as c:

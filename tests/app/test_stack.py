@@ -1,0 +1,66 @@
+"""prorag_app.stack: a service run as several local processes behind one round-robin target (the policy replicas
+`prorag run` samples stages 2-4 from), started, reached and stopped like a single one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prorag.rpc.clients import PolicyClient, resolve_replicas
+from prorag_app.stack import REPLICA_PORTS, ServiceStack, cpu_cores, pick_port
+from tests.helpers import free_offset
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
+
+
+def test_a_replicated_policy_runs_as_processes_behind_one_round_robin_target(tiny_policy, tmp_path):
+    policy_dir, _ = tiny_policy
+    offset = free_offset()
+    stack = ServiceStack(world="tiny", services=("policy",), port_offset=offset, start_timeout=120,
+                         log_dir=str(tmp_path / "logs"), replicas={"policy": 2},
+                         overrides={"policy": {"model": str(policy_dir), "device": "cpu", "restore_active": "false",
+                                               "compile_decode": "off", "retriever": "127.0.0.1:1"}})
+    target = stack.grpc_target("policy")
+    first, second = resolve_replicas(target)
+    # the first on the documented port shifted by the offset, the other drawn below the ephemeral range
+    assert target.startswith("ipv4:") and first == f"127.0.0.1:{50052 + offset}"
+    assert REPLICA_PORTS[0] <= int(second.rsplit(":", 1)[1]) < REPLICA_PORTS[1]
+    with stack:
+        procs = dict(stack.procs)
+        assert set(procs) == {"policy", "policy-1"} and not stack.dead()
+        threads = str(max(1, cpu_cores() // 2))  # the cores shared out between the two
+        assert [_environ(p.pid).get("OMP_NUM_THREADS") for p in procs.values()] == [threads, threads]
+        with PolicyClient(target, timeout=60) as c:
+            served_by = {c.model_info().extra["replica"] for _ in range(6)}
+        assert len(served_by) == 2, served_by
+    assert all(p.poll() is not None for p in procs.values())  # stopping the stack stops every replica
+    assert {f.name for f in (tmp_path / "logs").iterdir()} == {"policy.log", "policy-1.log"}
+
+
+def test_a_single_process_service_keeps_its_documented_target():
+    stack = ServiceStack(services=("retriever", "policy"), port_offset=7, replicas={"policy": 1})
+    assert stack.grpc_target("policy") == "127.0.0.1:50059" and stack.replica_ports == {}
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"replicas": {"policy": 0}}, "at least 1"),
+    ({"replicas": {"prm": 2}}, "not one of this stack's services"),
+    ({"replicas": {"policy": 2}, "host": "localhost"}, "IPv4 address"),
+])
+def test_replicas_are_checked_when_the_stack_is_made(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        ServiceStack(services=("policy",), **kwargs)
+
+
+def test_picked_ports_are_free_distinct_and_inside_the_span():
+    taken: set[int] = set()
+    for _ in range(5):
+        port = pick_port("127.0.0.1", taken)
+        assert REPLICA_PORTS[0] <= port < REPLICA_PORTS[1] and port not in taken
+        taken.add(port)
+    with pytest.raises(SystemExit, match="no free port"):
+        pick_port("127.0.0.1", taken={25_000}, span=(25_000, 25_001))
