@@ -26,13 +26,14 @@ def port_free(host: str, port: int) -> bool:
             return False
 
 
-#: where the ports of a service's extra replicas are drawn: below the kernel's ephemeral range (32768-60999 on Linux),
-#: where an outgoing connection could take a port between its check and the replica's bind, and above the documented
-#: ports shifted by the offsets of runs and of the test suite (their HTTP and metrics ports reach ~25,000)
-REPLICA_PORTS = (25_000, 32_768)
+#: where the ports of local processes with no documented port are drawn (a service's extra replicas, the benches'
+#: servers): below the kernel's ephemeral range (32768-60999 on Linux), where an outgoing connection could take a
+#: port between its check and the process's bind, and above the documented ports shifted by the offsets of runs and
+#: of the test suite (their HTTP and metrics ports reach ~25,000)
+LOCAL_PORTS = (25_000, 32_768)
 
 
-def pick_port(host: str, taken: set[int] = frozenset(), span: tuple[int, int] = REPLICA_PORTS) -> int:
+def pick_port(host: str, taken: set[int] = frozenset(), span: tuple[int, int] = LOCAL_PORTS) -> int:
     """A port in [span) that nothing on ``host`` listens on now and that is not in ``taken``; drawn at random, so
     two stacks picking at once rarely meet (the bind check catches the rest)."""
     rng = random.Random()
@@ -40,7 +41,7 @@ def pick_port(host: str, taken: set[int] = frozenset(), span: tuple[int, int] = 
         port = rng.randrange(*span)
         if port not in taken and port_free(host, port):
             return port
-    raise SystemExit(f"no free port on {host} in {span[0]}-{span[1] - 1} for a service replica")
+    raise SystemExit(f"no free port on {host} in {span[0]}-{span[1] - 1}")
 
 
 def cpu_cores() -> int:
@@ -72,7 +73,7 @@ class ServiceStack:
     overrides: dict[str, dict] = field(default_factory=dict)  # service -> {setting: value} (--set)
     log_dir: str | None = None  # each service's output goes to <log_dir>/<service>.log when set
     #: processes per service (default 1). The first listens on the service's documented ports shifted by
-    #: port_offset; each other one on a gRPC port drawn from REPLICA_PORTS, its metrics on any free port and without
+    #: port_offset; each other one on a gRPC port drawn from LOCAL_PORTS, its metrics on any free port and without
     #: the HTTP front. grpc_target then names them all as an ipv4: list, which the clients balance round-robin, and
     #: each process gets the cores' share of torch threads (OMP_NUM_THREADS).
     replicas: dict[str, int] = field(default_factory=dict)

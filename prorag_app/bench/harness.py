@@ -5,30 +5,22 @@ from __future__ import annotations
 
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 
 from prorag_app import procs
-from prorag_app.stack import port_free
+from prorag_app.stack import pick_port
 
 
-def free_port(start: int) -> int:
-    """The first free loopback port from ``start`` up."""
-    port = start
-    while not port_free("127.0.0.1", port):
-        port += 1
-    return port
-
-
-def os_port() -> int:
-    """A loopback port the OS says is free now (bound to port 0, then released). Unlike :func:`free_port`'s scan from
-    a fixed start, two processes asking at once get different ports: make test's two workers each ran a load bench
-    whose servers scanned from the same start, and one bench's calls reached the other's server."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int = 1) -> list[int]:
+    """``n`` distinct loopback ports nothing listens on now, drawn at random below the ephemeral range
+    (prorag_app.stack.pick_port). Not a scan from a fixed start: make test's two workers once ran two benches whose
+    servers scanned from the same start, and one bench's calls reached the other's server."""
+    taken: set[int] = set()
+    for _ in range(n):
+        taken.add(pick_port("127.0.0.1", taken))
+    return sorted(taken)
 
 
 def serve(service: str, port: int, sets: dict, log_path=None, extra_args=(), http_port: int = -1,

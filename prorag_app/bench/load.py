@@ -1,7 +1,7 @@
 """`prorag bench load --json` and `prorag bench soak --json` (issue 31 item 3): services under load, measured.
 
 ``load`` drives the retriever, the policy and the PRM, each started by the bench on free loopback ports (the harness
-of :mod:`prorag_app.bench.harness`: ``serve``, ``os_port``, ``stop``), at rising concurrency (1, 2, 4, ... up to
+of :mod:`prorag_app.bench.harness`: ``serve``, ``free_ports``, ``stop``), at rising concurrency (1, 2, 4, ... up to
 ``--max-concurrency`` or the ``--levels`` given; ``--level-seconds`` each). Per level: calls, status codes,
 throughput, p50/p99 latency, the largest batcher queue depth scraped from the service's /metrics, and the CPU
 seconds the service and the callers used (items per server CPU-second: the service's cost per item apart from the
@@ -34,7 +34,7 @@ from pathlib import Path
 import grpc
 
 from prorag.rpc.clients import channel, wait_for_health
-from prorag_app.bench.harness import load_average, machine, os_port, percentile, serve, stop
+from prorag_app.bench.harness import free_ports, load_average, machine, percentile, serve, stop
 from prorag_app.bench.workloads import LOAD_SERVICES, BadAnswer, Workload, workload
 
 HEALTH_NAMES = {"retriever": "prorag.v1.Retriever", "policy": "prorag.v1.Policy",
@@ -54,10 +54,7 @@ class _Served:
 
     def __init__(self, w: Workload, log_dir: Path, tag: str, max_concurrent_rpcs: int | None = None,
                  extra_sets: dict | None = None, start_timeout: float = 300.0):
-        self.port = os_port()
-        metrics = os_port()
-        while metrics == self.port:
-            metrics = os_port()
+        self.port, metrics = free_ports(2)
         extra = ["--metrics-port", str(metrics)]
         if max_concurrent_rpcs is not None:
             extra += ["--max-concurrent-rpcs", str(max_concurrent_rpcs)]

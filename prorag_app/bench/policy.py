@@ -17,7 +17,7 @@ from prorag.rpc.clients import PolicyClient, wait_for_health
 from prorag.trajectory import render_prompt
 from prorag_app import procs
 from prorag_app.bench.decode import bench_adapter_decode, bench_decode
-from prorag_app.bench.harness import free_port, load_average, machine, median_dicts, serve, stop
+from prorag_app.bench.harness import free_ports, load_average, machine, median_dicts, serve, stop
 from prorag_app.bench.models import bench_model
 from prorag_app.embedded import ensure_indexes
 from services.policy.vllm_engine import vllm_python
@@ -57,7 +57,7 @@ def bench_engines(args) -> tuple[list[str], dict]:
 def start_vllm_policy(sets: dict, port: int, log_path) -> subprocess.Popen:
     """``prorag serve policy`` with engine=vllm, from the Python that has vLLM (its own environment)."""
     cmd = [vllm_python(), "-m", "prorag_app.cli", "serve", "policy", "--port", str(port), "--http-port", "-1",
-           "--metrics-port", str(free_port(port + 7000))]
+           "--metrics-port", "0"]
     for k, v in {**sets, **VLLM_SETS}.items():
         cmd += ["--set", f"{k}={v}"]
     return procs.spawn(cmd, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
@@ -106,7 +106,7 @@ def bench_policy(args) -> dict:
 
     engine = TransformersEngine(model, max_batch_size=512)
     spec = SamplingSpec(n=n, temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=seed)
-    rport, pport = free_port(paths.GRPC_PORTS["retriever"] + 1100), free_port(paths.GRPC_PORTS["policy"] + 1100)
+    rport, pport = free_ports(2)
     retr = serve("retriever", rport, {"world": world})
     # restore_active off: a replica otherwise comes up serving the adapter last activated for this model (an RL
     # run's), and the comparison would be a LoRA-wrapped policy against the bare one in process
@@ -170,7 +170,7 @@ class VLLMStartError(RuntimeError):
 def bench_vllm_service(world: str, model: str, rport: int, max_n: int, qs, n: int, max_tokens: int, seed: int,
                        repeats: int, first_steps, variant: dict) -> dict:
     """The policy service on vLLM (its own environment's Python), same retriever, questions and sampling."""
-    port = free_port(paths.GRPC_PORTS["policy"] + 1200)
+    [port] = free_ports()
     log_path = Path(tempfile.mkdtemp(prefix="bench-vllm-")) / "policy-vllm.log"
     sets = {"world": world, "model": model, "retriever": f"127.0.0.1:{rport}", "max_n": max_n,
             "restore_active": "false", **variant}

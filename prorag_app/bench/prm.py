@@ -7,7 +7,7 @@ import time
 
 from prorag import paths
 from prorag.rpc.clients import wait_for_health
-from prorag_app.bench.harness import free_port, machine, median_dicts, serve, stop
+from prorag_app.bench.harness import free_ports, machine, median_dicts, serve, stop
 from prorag_app.bench.models import bench_prm_model
 
 
@@ -52,7 +52,7 @@ def bench_prm(args) -> dict:
                 engine.score([ScoringItem(it.question, it.steps[:k + 1], last_step_only=True)])
         return n_steps / (time.perf_counter() - t)
 
-    port = free_port(59300)
+    [port] = free_ports()
     with tempfile.TemporaryDirectory() as logs:
         proc = serve("prm", port, {"model": prm_dir, "world": args.world}, Path(logs) / "prm.log")
         try:

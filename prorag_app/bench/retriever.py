@@ -25,7 +25,7 @@ from prorag.pb import retriever_pb2, retriever_pb2_grpc
 from prorag.rpc.clients import channel
 from prorag.rpc.pbconv import scored_document_from_pb
 from prorag.rpc.security import ClientSecurity, generate_secrets
-from prorag_app.bench.harness import free_port, load_average, machine, median_dicts, percentile, serve, stop
+from prorag_app.bench.harness import free_ports, load_average, machine, median_dicts, percentile, serve, stop
 from prorag_app.embedded import ensure_indexes
 
 if TYPE_CHECKING:
@@ -208,10 +208,7 @@ class _Server:
 def _start_server(world: str, index: str, security: ClientSecurity, log_path: Path, env_extra: dict | None = None,
                   scheme: str = "http") -> _Server:
     """``prorag serve retriever`` in its own process (its default index = ``index``) on free gRPC and HTTP ports."""
-    grpc_port = free_port(paths.GRPC_PORTS["retriever"] + 1000)
-    http_port = free_port(paths.HTTP_PORTS["retriever"] + 1000)
-    while http_port == grpc_port:
-        http_port = free_port(http_port + 1)
+    grpc_port, http_port = free_ports(2)
     proc = serve("retriever", grpc_port, {"world": world, "default_index": index}, log_path, http_port=http_port,
                  env=dict(os.environ, **(env_extra or {})))
     return _Server(proc, grpc_port, http_port, security, scheme)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from prorag import paths
 from prorag.rpc.clients import wait_for_health
-from prorag_app.bench.harness import free_port, percentile, serve, stop
+from prorag_app.bench.harness import free_ports, percentile, serve, stop
 from prorag_app.bench.models import bench_model, random_lora
 
 
@@ -30,7 +29,7 @@ def bench_swap(args) -> dict:
     adapters = Registry(root / "adapters", "adapter")
     for i in range(swaps + 1):
         adapters.publish(src, ArtifactRef("bench", f"v{i}"), base_model=model, base_model_sha256=sha, step=i)
-    port = free_port(paths.GRPC_PORTS["policy"] + 1200)
+    [port] = free_ports()
     pol = serve("policy", port, {"world": world, "model": model, "adapter_root": str(root / "adapters")})
     target = f"127.0.0.1:{port}"
     lat, failed, ok, versions = [], [], [0], set()

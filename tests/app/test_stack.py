@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from prorag.rpc.clients import PolicyClient, resolve_replicas
-from prorag_app.stack import REPLICA_PORTS, ServiceStack, cpu_cores, pick_port
+from prorag_app.stack import LOCAL_PORTS, ServiceStack, cpu_cores, pick_port
 from tests.helpers import free_offset
 
 
@@ -28,7 +28,7 @@ def test_a_replicated_policy_runs_as_processes_behind_one_round_robin_target(tin
     first, second = resolve_replicas(target)
     # the first on the documented port shifted by the offset, the other drawn below the ephemeral range
     assert target.startswith("ipv4:") and first == f"127.0.0.1:{50052 + offset}"
-    assert REPLICA_PORTS[0] <= int(second.rsplit(":", 1)[1]) < REPLICA_PORTS[1]
+    assert LOCAL_PORTS[0] <= int(second.rsplit(":", 1)[1]) < LOCAL_PORTS[1]
     with stack:
         procs = dict(stack.procs)
         assert set(procs) == {"policy", "policy-1"} and not stack.dead()
@@ -60,7 +60,7 @@ def test_picked_ports_are_free_distinct_and_inside_the_span():
     taken: set[int] = set()
     for _ in range(5):
         port = pick_port("127.0.0.1", taken)
-        assert REPLICA_PORTS[0] <= port < REPLICA_PORTS[1] and port not in taken
+        assert LOCAL_PORTS[0] <= port < LOCAL_PORTS[1] and port not in taken
         taken.add(port)
     with pytest.raises(SystemExit, match="no free port"):
         pick_port("127.0.0.1", taken={25_000}, span=(25_000, 25_001))
