@@ -58,7 +58,8 @@ def default_policy_replicas() -> int:
     small embedded policy keeps ~1.5 of 2 cores busy and two replicas of one thread gave 1.52x the rollouts of one
     process of two (docs/BENCHMARKS.md, "Thirty-ninth session"); on a GPU host one (replicas would each hold the
     model on the same device)."""
-    import torch  # the app has it loaded already (the profiles import the trainer's configs)
+    # here, not at the top: `prorag up` and the benches load this module too, and need no torch in their process
+    import torch
 
     return 1 if torch.cuda.is_available() else max(1, min(cpu_cores(), 4))
 

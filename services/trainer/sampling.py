@@ -40,7 +40,7 @@ def rollout(policy, cfg, questions: list, n: int, seed: int, adapter: str, stats
     with the same seed (after_back() first), so nothing is lost or counted twice. Returns the trajectories (pb)
     [q * n] question-major, sample-minor (the order of ``questions``), the stream's summary left out."""
     sampling = policy.sampling(n=n, temperature=cfg.temperature, max_tokens=cfg.max_step_tokens, seed=seed)
-    parts = split_evenly(len(questions), len(resolve_replicas(cfg.policy)))
+    parts = split_evenly(len(questions), replica_count(cfg.policy))
 
     def part(bounds: tuple[int, int]) -> list:
         lo, hi = bounds
@@ -53,6 +53,16 @@ def rollout(policy, cfg, questions: list, n: int, seed: int, adapter: str, stats
     # threads: each part is a blocking gRPC stream; round robin sends them to different replicas
     with ThreadPoolExecutor(max_workers=len(parts)) as pool:
         return [t for got in pool.map(part, parts) for t in got]
+
+
+def replica_count(target: str) -> int:
+    """How many policy replicas ``target`` reaches now (prorag.rpc.clients.resolve_replicas); 1 when its name does not
+    resolve at this moment (a Service whose pods restart): the one request then waits for the policy as any call does
+    (call_with_service_wait), where a failed lookup here would fail the job."""
+    try:
+        return len(resolve_replicas(target))
+    except ValueError:
+        return 1
 
 
 def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
