@@ -9,10 +9,12 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from prorag.rpc.clients import PolicyClient, push_adapter, resolve_replicas, wait_for_health
+from services.trainer.sampling import rollout
 from tests.services.policy.test_service import make_lora
 from tests.helpers import free_port
 
@@ -109,10 +111,6 @@ def test_push_reaches_every_replica_and_a_restarted_replica_serves_the_active_ve
 
 
 def test_the_trainers_rollouts_split_a_request_over_the_replicas_and_get_the_whole_requests_samples(replicas):
-    from types import SimpleNamespace
-
-    from services.trainer.sampling import rollout
-
     questions = [SimpleNamespace(id=f"q{i}", question=q) for i, q in enumerate(
         ["Who founded Kest?", "Where was the director of Red Harbour born?", "When did Vell open?",
          "Who wrote Amber Gate?", "Which river runs through Kest?"])]
