@@ -53,9 +53,11 @@ def question_sets(run: dict, n: int, seed: int = 0) -> dict[str, list]:
     world = run["world"]
     pool, rl = pool_of(run), ((run.get("stage34") or {}).get("settings") or {}).get("rl") or {}
     if pool is not None:
-        # the learnable questions the RL kept (pool_max_solve_rate), not the whole pool: the others it never drew
+        # the learnable questions the RL kept (pool_max_solve_rate, pool_max_greedy_f1), not the whole pool: the
+        # others it never drew
         wanted = set(read_question_pool(run["stage34"]["pool"]["path"], pool["world"], pool["split"],
-                                        float(rl.get("pool_max_solve_rate", 1.0))))
+                                        float(rl.get("pool_max_solve_rate", 1.0)),
+                                        float(rl.get("pool_max_greedy_f1", 1.0))))
         pool_qs = [q for q in load_split(paths.world_dir(world), pool["split"]) if q.id in wanted]
     else:
         pool_qs = load_split(paths.world_dir(world), rl.get("split", "train"))

@@ -87,6 +87,10 @@ class Profile:
         if self.stage34 is not None and (rl_split == RL_SPLIT) != bool(self.rl_questions):
             raise InvalidArgument(f"rl_questions sizes the {RL_SPLIT} split that stage34.rl.split names: set both, or "
                                   f"neither (rl_questions {self.rl_questions}, stage34.rl.split {rl_split!r})")
+        if (self.stage34 or {}).get("rl", {}).get("pool_max_greedy_f1", 1.0) < 1.0 and \
+                not (self.stage34 or {}).get("pool", {}).get("greedy"):
+            raise InvalidArgument("stage34.rl.pool_max_greedy_f1 selects on the pool's greedy rollouts: set "
+                                  "stage34.pool.greedy=true too")
         if self.rl_questions and not self.deep_questions:
             raise InvalidArgument(f"rl_questions: the {RL_SPLIT} split is drawn after the deep and held-out splits; set "
                                   "deep_questions too")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from prorag import paths
 from prorag.rpc.clients import wait_for_health
@@ -62,6 +63,14 @@ def default_policy_replicas() -> int:
     import torch
 
     return 1 if torch.cuda.is_available() else max(1, min(cpu_cores(), 4))
+
+
+class _Process(NamedTuple):
+    name: str  # the service's, or a replica's: policy-1
+    service: str
+    grpc_port: int
+    args: list[str]  # its `prorag serve` arguments after the service: its ports
+    env: dict | None  # its environment, or None for this process's
 
 
 @dataclass
@@ -128,9 +137,8 @@ class ServiceStack:
             raise
         return self
 
-    def _processes(self) -> list[tuple[str, str, list[str], dict | None]]:
-        """(process name, service, its `prorag serve` arguments after the service, its environment or None for this
-        one's) of every process the stack runs, in start order."""
+    def _processes(self) -> list[_Process]:
+        """Every process the stack runs, in start order."""
         out = []
         for svc in self.services:
             extra = self.replica_ports.get(svc, [])
@@ -141,14 +149,15 @@ class ServiceStack:
             ports = ["--port", str(self._grpc_port(svc)), "--metrics-port", str(paths.METRICS_PORTS[svc] + self.port_offset)]
             if svc in paths.HTTP_PORTS:
                 ports += ["--http-port", str(paths.HTTP_PORTS[svc] + self.port_offset)]
-            out.append((svc, svc, ports, env))
+            out.append(_Process(svc, svc, self._grpc_port(svc), ports, env))
             for r, port in enumerate(extra, start=1):
-                out.append((f"{svc}-{r}", svc, ["--port", str(port), "--metrics-port", "0", "--http-port", "-1"], env))
+                out.append(_Process(f"{svc}-{r}", svc, port,
+                                    ["--port", str(port), "--metrics-port", "0", "--http-port", "-1"], env))
         return out
 
     def _spawn_and_wait(self) -> None:
         processes = self._processes()
-        for name, svc, ports, env in processes:
+        for name, svc, _, ports, env in processes:
             cmd = [sys.executable, "-m", "prorag_app.cli", "serve", svc, "--host", self.host, *ports,
                    "--port-offset", str(self.port_offset)]
             if svc in ("retriever", "policy", "judge", "prm"):  # the prm: where a name@version is looked up
@@ -163,8 +172,8 @@ class ServiceStack:
             self.procs[name] = _procs.spawn(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
             if out is not None:
                 out.close()  # the child holds its own copy
-        for name, svc, ports, _ in processes:
-            target = f"{self.host}:{ports[1]}"
+        for name, _, grpc_port, _, _ in processes:
+            target = f"{self.host}:{grpc_port}"
             if not wait_for_health(target, "", timeout=self.start_timeout):
                 code = self.procs[name].poll()
                 raise SystemExit(f"{name} did not become live on {target} within "

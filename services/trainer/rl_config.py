@@ -46,6 +46,11 @@ class RLConfig(TrainRunConfig):
                                                      "has a greedy answer that is likely right, so RL there mostly "
                                                      "sharpens what greedy decoding already picks",
                                            min=0.0, max=1.0)
+    pool_max_greedy_f1: float = cfg_field(1.0, help="of question_pool's learnable questions, only those whose greedy "
+                                                    "answer (the pool's greedy rollout: rlpool greedy=true) scored at "
+                                                    "most this F1 (1 = all of them): where greedy decoding already "
+                                                    "answers in full, RL can only sharpen the samples toward it",
+                                          min=0.0, max=1.0)
     iterations: int = cfg_field(0, help="RL iterations (one rollout batch and one update each); 0 = one pass "
                                         "over the questions (ProRAG: 1 epoch)", min=0)
     questions_per_iteration: int = cfg_field(16, help="questions rolled out per iteration", min=1, max=4096)

@@ -75,10 +75,12 @@ def pool_questions(questions: list, pool_ids) -> list:
     return [q for q in questions if q.id in wanted]
 
 
-def read_question_pool(path: str | Path, world: str, split: str, max_solve_rate: float = 1.0) -> list[str]:
+def read_question_pool(path: str | Path, world: str, split: str, max_solve_rate: float = 1.0,
+                       max_greedy_f1: float = 1.0) -> list[str]:
     """The learnable question ids of a pool artifact (services.trainer.stage_rlpool) whose solve rate (the
-    fraction of the pool agent's samples that were right) is at most ``max_solve_rate``; FailedPrecondition when
-    the artifact is missing, or was built on another world or split than the RL job samples."""
+    fraction of the pool agent's samples that were right) is at most ``max_solve_rate`` and whose greedy answer's
+    F1 is at most ``max_greedy_f1`` (1 = no bound on either); FailedPrecondition when the artifact is missing, was
+    built on another world or split than the RL job samples, or lacks the figure a bound reads."""
     p = Path(path)
     if not p.is_file():
         raise FailedPrecondition(f"question_pool {str(path)!r} does not exist (run the rlpool stage first)")
@@ -87,17 +89,20 @@ def read_question_pool(path: str | Path, world: str, split: str, max_solve_rate:
         raise FailedPrecondition(f"question_pool {str(path)!r} was built on world {pool.get('world')!r}, split "
                                  f"{pool.get('split')!r}; this job samples world {world!r}, split {split!r}")
     rates = pool.get("questions", {})
-    if max_solve_rate < 1.0 and not rates:
-        raise FailedPrecondition(f"question_pool {str(path)!r} records no solve rates, so pool_max_solve_rate "
-                                 f"{max_solve_rate} cannot select from it (rebuild it with the rlpool stage)")
-    if max_solve_rate >= 1.0:
-        return list(pool["pool"])
-    unrated = [q for q in pool["pool"] if "solve_rate" not in rates.get(q, {})]
-    if unrated:
-        raise FailedPrecondition(f"question_pool {str(path)!r} records no solve rate for {len(unrated)} of its "
-                                 f"questions (e.g. {unrated[0]!r}), so pool_max_solve_rate cannot select from it "
-                                 "(rebuild it with the rlpool stage)")
-    return [q for q in pool["pool"] if rates[q]["solve_rate"] <= max_solve_rate + 1e-9]
+    keep = list(pool["pool"])
+    for key, what, bound, setting, rebuild in (
+            ("solve_rate", "solve rate", max_solve_rate, "pool_max_solve_rate", "rebuild it with the rlpool stage"),
+            ("greedy_f1", "greedy F1", max_greedy_f1, "pool_max_greedy_f1",
+             "rebuild it with the rlpool stage's greedy=true")):
+        if bound >= 1.0:
+            continue
+        lacking = [q for q in keep if key not in rates.get(q, {})]
+        if lacking:
+            raise FailedPrecondition(f"question_pool {str(path)!r} records no {what} for {len(lacking)} of its "
+                                     f"questions (e.g. {lacking[0]!r}), so {setting} {bound} cannot select from it "
+                                     f"({rebuild})")
+        keep = [q for q in keep if rates[q][key] <= bound + 1e-9]
+    return keep
 
 
 def pool_start_f1(path: str | Path) -> dict[str, float]:
@@ -120,14 +125,17 @@ def rl_questions(cfg: RLConfig) -> list:
     question without its gold decomposition."""
     qs = load_split(paths.world_dir(cfg.world), cfg.split)
     if cfg.question_pool:
-        qs = pool_questions(qs, read_question_pool(cfg.question_pool, cfg.world, cfg.split, cfg.pool_max_solve_rate))
+        qs = pool_questions(qs, read_question_pool(cfg.question_pool, cfg.world, cfg.split, cfg.pool_max_solve_rate,
+                                                   cfg.pool_max_greedy_f1))
     qs = select_questions(qs, cfg.min_hops, cfg.max_questions)
     if not qs:
         raise FailedPrecondition(f"world {cfg.world!r} has no {cfg.split} questions"
                                  + (f" of {cfg.min_hops}+ hops" if cfg.min_hops else "")
                                  + (f" in question_pool {cfg.question_pool!r}" if cfg.question_pool else "")
                                  + (f" solved at most {cfg.pool_max_solve_rate:.0%} of the time"
-                                    if cfg.question_pool and cfg.pool_max_solve_rate < 1 else ""))
+                                    if cfg.question_pool and cfg.pool_max_solve_rate < 1 else "")
+                                 + (f" whose greedy answer scored at most F1 {cfg.pool_max_greedy_f1}"
+                                    if cfg.question_pool and cfg.pool_max_greedy_f1 < 1 else ""))
     if cfg.step_scorer == "oracle" and cfg.beta > 0:
         lacking = [q.id for q in qs if not q.decomposition]
         if lacking:  # the oracle judges against the gold hops: without them every step would read as unsound

@@ -17,6 +17,7 @@ in the candidate list, so a resumed job samples what an uninterrupted one would)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -59,6 +60,10 @@ class RLPoolConfig:
     retriever_index: str = rollout_index_field()
     topk: int = rollout_topk_field()
     samples: int = cfg_field(8, help="rollouts per candidate question (as the RL's group size)", min=2, max=64)
+    greedy: bool = cfg_field(False, help="also one greedy rollout per candidate (temperature 0), its answer's F1 "
+                                         "recorded as greedy_f1: what the RL's pool_max_greedy_f1 selects on (a "
+                                         "question whose samples are sometimes right may still have a right greedy "
+                                         "answer, which RL can only sharpen)")
     temperature: float = cfg_field(1.0, help="sampling temperature (as the RL's)", min=0.01, max=5.0)
     max_step_tokens: int = step_tokens_field()
     max_steps: int = cfg_field(11, help="steps of a trajectory at most (as the RL's)", min=1, max=64)
@@ -122,18 +127,27 @@ def _read_journal(path: Path) -> dict[int, list[dict]]:
 
 # ---------------------------------------------------------------- the stage
 def sample_request(cfg: RLPoolConfig, policy, chunk: list, start: int, stats: dict) -> list[dict]:
-    """One Rollout request: ``chunk`` [q] questions, ``samples`` rollouts each; returns one row per question
-    {"id", "hops", "f1" [n], "reward" [n], "correct" [n]}."""
+    """One Rollout request: ``chunk`` [q] questions, ``samples`` rollouts each (and one greedy when cfg.greedy);
+    returns one row per question {"id", "hops", "f1" [n], "reward" [n], "correct" [n]} (and "greedy_f1")."""
     reward_fn = OUTCOME_REWARDS[cfg.reward]
     by_id = {q.id: q for q in chunk}
     rows = {q.id: {"id": q.id, "hops": int(q.hops), "f1": [], "reward": [], "correct": []} for q in chunk}
-    # the RL stage's seed at iteration 0, by the request's place in the candidate list
-    for t in rollout(policy, cfg, chunk, cfg.samples, rollout_seed(cfg.seed, start), cfg.adapter, stats):
-        if t.adapter_version != cfg.adapter:
-            # a pool is the start model's: samples from an RL adapter the policy still serves would mislabel it
-            raise FailedPrecondition(f"the policy at {cfg.policy} sampled with adapter {t.adapter_version!r}, not "
-                                     f"{cfg.adapter or 'the served model itself'!r}: serve the start model (no "
-                                     "active adapter) or name the adapter")
+
+    def start_model_rollouts(settings, n: int) -> list:
+        # the RL stage's seed at iteration 0, by the request's place in the candidate list
+        got = rollout(policy, settings, chunk, n, rollout_seed(cfg.seed, start), cfg.adapter, stats)
+        for t in got:
+            if t.adapter_version != cfg.adapter:
+                # a pool is the start model's: samples from an RL adapter the policy still serves would mislabel it
+                raise FailedPrecondition(f"the policy at {cfg.policy} sampled with adapter {t.adapter_version!r}, "
+                                         f"not {cfg.adapter or 'the served model itself'!r}: serve the start model "
+                                         "(no active adapter) or name the adapter")
+        return got
+
+    if cfg.greedy:  # temperature 0: the policy decodes greedily, as the evaluations do
+        for t in start_model_rollouts(dataclasses.replace(cfg, temperature=0.0), 1):
+            rows[t.question_id]["greedy_f1"] = round(answer_f1(t, by_id[t.question_id].golden_answers), 6)
+    for t in start_model_rollouts(cfg, cfg.samples):
         f1 = answer_f1(t, by_id[t.question_id].golden_answers)
         row = rows[t.question_id]
         row["f1"].append(round(f1, 6))
@@ -173,12 +187,15 @@ def run_rlpool(ctx: JobContext) -> dict:
     counts = pool_counts(rows)
     pool = [r["id"] for r in rows if learnable(r["correct"])]
     artifact = {"version": POOL_VERSION, "world": cfg.world, "split": cfg.split, "policy_model": cfg.policy_model,
-                "adapter": cfg.adapter, "samples": cfg.samples, "min_f1": cfg.min_f1, "min_hops": cfg.min_hops,
+                "adapter": cfg.adapter, "samples": cfg.samples, "greedy": cfg.greedy, "min_f1": cfg.min_f1,
+                "min_hops": cfg.min_hops,
                 "max_questions": cfg.max_questions, "counts": counts, "pool": pool,
                 "questions": {r["id"]: {"hops": r["hops"], "solve_rate": sum(r["correct"]) / max(1, len(r["correct"])),
                                         "samples": len(r["correct"]),
                                         "reward_mean": sum(r["reward"]) / max(1, len(r["reward"])),
-                                        "f1_mean": sum(r["f1"]) / max(1, len(r["f1"]))} for r in rows}}
+                                        "f1_mean": sum(r["f1"]) / max(1, len(r["f1"])),
+                                        **({"greedy_f1": r["greedy_f1"]} if "greedy_f1" in r else {})}
+                                    for r in rows}}
     with ctx.artifact_file("pool", "pool.json") as tmp:
         tmp.write_text(json.dumps(artifact, indent=1))
     ctx.emit(len(qs), len(qs), message=f"{counts['learnable']} of {counts['candidates']} questions learnable "
@@ -186,6 +203,10 @@ def run_rlpool(ctx: JobContext) -> dict:
     out = {key: float(counts[key]) for key in ("candidates", "all_right", "all_wrong", "learnable")}
     for h, c in counts["by_hops"].items():
         out[f"learnable_hops_{h}"] = float(c["learnable"])
+    if cfg.greedy:  # how many learnable questions greedy decoding does not already answer in full
+        greedy = {r["id"]: r["greedy_f1"] for r in rows}
+        out["greedy_f1_mean"] = sum(greedy.values()) / max(1, len(greedy))
+        out["learnable_greedy_imperfect"] = float(sum(1 for q in pool if greedy[q] < 1.0))
     out["sampled_this_attempt"] = float(stats["sampled"])
     out["sample_s"] = time.monotonic() - t0
     out["pool_path"] = str(ctx.run_dir / "pool.json")

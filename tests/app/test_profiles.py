@@ -64,6 +64,12 @@ def test_profiles_are_checked_when_they_are_defined():
     with pytest.raises(InvalidArgument, match="set deep_questions too"):
         Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={}, rl_questions=100,
                 stage34={"rl": {"split": "rl_deep"}})
+    # the RL's bound on the pool's greedy F1 reads the pool's greedy rollouts
+    with pytest.raises(InvalidArgument, match="stage34.pool.greedy=true"):
+        Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={},
+                stage34={"rl": {"pool_max_greedy_f1": 0.99}})
+    Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={},
+            stage34={"rl": {"pool_max_greedy_f1": 0.99}, "pool": {"greedy": True}})
 
 
 def test_a_method_that_reads_with_another_models_trains_nothing_and_needs_that_model():

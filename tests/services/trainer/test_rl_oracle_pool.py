@@ -97,7 +97,7 @@ def test_pool_questions_keep_the_splits_order_and_a_pool_of_another_split_is_ref
     assert read_question_pool(path, "tiny", "dev") == ["q1"]
     with pytest.raises(FailedPrecondition, match="does not exist"):
         read_question_pool(tmp_path / "none.json", "tiny", "dev")
-    with pytest.raises(FailedPrecondition, match="records no solve rates"):
+    with pytest.raises(FailedPrecondition, match="records no solve rate for 1 of its questions"):
         read_question_pool(path, "tiny", "dev", max_solve_rate=0.5)
 
 
@@ -117,6 +117,26 @@ def test_pool_max_solve_rate_keeps_the_questions_the_agent_mostly_fails(tmp_path
                                 "questions": {q: {"solve_rate": r} for q, r in rates.items()}}))
     with pytest.raises(FailedPrecondition, match="no solve rate for 1 of its questions"):
         read_question_pool(path, "tiny", "train", max_solve_rate=0.5)
+
+
+def test_pool_max_greedy_f1_keeps_the_questions_greedy_decoding_does_not_answer_in_full(tmp_path):
+    from prorag.errors import FailedPrecondition
+    from services.trainer.stage_rl import read_question_pool
+
+    figures = {"q1": (0.125, 0.0), "q2": (0.5, 1.0), "q3": (0.25, 0.5), "q4": (0.875, 0.4)}
+    path = tmp_path / "pool.json"
+    path.write_text(json.dumps({"world": "tiny", "split": "train", "pool": list(figures), "greedy": True,
+                                "questions": {q: {"solve_rate": r, "greedy_f1": g} for q, (r, g) in figures.items()}}))
+    assert read_question_pool(path, "tiny", "train", max_greedy_f1=0.99) == ["q1", "q3", "q4"]
+    assert read_question_pool(path, "tiny", "train", max_greedy_f1=0.0) == ["q1"]
+    # both bounds hold at once
+    assert read_question_pool(path, "tiny", "train", max_solve_rate=0.5, max_greedy_f1=0.99) == ["q1", "q3"]
+    # a pool built without the greedy rollouts cannot be selected on them: said, not a KeyError
+    path.write_text(json.dumps({"world": "tiny", "split": "train", "pool": list(figures),
+                                "questions": {q: {"solve_rate": r} for q, (r, _) in figures.items()}}))
+    with pytest.raises(FailedPrecondition, match="no greedy F1 for 4 of its questions.*greedy=true"):
+        read_question_pool(path, "tiny", "train", max_greedy_f1=0.99)
+    assert read_question_pool(path, "tiny", "train", max_solve_rate=0.5) == ["q1", "q2", "q3"]
 
 
 # ---------------------------------------------------------------- through the services
@@ -218,6 +238,28 @@ def test_rlpool_writes_the_learnable_questions_and_resumes_from_its_journal(serv
     # the resumed pool is the one an uninterrupted job builds: each request's seed is its place in the list
     straight = run_rlpool(local_context(tmp_path / "pool-straight", cfg, stage="rlpool"))
     assert json.loads(open(straight["pool_path"]).read())["questions"] == pool["questions"]
+
+
+def test_rlpool_with_greedy_records_each_candidates_greedy_answer(services, tmp_path, one_thread):
+    from services.trainer.stage_rlpool import run_rlpool
+
+    _serve_base(services)
+    engine = services["engine"]
+    engine.sampling.clear()
+    out = run_rlpool(local_context(tmp_path / "pool", _pool_config(services, greedy=True), stage="rlpool"))
+    # per request: the greedy rollouts (temperature 0), then the samples at the RL's temperature
+    assert {t for _, t in engine.sampling} == {0.0, 1.0}
+    pool = json.loads(open(out["pool_path"]).read())
+    assert pool["greedy"] is True
+    greedy = {q: r["greedy_f1"] for q, r in pool["questions"].items()}
+    assert len(greedy) == 6 and all(0.0 <= f <= 1.0 for f in greedy.values())
+    assert out["learnable_greedy_imperfect"] == sum(1 for q in pool["pool"] if greedy[q] < 1.0)
+    assert out["greedy_f1_mean"] == pytest.approx(sum(greedy.values()) / 6)
+    # the samples are those of a pool without the greedy pass: the greedy rollouts take no sampling seed from them
+    plain = json.loads(open(run_rlpool(local_context(tmp_path / "plain", _pool_config(services),
+                                                     stage="rlpool"))["pool_path"]).read())
+    assert {q: {k: v for k, v in r.items() if k != "greedy_f1"} for q, r in pool["questions"].items()} == \
+        plain["questions"]
 
 
 def test_rlpool_refuses_samples_from_an_adapter(services, tmp_path, one_thread):

@@ -27,6 +27,7 @@ class RecordingGoldWalk(GoldWalkEngine):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.calls: list[str | None] = []
+        self.sampling: list[tuple[int, float]] = []  # (n, temperature) of each call
 
     def generate(self, prompts, params, adapter=None, seeds=None):
         from prorag.engine import GeneratedSeq
@@ -35,6 +36,7 @@ class RecordingGoldWalk(GoldWalkEngine):
         if not any(decode(self.tokenizer, p).startswith(h) for p in prompts for h in self.by_prompt):
             return [[GeneratedSeq([0], [-0.5], "length", 0)] * params.n for _ in prompts]  # the warm-up
         self.calls.append(adapter)
+        self.sampling.append((params.n, params.temperature))
         return super().generate(prompts, params, adapter, seeds)
 
 
