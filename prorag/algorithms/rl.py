@@ -443,6 +443,21 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     return loss, stats
 
 
+def adds_policy_gradient(advantages: Sequence[float], loss_mask: Sequence[float], kl_coef: float = 0.0) -> bool:
+    """Whether a trajectory can move the clipped loss at all: advantages [T] and loss_mask [T] are its per-token
+    lists. Without a KL term a token's loss -min(r A, clip(r) A) is 0 with a zero gradient wherever A = 0, so a
+    trajectory whose every trained token has A = 0 (a group whose rollouts all earned one reward, under an
+    outcome-only advantage) changes nothing but the token count it is averaged over; the update skips its forward
+    pass and keeps that count.
+
+    >>> adds_policy_gradient([0.0, 0.5], [0.0, 1.0]), adds_policy_gradient([0.5, 0.0], [0.0, 1.0])
+    (True, False)
+    >>> adds_policy_gradient([0.0, 0.0], [1.0, 1.0], kl_coef=0.05)  # the KL term has a gradient of its own
+    True
+    """
+    return kl_coef > 0 or any(a != 0.0 and m for a, m in zip(advantages, loss_mask))
+
+
 #: name -> token-level policy loss, for configuration (RLConfig.policy_loss): called as
 #: f(logprobs [B, T], old_logprobs [B, T], advantages [B, T], mask [B, T], clip=, kl_coef=, ref_logprobs=)
 #: -> (loss scalar, stats with clip_fraction, approx_kl, kl, tokens)
@@ -463,7 +478,7 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
 
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "ANSWER_CREDIT_F1", "EPS", "OUTCOME_REWARDS", "POLICY_LOSSES", "PRM_CENTERINGS",
-           "center_per_kind", "clipped_policy_loss", "credit_counts", "dpo_loss", "dual_granularity_advantages",
+           "adds_policy_gradient", "center_per_kind", "clipped_policy_loss", "credit_counts", "dpo_loss", "dual_granularity_advantages",
            "group_normalized", "group_step_advantages", "hop_balanced_sample", "outcome_reward_f1",
            "outcome_reward_paper", "outcome_reward_reference", "process_advantages", "reference_step_scores",
            "rft_keep", "rft_kept_steps", "rft_threshold", "step_loss_mask", "STEP_SCORES", "step_score_reference",

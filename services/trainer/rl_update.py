@@ -11,6 +11,7 @@ from functools import partial
 
 import torch
 
+from prorag.algorithms.rl import adds_policy_gradient
 from prorag.training.distributed import sum_over_processes
 from prorag.training.lora import RLSample, collate_rl, length_chunks, rl_loss, token_logprobs
 from prorag.training.loop import LoopConfig, call_in_engine
@@ -47,7 +48,10 @@ def _sample_logprobs(batch, model):
 
 def micro_batches(run: RLRun, samples: list[RLSample]) -> list[list]:
     """[m mini-batches (optimizer steps)][k micro-batches]: each (collated length chunks, scale), or None when
-    it holds no trained token; the scale makes a step's gradient that of the token mean over its mini-batch."""
+    it holds no trained token; the scale makes a step's gradient that of the token mean over its mini-batch.
+    Trajectories that add no gradient (algorithms.rl.adds_policy_gradient: every advantage 0 and no KL term) are
+    left out of the chunks but counted in the mean, so the gradient is the whole mini-batch's; a micro-batch left
+    with none of its trajectories has no chunks, and gives a zero gradient (policy_loss), as its forward would."""
     cfg = run.cfg
     m_steps, k = cfg.mini_batches, cfg.grad_accum
     steps = []
@@ -57,10 +61,14 @@ def micro_batches(run: RLRun, samples: list[RLSample]) -> list[list]:
         micro = []
         for j in range(k):
             part = share[j::k]
-            n = sum(sum(s.loss_mask) for s in part)
-            chunks = [collate_rl([part[i] for i in c], run.tokenizer.pad_token_id)
-                      for c in length_chunks([len(x.token_ids) for x in part], cfg.chunk_tokens)]
-            micro.append((chunks, k * n / n_share) if part and n else None)
+            if not part or not sum(sum(s.loss_mask) for s in part):
+                micro.append(None)
+                continue
+            live = [s for s in part if adds_policy_gradient(s.advantages, s.loss_mask, cfg.kl_coef)]
+            n_live = sum(sum(s.loss_mask) for s in live)
+            chunks = [collate_rl([live[i] for i in c], run.tokenizer.pad_token_id)
+                      for c in length_chunks([len(x.token_ids) for x in live], cfg.chunk_tokens)]
+            micro.append((chunks, k * n_live / n_share))
         steps.append(micro)
     return steps
 
@@ -77,6 +85,11 @@ def policy_loss(run: RLRun, model, batch):
         # so AdamW skips them rather than stepping on stale momentum
         return torch.zeros((), requires_grad=True), 0
     chunks, scale = batch
+    if not chunks:
+        # every trajectory here has zero advantage (micro_batches): the gradient its forward would give, exactly
+        # zero, without the forward; zero, not None, so AdamW steps on as it would have
+        zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        return zero, 0, dict.fromkeys(("clip_fraction", "approx_kl", "kl", "tokens"), 0.0)
     # the micro-batch's token mean as the token-weighted sum of its chunks' token means
     results = [rl_loss(model, c, run.cfg) for c in chunks]
     n = sum(st["tokens"] for _, st in results)

@@ -57,3 +57,58 @@ def test_chunked_update_has_the_loss_and_gradient_of_one_pass(tiny_policy):
     assert abs(whole_loss - chunk_loss) < 1e-5
     for k in whole:
         torch.testing.assert_close(chunked[k], whole[k], rtol=1e-4, atol=1e-6)
+
+
+def test_trajectories_without_advantage_are_skipped_and_the_gradient_is_the_whole_batchs(tiny_policy):
+    """Groups whose rollouts all earned one reward carry zero advantage: the update leaves them out of its forward
+    passes, counts their tokens in the mean, and gets the gradient of the pass over every trajectory."""
+    from types import SimpleNamespace
+
+    from prorag.config import from_dict
+    from prorag.modeling import load_policy
+    from prorag.training.lora import build_lora, collate_rl, rl_loss
+    from services.trainer.rl_update import micro_batches, policy_loss
+    from services.trainer.stage_rl import RLConfig
+
+    model_dir, tok = tiny_policy
+    torch.manual_seed(0)
+    cfg = from_dict(RLConfig, {"base_model": str(model_dir), "lora_r": 4, "lora_alpha": 8, "mini_batches": 1,
+                               "grad_accum": 2, "chunk_tokens": 240})
+    model = build_lora(load_policy(model_dir, device="cpu", dtype="float32")[0], cfg)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)
+    rng = random.Random(1)
+    samples = []
+    for i in range(10):
+        n = rng.randint(20, 120)
+        gen = [0] + [int(rng.random() < 0.6) for _ in range(n - 1)]
+        scale = 0.0 if i % 3 == 0 else rng.uniform(-1, 1)  # every third trajectory: a flat group's, advantage 0
+        samples.append(RLSample([rng.randrange(5, len(tok) - 1) for _ in range(n)], gen, [scale * g for g in gen],
+                                [float(g) for g in gen], [rng.uniform(-3, -0.1) * g for g in gen]))
+    run = SimpleNamespace(cfg=cfg, tokenizer=tok, acc=None)
+
+    def grads(loss_of):
+        model.zero_grad()
+        loss_of().backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+
+    whole = grads(lambda: rl_loss(model, collate_rl(samples, tok.pad_token_id), cfg)[0])
+    (micro,) = micro_batches(run, samples)
+    forwarded = sum(int(c[0].shape[0]) for part in micro for c in part[0])
+    assert forwarded == 6  # the 4 flat trajectories are not forwarded
+    skipped = grads(lambda: sum(policy_loss(run, model, part)[0] for part in micro) / cfg.grad_accum)
+    for k in whole:
+        torch.testing.assert_close(skipped[k], whole[k], rtol=1e-4, atol=1e-6)
+    # a micro-batch of flat trajectories only: no forward, and a zero gradient (AdamW steps on), not None
+    flat = [s for i, s in enumerate(samples) if i % 3 == 0]
+    (micro,) = micro_batches(SimpleNamespace(cfg=cfg, tokenizer=tok, acc=None), flat)
+    assert all(part[0] == [] for part in micro)
+    zero = grads(lambda: sum(policy_loss(run, model, part)[0] for part in micro))
+    assert zero and all(float(g.abs().max()) == 0.0 for g in zero.values())
+    # with a KL term every trajectory has a gradient: none is skipped
+    kl_run = SimpleNamespace(cfg=from_dict(RLConfig, {**{f: getattr(cfg, f) for f in ("base_model", "lora_r",
+                                                       "lora_alpha", "mini_batches", "grad_accum", "chunk_tokens")},
+                                                      "kl_coef": 0.05}), tokenizer=tok, acc=None)
+    (micro,) = micro_batches(kl_run, samples)
+    assert sum(int(c[0].shape[0]) for part in micro for c in part[0]) == 10
