@@ -137,13 +137,15 @@ class MicroBatcher:
             if deadline <= now:
                 REJECTED.labels(self.name, "deadline").inc()
                 raise DeadlineExceeded("the deadline had passed when the request reached the queue")
-            # the queue ahead drains at the measured rate at best (merging cannot beat it by much): a caller that
-            # cannot be answered in time is told now, rather than after waiting its whole deadline
-            if self._rate and queued and now + queued / self._rate > deadline:
+            # the queue ahead drains at the measured rate at best (merging cannot beat it by much), on every slot
+            # at once: a caller that cannot be answered in time is told now, rather than after waiting its whole
+            # deadline
+            drain = (self._rate or 0.0) * self._concurrency
+            if drain and queued and now + queued / drain > deadline:
                 REJECTED.labels(self.name, "deadline").inc()
                 raise DeadlineExceeded(
-                    f"{queued} {self._what} are queued ahead, about {queued / self._rate:.2f}s of work at the "
-                    f"measured {self._rate:.0f} {self._what}/s; the deadline leaves {deadline - now:.2f}s: retry "
+                    f"{queued} {self._what} are queued ahead, about {queued / drain:.2f}s of work at the "
+                    f"measured {drain:.0f} {self._what}/s; the deadline leaves {deadline - now:.2f}s: retry "
                     "later or with a longer deadline")
         fut = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(key, items, deadline, fut, weight=w))

@@ -120,38 +120,40 @@ class PRMEngine:
         return rows, where
 
     def score(self, items: Sequence[ScoringItem]) -> list[tuple[str, list[float]]]:
-        """Per item: (the model version that scored it, one score per scored step)."""
+        """Per item: (the model version that scored it, one score per scored step). Safe to call from several
+        threads at once (the service's engine workers): the model is read-only here, and rendering, which uses the
+        tokenizer, is done under the lock a hot swap takes, so one call renders and scores with one model."""
         with self.lock:
-            model, tok, version = self.model, self.tokenizer, self.version
+            model, tok, version, max_len = self.model, self.tokenizer, self.version, self.max_len
             plans = [self._rows(it) for it in items]
-            flat = [(i, r) for i, (rows, _) in enumerate(plans) for r in range(len(rows))]
-            results: dict[tuple[int, int], list] = {}
+        flat = [(i, r) for i, (rows, _) in enumerate(plans) for r in range(len(rows))]
+        results: dict[tuple[int, int], list] = {}
 
-            def run(chunk):
-                seqs = [plans[i][0][r][0] for i, r in chunk]
-                kept = [[n for n, p in enumerate(plans[i][0][r][1]) if p is not None] for i, r in chunk]
-                pos = [[plans[i][0][r][1][n] for n in ns] for (i, r), ns in zip(chunk, kept)]
-                written = [[plans[i][0][r][2][n] for n in ns] for (i, r), ns in zip(chunk, kept)]
-                try:
-                    with torch.no_grad():
-                        out = score_batch(model, seqs, pos, max_len=self.max_len, pad_id=tok.pad_token_id or 0,
-                                          written=written)
-                except Exception as exc:
-                    if not is_out_of_memory(exc):
-                        raise
-                    # this request fails with the size that did not fit; the service goes on serving
-                    raise out_of_memory(exc, f"scoring {len(chunk)} rows of up to {max(map(len, seqs))} tokens",
-                                        "send fewer trajectories per request or lower the service's "
-                                        "max_batch_tokens") from None
-                for (i, r), scores in zip(chunk, out):
-                    results[(i, r)] = [float(s) for s in scores]
+        def run(chunk):
+            seqs = [plans[i][0][r][0] for i, r in chunk]
+            kept = [[n for n, p in enumerate(plans[i][0][r][1]) if p is not None] for i, r in chunk]
+            pos = [[plans[i][0][r][1][n] for n in ns] for (i, r), ns in zip(chunk, kept)]
+            written = [[plans[i][0][r][2][n] for n in ns] for (i, r), ns in zip(chunk, kept)]
+            try:
+                with torch.no_grad():
+                    out = score_batch(model, seqs, pos, max_len=max_len, pad_id=tok.pad_token_id or 0,
+                                      written=written)
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                # this request fails with the size that did not fit; the service goes on serving
+                raise out_of_memory(exc, f"scoring {len(chunk)} rows of up to {max(map(len, seqs))} tokens",
+                                    "send fewer trajectories per request or lower the service's "
+                                    "max_batch_tokens") from None
+            for (i, r), scores in zip(chunk, out):
+                results[(i, r)] = [float(s) for s in scores]
 
-            # Rows by length, so each forward pass pads to a near neighbour rather than to the longest of a random
-            # mix, in passes whose padded tokens stay within both bounds.
-            flat.sort(key=lambda key: len(plans[key[0]][0][key[1]][0]))
-            lengths = [len(plans[i][0][r][0]) for i, r in flat]
-            for part in length_batches(lengths, self.max_batch_tokens, self.max_batch_padding):
-                run([flat[k] for k in part])
+        # Rows by length, so each forward pass pads to a near neighbour rather than to the longest of a random
+        # mix, in passes whose padded tokens stay within both bounds.
+        flat.sort(key=lambda key: len(plans[key[0]][0][key[1]][0]))
+        lengths = [len(plans[i][0][r][0]) for i, r in flat]
+        for part in length_batches(lengths, self.max_batch_tokens, self.max_batch_padding):
+            run([flat[k] for k in part])
         out = []
         for i, (rows, where) in enumerate(plans):
             # index among the row's kept (non-None) positions

@@ -21,11 +21,12 @@ MODEL_INFO = Info("prorag_prm_model", "The PRM served: its name@version ('' = no
 
 class ScoringFrontend:
     def __init__(self, engine: PRMEngine | None, max_items: int, max_steps: int, max_batch_steps: int = 1024,
-                 max_queue_steps: int = 4096, max_queue: int = 1024, batch_wait_s: float = 0.002):
+                 max_queue_steps: int = 4096, max_queue: int = 1024, batch_wait_s: float = 0.002, workers: int = 1):
         self.engine, self.max_items, self.max_steps = engine, max_items, max_steps
-        # weighed in steps: a request of one 64-step trajectory is not one of one 2-step trajectory
+        # weighed in steps: a request of one 64-step trajectory is not one of one 2-step trajectory; ``workers``
+        # merged calls at once (PRMEngine.score is safe to call from several threads)
         self.batcher = MicroBatcher(lambda _key, items: self.engine.score(items), max_items=max_batch_steps,
-                                    max_queue=max_queue, name="prm",
+                                    max_queue=max_queue, name="prm", concurrency=workers,
                                     weight=lambda items: sum(len(i.steps) for i in items),
                                     max_queue_weight=max_queue_steps, max_wait_s=batch_wait_s, what="steps")
         self.publish_version()

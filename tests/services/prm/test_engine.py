@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
+import torch
 
 from prorag.config import ConfigError, from_dict
 from prorag.data.loaders import Document
@@ -11,7 +14,7 @@ from prorag.prm.model import prm_from_policy
 from prorag.trajectory import Step
 from services.prm import engine as engine_module
 from services.prm.engine import CPU_BATCH_PADDING, PRMEngine, ScoringItem, length_batches
-from services.prm.server import PRMServeConfig
+from services.prm.server import PRMServeConfig, engine_workers
 
 
 def test_length_batches_bounds_padding_and_tokens_and_keeps_the_order():
@@ -72,3 +75,29 @@ def test_the_service_config_refuses_a_padding_bound_below_one():
     with pytest.raises(ConfigError, match="max_batch_padding"):
         from_dict(PRMServeConfig, {"model": "prm", "max_batch_padding": 0.5})
     assert from_dict(PRMServeConfig, {"model": "prm", "max_batch_padding": 1.5}).max_batch_padding == 1.5
+
+
+def test_calls_from_several_threads_at_once_score_as_calls_one_after_another(tiny_policy, tmp_path):
+    """The service runs engine_workers calls at once on one engine: each must get what it gets alone."""
+    model_dir, _ = tiny_policy
+    prm, tok = prm_from_policy(model_dir, seed=1)
+    save_pretrained(prm, tok, tmp_path / "prm")
+    engine = PRMEngine(tmp_path / "prm")
+    batches = [_items(8)[k::4] for k in range(4)]
+    alone = [engine.score(b) for b in batches]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(engine.score, batches * 3))
+    for got, want in zip(together, alone * 3):
+        assert [v for v, _ in got] == [v for v, _ in want]
+        for (_, a), (_, b) in zip(got, want):
+            assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_engine_workers_share_the_threads_and_a_gpu_runs_one_call(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    cfg = from_dict(PRMServeConfig, {"model": "prm"})
+    assert engine_workers(cfg, "cpu") == (4, 2)  # one per thread, up to 4
+    assert engine_workers(cfg, "cuda:0") == (1, 8)  # one device: one merged call at a time
+    assert engine_workers(from_dict(PRMServeConfig, {"model": "prm", "engine_workers": 3}), "cpu") == (3, 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert engine_workers(cfg, "cpu") == (1, 1)

@@ -265,11 +265,30 @@ class HeldEngine(PRMEngine):
         return super().score(items)
 
 
+class CountingHeldEngine(HeldEngine):
+    """A HeldEngine that counts the calls inside it at once."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.inside = self.most = 0
+        self._count = threading.Lock()
+
+    def score(self, items):
+        with self._count:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        try:
+            return super().score(items)
+        finally:
+            with self._count:
+                self.inside -= 1
+
+
 class _Held:
     """A PRM server on port 0 over a HeldEngine of the served PRM, with ``cfg`` settings."""
 
-    def __init__(self, model_dir, **cfg):
-        self.engine = HeldEngine(model_dir)
+    def __init__(self, model_dir, engine_cls=HeldEngine, **cfg):
+        self.engine = engine_cls(model_dir)
         self.loop = LoopThread()
         self.started = self.loop.run(start(ServeConfig(port=0), PRMServeConfig(model=str(model_dir), **cfg),
                                            engine=self.engine))
@@ -371,5 +390,28 @@ def test_a_deadline_that_passes_in_the_queue_gives_deadline_exceeded_and_is_neve
         resp = s.stub.ScoreSteps(prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS[:2])]), timeout=30)
         assert len(resp.results[0].scores) == 2
         assert "Who owns Mai Brewery?" not in s.engine.questions  # dropped from the queue, not scored late
+    finally:
+        s.close()
+
+
+def test_with_two_engine_workers_two_calls_run_at_once_and_each_scores_as_alone(served):
+    _, engine, *_ = served
+    s = _Held(engine.model_dir, engine_cls=CountingHeldEngine, engine_workers=2)
+    try:
+        requests = [prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS[:n], question=f"Who founded Mai Brewery {n}?")])
+                    for n in (1, 2, 3)]
+        calls = [s.call_in_thread(r) for r in requests]
+        # two calls inside the engine at once, the third queued behind them (one worker each)
+        _wait_until(lambda: s.engine.most == 2, "ran two calls at once")
+        depth = lambda: REGISTRY.get_sample_value("prorag_batcher_queue_depth", {"batcher": "prm"})  # noqa: E731
+        _wait_until(lambda: depth() == 1, "queued the third request")
+        assert s.engine.inside == 2
+        s.engine.release.set()
+        for t, _ in calls:
+            t.join()
+        plain = PRMEngine(engine.model_dir)
+        for r, (_, box) in zip(requests, calls):
+            alone = plain.score([ScoringItem(r.inputs[0].question, STEPS[:len(r.inputs[0].steps)])])[0][1]
+            assert list(box["ok"].results[0].scores) == pytest.approx(alone, abs=1e-5)
     finally:
         s.close()
