@@ -129,5 +129,7 @@ def update(run: RLRun, iteration: int, data: IterationData) -> dict | None:
     # each process of a launch accumulated its share of the micro-batches
     sums = dict(zip(_SUMMED, sum_over_processes(run.acc, [sums[key] for key in _SUMMED])))
     n = max(sums["tokens"], 1.0)
+    # trajectories whose zero advantage left them out of the forward passes (micro_batches)
+    skipped = sum(1 for s in data.samples if not adds_policy_gradient(s.advantages, s.loss_mask, run.cfg.kl_coef))
     return {"clip_fraction": sums["clip_fraction"] / n, "approx_kl": sums["approx_kl"] / n, "kl": sums["kl"] / n,
-            "update_s": time.monotonic() - t0}
+            "update_s": time.monotonic() - t0, "update_skipped": skipped}

@@ -308,6 +308,10 @@ def test_rl_with_a_question_pool_draws_only_its_questions(services, tmp_path, on
     journal = next((tmp_path / "rl-pool").rglob("rl-iterations.jsonl"))
     rows = [json.loads(line) for line in journal.read_text().splitlines()]
     drawn = [first[:2], first[2:3], first[3:]]
+    # outcome-only: a group whose rollouts all earned one reward has zero advantage, and its trajectories are left
+    # out of the update's forward passes (here one flat group of 4 an iteration)
+    assert [r["update_skipped"] for r in rows] == [r["groups_flat"] * 4 for r in rows]
+    assert any(r["update_skipped"] for r in rows)
     assert [r["start_f1_mean"] for r in rows] == pytest.approx(
         [sum(start_f1[q] for q in qs) / len(qs) for qs in drawn])
     asked.clear()

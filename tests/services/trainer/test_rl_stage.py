@@ -89,8 +89,9 @@ def test_each_iteration_publishes_pushes_and_samples_with_a_new_adapter_version(
         assert r["sampled"] == 2 * 4 == r["kept"] and r["dropped_stale"] == 0 and r["lag_max"] == 0
         assert r["prm_scored"] == r["kept"] and r["prm_version"]
         for key in ("reward_mean", "f1_mean", "format_valid_rate", "adv_std", "clip_fraction", "approx_kl",
-                    "rollout_s", "update_s", "push_s"):
+                    "rollout_s", "update_s", "push_s", "update_skipped"):
             assert key in r
+        assert 0 <= r["update_skipped"] <= r["kept"]
         assert 0.0 <= r["f1_mean"] <= 1.0 and r["trained_tokens"] > 0
         assert 0 <= r["deep_groups_uncredited"] <= min(r["groups_uncredited"], r["deep_groups"]) <= r["groups"] == 2
         if r["f1_mean"] == 0.0:
