@@ -1,10 +1,40 @@
-"""The RL update in length-sorted chunks: the same loss and gradient as one padded pass, with less padding."""
+"""The RL update in length-sorted chunks: the same loss and gradient as one padded pass, with less padding; and
+trajectories with zero advantage left out of the passes, with the same gradient."""
 
 import random
+from types import SimpleNamespace
 
 import torch
 
-from prorag.training.lora import RLSample, length_chunks
+from prorag.config import from_dict
+from prorag.modeling import load_policy
+from prorag.training.lora import RLSample, build_lora, collate_rl, length_chunks, rl_loss
+from services.trainer.rl_update import micro_batches, policy_loss
+from services.trainer.stage_rl import RLConfig
+
+
+def _lora_policy(model_dir, cfg):
+    """The tiny policy under a LoRA adapter whose B is drawn (it starts at zero): the adapter changes the outputs."""
+    torch.manual_seed(0)
+    model = build_lora(load_policy(model_dir, device="cpu", dtype="float32")[0], cfg)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)
+    return model
+
+
+def _samples(tok, n_samples: int, seed: int, flat_every: int = 0) -> list[RLSample]:
+    """Trajectories of random tokens, 20-120 long, ~60% generated; with flat_every k every k-th has advantage 0."""
+    rng = random.Random(seed)
+    samples = []
+    for i in range(n_samples):
+        n = rng.randint(20, 120)
+        gen = [0] + [int(rng.random() < 0.6) for _ in range(n - 1)]  # position 0 is the prompt
+        scale = 0.0 if flat_every and i % flat_every == 0 else None
+        samples.append(RLSample([rng.randrange(5, len(tok) - 1) for _ in range(n)], gen,
+                                [(rng.uniform(-1, 1) if scale is None else scale) * g for g in gen],
+                                [float(g) for g in gen], [rng.uniform(-3, -0.1) * g for g in gen]))
+    return samples
 
 
 def test_length_chunks_sort_by_length_and_bound_the_padding():
@@ -20,26 +50,10 @@ def test_length_chunks_sort_by_length_and_bound_the_padding():
 
 
 def test_chunked_update_has_the_loss_and_gradient_of_one_pass(tiny_policy):
-    from prorag.config import from_dict
-    from prorag.modeling import load_policy
-    from prorag.training.lora import build_lora, collate_rl, rl_loss
-    from services.trainer.stage_rl import RLConfig
-
     model_dir, tok = tiny_policy
-    torch.manual_seed(0)
     cfg = from_dict(RLConfig, {"base_model": str(model_dir), "lora_r": 4, "lora_alpha": 8})
-    model = build_lora(load_policy(model_dir, device="cpu", dtype="float32")[0], cfg)
-    for name, p in model.named_parameters():  # LoRA B starts at zero: give the adapter something to differ by
-        if "lora_B" in name:
-            p.data.normal_(0, 0.05)
-    rng = random.Random(0)
-    samples = []
-    for _ in range(9):
-        n = rng.randint(20, 120)
-        gen = [0] + [int(rng.random() < 0.6) for _ in range(n - 1)]  # position 0 is the prompt
-        samples.append(RLSample([rng.randrange(5, len(tok) - 1) for _ in range(n)], gen,
-                                [rng.uniform(-1, 1) * g for g in gen], [float(g) for g in gen],
-                                [rng.uniform(-3, -0.1) * g for g in gen]))
+    model = _lora_policy(model_dir, cfg)
+    samples = _samples(tok, 9, seed=0)
     pad = tok.pad_token_id
 
     def grads_of(chunks):
@@ -62,30 +76,11 @@ def test_chunked_update_has_the_loss_and_gradient_of_one_pass(tiny_policy):
 def test_trajectories_without_advantage_are_skipped_and_the_gradient_is_the_whole_batchs(tiny_policy):
     """Groups whose rollouts all earned one reward carry zero advantage: the update leaves them out of its forward
     passes, counts their tokens in the mean, and gets the gradient of the pass over every trajectory."""
-    from types import SimpleNamespace
-
-    from prorag.config import from_dict
-    from prorag.modeling import load_policy
-    from prorag.training.lora import build_lora, collate_rl, rl_loss
-    from services.trainer.rl_update import micro_batches, policy_loss
-    from services.trainer.stage_rl import RLConfig
-
     model_dir, tok = tiny_policy
-    torch.manual_seed(0)
     cfg = from_dict(RLConfig, {"base_model": str(model_dir), "lora_r": 4, "lora_alpha": 8, "mini_batches": 1,
                                "grad_accum": 2, "chunk_tokens": 240})
-    model = build_lora(load_policy(model_dir, device="cpu", dtype="float32")[0], cfg)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(0, 0.05)
-    rng = random.Random(1)
-    samples = []
-    for i in range(10):
-        n = rng.randint(20, 120)
-        gen = [0] + [int(rng.random() < 0.6) for _ in range(n - 1)]
-        scale = 0.0 if i % 3 == 0 else rng.uniform(-1, 1)  # every third trajectory: a flat group's, advantage 0
-        samples.append(RLSample([rng.randrange(5, len(tok) - 1) for _ in range(n)], gen, [scale * g for g in gen],
-                                [float(g) for g in gen], [rng.uniform(-3, -0.1) * g for g in gen]))
+    model = _lora_policy(model_dir, cfg)
+    samples = _samples(tok, 10, seed=1, flat_every=3)  # every third trajectory: a flat group's, advantage 0
     run = SimpleNamespace(cfg=cfg, tokenizer=tok, acc=None)
 
     def grads(loss_of):
