@@ -79,7 +79,7 @@ def resolve_model(cfg: PRMServeConfig):
 def engine_workers(cfg: PRMServeConfig, device: str) -> tuple[int, int]:
     """(engine calls at once, torch threads each) for ``device``: cfg.engine_workers, or its default, sharing the
     process's torch threads (OMP_NUM_THREADS, or the cores)."""
-    import torch
+    import torch  # here, as the engine's import below: the config module is read without torch (prorag serve --help)
 
     threads = torch.get_num_threads()
     workers = cfg.engine_workers or (1 if torch.device(device).type != "cpu" else max(1, min(threads, 4)))
@@ -139,7 +139,7 @@ async def start(serve: ServeConfig, cfg: PRMServeConfig | None = None, engine=No
     else:
         workers, threads = engine_workers(cfg, resolve(cfg).device)
         if workers > 1:  # each call's ops on its own threads: the calls share the cores, not oversubscribe them
-            import torch
+            import torch  # torch only where the service starts an engine (see engine_workers)
 
             torch.set_num_threads(threads)
         log.info("PRM engine: %d call(s) at once, %d torch thread(s) each", workers, threads)

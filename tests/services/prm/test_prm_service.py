@@ -400,9 +400,13 @@ def test_with_two_engine_workers_two_calls_run_at_once_and_each_scores_as_alone(
     try:
         requests = [prm_pb2.ScoreStepsRequest(inputs=[_input(STEPS[:n], question=f"Who founded Mai Brewery {n}?")])
                     for n in (1, 2, 3)]
-        calls = [s.call_in_thread(r) for r in requests]
-        # two calls inside the engine at once, the third queued behind them (one worker each)
+        # one at a time, so that two arriving together are not merged into one call: two calls inside the engine
+        # at once, the third queued behind them (one worker each)
+        calls = [s.call_in_thread(requests[0])]
+        _wait_until(lambda: s.engine.inside == 1, "ran the first call")
+        calls.append(s.call_in_thread(requests[1]))
         _wait_until(lambda: s.engine.most == 2, "ran two calls at once")
+        calls.append(s.call_in_thread(requests[2]))
         depth = lambda: REGISTRY.get_sample_value("prorag_batcher_queue_depth", {"batcher": "prm"})  # noqa: E731
         _wait_until(lambda: depth() == 1, "queued the third request")
         assert s.engine.inside == 2

@@ -11,12 +11,22 @@ The pure parts (the oracle's per-step logits, pool membership and counts) are te
 from __future__ import annotations
 
 import json
+import threading
+from types import SimpleNamespace
 
 import pytest
 
-from prorag.data.loaders import Document
+from prorag import paths
+from prorag.algorithms.rl import group_step_advantages, step_score_reference
+from prorag.config import from_dict
+from prorag.data.loaders import Document, load_split
+from prorag.errors import FailedPrecondition
+from prorag.rpc.clients import PolicyClient
 from prorag.training.context import local_context
 from prorag.trajectory import Step
+from services.trainer.stage_rl import (ORACLE_LOGIT, collect, oracle_step_logits, pool_questions, read_question_pool,
+                                       run_rl)
+from services.trainer.stage_rlpool import RLPoolConfig, learnable, pool_counts, run_rlpool
 from tests.search.test_judging import DOC1, Q  # the judging tests' two-hop question and its first document
 from tests.services.trainer.scripted_stack import scripted_stack
 from tests.services.trainer.test_rl_stage import RecordingGoldWalk, _config, _journal, _push_zero_adapter
@@ -31,8 +41,6 @@ DOC3 = Document(id="d3", title="Kest", text="Kest was founded by Aro Vell.", con
 
 # ---------------------------------------------------------------- the oracle, pure
 def test_oracle_logits_follow_the_reference_judge_step_by_step():
-    from services.trainer.stage_rl import ORACLE_LOGIT, oracle_step_logits
-
     sound = [Step("subquery", content="Who founded Mai Brewery?", docs=[DOC1]),
              Step("subanswer", content="Tova Lunn"),
              Step("subquery", content="Where was Tova Lunn born?", docs=[DOC2]),
@@ -54,9 +62,6 @@ def test_oracle_logits_follow_the_reference_judge_step_by_step():
 
 
 def test_oracle_scores_sit_on_the_prm_scale_and_the_process_term_prefers_sound_steps():
-    from prorag.algorithms.rl import group_step_advantages, step_score_reference
-    from services.trainer.stage_rl import oracle_step_logits
-
     # through the reference step score: sound 2, unsound but valid 1, invalid -2 (a sure PRM's extremes)
     good = [Step("subquery", content="Who founded Mai Brewery?", docs=[DOC1]), Step("subanswer", content="Tova Lunn")]
     bad = [Step("subquery", content="Who founded Kest?", docs=[DOC3]), Step("invalid", text="??")]
@@ -69,8 +74,6 @@ def test_oracle_scores_sit_on_the_prm_scale_and_the_process_term_prefers_sound_s
 
 # ---------------------------------------------------------------- the pool, pure
 def test_a_question_is_learnable_when_its_samples_are_neither_all_right_nor_all_wrong():
-    from services.trainer.stage_rlpool import learnable, pool_counts
-
     assert learnable([True] + [False] * 7) and learnable([True] * 7 + [False])
     assert not learnable([True] * 8) and not learnable([False] * 8) and not learnable([])
     rows = [{"hops": 1, "correct": [True, True]}, {"hops": 2, "correct": [True, False]},
@@ -83,11 +86,6 @@ def test_a_question_is_learnable_when_its_samples_are_neither_all_right_nor_all_
 
 
 def test_pool_questions_keep_the_splits_order_and_a_pool_of_another_split_is_refused(tmp_path):
-    from types import SimpleNamespace
-
-    from prorag.errors import FailedPrecondition
-    from services.trainer.stage_rl import pool_questions, read_question_pool
-
     qs = [SimpleNamespace(id=f"q{i}") for i in range(5)]
     assert [q.id for q in pool_questions(qs, ["q3", "q1", "zz"])] == ["q1", "q3"]
     path = tmp_path / "pool.json"
@@ -102,9 +100,6 @@ def test_pool_questions_keep_the_splits_order_and_a_pool_of_another_split_is_ref
 
 
 def test_pool_max_solve_rate_keeps_the_questions_the_agent_mostly_fails(tmp_path):
-    from prorag.errors import FailedPrecondition
-    from services.trainer.stage_rl import read_question_pool
-
     rates = {"q1": 0.125, "q2": 0.5, "q3": 0.625, "q4": 0.875, "q5": 0.0}  # q5: all wrong, not in the pool
     path = tmp_path / "pool.json"
     path.write_text(json.dumps({"world": "tiny", "split": "train", "pool": ["q1", "q2", "q3", "q4"],
@@ -120,9 +115,6 @@ def test_pool_max_solve_rate_keeps_the_questions_the_agent_mostly_fails(tmp_path
 
 
 def test_pool_max_greedy_f1_keeps_the_questions_greedy_decoding_does_not_answer_in_full(tmp_path):
-    from prorag.errors import FailedPrecondition
-    from services.trainer.stage_rl import read_question_pool
-
     figures = {"q1": (0.125, 0.0), "q2": (0.5, 1.0), "q3": (0.25, 0.5), "q4": (0.875, 0.4)}
     path = tmp_path / "pool.json"
     path.write_text(json.dumps({"world": "tiny", "split": "train", "pool": list(figures), "greedy": True,
@@ -147,11 +139,6 @@ def services(tmp_path_factory):
 
 
 def test_oracle_rl_needs_no_prm_service_and_scores_steps_by_the_judge(services, tmp_path, one_thread):
-    from prorag import paths
-    from prorag.rpc.clients import PolicyClient
-    from prorag.data.loaders import load_split
-    from services.trainer.stage_rl import collect, run_rl
-
     cfg = _config(services, step_scorer="oracle", prm=DEAD_PRM, service_wait_s=0.0)
     work = tmp_path / "rl-oracle"
     out = run_rl(local_context(work, cfg, stage="rl"))
@@ -184,26 +171,17 @@ def test_oracle_rl_needs_no_prm_service_and_scores_steps_by_the_judge(services, 
 
 
 def _pool_config(services, **kw):
-    from prorag.config import from_dict
-    from services.trainer.stage_rlpool import RLPoolConfig
-
     return from_dict(RLPoolConfig, {"world": "tiny", "max_questions": 6, "policy": services["policy"],
                                     "policy_model": services["base"], "samples": 4, "questions_per_request": 2,
                                     "max_step_tokens": 48, "max_steps": 6, "seed": 5, "tracking": "local", **kw})
 
 
 def _serve_base(services):
-    from prorag.rpc.clients import PolicyClient
-
     with PolicyClient(services["policy"]) as c:
         c.activate_adapter("", "")  # the served model itself, as the pipeline's fresh SFT policy serves
 
 
 def test_rlpool_writes_the_learnable_questions_and_resumes_from_its_journal(services, tmp_path, one_thread):
-    import threading
-
-    from services.trainer.stage_rlpool import learnable, run_rlpool
-
     _serve_base(services)
     cfg = _pool_config(services)
     work = tmp_path / "pool"
@@ -241,8 +219,6 @@ def test_rlpool_writes_the_learnable_questions_and_resumes_from_its_journal(serv
 
 
 def test_rlpool_with_greedy_records_each_candidates_greedy_answer(services, tmp_path, one_thread):
-    from services.trainer.stage_rlpool import run_rlpool
-
     _serve_base(services)
     engine = services["engine"]
     engine.sampling.clear()
@@ -263,10 +239,6 @@ def test_rlpool_with_greedy_records_each_candidates_greedy_answer(services, tmp_
 
 
 def test_rlpool_refuses_samples_from_an_adapter(services, tmp_path, one_thread):
-    from prorag.rpc.clients import PolicyClient
-    from prorag.errors import FailedPrecondition
-    from services.trainer.stage_rlpool import run_rlpool
-
     key = _push_zero_adapter(services, tmp_path, "pool-adapter")  # pushed and active
     try:
         with pytest.raises(FailedPrecondition, match="sampled with adapter"):
@@ -278,11 +250,6 @@ def test_rlpool_refuses_samples_from_an_adapter(services, tmp_path, one_thread):
 
 
 def test_rl_with_a_question_pool_draws_only_its_questions(services, tmp_path, one_thread, monkeypatch):
-    from prorag import paths
-    from prorag.rpc.clients import PolicyClient
-    from prorag.data.loaders import load_split
-    from services.trainer.stage_rl import run_rl
-
     train = load_split(paths.world_dir("tiny"), "train")
     picked = [train[1].id, train[4].id, train[6].id]
     path = tmp_path / "pool.json"
