@@ -228,11 +228,32 @@ def group_normalized(rewards: Sequence[float], eps: float = EPS) -> list[float]:
     g = len(rewards)
     if g == 0:
         return []
+    if max(rewards) == min(rewards):
+        # exactly 0, not the rounding of a mean (3 x 0.4 averages to 0.4000000000000001): a flat group then adds
+        # nothing to the update, which skips it (adds_policy_gradient)
+        return [0.0] * g
     mean = sum(rewards) / g
-    if g == 1:
-        return [0.0]
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (g - 1))
     return [(r - mean) / (std + eps) for r in rewards]
+
+
+def group_centered(rewards: Sequence[float]) -> list[float]:
+    """Dr. GRPO's outcome advantage (Liu et al. 2025, "Understanding R1-Zero-Like Training"): R_i - mean within one
+    group, not divided by the group's spread. rewards [G] -> [G].
+
+    Why it exists: with a graded reward (the answer's F1) a group whose rollouts nearly agree has a tiny spread, and
+    dividing by it blows a 0.1 F1 difference up to the size of a right-against-wrong one, so such questions steer the
+    update as much as the ones where the answer is really won or lost.
+
+    >>> [round(a, 3) for a in group_centered([1.0, 1.0, 1.0, 0.9])]
+    [0.025, 0.025, 0.025, -0.075]
+    >>> [round(a, 2) for a in group_normalized([1.0, 1.0, 1.0, 0.9])]
+    [0.5, 0.5, 0.5, -1.5]
+    """
+    if not rewards or max(rewards) == min(rewards):
+        return [0.0] * len(rewards)  # exactly, as in group_normalized
+    mean = sum(rewards) / len(rewards)
+    return [r - mean for r in rewards]
 
 
 def step_score_stats(step_scores: Sequence[Sequence[float]], step_weights: Sequence[Sequence[float]]
@@ -377,7 +398,29 @@ def group_step_advantages(rewards: Sequence[float], step_scores: Sequence[Sequen
     >>> [[round(a, 3) for a in ss] for ss in group_step_advantages([1.0, 0.0], None, [[3, 2], [4]], beta=0.3)]
     [[0.707, 0.707], [-0.707]]
     """
-    outcome = group_normalized(rewards, eps)
+    return _with_process_term(group_normalized(rewards, eps), step_scores, step_tokens, beta, normalization, eps,
+                              std_floor, scored)
+
+
+def centered_step_advantages(rewards: Sequence[float], step_scores: Sequence[Sequence[float]] | None,
+                             step_tokens: Sequence[Sequence[int]], beta: float, normalization: str = "token",
+                             eps: float = EPS, std_floor: float = 0.0,
+                             scored: Sequence[Sequence[bool]] | None = None) -> list[list[float]]:
+    """:func:`group_step_advantages` with Dr. GRPO's outcome term, :func:`group_centered` (R_i - mean, no division
+    by the group's spread); the process term is the same. Shapes as there.
+
+    >>> [[round(a, 3) for a in ss] for ss in centered_step_advantages([1.0, 0.5], None, [[3, 2], [4]], beta=0.3)]
+    [[0.25, 0.25], [-0.25]]
+    """
+    return _with_process_term(group_centered(rewards), step_scores, step_tokens, beta, normalization, eps, std_floor,
+                              scored)
+
+
+def _with_process_term(outcome: list[float], step_scores: Sequence[Sequence[float]] | None,
+                       step_tokens: Sequence[Sequence[int]], beta: float, normalization: str, eps: float,
+                       std_floor: float, scored: Sequence[Sequence[bool]] | None) -> list[list[float]]:
+    """outcome [G] + beta * process_advantages(step_scores) [G][S_i]; the process term dropped (every step gets its
+    rollout's outcome advantage) when beta = 0 or there are no step scores."""
     if beta == 0 or step_scores is None:
         process = [[0.0] * len(ns) for ns in step_tokens]
     else:
@@ -388,7 +431,9 @@ def group_step_advantages(rewards: Sequence[float], step_scores: Sequence[Sequen
 #: name -> one group's per-step advantage estimator, for configuration (RLConfig.advantage): called as
 #: f(rewards [G], step_scores [G][S_i] or None, step_tokens [G][S_i], beta, normalization, std_floor=, scored=)
 #: -> [G][S_i]. "grpo" is ProRAG's dual-granularity GRPO (outcome-only GRPO when beta = 0 or no step scores).
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., list[list[float]]]] = {"grpo": group_step_advantages}
+#: "dr_grpo" centres the outcome without dividing by the group's spread (Dr. GRPO).
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., list[list[float]]]] = {"grpo": group_step_advantages,
+                                                                     "dr_grpo": centered_step_advantages}
 
 
 def token_advantages(step_advantages: Sequence[float], spans: Sequence[StepSpan], length: int
@@ -478,8 +523,8 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
 
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "ANSWER_CREDIT_F1", "EPS", "OUTCOME_REWARDS", "POLICY_LOSSES", "PRM_CENTERINGS",
-           "adds_policy_gradient", "center_per_kind", "clipped_policy_loss", "credit_counts", "dpo_loss", "dual_granularity_advantages",
-           "group_normalized", "group_step_advantages", "hop_balanced_sample", "outcome_reward_f1",
+           "adds_policy_gradient", "center_per_kind", "centered_step_advantages", "clipped_policy_loss", "credit_counts", "dpo_loss", "dual_granularity_advantages",
+           "group_centered", "group_normalized", "group_step_advantages", "hop_balanced_sample", "outcome_reward_f1",
            "outcome_reward_paper", "outcome_reward_reference", "process_advantages", "reference_step_scores",
            "rft_keep", "rft_kept_steps", "rft_threshold", "step_loss_mask", "STEP_SCORES", "step_score_reference",
            "step_score_verdict", "step_score_stats", "step_weights", "token_advantages"]

@@ -297,7 +297,8 @@ def local_context(work_dir: str | Path, config: Any, emit: Callable[[dict], None
     would silently train the wrong thing. cancel / stop mean what they mean in the trainer: give up
     (no checkpoint) / checkpoint and return so a later call resumes.
     """
-    work = Path(work_dir)
+    # absolute: write_artifact reads a relative path as one inside the run dir, so a relative run dir joined twice
+    work = Path(work_dir).resolve()
     checkpoints = work / "checkpoints"
     identity = json.dumps(to_dict(config), sort_keys=True, default=str)
     stamp = work / "config.json"

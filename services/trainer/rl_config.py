@@ -135,7 +135,9 @@ class RLConfig(TrainRunConfig):
     advantage: str = cfg_field("grpo", help="per-step advantage estimator of each question's group "
                                             "(prorag.algorithms.rl.ADVANTAGE_ESTIMATORS): grpo = ProRAG's "
                                             "dual-granularity GRPO, the group-normalised outcome plus beta x the "
-                                            "normalised step score", choices=tuple(ADVANTAGE_ESTIMATORS))
+                                            "normalised step score; dr_grpo = the outcome centred in its group "
+                                            "but not divided by the group's spread (Dr. GRPO), the same process "
+                                            "term", choices=tuple(ADVANTAGE_ESTIMATORS))
     policy_loss: str = cfg_field("clipped", help="token-level policy loss of the update (prorag.algorithms.rl."
                                                  "POLICY_LOSSES): clipped = the PPO/GRPO clipped surrogate, token "
                                                  "mean, plus the k3 KL when kl_coef > 0", choices=tuple(POLICY_LOSSES))

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from prorag.algorithms.rl import (ADVANTAGE_ESTIMATORS, OUTCOME_REWARDS, POLICY_LOSSES, clipped_policy_loss, dpo_loss,
-                                  dual_granularity_advantages, group_normalized, group_step_advantages,
+from prorag.algorithms.rl import (ADVANTAGE_ESTIMATORS, OUTCOME_REWARDS, POLICY_LOSSES, centered_step_advantages,
+                                  clipped_policy_loss, dpo_loss, dual_granularity_advantages, group_centered,
+                                  group_normalized, group_step_advantages,
                                   outcome_reward_paper, outcome_reward_reference, process_advantages,
                                   step_score_reference, step_score_stats, token_advantages)
 from prorag.tokens import StepSpan
@@ -16,7 +17,7 @@ def test_advantage_estimators_and_policy_losses_are_chosen_by_name():
     from prorag.algorithms import lookup
     from prorag.errors import InvalidArgument
 
-    assert ADVANTAGE_ESTIMATORS == {"grpo": group_step_advantages}
+    assert ADVANTAGE_ESTIMATORS == {"grpo": group_step_advantages, "dr_grpo": centered_step_advantages}
     assert POLICY_LOSSES == {"clipped": clipped_policy_loss}
     with pytest.raises(InvalidArgument, match="unknown policy loss 'dpo' .known: clipped"):
         lookup(POLICY_LOSSES, "policy loss", "dpo")
@@ -43,7 +44,27 @@ def test_group_normalized_by_hand():
     # rewards 3, 1, 2: mean 2, sample std 1 -> (1, -1, 0) / (1 + 1e-4)
     assert group_normalized([3.0, 1.0, 2.0]) == pytest.approx([1 / 1.0001, -1 / 1.0001, 0.0])
     assert group_normalized([0.5, 0.5, 0.5]) == [0.0, 0.0, 0.0]  # no signal: no advantage
+    assert group_normalized([0.4, 0.4, 0.4]) == [0.0, 0.0, 0.0]  # exactly, though the mean rounds to 0.4000000000000001
     assert group_normalized([2.0]) == [0.0] and group_normalized([]) == []
+
+
+def test_group_centered_keeps_the_reward_scale():
+    # Dr. GRPO: R - mean, so a near-agreeing group's small F1 gap stays small where the spread would inflate it
+    assert group_centered([1.0, 0.0, 0.5]) == pytest.approx([0.5, -0.5, 0.0])
+    near = [1.0, 1.0, 1.0, 0.9]
+    assert group_centered(near) == pytest.approx([0.025, 0.025, 0.025, -0.075])
+    assert min(group_normalized(near)) < -1.4  # the spread-normalised one: as large as a win against a loss
+    assert group_centered([0.4] * 3) == [0.0] * 3 and group_centered([]) == []
+
+
+def test_dr_grpo_steps_add_the_same_process_term_as_grpo():
+    rewards, scores, tokens = [1.0, 0.0, 0.5], [[0.2, 0.9], [0.1], [0.6]], [[2, 3], [4], [1]]
+    grpo = group_step_advantages(rewards, scores, tokens, beta=0.3)
+    dr = centered_step_advantages(rewards, scores, tokens, beta=0.3)
+    outcome_g, outcome_d = group_normalized(rewards), group_centered(rewards)
+    for g, d, og, od in zip(grpo, dr, outcome_g, outcome_d):
+        assert [x - og for x in g] == pytest.approx([x - od for x in d])  # the process parts agree step by step
+    assert centered_step_advantages(rewards, None, tokens, beta=0.3) == [[0.5, 0.5], [-0.5], [0.0]]
 
 
 def test_process_advantages_token_weighted_vs_per_step():

@@ -229,3 +229,16 @@ def test_a_micro_batch_s_dropout_is_a_function_of_the_seed_and_its_index(tmp_pat
     a = train(tmp_path / "a", 3, 0)
     assert _same_weights(a, train(tmp_path / "b", 3, 7))
     assert not _same_weights(a, train(tmp_path / "c", 4, 0))
+
+
+def test_a_local_run_in_a_relative_directory_registers_its_artifacts(tmp_path, monkeypatch):
+    # `python -m services.trainer.launch sft cfg.json work` from a shell: a relative work dir had joined the run dir
+    # twice when the stage published, after the whole training
+    monkeypatch.chdir(tmp_path)
+    ctx = local_context("work", CFG)
+    with ctx.artifact_dir("model") as tmp:
+        (tmp / "weights.bin").write_bytes(b"w")
+    with ctx.artifact_file("metrics", "metrics.json") as tmp:
+        tmp.write_text("{}")
+    assert (tmp_path / "work" / "run" / "model" / "weights.bin").read_bytes() == b"w"
+    assert (tmp_path / "work" / "run" / "metrics.json").read_text() == "{}"
