@@ -26,6 +26,7 @@ from prorag.io import write_json
 from prorag.metrics import f1_score
 from prorag.rpc.clients import PolicyClient, push_adapter
 from prorag_app.pipeline import eval_options
+from prorag_app.profiles import PROFILES, RECIPE
 from prorag_app.run_tables import console
 from prorag_app.stack import ServiceStack
 from services.trainer.stage_rl import adapter_version, read_question_pool, select_questions
@@ -64,7 +65,9 @@ def question_sets(run: dict, n: int, seed: int = 0) -> dict[str, list]:
     pool_qs = select_questions(pool_qs, int(rl.get("min_hops", 0)), int(rl.get("max_questions", 0)))
     if not (paths.world_dir(world) / f"{DEV_DEEP_SPLIT}.jsonl").exists():
         # drawn only when missing: asking for another size would redraw the dev deep split (and the held-out one)
-        ensure_deep_split(paths.world_dir(world), max(n, 1), "dev")
+        # and the test deep split before it (when missing) at the size the run's profile reads it at
+        prof = PROFILES.get(str(run.get("profile", "")), RECIPE)
+        ensure_deep_split(paths.world_dir(world), max(n, 1), "dev", test_n=prof.deep_questions)
     unseen = load_split(paths.world_dir(world), DEV_DEEP_SPLIT)
 
     def draw(qs: list) -> list:

@@ -336,7 +336,7 @@ def deep_questions(world: str, prof: Profile) -> list:
     if not prof.deep_questions:
         return []
     n = (prof.dev_deep_questions or prof.deep_questions) if prof.eval_split == "dev" else prof.deep_questions
-    ensure_deep_split(paths.world_dir(world), n, prof.eval_split)
+    ensure_deep_split(paths.world_dir(world), n, prof.eval_split, test_n=prof.deep_questions)
     return load_split(paths.world_dir(world), DEEP_SPLITS[prof.eval_split])
 
 

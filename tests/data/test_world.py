@@ -337,19 +337,23 @@ def test_the_dev_deep_split_shares_nothing_with_the_test_one(world, tmp_path):
 
     out = tmp_path / "w"
     shutil.copytree(world["dir"], out)
-    # asked for first, the dev split draws (and writes) the test one of the same size before it
-    dev_path = ensure_deep_split(out, 10, "dev")
-    assert [q.question for q in load_split(out, DEV_DEEP_SPLIT)] == [r["question"] for r in
-                                                                    generate_deep_split(tiny(0), 10, dev=10)[2]]
-    assert len(load_split(out, DEEP_SPLIT)) == 10
+    # asked for first, the dev split draws (and writes) the test one before it, at the size given for the test one
+    with pytest.raises(InvalidArgument, match="give its size"):
+        ensure_deep_split(out, 10, "dev")  # no test size: nothing is guessed
+    dev_path = ensure_deep_split(out, 10, "dev", test_n=12)
+    assert [q.question for q in load_split(out, DEV_DEEP_SPLIT)] == [r["question"] for r in dev_rows]
+    assert len(load_split(out, DEEP_SPLIT)) == 12
     before = dev_path.stat().st_mtime_ns
     assert ensure_deep_split(out, 10, "dev") == dev_path and dev_path.stat().st_mtime_ns == before  # reused
-    # a test deep split rewritten with another size: the dev one is drawn again, after the new one
+    # a test run at that size afterwards redraws nothing (it used to draw the test split at the dev size, so the
+    # test run redrew it and with it the dev split under the same ids)
     ensure_deep_split(out, 12)
+    assert dev_path.stat().st_mtime_ns == before
+    # a test deep split rewritten with another size: the dev one is drawn again, after the new one
+    ensure_deep_split(out, 11)
     ensure_deep_split(out, 10, "dev")
-    assert [q.question for q in load_split(out, DEV_DEEP_SPLIT)] == [r["question"] for r in dev_rows]
-    from prorag.errors import InvalidArgument
-
+    assert [q.question for q in load_split(out, DEV_DEEP_SPLIT)] == [r["question"] for r in
+                                                                    generate_deep_split(tiny(0), 11, dev=10)[2]]
     with pytest.raises(InvalidArgument, match="no deep split for 'train'"):
         ensure_deep_split(out, 10, "train")
 

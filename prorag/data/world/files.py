@@ -157,15 +157,19 @@ def _drawn_after(out_dir: Path, split: str) -> list[int] | None:
     return [int(k) for k in after.read_text().split()] if after.exists() else None
 
 
-def ensure_deep_split(out_dir: str | Path, n: int, split: str = "test") -> Path:
+def ensure_deep_split(out_dir: str | Path, n: int, split: str = "test", test_n: int = 0) -> Path:
     """``{out_dir}/test_deep.jsonl`` with ``n`` questions of 3+ hops for a finished world (:func:`ensure_drawn_split`).
-    ``split="dev"``: ``dev_deep.jsonl``, drawn after the test deep split (as many questions as are on disk, or ``n``
-    when there is none yet, then written too), so that no dev question is a test one."""
+    ``split="dev"``: ``dev_deep.jsonl``, drawn after the test deep split (as many questions as are on disk, or
+    ``test_n`` when there is none yet, then written too), so that no dev question is a test one.
+
+    test_n is the size the test deep split will be read at, not the dev one's: a test split drawn at the dev size
+    is redrawn when a test run asks for its own size, and that redraws the dev split (and every split drawn after
+    it, the RL one among them) under the same ids, so dev figures measured before no longer name its questions."""
     from prorag.errors import InvalidArgument  # here: as above (grpc)
 
     if split not in DEEP_SPLITS:
         raise InvalidArgument(f"no deep split for {split!r}: one of {sorted(DEEP_SPLITS)}")
-    return ensure_drawn_split(out_dir, DEEP_SPLITS[split], n, {DEEP_SPLIT: n})
+    return ensure_drawn_split(out_dir, DEEP_SPLITS[split], n, {DEEP_SPLIT: n if split == "test" else test_n})
 
 
 def _check_reproduced(out_dir: Path, cfg: WorldConfig, w: dict, adding: str) -> None:
