@@ -491,6 +491,22 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from prorag_app.report import cross_run_difference
+
+    r = cross_run_difference(args.a.split(","), args.b.split(","), args.method_a, args.method_b or args.method_a,
+                             min_hops=args.min_hops)
+    if args.json:
+        print(json.dumps(r, sort_keys=True))
+        return 0
+    both = r["ci_seeds_questions"]
+    print(f"{r['a']} ({len(r['runs_a'])} run(s)) - {r['b']} ({len(r['runs_b'])} run(s)), {r['group']}, "
+          f"{r['n']} questions: {100 * r['f1_diff']:+.1f} F1 [{100 * r['ci'][0]:+.1f}, {100 * r['ci'][1]:+.1f}] "
+          + (f"(seeds then questions resampled: [{100 * both[0]:+.1f}, {100 * both[1]:+.1f}]) " if both else "")
+          + f"{100 * r['a_mean']:.1f} vs {100 * r['b_mean']:.1f}, wins/losses/ties {r['wins']}/{r['losses']}/{r['ties']}")
+    return 0
+
+
 def _add_health_parser(sub) -> None:
     h = sub.add_parser("health", help="check a service over the gRPC health protocol (exit 0 = SERVING); "
                                       "TLS and token from PRORAG_TLS_CA / PRORAG_TOKEN_FILE")
@@ -765,6 +781,18 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--html", default=None, help="folder of the HTML report, index.html (default: the first run's "
                                                   "report/, e.g. runs/latest/report); opens from disk, no server")
     rep.set_defaults(fn=cmd_report)
+
+    cmp_ = sub.add_parser("compare", help="one method of some `prorag run` directories against a method of others, "
+                                          "paired per question (what a dev choice reads: a setting's runs against "
+                                          "another's, seed by seed)")
+    cmp_.add_argument("a", help="run directories of side A, comma-separated (the i-th is paired with B's i-th)")
+    cmp_.add_argument("b", help="run directories of side B, as many as A")
+    cmp_.add_argument("--method-a", default="outcome_grpo", help="A's method (default: outcome_grpo)")
+    cmp_.add_argument("--method-b", default="", help="B's method (default: A's)")
+    cmp_.add_argument("--min-hops", type=int, default=3, help="only questions of at least this many hops (default 3, "
+                                                               "as the runs' comparisons)")
+    cmp_.add_argument("--json", action="store_true", help="print the figures as JSON")
+    cmp_.set_defaults(fn=cmd_compare)
     return p
 
 

@@ -51,6 +51,63 @@ def load_run(run_dir: str | Path) -> dict:
             "heldout": _predictions(run_dir / "heldout", results.get("methods", {}))}
 
 
+def check_same_questions(runs: list[dict], parts: tuple[str, ...] = ("records", "deep", "heldout")) -> None:
+    """InvalidArgument unless every question id the runs share names the same question in all of them. A world's
+    drawn splits (deep, held-out, RL) are redrawn under the same ids when a split drawn before them changes size
+    (prorag.data.world.ensure_drawn_split), so runs from either side of a redraw would otherwise be paired on
+    different questions. Records without their question text (older runs) are not checked."""
+    seen: dict[tuple[str, str], tuple[str, str]] = {}
+    clashes = []
+    for run in runs:
+        for part in parts:
+            for recs in run[part].values():
+                for q, rec in recs.items():
+                    text = rec.get("question")
+                    if text is None:
+                        continue
+                    first = seen.setdefault((part, q), (text, run["dir"]))
+                    if first[0] != text:
+                        clashes.append((q, first, (text, run["dir"])))
+    if clashes:
+        q, (a_text, a_dir), (b_text, b_dir) = clashes[0]
+        raise InvalidArgument(f"the runs read different questions under the same ids ({len(clashes)} answers, e.g. "
+                              f"{q}: {a_text!r} in {a_dir}, {b_text!r} in {b_dir}): the world's drawn splits were "
+                              "redrawn between them, so they cannot be paired; compare runs made on one draw")
+
+
+def cross_run_difference(a_dirs, b_dirs, method_a: str, method_b: str,
+                         min_hops: int = COMPARISON_MIN_HOPS) -> dict:
+    """Method A of the runs ``a_dirs`` minus method B of the runs ``b_dirs``, paired per question: what a choice made
+    on dev reads (one setting's runs against another's, or a method against SFT across runs). The i-th run of each
+    list is seed i of its side; the questions are those of at least ``min_hops`` hops that every run answered, its
+    split and its deep split, as `prorag run`'s comparisons read them. Returns prorag.evaluation.paired_difference's
+    figures with "a", "b" (method names), "runs_a", "runs_b" and "group"."""
+    a_dirs, b_dirs = [str(d) for d in a_dirs], [str(d) for d in b_dirs]
+    if not a_dirs or len(a_dirs) != len(b_dirs):
+        raise InvalidArgument(f"{len(a_dirs)} run(s) against {len(b_dirs)}: give as many on each side, at least one "
+                              "(the i-th of each is paired as seed i)")
+    loaded = {d: load_run(d) for d in dict.fromkeys(a_dirs + b_dirs)}
+    check_same_questions(list(loaded.values()))
+    hops: dict[str, int] = {}
+
+    def per_run(d: str, method: str) -> dict[str, float]:
+        run = loaded[d]
+        if method not in run["records"]:
+            raise InvalidArgument(f"{d} has no predictions of {method!r} (it has {sorted(run['records'])})")
+        out = {}
+        for part in ("records", "deep"):
+            for q, rec in run[part].get(method, {}).items():
+                hops[f"{part}/{q}"] = int(rec["hops"])
+                out[f"{part}/{q}"] = float(rec["f1"])
+        return out
+
+    per_question = {"a": [per_run(d, method_a) for d in a_dirs], "b": [per_run(d, method_b) for d in b_dirs]}
+    result = compare_methods(per_question, hops, [("a", "b")], min_hops=min_hops).get("a_vs_b")
+    if result is None:
+        raise InvalidArgument(f"no question of {min_hops}+ hops that every run answered with its method")
+    return {**result, "a": method_a, "b": method_b, "runs_a": a_dirs, "runs_b": b_dirs}
+
+
 def seed_averaged(runs: list[dict], method: str) -> list[dict]:
     """One record per question every run of ``method`` answered: EM/F1/acc averaged over those runs."""
     per_run = [r["records"][method] for r in runs if method in r["records"]]
@@ -206,6 +263,7 @@ def build_report(run_dirs, out_dir: str | Path, html_dir: str | Path | None = No
     runs = [load_run(d) for d in run_dirs]
     if not runs:
         raise InvalidArgument("no runs to report on")
+    check_same_questions(runs)
     betas = defaultdict(list)
     sweep_seed = _rl_seed(runs[0])
     for r in runs:  # ProRAG's 3+ hop F1 per beta, before the runs' methods are named by their beta

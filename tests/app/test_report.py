@@ -6,17 +6,20 @@ import json
 import pytest
 
 from prorag.errors import InvalidArgument
-from prorag_app.report import build_report
+from prorag_app.cli import main as cli_main
+from prorag_app.report import build_report, cross_run_difference
 
 
-def _run(root, name, f1s: dict, beta=0.3, world="default", job_ids=None, rl=None):
+def _run(root, name, f1s: dict, beta=0.3, world="default", job_ids=None, rl=None, draw=None):
     """A run directory as `prorag run` leaves it: results.json and each method's predictions.jsonl.
-    f1s: method -> [F1 per question]; question i has 1 + i % 4 hops."""
+    f1s: method -> [F1 per question]; question i has 1 + i % 4 hops; draw: the records carry question texts of
+    that draw of the split (None: no texts, as older runs)."""
     d = root / name
     for method, values in f1s.items():
         (d / method).mkdir(parents=True)
         rows = [{"id": f"q{i}", "hops": 1 + i % 4, "type": "compositional", "f1": f, "em": float(f == 1.0),
-                 "acc": float(f == 1.0)} for i, f in enumerate(values)]
+                 "acc": float(f == 1.0), **({"question": f"question {i} of draw {draw}"} if draw is not None else {})}
+                for i, f in enumerate(values)]
         (d / method / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     results = {"world": world, "methods": {m: {} for m in f1s},
                "stage34": {"settings": {"beta": beta, "rl": rl or {}}, "jobs": job_ids or {}}}
@@ -233,3 +236,51 @@ def test_the_report_says_whether_its_stage_2_4_figures_are_a_demonstration_or_th
     (run / "results.json").write_text(json.dumps({**results, "profile": "default"}))
     report = build_report([run], tmp_path / "out")
     assert "demonstrations" in report["budget"] and report["budget"] in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_cross_run_difference_pairs_each_side_s_runs_as_seeds(tmp_path):
+    n = 40  # questions 2, 3, 6, 7, ... have 3+ hops: 20 of them
+    deep = [i for i in range(n) if 1 + i % 4 >= 3]
+    a1 = _run(tmp_path, "a1", {"sft": [0.0] * n, "outcome_grpo": [1.0] * n}, draw=0)
+    a2 = _run(tmp_path, "a2", {"sft": [0.0] * n, "outcome_grpo": [0.5] * n}, draw=0)
+    b1 = _run(tmp_path, "b1", {"sft": [0.0] * n, "outcome_grpo": [0.5 if i in deep[:10] else 0.0 for i in range(n)]},
+              draw=0)
+    b2 = _run(tmp_path, "b2", {"sft": [0.0] * n, "outcome_grpo": [0.0] * n}, draw=0)
+    r = cross_run_difference([a1, a2], [b1, b2], "outcome_grpo", "outcome_grpo")
+    # per question, A's seeds average 0.75; B's 0.25 on half the 3+ hop questions, 0 on the others
+    assert (r["n"], r["seeds"]) == (20, 2) and r["f1_diff"] == pytest.approx(0.75 - 0.125)
+    assert (r["a_mean"], r["b_mean"]) == (pytest.approx(0.75), pytest.approx(0.125))
+    assert r["wins"] == 20 and r["ci"][0] > 0 and r["ci_seeds_questions"] is not None
+    # a method against another across runs: A's RL against B's SFT, one seed
+    one = cross_run_difference([a1], [b1], "outcome_grpo", "sft", min_hops=1)
+    assert (one["n"], one["f1_diff"], one["ci_seeds_questions"]) == (40, 1.0, None)
+    assert (one["a"], one["b"], one["runs_a"]) == ("outcome_grpo", "sft", [str(a1)])
+
+
+def test_cross_run_difference_refuses_what_cannot_be_paired(tmp_path):
+    a = _run(tmp_path, "a", {"sft": [0.0] * 8}, draw=0)
+    redrawn = _run(tmp_path, "redrawn", {"sft": [1.0] * 8}, draw=1)
+    with pytest.raises(InvalidArgument, match="1 run.s. against 2"):
+        cross_run_difference([a], [a, a], "sft", "sft")
+    with pytest.raises(InvalidArgument, match="no predictions of 'outcome_grpo'"):
+        cross_run_difference([a], [a], "outcome_grpo", "sft")
+    # the same ids naming other questions: a world whose drawn splits were redrawn between the runs
+    with pytest.raises(InvalidArgument, match=r"different questions under the same ids \(8 answers, e.g. q0: "
+                                              r"'question 0 of draw 0'"):
+        cross_run_difference([a], [redrawn], "sft", "sft")
+    with pytest.raises(InvalidArgument, match="different questions under the same ids"):
+        build_report([a, redrawn], tmp_path / "out")
+
+
+def test_prorag_compare_prints_the_paired_difference(tmp_path, capsys):
+    n = 8
+    a = _run(tmp_path, "a", {"outcome_grpo": [1.0] * n}, draw=0)
+    b = _run(tmp_path, "b", {"outcome_grpo": [0.0] * n}, draw=0)
+    assert cli_main(["compare", str(a), str(b), "--min-hops", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "outcome_grpo (1 run(s)) - outcome_grpo (1 run(s)), 1+ hops, 8 questions: +100.0 F1" in out
+    assert "wins/losses/ties 8/0/0" in out
+    assert cli_main(["compare", str(a), str(b), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["n"] == 4  # questions 2, 3, 6, 7 have 3+ hops
+    assert cli_main(["compare", str(a), f"{a},{b}"]) == 2  # a caller's mistake: said, no traceback
+    assert "give as many on each side" in capsys.readouterr().err
