@@ -492,7 +492,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from prorag_app.report import cross_run_difference
+    from prorag_app.report import cross_run_difference  # in the handler, as every command's (module docstring)
 
     r = cross_run_difference(args.a.split(","), args.b.split(","), args.method_a, args.method_b or args.method_a,
                              min_hops=args.min_hops)
