@@ -145,7 +145,8 @@ def cmd_base(args) -> int:
     and SFT starts from when no other model is given."""
     from prorag_app.embedded import ensure_policy_model
 
-    print(ensure_policy_model(args.world))
+    # stdout is the directory alone (scripts read it); where the base came from goes to stderr
+    print(ensure_policy_model(args.world, source=args.source, say=lambda line: print(line, file=sys.stderr)))
     return 0
 
 
@@ -600,6 +601,10 @@ def build_parser() -> argparse.ArgumentParser:
     bp = sub.add_parser("base", help="build the embedded base policy of a world (resumes if interrupted); "
                                      "prints its directory")
     bp.add_argument("--world", default="default")
+    bp.add_argument("--source", choices=("shipped", "build"), default="shipped",
+                    help="shipped: install the base shipped with the code for this world when it is the one the "
+                         "defaults build, else warm one up; build: always warm one up here (replaces an installed "
+                         "shipped base)")
     bp.set_defaults(fn=cmd_base)
 
     s = sub.add_parser("serve", help="start one service")

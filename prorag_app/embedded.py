@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 from prorag import paths
 from prorag.config import from_dict
 from prorag.data.world import WorldConfig, build_world
-from prorag.io import write_json
+from prorag.errors import InvalidArgument
+from prorag.io import atomic_dir, sha256_file, write_json
 from prorag.progress import progress_bars
 from prorag.training.context import local_context
 from services.retriever.encoders import EncoderConfig
@@ -88,40 +91,124 @@ DEFAULT_WARMUP = {"tiny": {"copy_steps": 6, "sentence_steps": 2, "document_steps
                               "paraphrase_steps": 150, "copy_final_steps": 200}}
 
 
+#: where a base comes from when one is missing: "shipped" installs the base shipped with this code for the world
+#: (:data:`SHIPPED_BASES`) when it is the one that would be built, else builds it; "build" always warms one up here
+BASE_SOURCES = ("shipped", "build")
+#: bases trained by this code and shipped with it, one directory per world: what a hub checkpoint is to a GPU
+#: deployment. Why: the default world's warm-up takes ~11 of `make run`'s minutes on 2 cores, and its outcome is a
+#: draw that the CPU changes (an Intel machine's base gave an agent of 15-25 F1 where this one's reaches 62 on
+#: test; docs/BENCHMARKS.md), so a shipped base makes `make run` shorter and its agent the same on every machine.
+#: Each directory holds the base's files and provenance.json (spec, world fingerprint, sha256 per file, how and
+#: where it was built); scripts/ship_base.py writes it.
+SHIPPED_BASES = Path(__file__).resolve().parent / "bases"
+PROVENANCE = "provenance.json"
+#: written beside an installed shipped base, so that asking for a base built here replaces it
+SHIPPED_MARKER = "shipped.json"
+#: the world files a base is built from: the tokenizer's texts and the warm-up's documents and facts
+BASE_WORLD_FILES = ("corpus.jsonl", "train.jsonl", "dev.jsonl")
+
+
+def world_fingerprint(world: str) -> str:
+    """sha256 over the world files a base is built from (:data:`BASE_WORLD_FILES`): two builds of a world with
+    the same fingerprint give the tokenizer and the warm-up the same text."""
+    h = hashlib.sha256()
+    for name in BASE_WORLD_FILES:
+        h.update(f"{name}\0{sha256_file(paths.world_dir(world) / name)}\n".encode())
+    return h.hexdigest()
+
+
+def base_spec(world: str, size: str, preset: str | None = None, vocab_size: int | None = None, seed: int = 0,
+              warmup: dict | None = None) -> dict:
+    """What a base is built from (the marker embedded.json holds): the world, the model's shape, the tokenizer's
+    version and the warm-up, with the defaults of the world's ``size`` for what is not given."""
+    from prorag.modeling import WarmupConfig, model_config  # torch: only a base needs it, not a world or its indexes
+
+    default_preset, default_vocab = DEFAULT_POLICY.get(size, ("cpu", 8192))
+    preset = preset or default_preset
+    wcfg = from_dict(WarmupConfig, warmup if warmup is not None else DEFAULT_WARMUP.get(size, {}))
+    return {"world": world, "preset": preset, "model": asdict(model_config(preset)),
+            "vocab_size": vocab_size or default_vocab, "seed": seed, "warmup": asdict(wcfg),
+            "tokenizer": TOKENIZER_VERSION}
+
+
+def shipped_base(world: str, spec: dict) -> tuple[Path | None, str]:
+    """(the base shipped for ``world`` when it is the one ``spec`` would build from this world's files, else None;
+    why not, for a person: "" when there is none to speak of)."""
+    src = SHIPPED_BASES / world
+    if not (src / PROVENANCE).is_file():
+        return None, ""
+    prov = json.loads((src / PROVENANCE).read_text())
+    if prov["spec"] != spec:
+        changed = sorted(k for k in {*spec, *prov["spec"]} if spec.get(k) != prov["spec"].get(k))
+        return None, f"the base shipped in {src} was built with other settings ({', '.join(changed)})"
+    if prov["world_fingerprint"] != world_fingerprint(world):
+        return None, (f"the base shipped in {src} was built from other {world!r} world files "
+                      f"({', '.join(BASE_WORLD_FILES)} differ)")
+    for name, digest in prov["files"].items():
+        if not (src / name).is_file() or sha256_file(src / name) != digest:
+            return None, f"{src / name} is missing or does not match its recorded sha256 (a damaged checkout?)"
+    return src, ""
+
+
+def install_shipped_base(src: Path, out: Path) -> dict:
+    """Copy the shipped base ``src`` into ``out`` in one atomic step; returns its provenance."""
+    prov = json.loads((src / PROVENANCE).read_text())
+    with atomic_dir(out) as tmp:
+        for name in prov["files"]:
+            shutil.copyfile(src / name, tmp / name)  # not its mode: the checkout's may be private
+        write_json(tmp / "embedded.json", prov["spec"])
+        write_json(tmp / SHIPPED_MARKER, prov)
+    return prov
+
+
 def ensure_policy_model(world: str = "default", preset: str | None = None, vocab_size: int | None = None,
-                        seed: int = 0, warmup: dict | None = None, progress=None, variant: str = "") -> Path:
+                        seed: int = 0, warmup: dict | None = None, progress=None, variant: str = "",
+                        source: str = "shipped", say: Callable[[str], None] = print) -> Path:
     """The embedded policy: a BPE tokenizer trained on the world's corpus, questions and the format's
     text (plus its special tokens), and a Qwen3-architecture model warmed up from random init with the
     copy task and reading curriculum (prorag.modeling.WarmupConfig; ``warmup`` overrides it,
     {"copy_steps": 0, ...} turns phases off), saved in HF format. Rebuilt when any setting changes.
     variant: build into :func:`policy_base_dir` (world, variant) instead of the world's default base.
+    source: "shipped" installs the base shipped for the world when it is the one these settings would build from
+    this world's files (:func:`shipped_base`), "build" warms one up here (and replaces an installed shipped one).
     progress(stage, done, total) reports the warm-up, which is the trainer's `warmup` stage run in this
-    process: its checkpoints are kept beside the base until it is done, so a killed build resumes."""
-    # torch: only building the base needs it, not the world or its indexes
-    from prorag.modeling import WarmupConfig, model_config
-    from services.trainer.stage_warmup import WarmupStageConfig, run_warmup
+    process: its checkpoints are kept beside the base until it is done, so a killed build resumes.
+    say: where a line about the shipped base goes."""
+    from services.trainer.stage_warmup import WarmupStageConfig, run_warmup  # torch: as in base_spec
 
+    if source not in BASE_SOURCES:
+        raise InvalidArgument(f"base source {source!r}: expected one of {', '.join(BASE_SOURCES)}")
     out = policy_base_dir(world, variant)
     marker = out / "embedded.json"
-    if preset is None and vocab_size is None and warmup is None and marker.exists() \
+    usable = marker.exists() and (source == "shipped" or not (out / SHIPPED_MARKER).exists())
+    if preset is None and vocab_size is None and warmup is None and usable \
             and json.loads(marker.read_text()).get("tokenizer") == TOKENIZER_VERSION:
         return out  # whatever current base exists is the one services and jobs share
     size = ensure_world(world)["size"]  # the defaults follow the world's size, whatever its name
-    default_preset, default_vocab = DEFAULT_POLICY.get(size, ("cpu", 8192))
-    preset = preset or default_preset
-    vocab_size = vocab_size or default_vocab
-    wcfg = from_dict(WarmupConfig, warmup if warmup is not None else DEFAULT_WARMUP.get(size, {}))
-    want = {"world": world, "preset": preset, "model": asdict(model_config(preset)), "vocab_size": vocab_size,
-            "seed": seed, "warmup": asdict(wcfg), "tokenizer": TOKENIZER_VERSION}
-    if marker.exists() and json.loads(marker.read_text()) == want:
+    want = base_spec(world, size, preset, vocab_size, seed, warmup)
+    if usable and json.loads(marker.read_text()) == want:
         return out
-    cfg = from_dict(WarmupStageConfig, {"world": world, "preset": preset, "vocab_size": vocab_size, "seed": seed,
-                                        "warmup": asdict(wcfg), "output": str(out)})
+    if source == "shipped" and not variant:
+        src, why = shipped_base(world, want)
+        if src is not None:
+            prov = install_shipped_base(src, out)
+            say(f"base policy: installed the one shipped for world {world!r} (built by `{prov['built']['command']}` "
+                f"at {prov['built']['commit'][:10]} on {prov['built']['machine']}); `--set base_source=build` "
+                "warms one up here instead")
+            return out
+        if why:
+            say(f"base policy: {why}, so it is warmed up here")
+    cfg = from_dict(WarmupStageConfig, {"world": world, "preset": want["preset"], "vocab_size": want["vocab_size"],
+                                        "seed": seed, "warmup": want["warmup"], "output": str(out)})
 
     def emit(event: dict) -> None:
         if progress and event.get("loss") is not None:
             progress("warm up base policy", event["step"], event["total_steps"])
 
+    # a base this build replaces stops being one before the build writes into its directory, so a build killed
+    # half way is never taken for it
+    for stale in (marker, out / SHIPPED_MARKER):
+        stale.unlink(missing_ok=True)
     work = out.with_name(f".{out.name}.build")  # a dot name: model listings skip it
     run_warmup(local_context(work, cfg, emit=emit if progress else None, stage="warmup"))
     write_json(marker, want)

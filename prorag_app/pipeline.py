@@ -375,7 +375,8 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
         ensure_indexes(world)
         with progress_bars() as progress:
             base = ensure_policy_model(world, preset=prof.model_preset, vocab_size=prof.vocab_size,
-                                       progress=progress, warmup=prof.base_warmup, variant=prof.base_variant)
+                                       progress=progress, warmup=prof.base_warmup, variant=prof.base_variant,
+                                       source=prof.base_source, say=console.print)
     run_dir = new_run_dir(f"run-{profile.replace('/', '-')}" + ("-dev" if prof.eval_split == "dev" else ""))
     test = load_split(paths.world_dir(world), prof.eval_split)
     eval_qs = test[:prof.eval_questions] if prof.eval_questions else test

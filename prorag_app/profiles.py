@@ -18,6 +18,7 @@ from prorag.errors import InvalidArgument
 from prorag.methods import base_method, get_method
 from prorag.modeling import WarmupConfig
 from prorag.search.mcts import MCTSConfig
+from prorag_app.embedded import BASE_SOURCES
 from prorag_app.stage_settings import Stage2Settings, Stage34Settings
 from services.trainer.stage_dpo import DPOConfig
 from services.trainer.stage_mcts import MCTSStageConfig
@@ -45,6 +46,9 @@ class Profile:
     methods: tuple[str, ...] = ("no_retrieval", "standard_rag", "sft")
     base_warmup: dict | None = None  # base warm-up (WarmupConfig overrides); None = the world's default base
     base_variant: str = ""           # directory suffix of a base other than the world's default
+    #: where a missing base comes from (prorag_app.embedded.BASE_SOURCES): "shipped" installs the base shipped for
+    #: the world when it is the one these settings build, else warms one up; "build" always warms one up here
+    base_source: str = "shipped"
     method_sft: dict = field(default_factory=dict)  # {method: SFT settings on top of ``sft`` for that method only}
     stage2: dict | None = None  # MCTS, judging, PRM and its validation (stage_settings.Stage2Settings); None = off
     stage34: dict | None = None  # RFT, ProRAG's RL and outcome-only GRPO (stage_settings.Stage34Settings)
@@ -67,6 +71,8 @@ class Profile:
     eval_split: str = "test"
 
     def __post_init__(self) -> None:
+        if self.base_source not in BASE_SOURCES:
+            raise InvalidArgument(f"base_source {self.base_source!r}: expected one of {', '.join(BASE_SOURCES)}")
         for m in self.methods:
             method = get_method(m)
             if method.reader and method.reader not in self.methods:

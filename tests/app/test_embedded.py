@@ -1,8 +1,24 @@
-"""The embedded-default builder: worlds are used as they were built, defaults follow a world's size."""
+"""The embedded-default builder: worlds are used as they were built, defaults follow a world's size, and a base
+shipped with the code is installed only when it is the one that would be built."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import importlib.util
 import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from prorag.errors import InvalidArgument
+from prorag.io import sha256_file
+from prorag.registry import weights_sha256
+from prorag_app import embedded
+from prorag_app.cli import build_parser, main
+from prorag_app.profiles import PROFILES
+from services.trainer import stage_warmup
 
 
 def test_a_world_built_with_another_seed_is_used_as_built_not_rebuilt(tmp_path, monkeypatch):
@@ -33,3 +49,111 @@ def test_the_cli_names_an_unknown_model_without_a_traceback(tmp_path, monkeypatc
 
     assert main(["eval", "--world", "tiny", "--model", "nope@v1"]) == 2
     assert "nope@v1 is not published" in capsys.readouterr().err
+
+
+# --- the shipped base (prorag_app.embedded.SHIPPED_BASES) ---------------------------------------------------------
+
+SHIP_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ship_base.py"
+
+
+def ship_script():
+    spec = importlib.util.spec_from_file_location("prorag_ship_base_script", SHIP_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_shipped_default_base_is_what_the_defaults_build_and_its_files_are_intact():
+    """A change of the default world's preset, vocabulary, warm-up or tokenizer version must ship a new base (or
+    drop it): otherwise `make run` silently warms one up again."""
+    shipped = embedded.SHIPPED_BASES / "default"
+    prov = json.loads((shipped / embedded.PROVENANCE).read_text())
+    assert prov["spec"] == embedded.base_spec("default", "default"), "re-ship: python scripts/ship_base.py"
+    assert {p.name for p in shipped.iterdir()} == {*prov["files"], embedded.PROVENANCE}
+    for name, digest in prov["files"].items():
+        assert sha256_file(shipped / name) == digest, name
+    assert prov["built"]["commit"] and prov["built"]["machine"]
+
+
+@pytest.fixture
+def tiny_shipped(tmp_path, monkeypatch):
+    """A tiny world's base built here, shipped by scripts/ship_base.py into a temporary SHIPPED_BASES, and the
+    built copy removed: what a fresh clone of the default world sees. Yields (shipped dir, warm-up calls)."""
+    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
+    monkeypatch.setattr(embedded, "SHIPPED_BASES", tmp_path / "bases")
+    script = ship_script()
+    monkeypatch.setattr(script, "SHIPPED_BASES", tmp_path / "bases")
+    built = embedded.ensure_policy_model("tiny", source="build")
+    assert script.main(["--world", "tiny", "--command", "pytest", "--commit", "abc1234", "--machine", "here",
+                        "--date", "2026-11-30"]) == 0
+    built_sha = weights_sha256(built)
+    shutil.rmtree(built)
+    calls = []
+    real = stage_warmup.run_warmup
+    monkeypatch.setattr(stage_warmup, "run_warmup", lambda ctx: calls.append(ctx) or real(ctx))
+    yield tmp_path / "bases" / "tiny", built_sha, calls
+
+
+def test_a_matching_shipped_base_is_installed_without_a_warm_up(tiny_shipped):
+    shipped, built_sha, calls = tiny_shipped
+    said = []
+    out = embedded.ensure_policy_model("tiny", say=said.append)
+    assert calls == [] and weights_sha256(out) == built_sha
+    assert json.loads((out / "embedded.json").read_text()) == embedded.base_spec("tiny", "tiny")
+    assert json.loads((out / embedded.SHIPPED_MARKER).read_text())["built"]["commit"] == "abc1234"
+    assert "installed the one shipped" in said[0] and "abc1234" in said[0]
+    # installed once: asked again, nothing is copied or built
+    assert embedded.ensure_policy_model("tiny", say=said.append) == out and len(said) == 1 and calls == []
+
+
+def test_asking_for_a_base_built_here_replaces_an_installed_shipped_one(tiny_shipped):
+    shipped, built_sha, calls = tiny_shipped
+    out = embedded.ensure_policy_model("tiny")
+    assert (out / embedded.SHIPPED_MARKER).exists()
+    embedded.ensure_policy_model("tiny", source="build")
+    assert len(calls) == 1 and not (out / embedded.SHIPPED_MARKER).exists()
+    assert json.loads((out / "embedded.json").read_text()) == embedded.base_spec("tiny", "tiny")
+    # the default lookup (services, `prorag up`) takes the built one as it is
+    assert embedded.ensure_policy_model("tiny") == out and len(calls) == 1
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("weights", "does not match its recorded sha256"),
+    ("world", "built from other 'tiny' world files"),
+    ("settings", "built with other settings (warmup)"),
+])
+def test_a_shipped_base_that_is_not_the_one_asked_for_is_named_and_a_base_is_built(tiny_shipped, damage, reason):
+    shipped, built_sha, calls = tiny_shipped
+    warmup = None
+    if damage == "weights":
+        with open(shipped / "model.safetensors", "r+b") as fh:
+            fh.seek(-8, 2)
+            fh.write(b"\0" * 8)
+    elif damage == "world":
+        prov = json.loads((shipped / embedded.PROVENANCE).read_text())
+        prov["world_fingerprint"] = "0" * 64
+        (shipped / embedded.PROVENANCE).write_text(json.dumps(prov))
+    else:
+        warmup = {**embedded.DEFAULT_WARMUP["tiny"], "copy_steps": 3}
+    said = []
+    out = embedded.ensure_policy_model("tiny", warmup=warmup, say=said.append)
+    assert len(calls) == 1 and not (out / embedded.SHIPPED_MARKER).exists()
+    assert reason in said[0] and "warmed up here" in said[0]
+
+
+def test_an_unknown_base_source_is_refused():
+    with pytest.raises(InvalidArgument, match="base source 'hub'"):
+        embedded.ensure_policy_model("tiny", source="hub")
+    with pytest.raises(InvalidArgument, match="base_source 'hub'"):
+        dataclasses.replace(PROFILES["tiny"], base_source="hub")
+
+
+def test_prorag_base_offers_the_base_sources_and_prints_only_the_directory(tiny_shipped, capsys):
+    """The CLI keeps its parser free of the builder's imports, so its choices are written out: they must stay the
+    builder's."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    source = next(a for a in sub.choices["base"]._actions if a.dest == "source")
+    assert tuple(source.choices) == embedded.BASE_SOURCES and source.default == "shipped"
+    assert main(["base", "--world", "tiny"]) == 0
+    out, err = capsys.readouterr()
+    assert Path(out.strip()) == embedded.policy_base_dir("tiny") and "installed the one shipped" in err
