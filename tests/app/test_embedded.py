@@ -8,6 +8,9 @@ import dataclasses
 import importlib.util
 import json
 import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -157,3 +160,34 @@ def test_prorag_base_offers_the_base_sources_and_prints_only_the_directory(tiny_
     assert main(["base", "--world", "tiny"]) == 0
     out, err = capsys.readouterr()
     assert Path(out.strip()) == embedded.policy_base_dir("tiny") and "installed the one shipped" in err
+
+
+def test_the_wheel_carries_the_shipped_base(tmp_path):
+    """Images install the project as a wheel (scripts/docker/build_venv.sh), so their `prorag setup` installs the
+    shipped base only if the wheel holds it (pyproject.toml's package-data)."""
+    root = Path(__file__).resolve().parents[2]
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    for pkg in ("prorag", "prorag_app", "services"):
+        shutil.copytree(root / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "wheel"), str(src)], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "wheel").glob("prorag-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = [p for p in embedded.SHIPPED_BASES.glob("*/*") if p.is_file()]
+    assert shipped
+    for p in shipped:
+        assert f"prorag_app/bases/{p.parent.name}/{p.name}" in names
+
+
+def test_ship_base_refuses_an_installed_shipped_base_and_one_built_with_other_settings(tiny_shipped, capsys,
+                                                                                      monkeypatch):
+    script = ship_script()
+    monkeypatch.setattr(script, "SHIPPED_BASES", embedded.SHIPPED_BASES)
+    args = ["--world", "tiny", "--command", "pytest", "--commit", "abc1234", "--machine", "here", "--date", "today"]
+    embedded.ensure_policy_model("tiny")  # the shipped one, installed
+    assert script.main(args) == 2 and "installed shipped base" in capsys.readouterr().err
+    embedded.ensure_policy_model("tiny", warmup={**embedded.DEFAULT_WARMUP["tiny"], "copy_steps": 3})
+    assert script.main(args) == 2 and "not built with the current defaults" in capsys.readouterr().err
