@@ -24,6 +24,17 @@ from services.trainer.stages import get_stage, known_stages, resolve_inputs, wor
 log = logging.getLogger("prorag.trainer.jobs")
 
 
+def queued_message(ahead: list[Job], workers: int) -> str:
+    """A new job's first event: "queued", naming what it waits behind when every worker is taken, so a run whose
+    job does not start says why (e.g. an unfinished job of an earlier run, resumed when this trainer started)."""
+    running = sum(j.state is JobState.RUNNING for j in ahead)
+    if running < workers and len(ahead) == running:  # a free worker and nobody queued before it
+        return "queued"
+    names = ", ".join(f"{j.job_id} ({j.stage}, {j.state.value.lower()})" for j in ahead[:3])
+    more = f" and {len(ahead) - 3} more" if len(ahead) > 3 else ""
+    return f"queued behind {names}{more}: the trainer runs {workers} job(s) at a time"
+
+
 class JobManager:
     """Accepts, persists and runs jobs, ``parallel_jobs`` at a time in FIFO order; thread-safe; used by the
     gRPC servicer. What it returns are snapshots: later changes of a job do not reach them.
@@ -190,7 +201,7 @@ class JobManager:
                       inputs=inputs, run_dir=str(self.store.run_dir(job_id).resolve()),
                       checkpoint_dir=str(self.store.checkpoint_dir(job_id).resolve()), created_at=ts, updated_at=ts,
                       last_seq=1)
-            first = job.event(seq=1, message="queued")
+            first = job.event(seq=1, message=queued_message(self._ahead(), self.parallel_jobs))
             self.store.create(job, first)
             self.ledger.add(job, [first])
             self._cancel[job_id] = threading.Event()
@@ -284,6 +295,11 @@ class JobManager:
     def state_counts(self) -> dict[JobState, int]:
         """Jobs per state (what /metrics shows); empty before the store is loaded."""
         return self.ledger.counts()
+
+    def _ahead(self) -> list[Job]:
+        """The jobs a new one waits behind: the running ones, then the queue in its order (caller holds the lock)."""
+        running = [j for j in self.ledger.jobs() if j.state is JobState.RUNNING]
+        return running + [self.ledger.get(job_id) for job_id in self._queue]
 
     def events_after(self, job_id: str, after_seq: int = 0) -> list[dict]:
         self._ready()

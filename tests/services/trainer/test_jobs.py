@@ -777,3 +777,26 @@ def test_the_queue_and_a_config_have_bounds(managers):
         m.cancel(j)
     with pytest.raises(InvalidArgument, match="config_json has"):
         m.submit("selftest", json.dumps({"note": "x" * (1 << 20)}))
+
+
+def test_a_job_that_must_wait_names_the_jobs_ahead_of_it(managers):
+    """A run whose job sat "queued" behind an earlier run's unfinished job, resumed by this trainer, said nothing
+    of why; the first event now names what it waits behind."""
+    m = managers(parallel_jobs=1)
+    slow = {**FAST, "steps": 100_000, "step_sleep_s": 0.01}
+    m.submit("selftest", slow, job_id="running")
+    deadline = time.monotonic() + 30
+    while m.get("running").state is not JobState.RUNNING and time.monotonic() < deadline:
+        time.sleep(0.05)
+    m.submit("selftest", slow, job_id="waits")
+    m.submit("selftest", slow, job_id="last")
+    assert m.events_after("waits")[0]["message"] == ("queued behind running (selftest, running): the trainer runs "
+                                                     "1 job(s) at a time")
+    assert m.events_after("last")[0]["message"].startswith("queued behind running (selftest, running), waits "
+                                                           "(selftest, queued):")
+    for j in ("running", "waits", "last"):
+        m.cancel(j)
+    m.wait("running", 30)
+    m.submit("selftest", FAST, job_id="alone")
+    assert m.events_after("alone")[0]["message"] == "queued"  # a free worker: nothing to name
+    m.wait("alone", 30)
