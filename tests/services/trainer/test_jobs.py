@@ -757,15 +757,20 @@ def test_service_addresses_fill_what_a_job_config_leaves_unset(managers):
         unregister_stage("calls_services")
 
 
+def start_running(m, job_id: str, config: dict) -> None:
+    """Submit ``job_id`` and return once a worker runs it."""
+    m.submit("selftest", config, job_id=job_id)
+    deadline = time.monotonic() + 30
+    while m.get(job_id).state is not JobState.RUNNING and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_the_queue_and_a_config_have_bounds(managers):
     from prorag.errors import ResourceExhausted
 
     m = managers(parallel_jobs=1, max_queued_jobs=2)
     slow = {**FAST, "steps": 100_000, "step_sleep_s": 0.01}
-    m.submit("selftest", slow, job_id="running")
-    deadline = time.monotonic() + 30
-    while m.get("running").state is not JobState.RUNNING and time.monotonic() < deadline:
-        time.sleep(0.05)
+    start_running(m, "running", slow)
     m.submit("selftest", slow, job_id="q1")
     m.submit("selftest", slow, job_id="q2")
     with pytest.raises(ResourceExhausted, match="max_queued_jobs 2"):
@@ -784,10 +789,7 @@ def test_a_job_that_must_wait_names_the_jobs_ahead_of_it(managers):
     of why; the first event now names what it waits behind."""
     m = managers(parallel_jobs=1)
     slow = {**FAST, "steps": 100_000, "step_sleep_s": 0.01}
-    m.submit("selftest", slow, job_id="running")
-    deadline = time.monotonic() + 30
-    while m.get("running").state is not JobState.RUNNING and time.monotonic() < deadline:
-        time.sleep(0.05)
+    start_running(m, "running", slow)
     m.submit("selftest", slow, job_id="waits")
     m.submit("selftest", slow, job_id="last")
     assert m.events_after("waits")[0]["message"] == ("queued behind running (selftest, running): the trainer runs "
