@@ -76,9 +76,10 @@ def policy_base_dir(world: str = "default", variant: str = "") -> Path:
 TOKENIZER_VERSION = 3
 
 #: embedded base policy per world size when nobody asks for a specific one: for default-size worlds the
-#: `cpu` shape with a previous-token and an induction head wired in at init (prorag.init_circuits), so the agent
-#: can copy the question's entity into its subqueries (docs/BENCHMARKS.md, "Induction wired in at init")
-DEFAULT_POLICY = {"tiny": ("tiny", 2048), "default": ("cpu-induction", 8192)}
+#: `cpu` shape with three layers and a previous-token and an induction head wired in at init (prorag.init_circuits),
+#: so the agent can copy the question's entity into its subqueries (docs/BENCHMARKS.md, "Induction wired in at
+#: init"; three layers, not four, since the forty-fourth session)
+DEFAULT_POLICY = {"tiny": ("tiny", 2048), "default": ("cpu-induction-3l", 8192)}
 #: warm-up per world size. The tiny world is for tests: a few steps of each phase, seconds on CPU. The default
 #: world's keeps copying alive through the reading phases (copy_mix), ramps the learning rate so Adam's first
 #: steps do not disturb the wired circuit, and adds the gap and paraphrase phases (reading behind the format's
@@ -94,7 +95,8 @@ DEFAULT_WARMUP = {"tiny": {"copy_steps": 6, "sentence_steps": 2, "document_steps
 #: where a base comes from when one is missing: "shipped" installs the base shipped with this code for the world
 #: (:data:`SHIPPED_BASES`) when it is the one that would be built, else builds it; "build" always warms one up here
 BASE_SOURCES = ("shipped", "build")
-#: bases trained by this code and shipped with it, one directory per world: what a hub checkpoint is to a GPU
+#: bases trained by this code and shipped with it, one directory per base (a world's profiles may train several
+#: models; :func:`shipped_base` picks by spec): what a hub checkpoint is to a GPU
 #: deployment. Why: the default world's warm-up takes ~11 of `make run`'s minutes on 2 cores, and its outcome is a
 #: draw that the CPU changes (an Intel machine's base gave an agent of 15-25 F1 where this one's reaches 62 on
 #: test; docs/BENCHMARKS.md), so a shipped base makes `make run` shorter and its agent the same on every machine.
@@ -131,16 +133,33 @@ def base_spec(world: str, size: str, preset: str | None = None, vocab_size: int 
             "tokenizer": TOKENIZER_VERSION}
 
 
+def shipped_bases(world: str) -> list[Path]:
+    """The directories of the bases shipped for ``world`` (each holds provenance.json), by name."""
+    if not SHIPPED_BASES.is_dir():
+        return []
+    found = []
+    for src in sorted(p for p in SHIPPED_BASES.iterdir() if (p / PROVENANCE).is_file()):
+        if json.loads((src / PROVENANCE).read_text())["spec"].get("world") == world:
+            found.append(src)
+    return found
+
+
 def shipped_base(world: str, spec: dict) -> tuple[Path | None, str]:
-    """(the base shipped for ``world`` when it is the one ``spec`` would build from this world's files, else None;
-    why not, for a person: "" when there is none to speak of)."""
-    src = SHIPPED_BASES / world
-    if not (src / PROVENANCE).is_file():
+    """(the base shipped for ``world`` that ``spec`` would build from this world's files, else None; why not, for a
+    person: "" when none is shipped for the world). A world may ship several, one per model its profiles train
+    (the default profile's and the research profile's)."""
+    candidates = shipped_bases(world)
+    if not candidates:
         return None, ""
+    same = [src for src in candidates if json.loads((src / PROVENANCE).read_text())["spec"] == spec]
+    if not same:
+        shipped = json.loads((candidates[0] / PROVENANCE).read_text())["spec"]
+        changed = sorted(k for k in {*spec, *shipped} if spec.get(k) != shipped.get(k))
+        names = ", ".join(str(src) for src in candidates)
+        return None, f"no base shipped for {world!r} ({names}) was built with these settings ({', '.join(changed)} " \
+                     f"differ from {candidates[0].name}'s)"
+    src = same[0]
     prov = json.loads((src / PROVENANCE).read_text())
-    if prov["spec"] != spec:
-        changed = sorted(k for k in {*spec, *prov["spec"]} if spec.get(k) != prov["spec"].get(k))
-        return None, f"the base shipped in {src} was built with other settings ({', '.join(changed)})"
     if prov["world_fingerprint"] != world_fingerprint(world):
         return None, (f"the base shipped in {src} was built from other {world!r} world files "
                       f"({', '.join(BASE_WORLD_FILES)} differ)")
@@ -188,7 +207,7 @@ def ensure_policy_model(world: str = "default", preset: str | None = None, vocab
     want = base_spec(world, size, preset, vocab_size, seed, warmup)
     if usable and json.loads(marker.read_text()) == want:
         return out
-    if source == "shipped" and not variant:
+    if source == "shipped":
         src, why = shipped_base(world, want)
         if src is not None:
             prov = install_shipped_base(src, out)

@@ -148,7 +148,9 @@ DEV_DEEP_QUESTIONS = 1500
 #: canonical subqueries")
 RECIPE = Profile(
     world="default",
-    model_preset="cpu-induction",  # the induction-wired base with the gap and paraphrase warm-ups (prorag_app.embedded)
+    # the induction-wired base with the gap and paraphrase warm-ups (prorag_app.embedded), three layers: SFT 1.29x
+    # faster than four, and its agent no worse on dev (docs/BENCHMARKS.md, "Forty-fourth session")
+    model_preset="cpu-induction-3l",
     vocab_size=8192,
     # restated questions and plan-carrying thoughts over the whole train split; 2,400 steps because at 1,200 the
     # agent was underfit (docs/BENCHMARKS.md, "Why the profiles' settings")
@@ -160,13 +162,14 @@ RECIPE = Profile(
         # only when listed (its reading depended on the world): also each gold hop's answer read from its document
         "standard_rag_ft": {"hop_samples": True, "topk": 1}},
     stage2={
-        # MCTS on 100 train questions: ProRAG's search cut to what 2 cores finish in minutes (the research profile:
-        # 200)
-        "mcts": {"max_questions": 100, "concurrency": 32, "max_step_tokens": 96, "seed": 1,
+        # MCTS on 50 train questions: ProRAG's search cut to what 2 cores finish in minutes (the research profile:
+        # 200); with the sampler on 200 the PRM passes its gate on dev as it did on twice both, in 7 minutes instead
+        # of 12 (docs/BENCHMARKS.md, "Forty-fourth session")
+        "mcts": {"max_questions": 50, "concurrency": 32, "max_step_tokens": 96, "seed": 1,
                  "mcts": {"simulations": 12, "expansions": 4, "max_children": 4}},
-        # the sibling sampler on 400 train questions beside the trees: judged pairs that contain reading, subqueries
+        # the sibling sampler on 200 train questions beside the trees: judged pairs that contain reading, subqueries
         # under another stated name, and sub-answers read from another relation of the same document
-        "siblings": {"max_questions": 400, "samples": 4, "concurrency": 32, "max_step_tokens": 96, "max_steps": 10,
+        "siblings": {"max_questions": 200, "samples": 4, "concurrency": 32, "max_step_tokens": 96, "max_steps": 10,
                      "seed": 1, "reading_samples": 2, "bridge_samples": 2, "relation_samples": 2},
         # a Bradley-Terry PRM on the pairs the reference judge labelled, scoring a step by its head plus twice its
         # trunk's mean log-probability of the step's written tokens, at a rate that keeps the trunk's reading
@@ -218,6 +221,9 @@ HELDOUT_QUESTIONS = 2500
 #: issue 30's experiment, sized for hours rather than `make run`'s hour (run over RESEARCH's three seeds)
 RESEARCH_PROFILE = dataclasses.replace(
     RECIPE,
+    # the four-layer base its run started on (shipped as prorag_app/bases/default-4l, beside `make run`'s), so the
+    # research run's seeds share one model whatever `make run`'s became
+    model_preset="cpu-induction", base_variant="4l",
     # 3,600 SFT steps: a better agent than 2,400 give, at a cost `make run`'s hour cannot pay
     # (docs/BENCHMARKS.md, "Why the profiles' settings")
     sft={**RECIPE.sft, "max_steps": 3600},

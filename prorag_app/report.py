@@ -349,9 +349,9 @@ def budget_note(profiles: list[str]) -> str:
         return ("The research profile's experiment: its figures are the project's measurement of the paper's claim "
                 "(docs/BENCHMARKS.md records how its settings were chosen on dev).")
     if names & {*DEMONSTRATION_PROFILES, "ablation"}:
-        return ("Stages 2-4 here are demonstrations at `make run`'s budget (an hour on 2 cores: MCTS on 100 "
-                "questions, 10 RL iterations): they show each stage working, not whether process supervision "
-                "helps; that is the research profile's figure (`prorag run --profile research`, "
+        return ("Stages 2-4 here are demonstrations at `make run`'s budget (an hour on 2 cores, so stage 2's "
+                "search and RL's iterations are cut to minutes): they show each stage working, not whether process "
+                "supervision helps; that is the research profile's figure (`prorag run --profile research`, "
                 "docs/BENCHMARKS.md).")
     return "Runs of profiles " + ", ".join(sorted(n or "-" for n in names)) + "."
 

@@ -66,16 +66,35 @@ def ship_script():
     return module
 
 
-def test_the_shipped_default_base_is_what_the_defaults_build_and_its_files_are_intact():
-    """A change of the default world's preset, vocabulary, warm-up or tokenizer version must ship a new base (or
-    drop it): otherwise `make run` silently warms one up again."""
-    shipped = embedded.SHIPPED_BASES / "default"
+#: the profiles that train on their world's default warm-up, so a base of theirs is shipped
+SHIPPED_PROFILES = sorted(name for name, p in PROFILES.items()
+                          if p.world == "default" and p.base_warmup is None and p.base_source == "shipped")
+
+
+@pytest.mark.parametrize("profile", SHIPPED_PROFILES)
+def test_each_default_world_profile_finds_a_shipped_base_with_intact_files(profile):
+    """A change of a profile's preset, vocabulary, warm-up or the tokenizer's version must ship a new base (or
+    drop it): otherwise `make run` (or the research run) silently warms one up again."""
+    prof = PROFILES[profile]
+    want = embedded.base_spec("default", "default", prof.model_preset, prof.vocab_size)
+    found = [src for src in embedded.shipped_bases("default")
+             if json.loads((src / embedded.PROVENANCE).read_text())["spec"] == want]
+    assert len(found) == 1, f"re-ship {profile}'s base: python scripts/ship_base.py"
+    shipped = found[0]
     prov = json.loads((shipped / embedded.PROVENANCE).read_text())
-    assert prov["spec"] == embedded.base_spec("default", "default"), "re-ship: python scripts/ship_base.py"
     assert {p.name for p in shipped.iterdir()} == {*prov["files"], embedded.PROVENANCE}
     for name, digest in prov["files"].items():
         assert sha256_file(shipped / name) == digest, name
     assert prov["built"]["commit"] and prov["built"]["machine"]
+
+
+def test_every_shipped_base_is_some_profiles():
+    """A base no profile builds is 10+ MB that every clone and wheel carries for nothing."""
+    wanted = [embedded.base_spec("default", "default", PROFILES[p].model_preset, PROFILES[p].vocab_size)
+              for p in SHIPPED_PROFILES]
+    assert {"default", "research"} <= set(SHIPPED_PROFILES)
+    for src in embedded.shipped_bases("default"):
+        assert json.loads((src / embedded.PROVENANCE).read_text())["spec"] in wanted, src.name
 
 
 @pytest.fixture
@@ -123,7 +142,7 @@ def test_asking_for_a_base_built_here_replaces_an_installed_shipped_one(tiny_shi
 @pytest.mark.parametrize("damage, reason", [
     ("weights", "does not match its recorded sha256"),
     ("world", "built from other 'tiny' world files"),
-    ("settings", "built with other settings (warmup)"),
+    ("settings", "was built with these settings (warmup differ from tiny's)"),
 ])
 def test_a_shipped_base_that_is_not_the_one_asked_for_is_named_and_a_base_is_built(tiny_shipped, damage, reason):
     shipped, built_sha, calls = tiny_shipped
@@ -190,4 +209,28 @@ def test_ship_base_refuses_an_installed_shipped_base_and_one_built_with_other_se
     embedded.ensure_policy_model("tiny")  # the shipped one, installed
     assert script.main(args) == 2 and "installed shipped base" in capsys.readouterr().err
     embedded.ensure_policy_model("tiny", warmup={**embedded.DEFAULT_WARMUP["tiny"], "copy_steps": 3})
-    assert script.main(args) == 2 and "not built with the current defaults" in capsys.readouterr().err
+    assert script.main(args) == 2 and "not built with the current code's settings" in capsys.readouterr().err
+    # one base per spec: the same base shipped again under another name is refused
+    embedded.ensure_policy_model("tiny", warmup=embedded.DEFAULT_WARMUP["tiny"], source="build")
+    assert script.main([*args, "--name", "tiny-again"]) == 2 and "one base per spec" in capsys.readouterr().err
+
+
+def test_a_world_ships_a_base_per_model_and_each_is_installed_where_its_profile_looks(tiny_shipped, monkeypatch):
+    """The default world ships `make run`'s base and the research profile's (another preset, its own base_variant):
+    each is picked by its spec and installed without a warm-up, into the directory its profile reads."""
+    shipped, built_sha, calls = tiny_shipped
+    script = ship_script()
+    monkeypatch.setattr(script, "SHIPPED_BASES", embedded.SHIPPED_BASES)
+    other = embedded.ensure_policy_model("tiny", preset="tiny-h32", variant="h32", source="build")
+    assert script.main(["--world", "tiny", "--variant", "h32", "--preset", "tiny-h32", "--name", "tiny-h32",
+                        "--command", "pytest", "--commit", "def5678", "--machine", "here", "--date", "today"]) == 0
+    other_sha = weights_sha256(other)
+    shutil.rmtree(other)
+    calls.clear()
+    assert [p.name for p in embedded.shipped_bases("tiny")] == ["tiny", "tiny-h32"]
+    said = []
+    out = embedded.ensure_policy_model("tiny", preset="tiny-h32", variant="h32", say=said.append)
+    assert out == embedded.policy_base_dir("tiny", "h32") and weights_sha256(out) == other_sha
+    assert calls == [] and "def5678" in said[0]
+    out = embedded.ensure_policy_model("tiny", say=said.append)
+    assert out == embedded.policy_base_dir("tiny") and weights_sha256(out) == built_sha and calls == []
