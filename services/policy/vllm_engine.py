@@ -90,7 +90,8 @@ def check_head_size(model_path: str | Path, supported: Sequence[int] | None) -> 
         raise FailedPrecondition(f"model {model_path} has attention heads {head} wide; vLLM's attention on this "
                                  f"device takes head sizes {sorted(supported)} only: serve it with "
                                  "engine=transformers, or train a model whose head_dim is one of them (the "
-                                 "embedded presets `cpu`, `cpu-induction` and `tiny-h32` have 32)")
+                                 "embedded presets `cpu`, `cpu-induction`, `cpu-induction-3l` and `tiny-h32` have "
+                                 "32)")
 
 
 def _supported_head_sizes() -> list[int] | None:
