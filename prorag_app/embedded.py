@@ -133,14 +133,14 @@ def base_spec(world: str, size: str, preset: str | None = None, vocab_size: int 
             "tokenizer": TOKENIZER_VERSION}
 
 
-def shipped_bases(world: str) -> list[Path]:
-    """The directories of the bases shipped for ``world`` (each holds provenance.json), by name."""
-    if not SHIPPED_BASES.is_dir():
-        return []
-    found = []
-    for src in sorted(p for p in SHIPPED_BASES.iterdir() if (p / PROVENANCE).is_file()):
-        if json.loads((src / PROVENANCE).read_text())["spec"].get("world") == world:
-            found.append(src)
+def shipped_bases(world: str) -> dict[Path, dict]:
+    """{directory: provenance} of the bases shipped for ``world``, by name."""
+    found = {}
+    for src in sorted(SHIPPED_BASES.iterdir()) if SHIPPED_BASES.is_dir() else []:
+        if (src / PROVENANCE).is_file():
+            prov = json.loads((src / PROVENANCE).read_text())
+            if prov["spec"].get("world") == world:
+                found[src] = prov
     return found
 
 
@@ -151,15 +151,15 @@ def shipped_base(world: str, spec: dict) -> tuple[Path | None, str]:
     candidates = shipped_bases(world)
     if not candidates:
         return None, ""
-    same = [src for src in candidates if json.loads((src / PROVENANCE).read_text())["spec"] == spec]
+    same = [src for src, prov in candidates.items() if prov["spec"] == spec]
     if not same:
-        shipped = json.loads((candidates[0] / PROVENANCE).read_text())["spec"]
-        changed = sorted(k for k in {*spec, *shipped} if spec.get(k) != shipped.get(k))
+        first, shipped = next(iter(candidates.items()))
+        changed = sorted(k for k in {*spec, *shipped["spec"]} if spec.get(k) != shipped["spec"].get(k))
         names = ", ".join(str(src) for src in candidates)
         return None, f"no base shipped for {world!r} ({names}) was built with these settings ({', '.join(changed)} " \
-                     f"differ from {candidates[0].name}'s)"
+                     f"differ from {first.name}'s)"
     src = same[0]
-    prov = json.loads((src / PROVENANCE).read_text())
+    prov = candidates[src]
     if prov["world_fingerprint"] != world_fingerprint(world):
         return None, (f"the base shipped in {src} was built from other {world!r} world files "
                       f"({', '.join(BASE_WORLD_FILES)} differ)")

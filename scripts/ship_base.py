@@ -19,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from prorag.io import sha256_file, write_json
+from prorag.io import atomic_dir, sha256_file, write_json
 from prorag_app.embedded import (PROVENANCE, SHIPPED_BASES, SHIPPED_MARKER, base_spec, ensure_world,
                                  policy_base_dir, shipped_bases, world_fingerprint)
 
@@ -49,21 +49,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     names = sorted(p.name for p in src.iterdir() if p.is_file() and p.name != "embedded.json")
     dest = SHIPPED_BASES / (args.name or args.world)
-    twins = [other for other in shipped_bases(args.world) if other != dest
-             and json.loads((other / PROVENANCE).read_text())["spec"] == spec]
+    twins = [other for other, prov in shipped_bases(args.world).items() if other != dest and prov["spec"] == spec]
     if twins:
         print(f"{twins[0]} already ships a base of these settings: one base per spec", file=sys.stderr)
         return 2
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    for name in names:
-        shutil.copyfile(src / name, dest / name)
-    write_json(dest / PROVENANCE, {
-        "spec": spec, "world_fingerprint": world_fingerprint(args.world),
-        "files": {name: sha256_file(dest / name) for name in names},
-        "built": {"command": args.command, "commit": args.commit, "machine": args.machine, "date": args.date,
-                  "note": args.note}})
+    with atomic_dir(dest) as tmp:  # a killed run leaves the shipped base as it was, never half replaced
+        for name in names:
+            shutil.copyfile(src / name, tmp / name)
+        write_json(tmp / PROVENANCE, {
+            "spec": spec, "world_fingerprint": world_fingerprint(args.world),
+            "files": {name: sha256_file(tmp / name) for name in names},
+            "built": {"command": args.command, "commit": args.commit, "machine": args.machine, "date": args.date,
+                      "note": args.note}})
     print(f"shipped {src} -> {dest}: {', '.join(names)}")
     return 0
 

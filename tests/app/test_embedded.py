@@ -77,8 +77,7 @@ def test_each_default_world_profile_finds_a_shipped_base_with_intact_files(profi
     drop it): otherwise `make run` (or the research run) silently warms one up again."""
     prof = PROFILES[profile]
     want = embedded.base_spec("default", "default", prof.model_preset, prof.vocab_size)
-    found = [src for src in embedded.shipped_bases("default")
-             if json.loads((src / embedded.PROVENANCE).read_text())["spec"] == want]
+    found = [src for src, prov in embedded.shipped_bases("default").items() if prov["spec"] == want]
     assert len(found) == 1, f"re-ship {profile}'s base: python scripts/ship_base.py"
     shipped = found[0]
     prov = json.loads((shipped / embedded.PROVENANCE).read_text())
@@ -93,8 +92,8 @@ def test_every_shipped_base_is_some_profiles():
     wanted = [embedded.base_spec("default", "default", PROFILES[p].model_preset, PROFILES[p].vocab_size)
               for p in SHIPPED_PROFILES]
     assert {"default", "research"} <= set(SHIPPED_PROFILES)
-    for src in embedded.shipped_bases("default"):
-        assert json.loads((src / embedded.PROVENANCE).read_text())["spec"] in wanted, src.name
+    for src, prov in embedded.shipped_bases("default").items():
+        assert prov["spec"] in wanted, src.name
 
 
 @pytest.fixture
