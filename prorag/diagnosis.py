@@ -1,4 +1,5 @@
-"""Does RL sharpen, memorise or drift? Pure functions over per-question evaluations (issue 47, before any tuning).
+"""Does RL sharpen, memorise or drift, and why are answers wrong? Pure functions over per-question evaluations
+(issue 47: diagnose before tuning).
 
 An RL adapter is read against the SFT agent it started from on two question sets: the pool questions RL trained
 on, and unseen deep questions. On each, greedy F1 (what the evaluation reports) and sampled F1 at temperature 1
@@ -14,11 +15,19 @@ on, and unseen deep questions. On each, greedy F1 (what the evaluation reports) 
 The entropy is the Monte Carlo estimate E[-log p(token)] over tokens sampled at temperature 1, which is the
 per-token entropy of the policy's distribution in expectation; it needs only the sampled tokens' log-probs that
 the policy service returns.
+
+Why an answer is wrong (:data:`ANSWER_ERRORS`) is read from the trajectory the evaluation recorded against the
+question's gold chain, with no model call: which kinds of error a model makes, and which an RL adapter fixes or
+makes against the SFT agent (:func:`error_transitions`), say what RL could still teach.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Mapping, Sequence
+
+from prorag.evaluation import names_entity
+from prorag.metrics import exact_match
 
 #: the SFT agent's solve rate (share of its samples that were right) split into bins: a bin's wins and losses
 #: say where RL gains (questions it sometimes solved) and where it loses (questions it always solved)
@@ -96,4 +105,107 @@ def reading(pool_greedy_ci: Sequence[float] | None, unseen_greedy_ci: Sequence[f
     return "no change"
 
 
-__all__ = ["SOLVE_RATE_BINS", "reading", "solve_rate_bin", "token_entropy", "wins_losses_by_bin"]
+#: why an answer is wrong, read along the question's gold chain at the first hop the agent never resolved (a hop is
+#: resolved by a search that retrieves its gold document followed by a sub-answer naming its answer):
+#: - right: the final answer's F1 is 1;
+#: - broke_format: the generation left the step format (or ran out of steps) before resolving the hop;
+#: - early_answer: the agent answered without searching for the hop;
+#: - subquery_entity: its subquery for the hop missed the gold document and does not name the hop's entity (the gold
+#:   document's title: the question's entity, or the previous hop's answer), so the query, not the index, failed;
+#: - retrieval_miss: the subquery names the entity and the retriever still missed the document;
+#: - wrong_fact: the gold document was read and the sub-answer is another fact of it (the subquery asked another
+#:   relation of the right entity than the question's chain needs: the question was decomposed wrongly);
+#: - misread: the gold document was read and the sub-answer is not in it (a garbled or invented span, or the
+#:   hop's entity itself);
+#: - final_answer: every hop resolved, the final answer still wrong.
+ANSWER_ERRORS = ("right", "broke_format", "early_answer", "subquery_entity", "retrieval_miss", "wrong_fact",
+                 "misread", "final_answer")
+
+
+def _attempts(steps: Sequence[Mapping]) -> list[tuple[str, dict[str, str], str | None]]:
+    """(subquery, {retrieved document id: its text}, the sub-answer after it or None) of each search of a
+    trajectory."""
+    out: list[tuple[str, dict[str, str], str | None]] = []
+    for step in steps:
+        kind = step.get("kind", "")
+        if kind.endswith("SUBQUERY"):
+            docs = {str((r.get("document") or {}).get("id", "")): str((r.get("document") or {}).get("text", ""))
+                    for r in step.get("retrieved") or ()}
+            out.append((str(step.get("content", "")), docs, None))
+        elif kind.endswith("SUBANSWER") and out and out[-1][2] is None:
+            q, docs, _ = out[-1]
+            out[-1] = (q, docs, str(step.get("content", "")))
+    return out
+
+
+def _entity(hop: Mapping) -> str:
+    """The entity a hop asks about: its document's title without a disambiguator ("Grethmouth (city)" ->
+    "Grethmouth"), as a question names it."""
+    return re.sub(r"\s*\([^)]*\)$", "", str(hop.get("title", "")))
+
+
+def answer_error(steps: Sequence[Mapping], finish_reason: str, hops: Sequence[Mapping], f1: float) -> str:
+    """One :data:`ANSWER_ERRORS` entry for one answered question.
+
+    steps: the trajectory's steps as the evaluation records them [{"kind": "STEP_KIND_SUBQUERY" | ..., "content",
+    "retrieved": [{"document": {"id", "text"}}]}]; finish_reason: "answer" when it ended in an answer; hops: the question's
+    gold chain [{"doc_id", "title", "answer_aliases"}] (the world's ``decomposition``); f1: the final answer's F1.
+    A search resolves whichever unresolved hop's document it retrieved (so comparison questions, whose hops have
+    no order, are read too); a search that retrieved none is counted against the first unresolved hop. The
+    verdict is the first failure at the first hop left unresolved.
+
+    >>> hops = [{"doc_id": "P1", "title": "Ann Lee", "answer_aliases": ["Oslo"]},
+    ...         {"doc_id": "C1", "title": "Oslo", "answer_aliases": ["Norway"]}]
+    >>> search = lambda q, doc, sub: [{"kind": "STEP_KIND_SUBQUERY", "content": q,
+    ...                                "retrieved": [{"document": {"id": doc, "text": "Ann Lee was born in Oslo. "
+    ...                                                                            "She was a writer."}}]},
+    ...                               {"kind": "STEP_KIND_SUBANSWER", "content": sub}]
+    >>> answer_error(search("Where was Ann Lee born?", "P1", "Oslo") + search("Where is Osl?", "C9", "Peru"),
+    ...              "answer", hops, 0.0)
+    'subquery_entity'
+    >>> answer_error(search("What was Ann Lee's job?", "P1", "writer"), "answer", hops, 0.0)
+    'wrong_fact'
+    >>> answer_error(search("Where was Ann Lee born?", "P1", "Ann Lee"), "answer", hops, 0.0)
+    'misread'
+    """
+    if f1 >= 1.0 - 1e-9:
+        return "right"
+    unresolved = list(range(len(hops)))
+    first_failure: dict[int, str] = {}
+    for query, docs, subanswer in _attempts(steps):
+        if not unresolved:
+            break
+        hop = next((j for j in unresolved if str(hops[j].get("doc_id")) in docs), None)
+        if hop is None:
+            j = unresolved[0]
+            first_failure.setdefault(j, "retrieval_miss" if names_entity(query, _entity(hops[j])) else "subquery_entity")
+        elif subanswer is not None and exact_match(subanswer, list(hops[hop].get("answer_aliases") or ())) == 1.0:
+            unresolved.remove(hop)
+        elif subanswer is None:
+            first_failure.setdefault(hop, "broke_format")
+        else:
+            text = docs[str(hops[hop].get("doc_id"))]
+            other_fact = names_entity(text, subanswer) and not names_entity(subanswer, _entity(hops[hop]))
+            first_failure.setdefault(hop, "wrong_fact" if other_fact else "misread")
+    if not unresolved:
+        return "final_answer" if finish_reason == "answer" else "broke_format"
+    j = unresolved[0]
+    return first_failure.get(j, "early_answer" if finish_reason == "answer" else "broke_format")
+
+
+def error_transitions(before: Mapping[str, str], after: Mapping[str, str]) -> dict[str, dict[str, int]]:
+    """Question id -> :data:`ANSWER_ERRORS` entry of two models -> {kind before: {kind after: questions}}, over the
+    questions both answered, every kind a row and a column: which errors a change fixed and which it made.
+
+    >>> error_transitions({"a": "right", "b": "misread"}, {"a": "right", "b": "right"})["misread"]["right"]
+    1
+    """
+    out = {k: {j: 0 for j in ANSWER_ERRORS} for k in ANSWER_ERRORS}
+    for q, kind in before.items():
+        if q in after:
+            out[kind][after[q]] += 1
+    return out
+
+
+__all__ = ["ANSWER_ERRORS", "SOLVE_RATE_BINS", "answer_error", "error_transitions", "reading", "solve_rate_bin",
+           "token_entropy", "wins_losses_by_bin"]

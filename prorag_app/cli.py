@@ -466,10 +466,16 @@ def cmd_check(args) -> int:
 
 
 def cmd_diagnose(args) -> int:
-    from prorag_app.diagnose import run_diagnosis
+    from prorag_app.diagnose import error_diagnosis, run_diagnosis
 
+    run_dir = args.run or str(paths.runs_dir() / "latest")
+    if args.target == "errors":
+        report = error_diagnosis(run_dir, min_hops=args.min_hops, reference=args.reference)
+        if args.json:
+            print(json.dumps(report, sort_keys=True))
+        return 0
     iterations = tuple(int(x) for x in args.iterations.split(",") if x.strip()) if args.iterations else ()
-    report = run_diagnosis(args.run or str(paths.runs_dir() / "latest"), questions=args.questions,
+    report = run_diagnosis(run_dir, questions=args.questions,
                            samples=args.samples, iterations=iterations, port_offset=args.port_offset, seed=args.seed)
     if args.json:
         print(json.dumps(report, sort_keys=True))
@@ -767,14 +773,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     dg = sub.add_parser("diagnose", help="rl: does a run's RL sharpen, memorise or drift? Its SFT agent and RL "
                                          "adapters on pool and unseen dev deep questions, greedy and sampled, with "
-                                         "entropy and wins/losses by solve rate; writes RUN/diagnosis.json")
-    dg.add_argument("target", choices=["rl"])
+                                         "entropy and wins/losses by solve rate; writes RUN/diagnosis.json. "
+                                         "errors: why the run's answers are wrong, read along each question's gold "
+                                         "chain from the recorded trajectories, and which errors each model fixed "
+                                         "or made against SFT (no model runs); writes RUN/errors.json")
+    dg.add_argument("target", choices=["rl", "errors"])
     dg.add_argument("run", nargs="?", default=None, help="a `prorag run` directory (default: runs/latest)")
     dg.add_argument("--questions", type=int, default=300, help="questions per set (pool, unseen)")
     dg.add_argument("--samples", type=int, default=4, help="samples per question at temperature 1 (at least 2)")
     dg.add_argument("--iterations", default="", help="RL iterations whose adapters are read too, e.g. 15,30")
     dg.add_argument("--seed", type=int, default=0, help="the question draw and the sampling seed")
     dg.add_argument("--port-offset", type=int, default=400)
+    dg.add_argument("--min-hops", type=int, default=3, help="errors: questions of at least this many hops")
+    dg.add_argument("--reference", default="sft", help="errors: the model the others' fixes and new errors are "
+                                                       "counted against")
     dg.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     dg.set_defaults(fn=cmd_diagnose)
 

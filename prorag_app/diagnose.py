@@ -1,4 +1,5 @@
-"""`prorag diagnose rl RUN`: does a run's RL sharpen, memorise or drift (prorag.diagnosis, issue 47)?
+"""`prorag diagnose rl RUN`: does a run's RL sharpen, memorise or drift (prorag.diagnosis, issue 47)? And
+`prorag diagnose errors RUN`: why its models' answers are wrong, read from the trajectories it recorded.
 
 The SFT agent and every RL adapter of the run (the final one and those after ``iterations``) answer two question
 sets through the services: pool questions RL trained on (the run's question pool) and unseen deep questions of
@@ -19,14 +20,16 @@ from prorag import paths
 from prorag.algorithms.rl import ANSWER_CREDIT_F1
 from prorag.data.loaders import load_split
 from prorag.data.world import DEV_DEEP_SPLIT, ensure_deep_split
-from prorag.diagnosis import reading, solve_rate_bin, token_entropy, wins_losses_by_bin
+from prorag.diagnosis import (ANSWER_ERRORS, answer_error, error_transitions, reading, solve_rate_bin, token_entropy,
+                              wins_losses_by_bin)
 from prorag.errors import FailedPrecondition, InvalidArgument
-from prorag.evaluation import paired_difference
+from prorag.evaluation import COMPARISON_MIN_HOPS, paired_difference
 from prorag.io import write_json
 from prorag.metrics import f1_score
 from prorag.rpc.clients import PolicyClient, push_adapter
 from prorag_app.pipeline import eval_options
 from prorag_app.profiles import PROFILES, RECIPE
+from prorag_app.report import load_run
 from prorag_app.run_tables import console
 from prorag_app.stack import ServiceStack
 from services.trainer.stage_rl import adapter_version, read_question_pool, select_questions
@@ -209,6 +212,89 @@ def print_diagnosis(report: dict) -> None:
             table.add_row(name, s, str(r["n"]), f"{100 * r['greedy_f1']:.1f}", f"{100 * r['sampled_f1']:.1f}",
                           f"{r['entropy']:.3f}", ci, bins or "-", row.get("reading", "") if s == "pool" else "")
     console.print(table)
+
+
+def _gold_chains(world_dir: Path, records: dict[str, dict]) -> dict[str, list]:
+    """Question id -> its gold chain (the hops of metadata.decomposition that read a document) for the records'
+    questions whose world question carries one, read from the split its id names ("dev_deep_3" -> dev_deep.jsonl).
+    FailedPrecondition when a record's question text is not the world's under that id (a split redrawn since)."""
+    splits: dict[str, dict] = {}
+    out = {}
+    for qid, rec in records.items():
+        split = qid.rsplit("_", 1)[0]
+        if split not in splits:
+            try:
+                splits[split] = {q.id: q for q in load_split(world_dir, split)}
+            except FileNotFoundError:
+                splits[split] = {}
+        q = splits[split].get(qid)
+        if q is None:
+            continue
+        if rec.get("question") not in (None, q.question):
+            raise FailedPrecondition(f"question {qid} of the run reads {rec['question']!r}, the world's "
+                                     f"{q.question!r}: its split was redrawn since the run, so its chains do not "
+                                     "apply")
+        # a comparison's last step compares the answers and reads no document: the chain is the hops that do
+        chain = [h for h in (q.metadata or {}).get("decomposition") or () if isinstance(h, dict) and h.get("doc_id")]
+        if chain:
+            out[qid] = chain
+    return out
+
+
+def error_diagnosis(run_dir: str | Path, min_hops: int = COMPARISON_MIN_HOPS, reference: str = "sft") -> dict:
+    """Why each evaluated model's answers are wrong (prorag.diagnosis.ANSWER_ERRORS), on the run's split and deep
+    questions of at least ``min_hops`` hops (never its held-out ones: they are read once, for the claim), and
+    which errors each model fixed or made against ``reference``. No model runs; writes RUN/errors.json."""
+    if min_hops < 1:
+        raise InvalidArgument(f"--min-hops is at least 1; got {min_hops}")
+    run = load_run(run_dir)
+    if run["results"].get("split") == "test":
+        console.print("[yellow]this run evaluated the test split: read its errors to understand, not to choose "
+                      "settings (choices are made on dev)[/yellow]")
+    records: dict[str, dict[str, dict]] = {}
+    for part in ("records", "deep"):
+        for method, recs in run[part].items():
+            records.setdefault(method, {}).update(
+                {q: r for q, r in recs.items() if int(r.get("hops", 0)) >= min_hops and r.get("trajectory")})
+    records = {m: recs for m, recs in records.items() if recs}
+    if not records:
+        raise FailedPrecondition(f"run {run_dir} recorded no trajectory of a question of {min_hops}+ hops")
+    every = {q: r for recs in records.values() for q, r in recs.items()}
+    chains = _gold_chains(paths.world_dir(run["results"]["world"]), every)
+    if not chains:
+        raise FailedPrecondition(f"the questions of run {run_dir} carry no gold chain (metadata.decomposition with "
+                                 "a doc_id per hop, as the embedded world writes), so their errors cannot be read "
+                                 "along it")
+    kinds = {m: {q: answer_error(r["trajectory"].get("steps") or [], r.get("finish_reason", ""), chains[q],
+                                 float(r.get("f1", 0.0)))
+                 for q, r in recs.items() if q in chains} for m, recs in records.items()}
+    report = {"run": str(run_dir), "min_hops": min_hops, "reference": reference,
+              "questions_without_chain": len(every) - len(chains),
+              "methods": {m: {"n": len(k), "counts": {e: sum(v == e for v in k.values()) for e in ANSWER_ERRORS}}
+                          for m, k in kinds.items()},
+              "transitions": {m: error_transitions(kinds[reference], k) for m, k in kinds.items()
+                              if reference in kinds and m != reference}}
+    write_json(Path(run_dir) / "errors.json", report)
+    print_errors(report)
+    return report
+
+
+def print_errors(report: dict) -> None:
+    table = Table(title=f"why answers are wrong, questions of {report['min_hops']}+ hops (share of the questions, %)")
+    table.add_column("model")
+    table.add_column("n")
+    for e in ANSWER_ERRORS:
+        table.add_column(e)
+    for m, row in report["methods"].items():
+        table.add_row(m, str(row["n"]), *(f"{100 * row['counts'][e] / max(row['n'], 1):.1f}" for e in ANSWER_ERRORS))
+    console.print(table)
+    ref = report["reference"]
+    for m, tr in report["transitions"].items():
+        fixed = {e: tr[e]["right"] for e in ANSWER_ERRORS if e != "right" and tr[e]["right"]}
+        made = {e: tr["right"][e] for e in ANSWER_ERRORS if e != "right" and tr["right"][e]}
+        console.print(f"{m} against {ref}: fixed {sum(fixed.values())} "
+                      f"({', '.join(f'{e} {n}' for e, n in fixed.items()) or '-'}); made {sum(made.values())} "
+                      f"({', '.join(f'{e} {n}' for e, n in made.items()) or '-'})")
 
 
 def _mean(xs) -> float:

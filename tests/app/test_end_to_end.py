@@ -188,6 +188,18 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     assert set(diag["models"]["outcome_grpo"]["pool"]["by_solve_rate"]) == set(SOLVE_RATE_BINS)
     assert json.loads((Path(results["run_dir"]) / "diagnosis.json").read_text())["samples"] == 2
 
+    # `prorag diagnose errors` on this run's recorded trajectories: every question of every model gets one kind,
+    # and the right ones are exactly the answers the evaluation scored F1 1
+    from prorag_app.diagnose import error_diagnosis
+
+    errors = error_diagnosis(results["run_dir"], min_hops=1)
+    preds = [json.loads(x) for part in ("", "deep") for x in
+             (Path(results["run_dir"]) / part / "sft" / "predictions.jsonl").read_text().splitlines()]
+    assert errors["methods"]["sft"]["n"] == len(preds)
+    assert errors["methods"]["sft"]["counts"]["right"] == sum(p["f1"] >= 1.0 for p in preds)
+    assert all(sum(row["counts"].values()) == row["n"] for row in errors["methods"].values())
+    assert sum(errors["transitions"]["outcome_grpo"]["right"].values()) == errors["methods"]["sft"]["counts"]["right"]
+
     # the ablation report in small: two stage 3-4 seeds (the SFT agent and stage 2 reused), the RL adapter after its
     # first iteration evaluated too, and one report pooling the seeds
     from prorag_app.pipeline import run_ablation
