@@ -138,6 +138,13 @@ def _attempts(steps: Sequence[Mapping]) -> list[tuple[str, dict[str, str], str |
     return out
 
 
+def gold_chain(metadata: Mapping) -> list[dict]:
+    """The hops of a question's gold chain that read a document (its ``decomposition``'s entries with a doc_id; a
+    comparison's last step compares the answers and reads none): the ``hops`` :func:`answer_error` reads, empty
+    when the question carries no chain (an imported dataset without one)."""
+    return [dict(h) for h in metadata.get("decomposition") or () if isinstance(h, Mapping) and h.get("doc_id")]
+
+
 def _entity(hop: Mapping) -> str:
     """The entity a hop asks about: its document's title without a disambiguator ("Grethmouth (city)" ->
     "Grethmouth"), as a question names it."""
@@ -207,5 +214,5 @@ def error_transitions(before: Mapping[str, str], after: Mapping[str, str]) -> di
     return out
 
 
-__all__ = ["ANSWER_ERRORS", "SOLVE_RATE_BINS", "answer_error", "error_transitions", "reading", "solve_rate_bin",
-           "token_entropy", "wins_losses_by_bin"]
+__all__ = ["ANSWER_ERRORS", "SOLVE_RATE_BINS", "answer_error", "error_transitions", "gold_chain", "reading",
+           "solve_rate_bin", "token_entropy", "wins_losses_by_bin"]

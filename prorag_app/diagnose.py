@@ -20,8 +20,10 @@ from prorag import paths
 from prorag.algorithms.rl import ANSWER_CREDIT_F1
 from prorag.data.loaders import load_split
 from prorag.data.world import DEV_DEEP_SPLIT, ensure_deep_split
-from prorag.diagnosis import (ANSWER_ERRORS, answer_error, error_transitions, reading, solve_rate_bin, token_entropy,
-                              wins_losses_by_bin)
+from google.protobuf.json_format import MessageToDict
+
+from prorag.diagnosis import (ANSWER_ERRORS, answer_error, error_transitions, gold_chain, reading, solve_rate_bin,
+                              token_entropy, wins_losses_by_bin)
 from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag.evaluation import COMPARISON_MIN_HOPS, paired_difference
 from prorag.io import write_json
@@ -98,10 +100,12 @@ def adapters_of(run: dict, iterations: tuple[int, ...]) -> dict[str, str]:
 
 def answer(policy, questions, adapter: str, n: int, temperature: float, seed: int, topk: int, max_steps: int
            ) -> dict[str, dict]:
-    """question id -> {"f1": [n], "logprobs": [n][generated tokens], "adapters": {adapter version that answered}}
-    of ``n`` rollouts per question."""
+    """question id -> {"f1": [n], "logprobs": [n][generated tokens], "adapters": {adapter version that answered},
+    "errors": [n] prorag.diagnosis.ANSWER_ERRORS entries (empty for a question without a gold chain)} of ``n``
+    rollouts per question."""
     by_id = {q.id: q for q in questions}
-    out = {q.id: {"f1": [], "logprobs": [], "adapters": set()} for q in questions}
+    chains = {q.id: gold_chain(q.metadata or {}) for q in questions}
+    out = {q.id: {"f1": [], "logprobs": [], "adapters": set(), "errors": []} for q in questions}
     sampling = policy.sampling(n=n, temperature=temperature, seed=seed)
     for t in policy.rollout([(q.id, q.question) for q in questions], sampling, max_steps=max_steps, topk=topk,
                             adapter=adapter):
@@ -112,12 +116,17 @@ def answer(policy, questions, adapter: str, n: int, temperature: float, seed: in
         row["f1"].append(f1)
         row["logprobs"].append([lp for lp, g in zip(t.trace.logprobs, t.trace.generated_mask) if g])
         row["adapters"].add(t.adapter_version)
+        if chains[t.question_id]:
+            steps = MessageToDict(t, preserving_proto_field_name=True).get("steps", [])
+            row["errors"].append(answer_error(steps, t.finish_reason, chains[t.question_id], f1))
     return out
 
 
 def summarise(greedy: dict, sampled: dict) -> dict:
-    """One model on one question set: its greedy F1 per question, mean sampled F1, right-sample rate, entropy."""
+    """One model on one question set: its greedy F1 and answer error per question, mean sampled F1, right-sample
+    rate, entropy."""
     return {"greedy": {q: r["f1"][0] for q, r in greedy.items() if r["f1"]},
+            "errors": {q: r["errors"][0] for q, r in greedy.items() if r["errors"]},
             "sampled_f1": _mean([f for r in sampled.values() for f in r["f1"]]),
             "solve_rate": {q: sum(f >= ANSWER_CREDIT_F1 for f in r["f1"]) / len(r["f1"])
                            for q, r in sampled.items() if r["f1"]},
@@ -128,8 +137,8 @@ def summarise(greedy: dict, sampled: dict) -> dict:
 
 def diagnose(run: dict, models: dict[str, str], sets: dict[str, list], answers: dict) -> dict:
     """The report from ``answers`` [model][set] = summarise(...): per model and set the greedy and sampled F1,
-    entropy, the paired interval against SFT and wins/losses by the SFT agent's solve-rate bin; per model the
-    reading. Solve rates: the pool's own for pool questions where it recorded them, else the SFT agent's samples."""
+    entropy, the greedy answers' errors, the paired interval against SFT, wins/losses by the SFT agent's solve-rate
+    bin and which errors it fixed or made against SFT; per model the reading. Solve rates: the pool's own for pool questions where it recorded them, else the SFT agent's samples."""
     rates = (pool_of(run) or {}).get("questions", {})
     sft = answers["sft"]
     bins = {s: {q: solve_rate_bin(rates[q]["solve_rate"] if s == "pool" and "solve_rate" in rates.get(q, {}) else r)
@@ -144,6 +153,9 @@ def diagnose(run: dict, models: dict[str, str], sets: dict[str, list], answers: 
                 if ids and name != "sft" else None
             row[s] = {"n": len(ids), "adapters": mine["adapters"], "greedy_f1": _mean(list(mine["greedy"].values())),
                       "sampled_f1": mine["sampled_f1"], "entropy": mine["entropy"],
+                      "errors": {e: sum(v == e for v in mine["errors"].values()) for e in ANSWER_ERRORS},
+                      **({"error_transitions": error_transitions(ref["errors"], mine["errors"])}
+                         if name != "sft" else {}),
                       **({"greedy_diff": diff["f1_diff"], "greedy_ci": list(diff["ci"]),
                           "by_solve_rate": wins_losses_by_bin(mine["greedy"], ref["greedy"], bins[s])}
                          if diff else {})}
@@ -212,11 +224,24 @@ def print_diagnosis(report: dict) -> None:
             table.add_row(name, s, str(r["n"]), f"{100 * r['greedy_f1']:.1f}", f"{100 * r['sampled_f1']:.1f}",
                           f"{r['entropy']:.3f}", ci, bins or "-", row.get("reading", "") if s == "pool" else "")
     console.print(table)
+    for name, row in report["models"].items():
+        for s in ("pool", "unseen"):
+            if "error_transitions" in row[s]:
+                console.print(f"{name} on {s} questions against sft: {_fixed_made(row[s]['error_transitions'])}")
+
+
+def _fixed_made(transitions: dict) -> str:
+    """'fixed N (kind n, ...); made M (kind m, ...)' of an error_transitions table: SFT's errors the model answers
+    right, and SFT's right answers the model gets wrong, by kind."""
+    fixed = {e: transitions[e]["right"] for e in ANSWER_ERRORS if e != "right" and transitions[e]["right"]}
+    made = {e: transitions["right"][e] for e in ANSWER_ERRORS if e != "right" and transitions["right"][e]}
+    return (f"fixed {sum(fixed.values())} ({', '.join(f'{e} {n}' for e, n in fixed.items()) or '-'}); "
+            f"made {sum(made.values())} ({', '.join(f'{e} {n}' for e, n in made.items()) or '-'})")
 
 
 def _gold_chains(world_dir: Path, records: dict[str, dict]) -> dict[str, list]:
-    """Question id -> its gold chain (the hops of metadata.decomposition that read a document) for the records'
-    questions whose world question carries one, read from the split its id names ("dev_deep_3" -> dev_deep.jsonl).
+    """Question id -> its gold chain (prorag.diagnosis.gold_chain) for the records' questions whose world question
+    carries one, read from the split its id names ("dev_deep_3" -> dev_deep.jsonl).
     FailedPrecondition when a record's question text is not the world's under that id (a split redrawn since)."""
     splits: dict[str, dict] = {}
     out = {}
@@ -234,8 +259,7 @@ def _gold_chains(world_dir: Path, records: dict[str, dict]) -> dict[str, list]:
             raise FailedPrecondition(f"question {qid} of the run reads {rec['question']!r}, the world's "
                                      f"{q.question!r}: its split was redrawn since the run, so its chains do not "
                                      "apply")
-        # a comparison's last step compares the answers and reads no document: the chain is the hops that do
-        chain = [h for h in (q.metadata or {}).get("decomposition") or () if isinstance(h, dict) and h.get("doc_id")]
+        chain = gold_chain(q.metadata or {})
         if chain:
             out[qid] = chain
     return out
@@ -290,11 +314,7 @@ def print_errors(report: dict) -> None:
     console.print(table)
     ref = report["reference"]
     for m, tr in report["transitions"].items():
-        fixed = {e: tr[e]["right"] for e in ANSWER_ERRORS if e != "right" and tr[e]["right"]}
-        made = {e: tr["right"][e] for e in ANSWER_ERRORS if e != "right" and tr["right"][e]}
-        console.print(f"{m} against {ref}: fixed {sum(fixed.values())} "
-                      f"({', '.join(f'{e} {n}' for e, n in fixed.items()) or '-'}); made {sum(made.values())} "
-                      f"({', '.join(f'{e} {n}' for e, n in made.items()) or '-'})")
+        console.print(f"{m} against {ref}: {_fixed_made(tr)}")
 
 
 def _mean(xs) -> float:

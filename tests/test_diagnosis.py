@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from prorag.diagnosis import (ANSWER_ERRORS, SOLVE_RATE_BINS, answer_error, error_transitions, reading, solve_rate_bin,
-                              token_entropy, wins_losses_by_bin)
+from prorag.diagnosis import (ANSWER_ERRORS, SOLVE_RATE_BINS, answer_error, error_transitions, gold_chain, reading,
+                              solve_rate_bin, token_entropy, wins_losses_by_bin)
 
 
 def test_solve_rate_bins_split_never_rarely_often_always():
@@ -119,3 +119,10 @@ def test_a_title_s_disambiguator_is_not_asked_for_in_the_subquery():
     hops = [{"doc_id": "C1", "title": "Oslo (city)", "answer_aliases": ["Norway"]}]
     assert answer_error(search("In which country is Oslo?", "C2", "Sweden") + ANSWER, "answer", hops, 0.0) == \
         "retrieval_miss"
+
+
+def test_the_gold_chain_is_the_hops_that_read_a_document():
+    comparison = {"decomposition": [{"doc_id": "P1", "title": "Ann Lee"}, {"doc_id": "P2", "title": "Bo Ek"},
+                                    {"doc_id": "", "title": "", "question": "Who is older?"}]}
+    assert [h["doc_id"] for h in gold_chain(comparison)] == ["P1", "P2"]
+    assert gold_chain({}) == gold_chain({"decomposition": [{"question": "no document"}]}) == []

@@ -9,6 +9,7 @@ import pytest
 
 from prorag import paths
 from prorag.data.loaders import load_split
+from prorag.diagnosis import gold_chain
 from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag_app.diagnose import error_diagnosis, question_sets
 from prorag_app.embedded import ensure_world
@@ -39,7 +40,7 @@ def _record(q, f1, steps, finish="answer", text=None):
 
 
 def chain(q):
-    return [h for h in q.metadata["decomposition"] if h["doc_id"]]
+    return gold_chain(q.metadata)
 
 
 def first_hop(q):

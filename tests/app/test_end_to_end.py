@@ -185,6 +185,9 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
         # every answer came from the model named: the SFT agent itself, or the adapter version asked for
         adapter = diag["adapters"][name]
         assert row["pool"]["adapters"] == row["unseen"]["adapters"] == ([adapter] if adapter else [""])
+        for s in ("pool", "unseen"):  # each greedy answer read along its question's chain
+            assert sum(row[s]["errors"].values()) == row[s]["n"]
+            assert name == "sft" or sum(n for r in row[s]["error_transitions"].values() for n in r.values()) == 3
     assert set(diag["models"]["outcome_grpo"]["pool"]["by_solve_rate"]) == set(SOLVE_RATE_BINS)
     assert json.loads((Path(results["run_dir"]) / "diagnosis.json").read_text())["samples"] == 2
 
