@@ -87,6 +87,20 @@ def test_error_diagnosis_reads_each_models_errors_along_the_gold_chains_and_what
     assert error_diagnosis(tmp_path / "run", min_hops=1)["methods"]["sft"]["n"] == 4
 
 
+def test_prorag_diagnose_errors_prints_the_report_as_json(tmp_path, monkeypatch, capsys):
+    from prorag_app.cli import main
+
+    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
+    ensure_world("tiny")
+    q = next(q for q in load_split(paths.world_dir("tiny"), "dev") if q.metadata["hops"] >= 2)
+    _write_run(tmp_path / "run", {"sft": [_record(q, 0.0, first_hop(q), finish="invalid_format")],
+                                  "outcome_grpo": [_record(q, 1.0, [])]})
+    assert main(["diagnose", "errors", str(tmp_path / "run"), "--min-hops", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["methods"]["sft"]["counts"]["broke_format"] == 1
+    assert report["transitions"]["outcome_grpo"]["broke_format"]["right"] == 1
+
+
 def test_error_diagnosis_refuses_what_it_cannot_read(tmp_path, monkeypatch):
     monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
     ensure_world("tiny")
