@@ -31,7 +31,7 @@ from prorag.metrics import f1_score
 from prorag.rpc.clients import PolicyClient, push_adapter
 from prorag_app.pipeline import eval_options
 from prorag_app.profiles import PROFILES, RECIPE
-from prorag_app.report import load_run
+from prorag_app.report import load_run, run_error_kinds
 from prorag_app.run_tables import console
 from prorag_app.stack import ServiceStack
 from services.trainer.stage_rl import adapter_version, read_question_pool, select_questions
@@ -239,32 +239,6 @@ def _fixed_made(transitions: dict) -> str:
             f"made {sum(made.values())} ({', '.join(f'{e} {n}' for e, n in made.items()) or '-'})")
 
 
-def _gold_chains(world_dir: Path, records: dict[str, dict]) -> dict[str, list]:
-    """Question id -> its gold chain (prorag.diagnosis.gold_chain) for the records' questions whose world question
-    carries one, read from the split its id names ("dev_deep_3" -> dev_deep.jsonl).
-    FailedPrecondition when a record's question text is not the world's under that id (a split redrawn since)."""
-    splits: dict[str, dict] = {}
-    out = {}
-    for qid, rec in records.items():
-        split = qid.rsplit("_", 1)[0]
-        if split not in splits:
-            try:
-                splits[split] = {q.id: q for q in load_split(world_dir, split)}
-            except FileNotFoundError:
-                splits[split] = {}
-        q = splits[split].get(qid)
-        if q is None:
-            continue
-        if rec.get("question") not in (None, q.question):
-            raise FailedPrecondition(f"question {qid} of the run reads {rec['question']!r}, the world's "
-                                     f"{q.question!r}: its split was redrawn since the run, so its chains do not "
-                                     "apply")
-        chain = gold_chain(q.metadata or {})
-        if chain:
-            out[qid] = chain
-    return out
-
-
 def error_diagnosis(run_dir: str | Path, min_hops: int = COMPARISON_MIN_HOPS, reference: str = "sft") -> dict:
     """Why each evaluated model's answers are wrong (prorag.diagnosis.ANSWER_ERRORS), on the run's split and deep
     questions of at least ``min_hops`` hops (never its held-out ones: they are read once, for the claim), and
@@ -275,25 +249,17 @@ def error_diagnosis(run_dir: str | Path, min_hops: int = COMPARISON_MIN_HOPS, re
     if run["results"].get("split") == "test":
         console.print("[yellow]this run evaluated the test split: read its errors to understand, not to choose "
                       "settings (choices are made on dev)[/yellow]")
-    records: dict[str, dict[str, dict]] = {}
-    for part in ("records", "deep"):
-        for method, recs in run[part].items():
-            records.setdefault(method, {}).update(
-                {q: r for q, r in recs.items() if int(r.get("hops", 0)) >= min_hops and r.get("trajectory")})
-    records = {m: recs for m, recs in records.items() if recs}
+    records, kinds = run_error_kinds(run, min_hops)
     if not records:
         raise FailedPrecondition(f"run {run_dir} recorded no trajectory of a question of {min_hops}+ hops")
-    every = {q: r for recs in records.values() for q, r in recs.items()}
-    chains = _gold_chains(paths.world_dir(run["results"]["world"]), every)
-    if not chains:
+    if not any(kinds.values()):
         raise FailedPrecondition(f"the questions of run {run_dir} carry no gold chain (metadata.decomposition with "
                                  "a doc_id per hop, as the embedded world writes), so their errors cannot be read "
                                  "along it")
-    kinds = {m: {q: answer_error(r["trajectory"].get("steps") or [], r.get("finish_reason", ""), chains[q],
-                                 float(r.get("f1", 0.0)))
-                 for q, r in recs.items() if q in chains} for m, recs in records.items()}
+    every = {q for recs in records.values() for q in recs}
+    chained = {q for k in kinds.values() for q in k}
     report = {"run": str(run_dir), "min_hops": min_hops, "reference": reference,
-              "questions_without_chain": len(every) - len(chains),
+              "questions_without_chain": len(every - chained),
               "methods": {m: {"n": len(k), "counts": {e: sum(v == e for v in k.values()) for e in ANSWER_ERRORS}}
                           for m, k in kinds.items()},
               "transitions": {m: error_transitions(kinds[reference], k) for m, k in kinds.items()

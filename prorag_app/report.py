@@ -20,7 +20,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from prorag import paths
-from prorag.errors import InvalidArgument
+from prorag.data.loaders import load_split
+from prorag.diagnosis import ANSWER_ERRORS, answer_error, gold_chain
+from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag.evaluation import COMPARISON_MIN_HOPS, compare_methods, score_records
 from prorag.io import write_json
 from prorag.methods import base_method
@@ -49,6 +51,68 @@ def load_run(run_dir: str | Path) -> dict:
     return {"dir": str(run_dir), "results": results, "records": _predictions(run_dir, results.get("methods", {})),
             "deep": _predictions(run_dir / "deep", results.get("methods", {})),
             "heldout": _predictions(run_dir / "heldout", results.get("methods", {}))}
+
+
+def gold_chains(world_dir: Path, records: dict[str, dict]) -> dict[str, list]:
+    """Question id -> its gold chain (prorag.diagnosis.gold_chain) for the records' questions whose world question
+    carries one, read from the split its id names ("dev_deep_3" -> dev_deep.jsonl).
+    FailedPrecondition when a record's question text is not the world's under that id (a split redrawn since)."""
+    splits: dict[str, dict] = {}
+    out = {}
+    for qid, rec in records.items():
+        split = qid.rsplit("_", 1)[0]
+        if split not in splits:
+            try:
+                splits[split] = {q.id: q for q in load_split(world_dir, split)}
+            except FileNotFoundError:
+                splits[split] = {}
+        q = splits[split].get(qid)
+        if q is None:
+            continue
+        if rec.get("question") not in (None, q.question):
+            raise FailedPrecondition(f"question {qid} of the run reads {rec['question']!r}, the world's "
+                                     f"{q.question!r}: its split was redrawn since the run, so its chains do not "
+                                     "apply")
+        chain = gold_chain(q.metadata or {})
+        if chain:
+            out[qid] = chain
+    return out
+
+
+def run_error_kinds(run: dict, min_hops: int = COMPARISON_MIN_HOPS) -> tuple[dict, dict]:
+    """(records, kinds) of one load_run: records {method: {question id: record}} of the split and deep questions of
+    ``min_hops``+ hops with a recorded trajectory (never the held-out ones), and kinds {method: {question id:
+    prorag.diagnosis.ANSWER_ERRORS entry}} of those whose question carries a gold chain."""
+    records: dict[str, dict[str, dict]] = {}
+    for part in ("records", "deep"):
+        for method, recs in run[part].items():
+            records.setdefault(method, {}).update(
+                {q: r for q, r in recs.items() if int(r.get("hops", 0)) >= min_hops and r.get("trajectory")})
+    records = {m: recs for m, recs in records.items() if recs}
+    chains = gold_chains(paths.world_dir(run["results"]["world"]),
+                         {q: r for recs in records.values() for q, r in recs.items()})
+    kinds = {m: {q: answer_error(r["trajectory"].get("steps") or [], r.get("finish_reason", ""), chains[q],
+                                 float(r.get("f1", 0.0)))
+                 for q, r in recs.items() if q in chains} for m, recs in records.items()}
+    return records, kinds
+
+
+def error_shares(runs: list[dict]) -> dict:
+    """Why each method's answers are wrong on the comparisons' questions (3+ hops, split and deep), summed over the
+    runs: {method: {"n", "counts": {ANSWER_ERRORS entry: answers}}}; empty when the questions carry no gold chain
+    or a split was redrawn since a run (its records then name other questions than the world's)."""
+    out: dict[str, dict] = {}
+    for r in runs:
+        try:
+            _, kinds = run_error_kinds(r)
+        except FailedPrecondition:
+            return {}
+        for m, k in kinds.items():
+            row = out.setdefault(m, {"n": 0, "counts": {e: 0 for e in ANSWER_ERRORS}})
+            row["n"] += len(k)
+            for kind in k.values():
+                row["counts"][kind] += 1
+    return {m: row for m, row in out.items() if row["n"]}
 
 
 def check_same_questions(runs: list[dict], parts: tuple[str, ...] = ("records", "deep", "heldout")) -> None:
@@ -309,7 +373,7 @@ def build_report(run_dirs, out_dir: str | Path, html_dir: str | Path | None = No
                 if curve:
                     curves[r["names"].get(m, m)].append(curve)
     report = {"runs": [r["dir"] for r in runs], "world": worlds.pop(), "seeds": seeds,
-              "methods": scores, "comparisons": comparisons,
+              "methods": scores, "comparisons": comparisons, "errors": error_shares(runs),
               "rl_curves": dict(curves),
               "beta": {str(b): {"f1_3plus_mean": sum(f for f, _, _ in v) / len(v), "runs": len(v),
                                 "questions": v[0][1],
@@ -388,6 +452,14 @@ def markdown(report: dict) -> str:
                        ("comparisons_heldout", "Paired comparisons on the held-out split, read once")):
         if report.get(key):
             lines += ["", f"## {title}", "", *comparison_table(report[key])]
+    if report.get("errors"):
+        lines += ["", "## Why answers are wrong (questions of 3+ hops, answers summed over seeds; % of them)", "",
+                  "Read along each question's gold chain at the first hop the agent never resolved "
+                  "(`prorag diagnose errors`, prorag.diagnosis.ANSWER_ERRORS).", "",
+                  "| method | answers | " + " | ".join(ANSWER_ERRORS) + " |", "|---|---|" + "---|" * len(ANSWER_ERRORS)]
+        for m, row in report["errors"].items():
+            lines.append(f"| {m} | {row['n']} | "
+                         + " | ".join(f"{100 * row['counts'][e] / row['n']:.1f}" for e in ANSWER_ERRORS) + " |")
     claim = report.get("claim")
     if claim:
         where = "the held-out split" if claim.get("read_on") == "heldout" else "the test and deep splits"

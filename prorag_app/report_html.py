@@ -405,6 +405,22 @@ def _claim_table(report: dict) -> str:
             f"<p class=note>{first}</p>")
 
 
+def _errors_table(report: dict) -> str:
+    """report["errors"] (prorag_app.report.error_shares): why each method's 3+ hop answers are wrong, % of them."""
+    errors = report.get("errors")
+    if not errors:
+        return ""
+    kinds = list(next(iter(errors.values()))["counts"])
+    rows = "".join(f"<tr><td>{_e(m)}</td><td>{row['n']}</td>"
+                   + "".join(f"<td>{100 * row['counts'][k] / row['n']:.1f}</td>" for k in kinds) + "</tr>"
+                   for m, row in errors.items())
+    return ("<h3>Why answers are wrong</h3><p class=note>Questions of 3+ hops, answers summed over seeds, % of them; "
+            "read along each question's gold chain at the first hop the agent never resolved "
+            "(<code>prorag diagnose errors</code>).</p><table id=errors-table><thead><tr><th>method</th>"
+            "<th>answers</th>" + "".join(f"<th>{_e(k)}</th>" for k in kinds)
+            + f"</tr></thead><tbody>{rows}</tbody></table>")
+
+
 def _figure(name: str, caption: str, svg: str) -> str:
     return f"<figure class=plot data-plot='{_e(name)}'>{svg}<figcaption>{_e(caption)}</figcaption></figure>"
 
@@ -487,7 +503,7 @@ def write_html(report: dict, runs: list[dict], html_dir: str | Path, svgs: dict[
 </header>
 <section id=results><h2>Results</h2>
 <p class=note>F1 x100 [95% CI over questions of the seed-averaged F1]; seeds = runs that evaluated the method.</p>
-{_methods_table(report)}{results_plots}</section>
+{_methods_table(report)}{_errors_table(report)}{results_plots}</section>
 <section id=comparisons><h2>Paired comparisons</h2>
 <p class=note>A minus B per question over the pooled seeds. 95% CI over questions of the seed-averaged differences;
 and, with 2+ seeds, resampling seeds then questions (training noise in the interval too). Rows whose question CI

@@ -36,6 +36,7 @@ def test_the_pool_set_is_the_questions_the_rl_drew_from_not_the_whole_pool(tmp_p
 
 def _record(q, f1, steps, finish="answer", text=None):
     return {"id": q.id, "question": text or q.question, "golden_answers": q.golden_answers, "hops": q.metadata["hops"],
+            "type": q.metadata["type"], "em": f1, "acc": f1,
             "f1": f1, "finish_reason": finish, "trajectory": {"question_id": q.id, "steps": steps}}
 
 
@@ -117,3 +118,22 @@ def test_error_diagnosis_refuses_what_it_cannot_read(tmp_path, monkeypatch):
     _write_run(tmp_path / "shallow", {"sft": [_record(q, 0.0, [])]})
     with pytest.raises(FailedPrecondition, match="no trajectory"):
         error_diagnosis(tmp_path / "shallow", min_hops=9)
+
+
+def test_the_report_counts_each_method_s_errors_over_its_seeds(tmp_path, monkeypatch):
+    from prorag_app.report import build_report
+
+    monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
+    ensure_world("tiny")
+    deep = [q for q in load_split(paths.world_dir("tiny"), "dev") if q.metadata["hops"] >= 3][:2]
+    a, b = deep
+    answer = [{"kind": "STEP_KIND_ANSWER", "content": "x"}]
+    _write_run(tmp_path / "s1", {"sft": [_record(a, 1.0, []), _record(b, 0.0, first_hop(b) + answer)]})
+    _write_run(tmp_path / "s2", {"sft": [_record(a, 0.0, first_hop(a), finish="invalid_format"),
+                                         _record(b, 0.0, first_hop(b) + answer)]})
+    report = build_report([tmp_path / "s1", tmp_path / "s2"], tmp_path / "out")
+    assert report["errors"]["sft"]["n"] == 4  # two questions of 3+ hops in each seed
+    assert {k: n for k, n in report["errors"]["sft"]["counts"].items() if n} == {
+        "right": 1, "early_answer": 2, "broke_format": 1}
+    assert "## Why answers are wrong" in (tmp_path / "out" / "report.md").read_text()
+    assert "id=errors-table" in (tmp_path / "s1" / "report" / "index.html").read_text()
