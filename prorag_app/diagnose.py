@@ -31,8 +31,8 @@ from prorag.metrics import f1_score
 from prorag.rpc.clients import PolicyClient, push_adapter
 from prorag_app.pipeline import eval_options
 from prorag_app.profiles import PROFILES, RECIPE
-from prorag_app.report import load_run, run_error_kinds
-from prorag_app.run_tables import console
+from prorag_app.report import error_counts, load_run, run_error_kinds
+from prorag_app.run_tables import console, print_answer_errors
 from prorag_app.stack import ServiceStack
 from services.trainer.stage_rl import adapter_version, read_question_pool, select_questions
 
@@ -260,8 +260,7 @@ def error_diagnosis(run_dir: str | Path, min_hops: int = COMPARISON_MIN_HOPS, re
     chained = {q for k in kinds.values() for q in k}
     report = {"run": str(run_dir), "min_hops": min_hops, "reference": reference,
               "questions_without_chain": len(every - chained),
-              "methods": {m: {"n": len(k), "counts": {e: sum(v == e for v in k.values()) for e in ANSWER_ERRORS}}
-                          for m, k in kinds.items()},
+              "methods": error_counts(kinds),
               "transitions": {m: error_transitions(kinds[reference], k) for m, k in kinds.items()
                               if reference in kinds and m != reference}}
     write_json(Path(run_dir) / "errors.json", report)
@@ -270,17 +269,9 @@ def error_diagnosis(run_dir: str | Path, min_hops: int = COMPARISON_MIN_HOPS, re
 
 
 def print_errors(report: dict) -> None:
-    table = Table(title=f"why answers are wrong, questions of {report['min_hops']}+ hops (share of the questions, %)")
-    table.add_column("model")
-    table.add_column("n")
-    for e in ANSWER_ERRORS:
-        table.add_column(e)
-    for m, row in report["methods"].items():
-        table.add_row(m, str(row["n"]), *(f"{100 * row['counts'][e] / max(row['n'], 1):.1f}" for e in ANSWER_ERRORS))
-    console.print(table)
-    ref = report["reference"]
+    print_answer_errors(report["methods"], report["min_hops"])
     for m, tr in report["transitions"].items():
-        console.print(f"{m} against {ref}: {_fixed_made(tr)}")
+        console.print(f"{m} against {report['reference']}: {_fixed_made(tr)}")
 
 
 def _mean(xs) -> float:

@@ -46,8 +46,9 @@ from prorag_app.embedded import ensure_indexes, ensure_policy_model
 from prorag_app.eval import evaluate, format_table, print_prm_families, reader_settings
 from prorag_app.profiles import (ABLATION, HELDOUT_QUESTIONS, PROFILES, AblationPlan, Profile, with_overrides,
                                  with_stage34)
-from prorag_app.report import build_report
-from prorag_app.run_tables import console, print_diagnostics, print_figure, print_retrieval_table, print_stage34
+from prorag_app.report import answer_errors_of, build_report
+from prorag_app.run_tables import (console, print_answer_errors, print_diagnostics, print_figure, print_retrieval_table,
+                                   print_stage34)
 from prorag_app.stack import OnDemand, ServiceStack, default_policy_replicas
 from prorag_app.stage2 import run_stage2
 from prorag_app.stage34 import COMPARISONS, per_question_f1, print_comparisons, run_stage34
@@ -310,13 +311,15 @@ def copy_probes(models: dict[str, str], questions) -> dict[str, dict]:
     return out
 
 
-def diagnostics(methods: dict[str, dict], probes: dict[str, dict]) -> dict[str, dict]:
+def diagnostics(methods: dict[str, dict], probes: dict[str, dict], errors: dict | None = None) -> dict[str, dict]:
     """Per method (and the base): format-valid rate, how often the agent's first subquery names the question's
-    entity, and the copy probe; what makes the next failure visible before F1 does."""
+    entity, the copy probe, and why its 3+ hop answers are wrong (prorag_app.report.error_counts' {"n", "counts"};
+    where the world's questions carry gold chains); what makes the next failure visible before F1 does."""
     out = {"base": {"copy_probe": probes["base"]}} if "base" in probes else {}
     for m, r in methods.items():
         out[m] = {"format_valid_rate": r.get("format_valid_rate"),
-                  "first_subquery_entity_rate": r.get("first_subquery_entity_rate"), "copy_probe": probes.get(m)}
+                  "first_subquery_entity_rate": r.get("first_subquery_entity_rate"), "copy_probe": probes.get(m),
+                  **({"answer_errors": errors[m]} if errors and m in errors else {})}
     return out
 
 
@@ -417,8 +420,10 @@ def run_main_job(profile: str = "default", world: str | None = None, port_offset
     with timed(timings, "diagnostics_s"):
         probes = copy_probes({"base": str(base), **{m: published_dir(world, jobs[m]) for m in methods if m in jobs}},
                              test)
-        diag = diagnostics(methods, probes)
+        errors = answer_errors_of(run_dir, world, methods)
+        diag = diagnostics(methods, probes, errors)
     print_diagnostics(diag)
+    print_answer_errors(errors)
     if stage34_out is not None:
         print_stage34(methods, stage34_out, comparisons, prof.eval_split)
         if heldout_comparisons:

@@ -97,22 +97,38 @@ def run_error_kinds(run: dict, min_hops: int = COMPARISON_MIN_HOPS) -> tuple[dic
     return records, kinds
 
 
+def error_counts(kinds: dict[str, dict[str, str]], into: dict | None = None) -> dict:
+    """{method: {question id: ANSWER_ERRORS entry}} -> {method: {"n", "counts": {entry: answers}}}, added to
+    ``into``'s counts when given (runs summed as seeds); methods without a question are left out."""
+    out = {} if into is None else into
+    for m, k in kinds.items():
+        if not k:
+            continue
+        row = out.setdefault(m, {"n": 0, "counts": {e: 0 for e in ANSWER_ERRORS}})
+        row["n"] += len(k)
+        for kind in k.values():
+            row["counts"][kind] += 1
+    return out
+
+
 def error_shares(runs: list[dict]) -> dict:
     """Why each method's answers are wrong on the comparisons' questions (3+ hops, split and deep), summed over the
-    runs: {method: {"n", "counts": {ANSWER_ERRORS entry: answers}}}; empty when the questions carry no gold chain
-    or a split was redrawn since a run (its records then name other questions than the world's)."""
+    runs: error_counts' {method: {"n", "counts"}}; empty when the questions carry no gold chain or a split was
+    redrawn since a run (its records then name other questions than the world's)."""
     out: dict[str, dict] = {}
     for r in runs:
         try:
-            _, kinds = run_error_kinds(r)
+            error_counts(run_error_kinds(r)[1], into=out)
         except FailedPrecondition:
             return {}
-        for m, k in kinds.items():
-            row = out.setdefault(m, {"n": 0, "counts": {e: 0 for e in ANSWER_ERRORS}})
-            row["n"] += len(k)
-            for kind in k.values():
-                row["counts"][kind] += 1
-    return {m: row for m, row in out.items() if row["n"]}
+    return out
+
+
+def answer_errors_of(run_dir: str | Path, world: str, methods) -> dict:
+    """error_shares of one run directory before its results.json is written (the pipeline's diagnostics)."""
+    run_dir = Path(run_dir)
+    return error_shares([{"dir": str(run_dir), "results": {"world": world},
+                          "records": _predictions(run_dir, methods), "deep": _predictions(run_dir / "deep", methods)}])
 
 
 def check_same_questions(runs: list[dict], parts: tuple[str, ...] = ("records", "deep", "heldout")) -> None:

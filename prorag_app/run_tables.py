@@ -6,6 +6,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from prorag.evaluation import COMPARISON_MIN_HOPS
+
 from prorag_app.eval import format_table, gate_line
 from prorag_app.stage34 import print_comparisons, print_rl
 
@@ -42,6 +44,19 @@ def print_diagnostics(diag: dict[str, dict]) -> None:
         probe = d.get("copy_probe") or {}
         table.add_row(name, pct(d.get("format_valid_rate")), pct(d.get("first_subquery_entity_rate")),
                       pct(probe.get("name_accuracy")), pct(probe.get("token_accuracy")))
+    console.print(table)
+
+
+def print_answer_errors(errors: dict[str, dict], min_hops: int = COMPARISON_MIN_HOPS) -> None:
+    """Why each model's answers are wrong (prorag_app.report.error_counts' {method: {"n", "counts"}}), % of them."""
+    if not errors:
+        return
+    kinds = list(next(iter(errors.values()))["counts"])
+    table = Table(title=f"Why answers are wrong, questions of {min_hops}+ hops (% of them; `prorag diagnose errors`)")
+    for col in ("model", "n", *kinds):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for m, row in errors.items():
+        table.add_row(m, str(row["n"]), *(f"{100 * row['counts'][k] / max(row['n'], 1):.1f}" for k in kinds))
     console.print(table)
 
 

@@ -71,6 +71,12 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     assert 0.0 <= diag["sft"]["first_subquery_entity_rate"] <= 1.0
     assert diag["sft"]["first_subquery_entity_rate"] == on_disk["methods"]["sft"]["first_subquery_entity_rate"]
     assert diag["standard_rag"]["first_subquery_entity_rate"] is None  # not an agent
+    # why the 3+ hop answers are wrong, on the split's and the deep split's questions alike
+    preds = [json.loads(x) for part in ("", "deep") for x in
+             (Path(on_disk["run_dir"]) / part / "sft" / "predictions.jsonl").read_text().splitlines()]
+    deep_preds = [p for p in preds if p["hops"] >= 3]
+    assert diag["sft"]["answer_errors"]["n"] == len(deep_preds)
+    assert diag["sft"]["answer_errors"]["counts"]["right"] == sum(p["f1"] >= 1.0 for p in deep_preds)
     # standard RAG reads with the agent's model: no model (or job, or probe) of its own
     assert on_disk["methods"]["standard_rag"]["reader"] == "sft" and "standard_rag" not in on_disk["jobs"]
     assert diag["standard_rag"]["copy_probe"] is None
