@@ -11,8 +11,10 @@ from prorag import paths
 from prorag.data.loaders import load_split
 from prorag.diagnosis import gold_chain
 from prorag.errors import FailedPrecondition, InvalidArgument
+from prorag_app.cli import main
 from prorag_app.diagnose import error_diagnosis, question_sets
 from prorag_app.embedded import ensure_world
+from prorag_app.report import build_report
 
 
 def test_the_pool_set_is_the_questions_the_rl_drew_from_not_the_whole_pool(tmp_path, monkeypatch):
@@ -89,8 +91,6 @@ def test_error_diagnosis_reads_each_models_errors_along_the_gold_chains_and_what
 
 
 def test_prorag_diagnose_errors_prints_the_report_as_json(tmp_path, monkeypatch, capsys):
-    from prorag_app.cli import main
-
     monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
     ensure_world("tiny")
     q = next(q for q in load_split(paths.world_dir("tiny"), "dev") if q.metadata["hops"] >= 2)
@@ -121,8 +121,6 @@ def test_error_diagnosis_refuses_what_it_cannot_read(tmp_path, monkeypatch):
 
 
 def test_the_report_counts_each_method_s_errors_over_its_seeds(tmp_path, monkeypatch):
-    from prorag_app.report import build_report
-
     monkeypatch.setenv("PRORAG_DATA", str(tmp_path / "data"))
     ensure_world("tiny")
     deep = [q for q in load_split(paths.world_dir("tiny"), "dev") if q.metadata["hops"] >= 3][:2]
