@@ -51,6 +51,9 @@ class RLConfig(TrainRunConfig):
                                                     "most this F1 (1 = all of them): where greedy decoding already "
                                                     "answers in full, RL can only sharpen the samples toward it",
                                           min=0.0, max=1.0)
+    balance_hops: bool = cfg_field(False, help="draw as many questions of each hop count per iteration (a count "
+                                                "with fewer questions revisited more often): RL otherwise moves the "
+                                                "agent's planned hop count toward the pool's most common one")
     iterations: int = cfg_field(0, help="RL iterations (one rollout batch and one update each); 0 = one pass "
                                         "over the questions (ProRAG: 1 epoch)", min=0)
     questions_per_iteration: int = cfg_field(16, help="questions rolled out per iteration", min=1, max=4096)

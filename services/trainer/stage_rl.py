@@ -36,6 +36,8 @@ import json
 from functools import partial
 from pathlib import Path
 
+from typing import Sequence
+
 import torch
 
 from prorag import paths
@@ -63,8 +65,8 @@ PRM_SCORING_VERSION = 3
 
 # what callers read from the stage by name (the pipeline, diagnostics, tests)
 __all__ = ["ORACLE_LOGIT", "ORACLE_SCORING_VERSION", "PRM_SCORING_VERSION", "RLConfig", "adapter_version", "collect",
-           "oracle_step_logits", "policy_lag", "pool_questions", "pool_start_f1", "read_question_pool", "run_rl",
-           "select_questions", "start_f1_mean"]
+           "hop_balanced_draw", "oracle_step_logits", "policy_lag", "pool_questions", "pool_start_f1",
+           "read_question_pool", "run_rl", "select_questions", "start_f1_mean"]
 
 
 # ---------------------------------------------------------------- the questions
@@ -145,10 +147,42 @@ def rl_questions(cfg: RLConfig) -> list:
 
 
 # ---------------------------------------------------------------- the stage
+def hop_balanced_draw(hops: Sequence[int], per_iteration: int, iteration: int, seed: int) -> list[int]:
+    """Indices into the questions (``hops`` [Q]: each one's hop count) that iteration ``iteration`` rolls out: as
+    many of each hop count as of the others (the larger hop counts take the remainder; a count with fewer questions
+    than its share gives them all), each count's questions sliced from a seeded shuffle of its own per pass, so a
+    count with fewer questions is revisited more often and no question comes twice in one iteration. A function of
+    (seed, iteration) only, so a resumed job rolls out the same questions. Why: RL moved the agent's planned hop
+    count toward the pool's most common one (docs/BENCHMARKS.md, "Where RL's new early answers come from").
+
+    >>> draw = hop_balanced_draw([3, 3, 3, 3, 3, 3, 4, 4], per_iteration=4, iteration=0, seed=1)
+    >>> sorted([3, 3, 3, 3, 3, 3, 4, 4][i] for i in draw), len(set(draw))
+    ([3, 3, 4, 4], 4)
+    """
+    groups: dict[int, list[int]] = {}
+    for i, h in enumerate(hops):
+        groups.setdefault(int(h), []).append(i)
+    counts = sorted(groups)
+    out: list[int] = []
+    for g, h in enumerate(counts):
+        members = groups[h]
+        share = per_iteration // len(counts) + (1 if len(counts) - 1 - g < per_iteration % len(counts) else 0)
+        take = max(1, min(share, len(members)))
+        epoch, j = divmod(iteration, len(members) // take)
+        order = torch.randperm(len(members), generator=torch.Generator().manual_seed(seed * 1_000_003 + h * 10_007
+                                                                                     + epoch))
+        out += [members[int(x)] for x in order[j * take:(j + 1) * take]]
+    return out
+
+
 def questions_at(run: RLRun, iteration: int) -> list:
-    """The questions iteration ``iteration`` rolls out: a slice of a seeded shuffle of the questions per epoch. The
-    order is a function of (seed, epoch) only, so a resumed job rolls out the same questions."""
+    """The questions iteration ``iteration`` rolls out: a slice of a seeded shuffle of the questions per epoch, or
+    with balance_hops :func:`hop_balanced_draw`. The order is a function of (seed, epoch) only, so a resumed job
+    rolls out the same questions."""
     cfg, qs = run.cfg, run.questions
+    if cfg.balance_hops:
+        return [qs[i] for i in hop_balanced_draw([q.hops for q in qs], cfg.questions_per_iteration, iteration,
+                                                 cfg.seed)]
     epoch, j = divmod(iteration, run.per_epoch)
     order = torch.randperm(len(qs), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
     return [qs[int(x)] for x in order[j * cfg.questions_per_iteration:(j + 1) * cfg.questions_per_iteration]]

@@ -24,8 +24,9 @@ from prorag.errors import FailedPrecondition
 from prorag.rpc.clients import PolicyClient
 from prorag.training.context import local_context
 from prorag.trajectory import Step
-from services.trainer.stage_rl import (ORACLE_LOGIT, collect, oracle_step_logits, pool_questions, read_question_pool,
-                                       run_rl)
+from services.trainer.rl_config import RLConfig
+from services.trainer.stage_rl import (ORACLE_LOGIT, collect, hop_balanced_draw, oracle_step_logits, pool_questions,
+                                       read_question_pool, run_rl)
 from services.trainer.stage_rlpool import RLPoolConfig, learnable, pool_counts, run_rlpool
 from tests.search.test_judging import DOC1, Q  # the judging tests' two-hop question and its first document
 from tests.services.trainer.scripted_stack import scripted_stack
@@ -284,3 +285,26 @@ def test_rl_with_a_question_pool_draws_only_its_questions(services, tmp_path, on
     asked.clear()
     run_rl(local_context(tmp_path / "rl-pool-again", cfg, stage="rl"))
     assert asked == first  # the same seeded draw for every method that reads the same pool
+
+
+def test_a_hop_balanced_draw_meets_each_hop_count_equally_often_without_repeats():
+    hops = [3] * 60 + [4] * 31  # the 2:1 mix of make run's learnable pool
+    for it in range(12):
+        draw = hop_balanced_draw(hops, per_iteration=16, iteration=it, seed=1)
+        assert len(draw) == len(set(draw)) == 16  # no question twice in one iteration
+        assert sum(hops[i] == 4 for i in draw) == 8
+        assert draw == hop_balanced_draw(hops, 16, it, seed=1)  # a resumed job draws the same
+    assert hop_balanced_draw(hops, 16, 0, seed=1) != hop_balanced_draw(hops, 16, 0, seed=2)
+    # one pass over the 4-hop questions: the first 3 iterations (8 each of 31) meet 24 different ones
+    four = [i for it in range(3) for i in hop_balanced_draw(hops, 16, it, seed=1) if hops[i] == 4]
+    assert len(set(four)) == 24
+    # a count with fewer questions than its share gives all of them, once
+    draw = hop_balanced_draw([3] * 20 + [4] * 3, per_iteration=16, iteration=5, seed=0)
+    assert sorted(i for i in draw if i >= 20) == [20, 21, 22] and len(draw) == len(set(draw)) == 11
+    # one hop count: a plain draw of per_iteration questions
+    assert len(set(hop_balanced_draw([3] * 40, 16, 7, seed=0))) == 16
+
+
+def test_balance_hops_is_an_rl_setting():
+    cfg = from_dict(RLConfig, {"world": "tiny", "base_model": "m", "balance_hops": True})
+    assert cfg.balance_hops and not from_dict(RLConfig, {"world": "tiny", "base_model": "m"}).balance_hops
