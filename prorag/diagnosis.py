@@ -155,8 +155,8 @@ def answer_error(steps: Sequence[Mapping], finish_reason: str, hops: Sequence[Ma
     """One :data:`ANSWER_ERRORS` entry for one answered question.
 
     steps: the trajectory's steps as the evaluation records them [{"kind": "STEP_KIND_SUBQUERY" | ..., "content",
-    "retrieved": [{"document": {"id", "text"}}]}]; finish_reason: "answer" when it ended in an answer; hops: the question's
-    gold chain [{"doc_id", "title", "answer_aliases"}] (the world's ``decomposition``); f1: the final answer's F1.
+    "retrieved": [{"document": {"id", "text"}}]}]; finish_reason: "answer" when it ended in an answer; hops: the
+    question's gold chain [{"doc_id", "title", "answer_aliases"}] (the world's ``decomposition``); f1: the final answer's F1.
     A search resolves whichever unresolved hop's document it retrieved (so comparison questions, whose hops have
     no order, are read too); a search that retrieved none is counted against the first unresolved hop. The
     verdict is the first failure at the first hop left unresolved.
@@ -185,7 +185,8 @@ def answer_error(steps: Sequence[Mapping], finish_reason: str, hops: Sequence[Ma
         hop = next((j for j in unresolved if str(hops[j].get("doc_id")) in docs), None)
         if hop is None:
             j = unresolved[0]
-            first_failure.setdefault(j, "retrieval_miss" if names_entity(query, _entity(hops[j])) else "subquery_entity")
+            named = names_entity(query, _entity(hops[j]))
+            first_failure.setdefault(j, "retrieval_miss" if named else "subquery_entity")
         elif subanswer is not None and exact_match(subanswer, list(hops[hop].get("answer_aliases") or ())) == 1.0:
             unresolved.remove(hop)
         elif subanswer is None:

@@ -14,14 +14,13 @@ import json
 import random
 from pathlib import Path
 
+from google.protobuf.json_format import MessageToDict
 from rich.table import Table
 
 from prorag import paths
 from prorag.algorithms.rl import ANSWER_CREDIT_F1
 from prorag.data.loaders import load_split
 from prorag.data.world import DEV_DEEP_SPLIT, ensure_deep_split
-from google.protobuf.json_format import MessageToDict
-
 from prorag.diagnosis import (ANSWER_ERRORS, answer_error, error_transitions, gold_chain, reading, solve_rate_bin,
                               token_entropy, wins_losses_by_bin)
 from prorag.errors import FailedPrecondition, InvalidArgument
@@ -138,7 +137,8 @@ def summarise(greedy: dict, sampled: dict) -> dict:
 def diagnose(run: dict, models: dict[str, str], sets: dict[str, list], answers: dict) -> dict:
     """The report from ``answers`` [model][set] = summarise(...): per model and set the greedy and sampled F1,
     entropy, the greedy answers' errors, the paired interval against SFT, wins/losses by the SFT agent's solve-rate
-    bin and which errors it fixed or made against SFT; per model the reading. Solve rates: the pool's own for pool questions where it recorded them, else the SFT agent's samples."""
+    bin and which errors it fixed or made against SFT; per model the reading. Solve rates: the pool's own for pool
+    questions where it recorded them, else the SFT agent's samples."""
     rates = (pool_of(run) or {}).get("questions", {})
     sft = answers["sft"]
     bins = {s: {q: solve_rate_bin(rates[q]["solve_rate"] if s == "pool" and "solve_rate" in rates.get(q, {}) else r)

@@ -85,7 +85,8 @@ def test_error_diagnosis_reads_each_models_errors_along_the_gold_chains_and_what
     assert {k: n for k, n in rl["counts"].items() if n} == {"right": 1, "early_answer": 1, "broke_format": 1}
     # the same shares, yet RL fixed one early answer and made another
     moved = report["transitions"]["outcome_grpo"]
-    assert moved["early_answer"]["right"] == moved["right"]["early_answer"] == moved["broke_format"]["broke_format"] == 1
+    assert moved["early_answer"]["right"] == moved["right"]["early_answer"] == 1
+    assert moved["broke_format"]["broke_format"] == 1
     assert json.loads((tmp_path / "run" / "errors.json").read_text()) == report
     assert error_diagnosis(tmp_path / "run", min_hops=1)["methods"]["sft"]["n"] == 4
 

@@ -177,7 +177,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     # `prorag diagnose rl` on this run: the SFT agent and the RL adapters (after 1 of 2 iterations, and the last)
     # on the RL's questions and on unseen dev deep questions, greedy and sampled
     from prorag.diagnosis import SOLVE_RATE_BINS
-    from prorag_app.diagnose import run_diagnosis
+    from prorag_app.diagnose import error_diagnosis, run_diagnosis
 
     diag = run_diagnosis(results["run_dir"], questions=3, samples=2, iterations=(1,), port_offset=free_offset())
     assert {"sft", "outcome_grpo", "outcome_grpo@it1"} <= set(diag["models"]) and "prorag" not in diag["models"]
@@ -199,8 +199,6 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
 
     # `prorag diagnose errors` on this run's recorded trajectories: every question of every model gets one kind,
     # and the right ones are exactly the answers the evaluation scored F1 1
-    from prorag_app.diagnose import error_diagnosis
-
     errors = error_diagnosis(results["run_dir"], min_hops=1)
     preds = [json.loads(x) for part in ("", "deep") for x in
              (Path(results["run_dir"]) / part / "sft" / "predictions.jsonl").read_text().splitlines()]
