@@ -17,6 +17,9 @@ from tests.helpers import free_port
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
+#: 2 gloo processes; --tee 3: each process's output lines prefixed with its rank, for _check
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--tee", "3", "--master_addr",
+            "127.0.0.1"]
 
 
 def test_processes_cover_each_micro_batch_of_a_step_once():
@@ -28,12 +31,38 @@ def test_processes_cover_each_micro_batch_of_a_step_once():
         my_micro_batches(0, 3, 0, 2)
 
 
-def _run(cmd, out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+def _env() -> dict:
+    # PYTHONFAULTHANDLER: a process killed by a signal (a gloo thread's uncaught C++ error aborts it) prints every
+    # Python thread's stack, which _check shows
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "PYTHONFAULTHANDLER": "1"}
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(cmd + [str(WORKER), str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+    return env
+
+
+def _check(proc: subprocess.CompletedProcess) -> None:
+    """Fail with what a failed launch printed, the part that says why last (CI's log keeps only its end): the
+    output's tail, then each process's own lines (torchrun's --tee prefixes them "[default<rank>]:"), a process
+    killed by a signal last, from the C++ error before its "Fatal Python error" through its innermost frames."""
+    if proc.returncode == 0:
+        return
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "Extension modules:" not in ln]
+    per_rank: dict[str, list[str]] = {}
+    for ln in lines:
+        if ln.startswith("[default") and "]:" in ln:
+            per_rank.setdefault(ln.split("]:", 1)[0] + "]:", []).append(ln)
+    shown = []
+    for rank, own in sorted(per_rank.items(), key=lambda kv: any("Fatal Python error" in ln for ln in kv[1])):
+        fatal = next((i for i, ln in enumerate(own) if "Fatal Python error" in ln), None)
+        shown.append(f"--- {rank}\n" + "\n".join(own[-15:] if fatal is None else own[max(0, fatal - 4):fatal + 16]))
+    pytest.fail("\n".join([f"exit {proc.returncode}", proc.stdout[-1500:] + proc.stderr[-3000:], *shown]),
+                pytrace=False)
+
+
+def _run(cmd, out: Path) -> dict:
+    proc = subprocess.run(cmd + [str(WORKER), str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _check(proc)
     return torch.load(out / "weights.pt", weights_only=True)
 
 
@@ -43,8 +72,7 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     port = free_port()  # the other xdist worker may launch processes at the same time
     # torchrun sets RANK / WORLD_SIZE / MASTER_* as `accelerate launch` does on GPU hosts; accelerate's
     # Accelerator then runs the loop on the gloo backend (accelerate's own launcher wants MPI for CPU processes)
-    two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                "127.0.0.1", "--master_port", str(port)], tmp_path / "two")
+    two = _run(TORCHRUN + ["--master_port", str(port)], tmp_path / "two")
     assert one["processes"] == 1 and two["processes"] == 2
     assert abs(one["loss"] - two["loss"]) < 1e-5
     start = _initial()
@@ -112,11 +140,9 @@ def _launch(prefix: list[str], plan: list[dict], path: Path) -> None:
     import json
 
     path.write_text(json.dumps(plan))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(prefix + [str(WORKER.with_name("stage_worker.py")), str(path)], cwd=ROOT, env=env,
+    proc = subprocess.run(prefix + [str(WORKER.with_name("stage_worker.py")), str(path)], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    _check(proc)
 
 
 def _published(stage: str, result: dict, work: Path) -> dict:
@@ -167,13 +193,11 @@ def launched(tmp_path_factory):
         configs = _configs(stack, _pairs_file(root / "data" / "pairs.jsonl"))
         work = {(run, s): root / f"{run}-{s}" for run in ("one", "two") for s in STAGES}
         port, resume_port = free_port(), free_port()  # one per launch; a worker's own, not a fixed one
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                    "127.0.0.1"]
         calls = [stack["engine"].sequences]  # sequences the policy generated (RFT's samples, RL's rollouts)
         _launch([sys.executable], [{"stage": s, "config": configs[s], "work_dir": str(work["one", s])}
                                    for s in STAGES], root / "plan-one.json")
         calls.append(stack["engine"].sequences)
-        _launch(torchrun + ["--master_port", str(port)],
+        _launch(TORCHRUN + ["--master_port", str(port)],
                 [{"stage": s, "config": configs[s], "work_dir": str(work["two", s]), "stop_at": STOP_AT.get(s)}
                  for s in STAGES], root / "plan-two.json")
         stopped = {s: {"result": json.loads((work["two", s] / "result.json").read_text()),
@@ -186,7 +210,7 @@ def launched(tmp_path_factory):
         bad.write_text("this is not a question\n")
         failing = {"stage": "sft", "config": {**configs["sft"], "questions": str(bad)}, "expect_error": True,
                    "work_dir": str(root / "two-sft-fails")}
-        _launch(torchrun + ["--master_port", str(resume_port)],
+        _launch(TORCHRUN + ["--master_port", str(resume_port)],
                 [{"stage": s, "config": configs[s], "work_dir": str(work["two", s])} for s in STOP_AT] + [failing],
                 root / "plan-resume.json")
         calls.append(stack["engine"].sequences)
