@@ -8,6 +8,7 @@ import random
 import socket
 import subprocess
 import sys
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -34,15 +35,27 @@ def port_free(host: str, port: int) -> bool:
 LOCAL_PORTS = (25_000, 32_768)
 
 
-def pick_port(host: str, taken: set[int] = frozenset(), span: tuple[int, int] = LOCAL_PORTS) -> int:
-    """A port in [span) that nothing on ``host`` listens on now and that is not in ``taken``; drawn at random, so
-    two stacks picking at once rarely meet (the bind check catches the rest)."""
+def pick_port(host: str, taken: set[int] = frozenset(), span: tuple[int, int] = LOCAL_PORTS,
+              preferred: int | None = None) -> int:
+    """A port in [span) that nothing on ``host`` listens on now and that is not in ``taken``: ``preferred`` when it
+    is one, else drawn at random, so two stacks picking at once rarely meet (the bind check catches the rest)."""
+    if preferred is not None and span[0] <= preferred < span[1] and preferred not in taken \
+            and port_free(host, preferred):
+        return preferred
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(*span)
         if port not in taken and port_free(host, port):
             return port
     raise SystemExit(f"no free port on {host} in {span[0]}-{span[1] - 1}")
+
+
+def replica_port(svc: str, port_offset: int, replica: int) -> int:
+    """The gRPC port replica ``replica`` (1, 2, ...) of ``svc`` asks for first: a function of the service, the
+    offset and the replica alone. Why: a stack started again with the same offset (a run restarted after a crash or
+    a machine stop) gets the same addresses, and the trainer job it resumes, which keeps the addresses it was
+    submitted with, reaches every replica again instead of only the first."""
+    return LOCAL_PORTS[0] + zlib.crc32(f"{svc}/{port_offset}/{replica}".encode()) % (LOCAL_PORTS[1] - LOCAL_PORTS[0])
 
 
 def cpu_cores() -> int:
@@ -83,8 +96,8 @@ class ServiceStack:
     overrides: dict[str, dict] = field(default_factory=dict)  # service -> {setting: value} (--set)
     log_dir: str | None = None  # each service's output goes to <log_dir>/<service>.log when set
     #: processes per service (default 1). The first listens on the service's documented ports shifted by
-    #: port_offset; each other one on a gRPC port drawn from LOCAL_PORTS, its metrics on any free port and without
-    #: the HTTP front. grpc_target then names them all as an ipv4: list, which the clients balance round-robin, and
+    #: port_offset; each other one on a gRPC port in LOCAL_PORTS (replica_port's when free), its metrics on any free
+    #: port and without the HTTP front. grpc_target then names them all as an ipv4: list, which the clients balance round-robin, and
     #: each process gets the cores' share of torch threads (OMP_NUM_THREADS).
     replicas: dict[str, int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)  # process name (policy, policy-1, ...) -> it
@@ -105,7 +118,8 @@ class ServiceStack:
                 except ValueError:
                     raise ValueError(f"replicas: the clients reach {n} {svc} processes through an ipv4: address "
                                      f"list, so the stack's host must be an IPv4 address, not {self.host!r}") from None
-                ports = [pick_port(self.host, taken) for _ in range(n - 1)]
+                ports = [pick_port(self.host, taken, preferred=replica_port(svc, self.port_offset, r))
+                         for r in range(1, n)]
                 taken.update(ports)
                 self.replica_ports[svc] = ports
 
@@ -146,7 +160,8 @@ class ServiceStack:
             if extra:  # the cores shared out: each replica's torch threads
                 threads = str(max(1, cpu_cores() // (len(extra) + 1)))
                 env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-            ports = ["--port", str(self._grpc_port(svc)), "--metrics-port", str(paths.METRICS_PORTS[svc] + self.port_offset)]
+            ports = ["--port", str(self._grpc_port(svc)),
+                     "--metrics-port", str(paths.METRICS_PORTS[svc] + self.port_offset)]
             if svc in paths.HTTP_PORTS:
                 ports += ["--http-port", str(paths.HTTP_PORTS[svc] + self.port_offset)]
             out.append(_Process(svc, svc, self._grpc_port(svc), ports, env))

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
 import pytest
 
 from prorag.rpc.clients import PolicyClient, resolve_replicas
-from prorag_app.stack import LOCAL_PORTS, ServiceStack, cpu_cores, pick_port
+from prorag_app.stack import LOCAL_PORTS, ServiceStack, cpu_cores, pick_port, replica_port
 from tests.helpers import free_offset
 
 
@@ -69,3 +70,25 @@ def test_picked_ports_are_free_distinct_and_inside_the_span():
         taken.add(port)
     with pytest.raises(SystemExit, match="no free port"):
         pick_port("127.0.0.1", taken={25_000}, span=(25_000, 25_001))
+
+
+def test_a_stack_made_again_with_the_same_offset_gives_its_replicas_the_same_ports():
+    """A run restarted after a crash starts its stack again: the trainer job it resumes keeps the addresses it was
+    submitted with, so the replicas must come back where they were."""
+    offset = free_offset()
+    first = ServiceStack(services=("policy",), port_offset=offset, replicas={"policy": 3})
+    again = ServiceStack(services=("policy",), port_offset=offset, replicas={"policy": 3})
+    assert first.grpc_target("policy") == again.grpc_target("policy")
+    assert first.replica_ports["policy"] == [replica_port("policy", offset, r) for r in (1, 2)]
+    other = ServiceStack(services=("policy",), port_offset=offset + 1, replicas={"policy": 3})
+    assert other.replica_ports["policy"] != first.replica_ports["policy"]  # another run's stack, other ports
+
+
+def test_a_busy_preferred_port_is_passed_over_for_a_free_one():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        port = pick_port("127.0.0.1", span=(1024, 65_536), preferred=busy)
+    assert port != busy and 1024 <= port < 65_536
+    assert pick_port("127.0.0.1", preferred=LOCAL_PORTS[0] + 5, taken={LOCAL_PORTS[0] + 5}) != LOCAL_PORTS[0] + 5
