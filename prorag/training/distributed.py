@@ -103,13 +103,18 @@ def is_sharded(accelerator) -> bool:
 
 
 def finish_distributed(accelerator) -> None:
-    """End a launched process's part cleanly: wait for every process, then destroy the process group
-    (accelerate's ``end_training``). Why: a process that exits with the group alive can abort in teardown
-    ("terminate called without an active exception", SIGABRT) while gloo's threads still run, failing a job
-    whose work was done. None (one process) does nothing."""
+    """End a launched process's part cleanly: wait for every process, let go of what accelerate prepared and collect
+    the garbage (accelerate's ``free_memory``), then destroy the process group (its ``end_training``). Why: a
+    process that exits with the group alive, or with a DDP wrapper left for the interpreter's exit to destroy (a
+    finished stage's training loop is garbage, but in reference cycles that only a collection frees), can abort
+    in teardown ("terminate called without an active exception", SIGABRT), failing a job whose work was done:
+    seen in CI, and here in 3 of 40 two-process runs shaped like a stage's end that only waited and destroyed the
+    group, in none of 40 that ended this way (docs/BENCHMARKS.md, forty-sixth session). None (one process) does
+    nothing."""
     if accelerator is None:
         return
     accelerator.wait_for_everyone()
+    accelerator.free_memory()
     accelerator.end_training()
 
 

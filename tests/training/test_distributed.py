@@ -82,6 +82,19 @@ def test_two_gloo_processes_match_one_process(tmp_path):
         assert torch.allclose(v, two["weights"][k], atol=1e-5, rtol=1e-4), k
 
 
+@pytest.mark.slow
+def test_a_launched_process_frees_its_ddp_model_before_the_process_group_goes(tmp_path):
+    """A DDP wrapper left for the interpreter's exit to destroy, after the group, aborted a process in teardown now
+    and then (SIGABRT; CI, stop 63): finish_distributed collects it first, however it is held."""
+    import json
+
+    proc = subprocess.run(TORCHRUN + ["--master_port", str(free_port()), str(WORKER.with_name("teardown_worker.py")),
+                                      str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    _check(proc)
+    got = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert got == [{"alive_before": True, "alive_after": False, "group_after": False}] * 2, got
+
+
 def _initial() -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
