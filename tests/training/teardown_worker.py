@@ -10,10 +10,12 @@ import sys
 import weakref
 from pathlib import Path
 
+import torch
+
+from prorag.training.distributed import accelerator_from_env, finish_distributed
+
 
 def train_and_drop(accelerator) -> weakref.ref:
-    import torch
-
     model = accelerator.prepare(torch.nn.Linear(8, 8))
     accelerator.backward(model(torch.randn(4, 8)).pow(2).mean())
     holder: dict = {"model": model}
@@ -22,10 +24,6 @@ def train_and_drop(accelerator) -> weakref.ref:
 
 
 def main(out: str) -> None:
-    import torch
-
-    from prorag.training.distributed import accelerator_from_env, finish_distributed
-
     gc.disable()  # no collection but the one finish_distributed makes, so the test does not pass by chance
     accelerator = accelerator_from_env(cpu=True)
     wrapper = train_and_drop(accelerator)

@@ -4,6 +4,7 @@ every step's micro-batches and the engine averages the gradients. And so does ev
 through services/trainer/launch.py, the ones that sample through the services included (only the main process
 talks to them), stopped after a checkpoint and started again on the same work directory."""
 
+import json
 import os
 import subprocess
 import sys
@@ -86,8 +87,6 @@ def test_two_gloo_processes_match_one_process(tmp_path):
 def test_a_launched_process_frees_its_ddp_model_before_the_process_group_goes(tmp_path):
     """A DDP wrapper left for the interpreter's exit to destroy, after the group, aborted a process in teardown now
     and then (SIGABRT; CI, stop 63): finish_distributed collects it first, however it is held."""
-    import json
-
     proc = subprocess.run(TORCHRUN + ["--master_port", str(free_port()), str(WORKER.with_name("teardown_worker.py")),
                                       str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     _check(proc)
@@ -114,8 +113,6 @@ STOP_AT = {"warmup": 3, "sft": 2, "rl": 1}
 
 def _pairs_file(path: Path) -> Path:
     """Sibling pairs labelled both ways (judge for the PRM, value for DPO)."""
-    import json
-
     from tests.helpers import founder_pairs
 
     rows = [p.to_dict() for p in founder_pairs(24, 0, names=["Tova Lunn", "Kora Vell", "Arn Pell", "Mira Dost",
@@ -150,8 +147,6 @@ def _configs(stack, pairs: Path) -> dict:
 
 
 def _launch(prefix: list[str], plan: list[dict], path: Path) -> None:
-    import json
-
     path.write_text(json.dumps(plan))
     proc = subprocess.run(prefix + [str(WORKER.with_name("stage_worker.py")), str(path)], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=600)
@@ -197,8 +192,6 @@ def _counting_engine():
 def launched(tmp_path_factory):
     """Every gradient stage launched on 1 process, and on 2 (the STOP_AT ones stopped, then resumed by a second
     launch), against real retriever, policy (scripted engine) and PRM servers on loopback."""
-    import json
-
     from tests.services.trainer.scripted_stack import scripted_stack
 
     root = tmp_path_factory.mktemp("launched")
