@@ -97,8 +97,8 @@ class ServiceStack:
     log_dir: str | None = None  # each service's output goes to <log_dir>/<service>.log when set
     #: processes per service (default 1). The first listens on the service's documented ports shifted by
     #: port_offset; each other one on a gRPC port in LOCAL_PORTS (replica_port's when free), its metrics on any free
-    #: port and without the HTTP front. grpc_target then names them all as an ipv4: list, which the clients balance round-robin, and
-    #: each process gets the cores' share of torch threads (OMP_NUM_THREADS).
+    #: port and without the HTTP front. grpc_target then names them all as an ipv4: list, which the clients balance
+    #: round-robin, and each process gets the cores' share of torch threads (OMP_NUM_THREADS).
     replicas: dict[str, int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)  # process name (policy, policy-1, ...) -> it
     #: service -> the gRPC ports of its replicas after the first, drawn when the stack is made: its targets are
