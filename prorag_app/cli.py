@@ -466,7 +466,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_diagnose(args) -> int:
-    from prorag_app.diagnose import error_diagnosis, run_diagnosis
+    from prorag_app.diagnose import error_diagnosis, run_diagnosis  # per command (module docstring)
 
     run_dir = args.run or str(paths.runs_dir() / "latest")
     if args.target == "errors":

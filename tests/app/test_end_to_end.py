@@ -10,6 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from prorag.data.loaders import load_split
+from prorag.diagnosis import SOLVE_RATE_BINS
+from prorag.registry import artifact_name
+from prorag_app.cli import served_policy
+from prorag_app.diagnose import error_diagnosis, run_diagnosis
+from prorag_app.embedded import ensure_world
+from prorag_app.pipeline import run_ablation, run_main_job
+from prorag_app.profiles import AblationPlan
 from tests.helpers import free_offset
 
 
@@ -25,8 +33,6 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     # evaluations are reused only for committed code (prorag_app.memo); a worktree under edit reads as dirty, so
     # the test gives both runs one code identity to see the reuse wherever it runs
     monkeypatch.setattr("prorag_app.memo.code_identity", lambda: "e2e0001")
-    from prorag_app.embedded import ensure_world
-    from prorag_app.pipeline import run_main_job
 
     # a world other than the profile's, built with another seed: trained and evaluated as it was built
     ensure_world("tiny-s7", size="tiny", seed=7)
@@ -141,8 +147,6 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     else:
         assert {"rft", "prorag"} <= set(on_disk["methods"]) or set(skipped) == {"rft", "prorag"}
     # paired comparisons over the same 3+ hop test questions
-    from prorag.data.loaders import load_split
-
     n3 = sum(q.hops >= 3 for q in load_split(tmp_path / "data" / "worlds" / "tiny-s7", "test"))
     c = on_disk["comparisons"]["outcome_grpo_vs_sft"]
     assert c["group"] == "3+ hops" and c["n"] == n3 + 8 and n3 > 0 and c["seeds"] == 1  # + the deep split's
@@ -168,17 +172,11 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
         assert again["timings"]["stage2_validate_s"] < results["timings"]["stage2_validate_s"]
 
     # `prorag up` now serves the agent this run trained, named by its registry reference
-    from prorag.registry import artifact_name
-    from prorag_app.cli import served_policy
-
     assert on_disk["jobs"]["sft"]["model"] == f"sft@{on_disk['jobs']['sft']['job_id']}"
     assert artifact_name(served_policy("tiny-s7", None)) == on_disk["jobs"]["sft"]["model"]
 
     # `prorag diagnose rl` on this run: the SFT agent and the RL adapters (after 1 of 2 iterations, and the last)
     # on the RL's questions and on unseen dev deep questions, greedy and sampled
-    from prorag.diagnosis import SOLVE_RATE_BINS
-    from prorag_app.diagnose import error_diagnosis, run_diagnosis
-
     diag = run_diagnosis(results["run_dir"], questions=3, samples=2, iterations=(1,), port_offset=free_offset())
     assert {"sft", "outcome_grpo", "outcome_grpo@it1"} <= set(diag["models"]) and "prorag" not in diag["models"]
     for name, row in diag["models"].items():
@@ -209,9 +207,6 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
 
     # the ablation report in small: two stage 3-4 seeds (the SFT agent and stage 2 reused), the RL adapter after its
     # first iteration evaluated too, and one report pooling the seeds
-    from prorag_app.pipeline import run_ablation
-    from prorag_app.profiles import AblationPlan
-
     report = run_ablation(AblationPlan(profile="tiny", seeds=(1, 2), betas=(), eval_iterations=(1,), methods=()),
                           world="tiny-s7", port_offset=free_offset())
     assert report["seeds"]["sft"] == 2 and report["seeds"]["outcome_grpo"] == 2
