@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 from functools import partial
 from pathlib import Path
-
 from typing import Sequence
 
 import torch
