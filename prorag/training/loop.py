@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -109,8 +108,21 @@ class _LossModule(torch.nn.Module):
         return self.loss_fn(self.model, batch)
 
 
-#: model -> its FSDP-wrapped _LossModule, for call_in_engine (weak: gone with the model)
-_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()
+#: the attribute of a model that holds its FSDP-wrapped _LossModule, for call_in_engine
+_ENGINE_ATTR = "_prorag_engine"
+
+
+def attach_engine(model: torch.nn.Module, engine: torch.nn.Module) -> None:
+    """Keep ``engine`` (the wrapper of a _LossModule around ``model``) for :func:`call_in_engine`, for as long as
+    ``model`` lives.
+
+    Why an entry in the model's ``__dict__`` and not a registry keyed by the model: the engine holds the model, so
+    a global map's value would keep its own key (the model) and the engine alive to the interpreter's exit, after
+    the process group, which can abort a launched process in teardown (docs/BENCHMARKS.md, forty-sixth
+    session); held by the model, the two are one reference cycle that a collection frees (``finish_distributed``
+    collects before destroying the group). Written into ``__dict__`` directly: ``nn.Module.__setattr__`` would
+    register the engine as a submodule of the model it wraps."""
+    model.__dict__[_ENGINE_ATTR] = engine
 
 
 def call_in_engine(model: torch.nn.Module, fn: Callable[[torch.nn.Module], Any]) -> Any:
@@ -119,7 +131,7 @@ def call_in_engine(model: torch.nn.Module, fn: Callable[[torch.nn.Module], Any])
     Under FSDP, after :func:`run_loop` prepared ``model``, the parameters outside its wrapped blocks (embeddings,
     head) are gathered only inside the wrapper's forward, so ``fn`` runs there; every process must make the same
     calls. Otherwise (one process, DDP's replicated weights) it is a plain call."""
-    engine = _ENGINES.get(model)
+    engine = model.__dict__.get(_ENGINE_ATTR)
     return engine(_EngineCall(fn)) if engine is not None else fn(model)
 
 
@@ -200,7 +212,7 @@ class TrainingLoop:
 
             self.trained, self.opt = accelerator.prepare(_LossModule(model, loss_fn), self.opt)
             if is_sharded(accelerator):
-                _ENGINES[model] = self.trained
+                attach_engine(model, self.trained)
             # restored after prepare: under FSDP each process loads into its own shard
             state = ctx.load_launch_checkpoint(accelerator)
             if state is not None:
@@ -403,5 +415,5 @@ def accumulated_epochs(items, batch_size: int, grad_accum: int, epochs: float,
     return math.ceil(micro / grad_accum), batch_at
 
 
-__all__ = ["accumulated_epochs", "call_in_engine", "compile_blocks", "LoopConfig", "LoopResult", "NonFiniteLoss",
-           "OPTIMIZERS", "StepResult", "TrainingLoop", "build_optimizer", "run_loop", "shuffled_epochs"]
+__all__ = ["accumulated_epochs", "attach_engine", "call_in_engine", "compile_blocks", "LoopConfig", "LoopResult",
+           "NonFiniteLoss", "OPTIMIZERS", "StepResult", "TrainingLoop", "build_optimizer", "run_loop", "shuffled_epochs"]

@@ -1,7 +1,9 @@
 """The one training loop: exact resume, gradient accumulation, cancellation, progress events with tokens/s and MFU."""
 
+import gc
 import math
 import threading
+import weakref
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from prorag.config import ConfigError, from_dict
 from prorag.training import checkpoint
 from prorag.training.context import local_context
 from prorag.training.flops import peak_matmul_flops
-from prorag.training.loop import LoopConfig, run_loop
+from prorag.training.loop import LoopConfig, _LossModule, attach_engine, call_in_engine, run_loop
 
 N, DIM = 64, 4
 
@@ -242,3 +244,28 @@ def test_a_local_run_in_a_relative_directory_registers_its_artifacts(tmp_path, m
         tmp.write_text("{}")
     assert (tmp_path / "work" / "run" / "model" / "weights.bin").read_bytes() == b"w"
     assert (tmp_path / "work" / "run" / "metrics.json").read_text() == "{}"
+
+
+def test_call_in_engine_runs_through_an_attached_engine_and_plainly_without_one():
+    model = torch.nn.Linear(3, 2)
+    x = torch.ones(1, 3)
+    assert torch.equal(call_in_engine(model, lambda m: m(x)), model(x))  # no engine: a plain call
+    engine = _LossModule(model, loss_fn=None)  # what accelerate's FSDP wraps, here unwrapped
+    forwards = []
+    engine.register_forward_hook(lambda *_: forwards.append(1))
+    attach_engine(model, engine)
+    assert torch.equal(call_in_engine(model, lambda m: m(x)), model(x))
+    assert forwards == [1]  # inside the engine's forward, where FSDP gathers the parameters
+    assert "_prorag_engine" not in dict(model.named_modules())  # not a submodule of the model it wraps
+
+
+def test_an_attached_engine_is_freed_with_its_model():
+    """The engine must not outlive the model (a launched process would destroy it after its process group: a
+    teardown abort); a global map keyed by the model kept both to the interpreter's exit."""
+    model = torch.nn.Linear(3, 2)
+    engine = _LossModule(model, loss_fn=None)
+    attach_engine(model, engine)
+    model_ref, engine_ref = weakref.ref(model), weakref.ref(engine)
+    del model, engine
+    gc.collect()
+    assert model_ref() is None and engine_ref() is None
