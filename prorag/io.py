@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import json
@@ -65,8 +66,6 @@ def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where the libc or the
     filesystem cannot, and the caller falls back to two renames."""
     try:
-        import ctypes
-
         fn = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
         return False

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -419,8 +422,6 @@ def cmd_eval(args) -> int:
 
 
 def cmd_run(args) -> int:
-    import dataclasses
-
     from prorag_app.pipeline import run_ablation, run_main_job
     from prorag_app.profiles import PLANS, PROFILES, with_overrides
 
@@ -447,9 +448,6 @@ def cmd_run(args) -> int:
 
 def cmd_check(args) -> int:
     """`prorag check gpu`: every stage and service on the accelerator, with the figures (prorag_app.check_gpu)."""
-    import shutil
-    import tempfile
-
     from prorag_app.check_gpu import run_check
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="prorag-check-gpu-"))

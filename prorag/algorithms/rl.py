@@ -21,6 +21,7 @@ normalising all kinds together pushes a low-offset kind down in every group; and
 from __future__ import annotations
 
 import math
+import random
 from typing import Callable, Sequence
 
 import torch
@@ -194,8 +195,6 @@ def hop_balanced_sample(hops: Sequence[int], n: int, seed: int) -> list[int]:
     >>> [hops[i] for i in hop_balanced_sample(hops, 5, seed=0)]  # 3 hops has one question: 1 and 2 share its share
     [1, 1, 2, 2, 3]
     """
-    import random
-
     if n <= 0 or n >= len(hops):
         return list(range(len(hops)))
     by_hops: dict[int, list[int]] = {}

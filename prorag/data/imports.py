@@ -34,6 +34,7 @@ import os
 import re
 import threading
 import unicodedata
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -622,8 +623,6 @@ def _teacher_replies(records: Sequence[SourceRecord], aligned: Mapping[Passage, 
                      cfg: ImportConfig) -> dict[str, str | Exception]:
     """Record id -> the teacher's reply (or the call's error), asked ``teacher_concurrency`` at a time: an endpoint
     answers one request in seconds, and HotpotQA's train split has 90k questions."""
-    from concurrent.futures import ThreadPoolExecutor
-
     def ask(r: SourceRecord) -> str | Exception:
         try:
             return teacher(teacher_messages(r.question, r.supporting))

@@ -30,10 +30,13 @@ when it changes (Secrets rotate without a restart).
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
+import secrets as pysecrets
 import ssl
 import threading
 import time
@@ -419,10 +422,6 @@ def generate_secrets(out_dir: str | Path, hosts: tuple[str, ...] = DEFAULT_TLS_H
     a tokens file and one token file per name into ``out_dir`` (files 0600). Returns {what: path}.
 
     For a first deployment and for tests; a real cluster may bring its own CA (cert-manager) instead."""
-    import datetime
-    import ipaddress
-    import secrets as pysecrets
-
     import yaml
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -82,9 +84,6 @@ def start_metrics(serve: ServeConfig, name: str,
     One per process, not per server: the metrics live in prometheus_client's process-wide registry. A taken port
     fails the start when ``required`` (a port the operator chose); otherwise it is logged and the service runs
     without metrics, so that two local processes left on the default port do not stop each other starting."""
-    import asyncio
-    import logging
-
     from prorag.rpc.observability import start_metrics_http
 
     async def nothing() -> None:

@@ -10,6 +10,7 @@ training and a whole trajectory in scoring put every step at the same ids.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from prorag.algorithms.prm import score_positions, written_positions
@@ -88,8 +89,6 @@ class StepPair:
 
 def load_pairs(path: str) -> list[StepPair]:
     """The pairs of a JSONL file (the MCTS stage's output); InvalidArgument when there is no such file."""
-    from pathlib import Path
-
     from prorag.io import read_jsonl
 
     if not path or not Path(path).is_file():

@@ -15,11 +15,13 @@ directory: resuming one kind from the other is refused rather than silently star
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -158,8 +160,6 @@ def load_latest(ckpt_dir: str | Path) -> tuple[dict, Path] | None:
 def cleanup_temp(ckpt_dir: str | Path) -> int:
     """Remove temp files (and the temp directories of a launch's checkpoints) a killed writer left behind; returns
     how many."""
-    import shutil
-
     d = Path(ckpt_dir)
     n = 0
     if d.is_dir():
@@ -200,8 +200,6 @@ def save_launch(ckpt_dir: str | Path, accelerator, state: dict, step: int, keep:
     main process renames to ``step-<N>`` once every process is done (``state``, the loop's own part, e.g. the
     scheduler, written last as LOOP_STATE); then all but the last ``keep`` are dropped. A kill at any moment
     leaves the previous checkpoints complete and at most a temp directory, which the next resume removes."""
-    import contextlib
-
     from prorag.io import atomic_dir
     from prorag.training.distributed import from_main
 
@@ -221,7 +219,6 @@ def save_launch(ckpt_dir: str | Path, accelerator, state: dict, step: int, keep:
             torch.save({**state, "step": int(step), "processes": accelerator.num_processes}, tmp / LOOP_STATE)
     if accelerator.is_main_process:
         _fsync_dir(d)
-        import shutil
 
         for _, old in list_launch_checkpoints(d)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

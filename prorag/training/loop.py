@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -389,8 +390,6 @@ def shuffled_epochs(items, batch_size: int, epochs: float, seed: int) -> tuple[i
     """(total steps, batch_at) for ``epochs`` passes over ``items`` [N] in batches of ``batch_size``, each epoch
     in its own shuffled order: batch_at(i) is a function of (seed, i) only, as :func:`run_loop` needs for exact
     resume. A fractional last epoch stops part-way."""
-    import random
-
     per_epoch = math.ceil(len(items) / batch_size)
     total = max(1, int(round(per_epoch * epochs)))
 

@@ -4,6 +4,7 @@ forward pass of the same model, and decoding with an RL-shaped adapter as PEFT l
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 
 from prorag_app.bench.models import random_lora
@@ -78,8 +79,6 @@ def bench_adapter_decode(model: str, questions, batch: int, new_tokens: int, rep
     """Decoding with an RL-shaped adapter (LoRA r16, alpha 32, every linear projection, random B) as PEFT's LoRA
     layers on the base against a merged copy (the policy's default, merge_adapters) and the bare base, on the same
     first-step prompts; medians of interleaved runs."""
-    import tempfile
-
     from prorag.engine import SamplingSpec
     from prorag.trajectory import render_prompt
     from services.policy.engine import TransformersEngine

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 from prorag import paths
 from prorag.rpc.clients import wait_for_health
@@ -15,9 +17,6 @@ def bench_prm(args) -> dict:
     """Steps scored per second: whole gold trajectories through the PRM service (``clients`` callers at once,
     ``batch`` trajectories per call) against the same engine in process, and against the reference code's way,
     one call per step on its own prefix; same model, same steps, same run."""
-    import tempfile
-    from pathlib import Path
-
     import torch
 
     from prorag.rpc.clients import PRMClient

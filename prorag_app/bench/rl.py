@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import time
 
@@ -50,8 +51,6 @@ def bench_rl(args) -> dict:
     the agent's saved test trajectories (uniform 200-1,000 tokens without them); token ids are random. Also the
     last `prorag run`'s RL iterations split into rollout, PRM scoring, reward, update and adapter sync
     (rl_step_split)."""
-    import random
-
     import torch
 
     from prorag.config import from_dict

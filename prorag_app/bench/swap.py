@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 from prorag.rpc.clients import wait_for_health
 from prorag_app.bench.harness import free_ports, percentile, serve, stop
@@ -12,9 +14,6 @@ from prorag_app.bench.models import bench_model, random_lora
 
 def bench_swap(args) -> dict:
     """100 adapter pushes (load new version + activate + unload the old one) under concurrent generation."""
-    import tempfile
-    from pathlib import Path
-
     from prorag.rpc.clients import PolicyClient
     from prorag.registry import ArtifactRef, Registry, weights_sha256
 

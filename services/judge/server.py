@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +57,6 @@ class JudgeConfig:
 
 
 def api_key(cfg: JudgeConfig) -> str:
-    import os
-
     from prorag.errors import FailedPrecondition
 
     if cfg.api_key_file:
@@ -68,9 +68,6 @@ def api_key(cfg: JudgeConfig) -> str:
 
 
 def open_engine(cfg: JudgeConfig):
-    import os
-    import re
-
     from services.judge.engine import Budget, JudgeCache, OpenAIJudge, ReferenceJudge
 
     if cfg.backend == "reference":

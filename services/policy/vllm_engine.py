@@ -19,6 +19,7 @@ serve the stale ones.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
 import os
 import sys
@@ -124,8 +125,6 @@ def vllm_python() -> str | None:
 
     A policy service on the vLLM engine is started with it (``python -m prorag_app.cli serve policy --set
     engine=vllm``) by the tests and ``prorag bench policy``, which themselves run in the default environment."""
-    import importlib.util
-
     if os.environ.get("PRORAG_VLLM_PYTHON"):
         return os.environ["PRORAG_VLLM_PYTHON"]
     if importlib.util.find_spec("vllm") is not None:

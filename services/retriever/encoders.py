@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -223,8 +224,6 @@ class Encoder:
 
     def _forward(self, batch) -> np.ndarray:
         """[n, dim] pooled (and normalised) vectors of one tokenized, padded batch; caller holds the lock."""
-        import time
-
         import torch
 
         tokens = int(batch["input_ids"].numel())
@@ -270,8 +269,6 @@ def import_bm25s():
     preallocates 75% of the GPU's free memory in that process. On a lent H200 the check's process and the
     retriever took 111 GB and 31 GB that way, and the PRM service could not load a 1M-parameter model. BM25 is
     CPU work here, so JAX is kept on the CPU (``JAX_PLATFORMS``; an operator's own setting wins)."""
-    import os
-
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import bm25s
 

@@ -11,8 +11,8 @@ them for the gRPC and HTTP callers.
 from __future__ import annotations
 
 import abc
-
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -310,7 +310,6 @@ class PyseriniBM25Retriever(Retriever):
     def search(self, queries: list[str], topk: int) -> list[list[Document]]:
         if self.docstore is not None:
             return super().search(queries, topk)
-        import json
 
         out = []
         for hits in self._lucene(queries, topk):

@@ -10,6 +10,7 @@ sent back to the policy is exactly the sequence the policy produced.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,8 +118,6 @@ class ServiceEnv:
         return 0 if not self.seed else (self.seed * 1_000_003 + self._calls) % (2 ** 62)
 
     def _generate(self, prefix: list[int], n: int, temperature: float):
-        import time
-
         t = time.monotonic()
         sampling = self.policy.sampling(n=n, temperature=temperature, max_tokens=self.max_step_tokens,
                                         seed=self._next_seed())  # drawn once: a retry asks with the same seed
@@ -130,8 +129,6 @@ class ServiceEnv:
 
     def _finish_step(self, gen_ids: list[int]) -> Step:
         """Parse a generated step, search when it is a subquery, and remember its ids with the glue."""
-        import time
-
         from prorag.rollout import decode
 
         step = parse_step(decode(self.tok, gen_ids))

@@ -11,6 +11,7 @@ questions it has not finished.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -138,8 +139,6 @@ def run_mcts(ctx: JobContext) -> dict:
 
 
 def hash_id(question_id: str) -> int:
-    import hashlib
-
     return int(hashlib.sha256(question_id.encode()).hexdigest()[:8], 16)
 
 

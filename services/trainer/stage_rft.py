@@ -20,6 +20,7 @@ Without a PRM (``prm=''``) the filter is the outcome alone: the "RFT only" basel
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -267,8 +268,6 @@ def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, d
 def replay_samples(cfg: RFTConfig, base: Path, tokenizer, n: int) -> list:
     """``n`` gold SFT trajectories, encoded as the SFT job that trained ``base`` encoded its own (its published
     config's format settings), for the train split's first ``n`` questions."""
-    import dataclasses
-
     from prorag.config import from_dict
     from prorag.registry import published_config
     from services.trainer.stage_sft import SFTConfig, build_samples

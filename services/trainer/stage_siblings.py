@@ -31,6 +31,7 @@ is done, so a stopped or killed job resumes with the questions it has not finish
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -108,8 +109,6 @@ def without_sentences_naming(docs: list, name: str) -> list:
     """``docs`` with every sentence that names ``name`` (case-insensitive) taken out of their text; [] when no
     document names it, or nothing would be left. Where the policy read its sub-answer, it must then name something
     else the same documents say."""
-    import re
-
     from prorag.data.loaders import Document
 
     name = " ".join(name.split())
@@ -350,8 +349,6 @@ def reason_counts(pairs: list, top: int = 8) -> dict[str, dict[str, int]]:
     """{step kind: {reason: pairs}} of judged ``pairs``, the ``top`` commonest per kind: "rejected: <why>" for a
     labelled pair (the judge service's words on the rejected candidate, "candidate <i>: <why>"; an LLM judge's free
     text as it is), "declined: <why>" for the others (the text before its first " ("), cut to 80 characters."""
-    import re
-
     by_kind: dict[str, Counter] = {}
     for p in pairs:
         text = p.judge_reason or ""

@@ -28,10 +28,12 @@ trains by gradient descent: such a stage supplies its batches (a function of the
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 import math
 import os
+import pkgutil
 import threading
 import time
 from dataclasses import dataclass
@@ -378,9 +380,6 @@ register_stage("selftest", SelftestConfig, _selftest, inputs={"init_from": False
 
 def load_stage_modules(names: Sequence[str] = ()) -> list[str]:
     """Import modules that register stages: ``names`` plus any ``services.trainer.stage_*`` module."""
-    import importlib
-    import pkgutil
-
     here = Path(__file__).resolve().parent
     found = [f"services.trainer.{m.name}" for m in pkgutil.iter_modules([str(here)]) if m.name.startswith("stage_")]
     env = [n for n in os.environ.get("PRORAG_TRAINER_STAGES", "").split(",") if n.strip()]
