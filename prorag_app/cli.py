@@ -27,7 +27,7 @@ import grpc
 
 from prorag import paths
 from prorag.config import ConfigError, from_dict
-from prorag.errors import ProragError
+from prorag.errors import NotFound, ProragError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here; all models are local files
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -93,8 +93,6 @@ def _job_record(job) -> dict:
 def cmd_job(args) -> int:
     """Trainer jobs from a shell: a job config file (or '-': stdin, e.g. piped into `docker compose exec -T trainer`)
     with --set overrides, submitted to the trainer; --wait follows it to the end (exit 0 only if it SUCCEEDED)."""
-    import grpc
-
     from prorag.rpc.clients_trainer import TrainerClient
 
     try:
@@ -231,7 +229,6 @@ async def _serve(service: str, args) -> None:
 def cmd_health(args) -> int:
     """Exit 0 when the service answers SERVING over the gRPC health protocol (TLS and token from the env):
     what container health checks and Kubernetes exec probes run."""
-    import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from prorag.rpc.clients import channel
@@ -274,7 +271,6 @@ def cmd_serve(args) -> int:
 def served_policy(world: str, model: str | None) -> str:
     """What `prorag up` serves: ``model`` when given (a directory or a published name[@version]), else the newest
     trained agent `prorag run` published for the world (sft), else the world's embedded base (built if missing)."""
-    from prorag.errors import NotFound
     from prorag.registry import registry
     from prorag_app.embedded import ensure_policy_model
 
@@ -291,7 +287,6 @@ def served_prm(world: str, prm: str | None) -> tuple[str | None, str]:
     """What `prorag up`'s PRM service loads, and a line saying why: ``prm`` when given (name@version, a bare name
     = its newest version, or a directory; "none" = start empty), else the newest PRM published for the world under
     any name (what `make run`'s stage 2 trained), else nothing: the service starts empty (FAILED_PRECONDITION)."""
-    from prorag.errors import NotFound
     from prorag.registry import registry
 
     prms = registry("prm", world)

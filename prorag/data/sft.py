@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from typing import Callable, Mapping, Sequence
 
-from prorag.data.loaders import Document
+from prorag.data.loaders import Document, Question
 from prorag.tokens import TokenTrajectory
 from prorag.trajectory import (SYSTEM_PROMPT, Step, format_loss_weights, glue_after, render_docs, render_prompt,
                                FORMAT_LOSS_WEIGHTS)
@@ -157,8 +157,6 @@ def hop_questions(question) -> list:
     """One single-hop question per retrieval hop of ``question``'s gold decomposition: its sub-question,
     answered by its sub-answer (and aliases). The per-hop reading samples a baseline trains on besides whole
     questions, so it learns to read an answer out of retrieved documents as the agent's subanswers do."""
-    from prorag.data.loaders import Question
-
     return [Question(id=f"{question.id}/hop{i}", question=s.question,
                      golden_answers=[s.answer, *[a for a in s.answer_aliases if a != s.answer]],
                      metadata={"type": "compositional", "hops": 1,

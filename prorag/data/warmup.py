@@ -36,6 +36,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from prorag.data.loaders import parse_contents
+
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
@@ -128,7 +130,6 @@ def retrieved_reading_example(rng: random.Random, doc_id: str, docs: Mapping[str
     <|im_end|>), the layout every stage's prompt uses, as an instruction-tuned base has seen it.
     docs: doc id -> wiki-18 ``contents`` (quoted title line, then text).
     """
-    from prorag.data.loaders import parse_contents
     from prorag.trajectory import IM_END, IM_START, render_docs
 
     ids = [doc_id, *distractors]
@@ -155,8 +156,6 @@ def relation_key(question: str, title: str) -> str:
 
 def answer_pools(facts: Sequence[Fact], docs: Mapping[str, str]) -> dict[str, list[str]]:
     """relation key -> the distinct answers of that relation, sorted (what a swap draws from)."""
-    from prorag.data.loaders import parse_contents
-
     pools: dict[str, set[str]] = {}
     for f in facts:
         if f.doc_id in docs:

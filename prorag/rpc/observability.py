@@ -25,7 +25,7 @@ import time
 import uuid
 
 import grpc
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Histogram, start_http_server
 
 from prorag.rpc.grpc_metadata import MetadataInterceptor
 
@@ -273,7 +273,5 @@ def start_metrics_http(host: str, port: int):
     """Serve the default registry on http://host:port/metrics from a daemon thread (it keeps answering while the
     event loop is busy). Returns (server, bound port); ``server.shutdown()`` stops it. OSError when the port is
     taken."""
-    from prometheus_client import start_http_server
-
     server, _thread = start_http_server(port, addr=host)
     return server, server.server_port

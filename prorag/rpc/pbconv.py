@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from prorag.data.loaders import Document
 from prorag.pb import common_pb2
-from prorag.tokens import TokenTrajectory
-from prorag.trajectory import Step
+from prorag.tokens import StepSpan, TokenTrajectory
+from prorag.trajectory import Step, parse_step
 
 STEP_KIND = {"subquery": common_pb2.STEP_KIND_SUBQUERY, "subanswer": common_pb2.STEP_KIND_SUBANSWER,
              "answer": common_pb2.STEP_KIND_ANSWER, "invalid": common_pb2.STEP_KIND_INVALID}
@@ -44,8 +44,6 @@ def step_pb(step: Step) -> common_pb2.Step:
 def step_from_pb(m: common_pb2.Step) -> Step:
     """A caller's step; an unspecified kind is parsed from its text (``text`` alone is enough), a subquery
     without documents has docs None (not searched yet)."""
-    from prorag.trajectory import parse_step
-
     if m.kind == common_pb2.STEP_KIND_UNSPECIFIED:
         parsed = parse_step(m.text)
         if m.retrieved:
@@ -67,8 +65,6 @@ def token_trace_pb(t: TokenTrajectory) -> common_pb2.TokenTrace:
 def token_trace_from_pb(m: common_pb2.TokenTrace, prompt_length: int) -> TokenTrajectory:
     """A rollout's trace as a TokenTrajectory (loss weights 1.0 on generated tokens; a trainer that wants the
     format-aware weights recomputes them from the ids)."""
-    from prorag.tokens import StepSpan
-
     mask = list(m.generated_mask)
     return TokenTrajectory(token_ids=list(m.token_ids), generated_mask=mask, weights=[float(x) for x in mask],
                            logprobs=list(m.logprobs), prompt_length=prompt_length,

@@ -12,6 +12,7 @@ from aiohttp import web
 from prorag.config import cfg_field
 from prorag.rpc.grpc_server import RunningServer, ServerSpec, start_server
 from prorag.rpc.http_server import start_http
+from prorag.rpc.observability import start_metrics_http
 from prorag.rpc.security import ServerSecurity
 
 
@@ -84,8 +85,6 @@ def start_metrics(serve: ServeConfig, name: str,
     One per process, not per server: the metrics live in prometheus_client's process-wide registry. A taken port
     fails the start when ``required`` (a port the operator chose); otherwise it is logged and the service runs
     without metrics, so that two local processes left on the default port do not stop each other starting."""
-    from prorag.rpc.observability import start_metrics_http
-
     async def nothing() -> None:
         return None
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from prorag.errors import FailedPrecondition
-from prorag.io import atomic_path
+from prorag.io import atomic_dir, atomic_path
 
 log = logging.getLogger("prorag.trainer.checkpoint")
 
@@ -200,7 +200,6 @@ def save_launch(ckpt_dir: str | Path, accelerator, state: dict, step: int, keep:
     main process renames to ``step-<N>`` once every process is done (``state``, the loop's own part, e.g. the
     scheduler, written last as LOOP_STATE); then all but the last ``keep`` are dropped. A kill at any moment
     leaves the previous checkpoints complete and at most a temp directory, which the next resume removes."""
-    from prorag.io import atomic_dir
     from prorag.training.distributed import from_main
 
     if keep < 1:

@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from prorag.data.loaders import parse_contents
 from prorag.errors import InvalidArgument
 from prorag.modeling import WarmupConfig
 from prorag.training.context import JobContext
@@ -141,8 +142,6 @@ class WarmupBatches:
         return rng.sample(others, min(self.cfg.distractors, len(others)))
 
     def _reading_rows(self, rng: random.Random, phase) -> tuple[torch.Tensor, torch.Tensor, int]:
-        from prorag.data.loaders import parse_contents
-
         cfg, docs = self.cfg, self.docs
         rows = []
         while len(rows) < cfg.batch_size:

@@ -7,6 +7,8 @@ import statistics
 import tempfile
 import time
 
+from prorag.engine import SamplingSpec
+from prorag.trajectory import render_prompt
 from prorag_app.bench.models import random_lora
 
 
@@ -56,9 +58,6 @@ def bare_decode_tokens_per_s(model, prompts: list[list[int]], new_tokens: int, p
 def bench_decode(engine, questions, batch: int, new_tokens: int, repeats: int) -> dict:
     """The engine's decode tokens/s against the bare batched forward pass of the same model at the same batch
     size (bare_decode_tokens_per_s), on ``batch`` first-step prompts of the test questions; medians."""
-    from prorag.engine import SamplingSpec
-    from prorag.trajectory import render_prompt
-
     # a GRPO batch decodes G samples of each prompt: the same prompts repeated, as the rollout's first step does
     base = [engine.tokenizer.encode(render_prompt(q.question), add_special_tokens=False) for q in questions]
     prompts = [base[i % len(base)] for i in range(batch)]
@@ -79,8 +78,6 @@ def bench_adapter_decode(model: str, questions, batch: int, new_tokens: int, rep
     """Decoding with an RL-shaped adapter (LoRA r16, alpha 32, every linear projection, random B) as PEFT's LoRA
     layers on the base against a merged copy (the policy's default, merge_adapters) and the bare base, on the same
     first-step prompts; medians of interleaved runs."""
-    from prorag.engine import SamplingSpec
-    from prorag.trajectory import render_prompt
     from services.policy.engine import TransformersEngine
 
     peft_model, tok = random_lora(model)

@@ -8,9 +8,11 @@ import time
 from pathlib import Path
 
 from prorag import paths
-from prorag.rpc.clients import wait_for_health
+from prorag.data.loaders import load_corpus, load_split
+from prorag.rpc.clients import PRMClient, wait_for_health
 from prorag_app.bench.harness import free_ports, machine, median_dicts, serve, stop
 from prorag_app.bench.models import bench_prm_model
+from prorag_app.embedded import ensure_indexes
 
 
 def bench_prm(args) -> dict:
@@ -19,9 +21,6 @@ def bench_prm(args) -> dict:
     one call per step on its own prefix; same model, same steps, same run."""
     import torch
 
-    from prorag.rpc.clients import PRMClient
-    from prorag.data.loaders import load_corpus, load_split
-    from prorag_app.embedded import ensure_indexes
     from prorag_app.profiles import PROFILES
     from prorag_app.eval import gold_trajectories
     from services.prm.engine import PRMEngine, ScoringItem

@@ -9,6 +9,7 @@ import statistics
 import time
 
 from prorag import paths
+from prorag.config import from_dict
 from prorag_app.bench.models import bench_model
 
 
@@ -53,7 +54,6 @@ def bench_rl(args) -> dict:
     (rl_step_split)."""
     import torch
 
-    from prorag.config import from_dict
     from prorag.modeling import load_policy
     from prorag.training.lora import RLSample, build_lora, collate_rl, length_chunks, rl_loss
     from services.trainer.stage_rl import RLConfig

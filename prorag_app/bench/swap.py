@@ -7,16 +7,14 @@ import threading
 import time
 from pathlib import Path
 
-from prorag.rpc.clients import wait_for_health
+from prorag.registry import ArtifactRef, Registry, weights_sha256
+from prorag.rpc.clients import PolicyClient, wait_for_health
 from prorag_app.bench.harness import free_ports, percentile, serve, stop
 from prorag_app.bench.models import bench_model, random_lora
 
 
 def bench_swap(args) -> dict:
     """100 adapter pushes (load new version + activate + unload the old one) under concurrent generation."""
-    from prorag.rpc.clients import PolicyClient
-    from prorag.registry import ArtifactRef, Registry, weights_sha256
-
     world = args.world
     model = bench_model(world, args.model)
     root = Path(tempfile.mkdtemp(prefix="swap-adapters-"))

@@ -6,8 +6,13 @@ from __future__ import annotations
 import abc
 
 from prorag import paths
+from prorag.data.loaders import load_corpus, load_split
+from prorag.pb import policy_pb2, policy_pb2_grpc, prm_pb2, prm_pb2_grpc, retriever_pb2, retriever_pb2_grpc
 from prorag.rpc.clients import channel
+from prorag.rpc.pbconv import step_pb
+from prorag.trajectory import render_prompt
 from prorag_app.bench.models import bench_model, bench_prm_model
+from prorag_app.embedded import ensure_indexes
 
 LOAD_SERVICES = ("retriever", "policy", "prm")
 
@@ -37,9 +42,6 @@ class _RetrieverLoad(Workload):
     service, items = "retriever", "queries"
 
     def __init__(self, world: str, index: str):
-        from prorag.data.loaders import load_split
-        from prorag_app.embedded import ensure_indexes
-
         ensure_indexes(world, dense=index != "bm25", bm25=index != "dense")
         qs = load_split(paths.world_dir(world), "test")
         self.pool = [s.question for q in qs for s in q.decomposition] or [q.question for q in qs]
@@ -55,8 +57,6 @@ class _RetrieverLoad(Workload):
         return {"max_queue": batcher_queue_limit(limit)}
 
     def make_caller(self, target: str):
-        from prorag.pb import retriever_pb2, retriever_pb2_grpc
-
         ch = channel(target)
         stub = retriever_pb2_grpc.RetrieverStub(ch)
         i = [self._next]  # each caller starts elsewhere in the pool
@@ -79,9 +79,6 @@ class _PolicyLoad(Workload):
     service, items = "policy", "tokens"
 
     def __init__(self, world: str, model: str, tokens: int):
-        from prorag.data.loaders import load_split
-        from prorag.trajectory import render_prompt
-
         self.world, self.model, self.tokens = world, bench_model(world, model), tokens
         self.prompts = [render_prompt(q.question) for q in load_split(paths.world_dir(world), "test")[:64]]
         self._next = 0
@@ -92,8 +89,6 @@ class _PolicyLoad(Workload):
         return {"world": self.world, "model": self.model, "restore_active": "false"}
 
     def make_caller(self, target: str):
-        from prorag.pb import policy_pb2, policy_pb2_grpc
-
         ch = channel(target)
         stub = policy_pb2_grpc.PolicyStub(ch)
         i = [self._next]
@@ -119,9 +114,6 @@ class _PRMLoad(Workload):
     service, items = "prm", "steps"
 
     def __init__(self, world: str, model: str):
-        from prorag.data.loaders import load_corpus, load_split
-        from prorag.rpc.pbconv import step_pb
-        from prorag.pb import prm_pb2
         from prorag_app.profiles import PROFILES
         from prorag_app.eval import gold_trajectories
 
@@ -141,8 +133,6 @@ class _PRMLoad(Workload):
         return {"world": self.world, "model": self.model}
 
     def make_caller(self, target: str):
-        from prorag.pb import prm_pb2_grpc
-
         ch = channel(target)
         stub = prm_pb2_grpc.ProcessRewardModelStub(ch)
         i = [self._next]

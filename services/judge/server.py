@@ -9,9 +9,11 @@ from pathlib import Path
 
 from prorag import paths
 from prorag.config import cfg_field
+from prorag.errors import FailedPrecondition
 from prorag.pb import judge_pb2_grpc
 from prorag.rpc.grpc_server import ServerSpec
 from prorag.rpc.service import ServeConfig, Started, start_grpc_and_http
+from services.judge.engine import Budget, JudgeCache, OpenAIJudge, ReferenceJudge
 from services.judge.frontend import JudgingFrontend
 from services.judge.servicer import JudgeServicer
 
@@ -57,8 +59,6 @@ class JudgeConfig:
 
 
 def api_key(cfg: JudgeConfig) -> str:
-    from prorag.errors import FailedPrecondition
-
     if cfg.api_key_file:
         try:
             return Path(cfg.api_key_file).read_text().strip()
@@ -68,8 +68,6 @@ def api_key(cfg: JudgeConfig) -> str:
 
 
 def open_engine(cfg: JudgeConfig):
-    from services.judge.engine import Budget, JudgeCache, OpenAIJudge, ReferenceJudge
-
     if cfg.backend == "reference":
         return ReferenceJudge.from_world(paths.world_dir(cfg.world))
     cache = cfg.cache_path or str(paths.data_dir() / "cache" / f"judge-{re.sub(r'[^A-Za-z0-9._-]', '_', cfg.model)}.jsonl")

@@ -10,7 +10,7 @@ from prometheus_client import Counter
 
 from prorag.rpc.batching import MicroBatcher
 from prorag.errors import FailedPrecondition
-from prorag.engine import GeneratedSeq, GenerationEngine, SamplingSpec
+from prorag.engine import GeneratedSeq, GenerationEngine, SamplingSpec, derive_seed
 
 
 GENERATED_TOKENS = Counter("prorag_policy_generated_tokens_total", "Tokens the policy's engine generated (steps, "
@@ -57,8 +57,6 @@ class _ThreadEngine(GenerationEngine):
         self.max_model_len = scheduler.engine.max_model_len
 
     def generate(self, prompts, params, adapter=None, seeds=None):
-        from prorag.engine import derive_seed
-
         if seeds is None:
             seeds = [derive_seed(params.seed, i) for i in range(len(prompts))]
         fut = asyncio.run_coroutine_threadsafe(

@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prorag.config import ConfigError, cfg_field
-from prorag.errors import FailedPrecondition
+from prorag.errors import FailedPrecondition, NotFound
+from prorag.registry import registry
 from prorag.rpc.grpc_server import ServerSpec, start_server
 from prorag.pb import prm_pb2_grpc
 from prorag.rpc.service import ServeConfig, Started
 from prorag.training.devices import DeviceConfig, check_device_config, resolve
+from services.prm.engine import PRMEngine
 from services.prm.frontend import ScoringFrontend
 from services.prm.servicer import PRMServicer
 
@@ -69,8 +71,6 @@ class PRMServeConfig(DeviceConfig):
 
 
 def resolve_model(cfg: PRMServeConfig):
-    from prorag.registry import registry
-
     if not cfg.model:
         raise FailedPrecondition("the PRM service needs `model`: a PRM directory or a published name[@version]")
     return registry("prm", cfg.world).resolve(cfg.model)
@@ -87,16 +87,12 @@ def engine_workers(cfg: PRMServeConfig, device: str) -> tuple[int, int]:
 
 
 def _make_engine(cfg: PRMServeConfig, path):
-    from services.prm.engine import PRMEngine
-
     return PRMEngine(path, max_len=cfg.max_len, max_batch_tokens=cfg.max_batch_tokens, placement=resolve(cfg),
                      max_batch_padding=cfg.max_batch_padding)
 
 
 async def _follow(cfg: PRMServeConfig, frontend: ScoringFrontend, running) -> None:
     """Swap in each newly published version; with none published yet, become ready at the first publish."""
-    from prorag.errors import NotFound
-
     while True:
         await asyncio.sleep(cfg.follow_latest_s)
         engine = frontend.engine
@@ -120,8 +116,6 @@ async def _follow(cfg: PRMServeConfig, frontend: ScoringFrontend, running) -> No
 
 
 async def start(serve: ServeConfig, cfg: PRMServeConfig | None = None, engine=None) -> Started:
-    from prorag.errors import NotFound
-
     cfg = cfg or PRMServeConfig()
     check_device_config(cfg)  # a GPU or dtype this host lacks is refused at start, not at the first request
     following = bool(cfg.follow_latest_s) and "@" not in cfg.model and not Path(cfg.model).is_dir()

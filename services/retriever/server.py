@@ -11,6 +11,7 @@ from prorag.config import cfg_field
 from prorag.pb import retriever_pb2_grpc
 from prorag.rpc.grpc_server import ServerSpec
 from prorag.rpc.service import ServeConfig, Started, start_grpc_and_http
+from services.retriever.engine import RetrievalEngine
 from services.retriever.frontend import SearchFrontend
 from services.retriever.http import make_app
 from services.retriever.servicer import RetrieverServicer
@@ -37,8 +38,6 @@ class RetrieverConfig:
 
 
 def open_engine(cfg: RetrieverConfig):
-    from services.retriever.engine import RetrievalEngine
-
     return RetrievalEngine.from_dir(cfg.resolved_index_root(), default=cfg.default_index)
 
 

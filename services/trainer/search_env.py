@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag.io import append_jsonl_synced, read_jsonl_journal
-from prorag.rpc.clients import call_with_service_wait
-from prorag.data.loaders import Document
+from prorag.rpc.clients import PolicyClient, RetrieverClient, call_with_service_wait
+from prorag.data.loaders import Document, load_split
 from prorag.data.world.config import TEST_SPLITS
 from prorag.metrics import f1_score
-from prorag.trajectory import Step, clean_doc, glue_after, parse_step, render_prompt
+from prorag.trajectory import Step, clean_doc, glue_after, parse_step, render_prompt, render_step, retrieval_block
 
 
 class CachedSearch:
@@ -166,8 +167,6 @@ class ServiceEnv:
         returned ``docs``: what the policy writes when it reads other documents. The steps are not searched and
         not remembered as prefixes: they are siblings to judge in the real context (where what they name is, or is
         not, what the real documents say)."""
-        from prorag.trajectory import retrieval_block
-
         if not history or history[-1].kind != "subquery" or history[-1].docs is None:
             raise ValueError("expand_reading continues a searched subquery")
         last = history[-1]
@@ -179,8 +178,6 @@ class ServiceEnv:
         """``n`` next steps sampled after ``history`` (which ends with a searched subquery) as if that subquery had
         asked ``asked`` and the search had returned the same documents: what the policy reads there about another
         relation. Not searched, not remembered as prefixes: siblings to judge in the real context."""
-        from prorag.trajectory import render_step
-
         if not history or history[-1].kind != "subquery" or history[-1].docs is None:
             raise ValueError("expand_relation continues a searched subquery")
         last = history[-1]
@@ -192,8 +189,6 @@ class ServiceEnv:
         """``n`` next steps sampled after ``history`` (which ends with a sub-answer) as if that sub-answer had said
         ``name``: what the policy asks next when it carries another name forward. Not searched, not remembered as
         prefixes: siblings to judge in the real context (where a search for that name is the wrong entity)."""
-        from prorag.trajectory import render_step
-
         if not history or history[-1].kind != "subanswer":
             raise ValueError("expand_bridge continues a sub-answer")
         said = Step("subanswer", thought=history[-1].thought, content=name)
@@ -226,8 +221,6 @@ def questions_to_search(cfg) -> list:
     """A searching stage's questions: the first ``cfg.max_questions`` (0 = all) of split ``cfg.split`` of world
     ``cfg.world``; never the test split, since what is found there becomes training data."""
     from prorag import paths
-    from prorag.data.loaders import load_split
-    from prorag.errors import FailedPrecondition, InvalidArgument
 
     if cfg.split in TEST_SPLITS:
         raise InvalidArgument(f"split {cfg.split!r} is held out for evaluation; search the train (or dev) split")
@@ -297,8 +290,6 @@ class SearchServices:
     SERVICES = ("policy", "retriever", "judge")
 
     def __init__(self, cfg):
-        from prorag.rpc.clients import PolicyClient, RetrieverClient
-
         self.cfg = cfg
         self.policy = PolicyClient(cfg.policy, timeout=600)
         self.retriever = RetrieverClient(cfg.retriever, timeout=300)

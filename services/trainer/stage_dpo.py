@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from prorag.config import cfg_field
+from prorag.config import ConfigError, cfg_field
 from prorag.errors import FailedPrecondition
 from prorag.training.context import JobContext
-from prorag.training.lora import ALL_PROJECTIONS
+from prorag.training.lora import ALL_PROJECTIONS, build_lora, publish_adapter, token_logprobs
 from prorag.training.run_config import TrainRunConfig
 from services.trainer.stages import register_stage, resolve_model
 
@@ -57,8 +57,6 @@ class DPOConfig(TrainRunConfig):
                                                     "registry")
 
     def validate(self) -> None:
-        from prorag.config import ConfigError
-
         super().validate()
         if self.batch_size % self.grad_accum:
             raise ConfigError("grad_accum", f"must divide batch_size ({self.batch_size}), got {self.grad_accum}")
@@ -86,8 +84,6 @@ def encode_preference(tokenizer, pair, choice: int) -> dict[str, list[int]]:
 def preference_logps(model, collator, examples: list[dict]):
     """([B] chosen, [B] rejected) summed log-probabilities of each example's completion, in one padded forward pass
     over the batch TRL's collator makes (chosen rows first, then rejected)."""
-    from prorag.training.lora import token_logprobs
-
     batch = collator([{k: e[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for e in examples])
     mask = batch["completion_mask"].float()
     logps = (token_logprobs(model, batch["input_ids"], batch["attention_mask"], mask) * mask).sum(-1)
@@ -104,7 +100,6 @@ def run_dpo(ctx: JobContext) -> dict:
     from prorag.registry import ArtifactRef, registry, weights_sha256
     from prorag.training.distributed import full_state_dict, gather_lists, sum_over_processes
     from prorag.training.loop import accumulated_epochs, run_loop
-    from prorag.training.lora import build_lora, publish_adapter
 
     cfg: DPOConfig = ctx.config
     cfg.apply_threads()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from prorag.config import cfg_field
 from prorag.io import write_jsonl
-from prorag.rpc.clients import JudgeClient
+from prorag.rpc.clients import JudgeClient, call_with_service_wait
 from prorag.search.mcts import MCTSConfig, extract_pairs, search
 from prorag.search.pairs import StepPair, label_agreement
 from prorag.training.context import JobContext
@@ -104,8 +104,6 @@ def run_mcts(ctx: JobContext) -> dict:
         rows = [done[q.id] for q in qs]
         pairs = [StepPair.from_dict(p) for r in rows for p in r["pairs"]]
         if cfg.judge:
-            from prorag.rpc.clients import call_with_service_wait
-
             with JudgeClient(cfg.judge, timeout=600) as judge:
                 # asked again whole: the pairs a first try labelled get the same verdicts again
                 call_with_service_wait(lambda: judge_pairs(judge, by_id, pairs), cfg.judge, "judge",

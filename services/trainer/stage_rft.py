@@ -25,14 +25,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prorag import paths
-from prorag.algorithms.rl import PRM_CENTERINGS
-from prorag.config import cfg_field
+from prorag.algorithms.rl import (PRM_CENTERINGS, center_per_kind, hop_balanced_sample, rft_keep, rft_kept_steps,
+                                  rft_threshold, step_loss_mask)
+from prorag.config import ConfigError, cfg_field, from_dict
+from prorag.data.loaders import load_split
 from prorag.data.world.config import TEST_SPLITS
 from prorag.errors import FailedPrecondition
+from prorag.metrics import exact_match, f1_score
+from prorag.rpc.clients import PolicyClient, PRMClient
+from prorag.rpc.pbconv import step_from_pb, token_trace_from_pb
 from prorag.training.context import JobContext
 from prorag.training.run_config import TrainRunConfig
+from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS, format_loss_weights
 from services.trainer.sampling import prm_logits, rollout, rollout_index_field, rollout_topk_field, step_tokens_field
-from services.trainer.stage_sft import fit_and_publish, kept_trajectories, load_to_fine_tune
+from services.trainer.stage_sft import SFTConfig, build_samples, fit_and_publish, kept_trajectories, load_to_fine_tune
 from services.trainer.stages import register_stage, resolve_model
 
 
@@ -110,8 +116,6 @@ class RFTConfig(TrainRunConfig):
                                       min=0.0)
 
     def validate(self) -> None:
-        from prorag.config import ConfigError
-
         super().validate()
         if not self.base_model:
             raise ConfigError("base_model", "required: the SFT model to fine-tune")
@@ -122,8 +126,6 @@ class RFTConfig(TrainRunConfig):
 
 
 def is_correct(cfg: RFTConfig, answer: str, golds) -> bool:
-    from prorag.metrics import exact_match, f1_score
-
     if cfg.correct == "em":
         return exact_match(answer, golds) == 1.0
     return f1_score(answer, golds) >= cfg.min_f1
@@ -132,8 +134,6 @@ def is_correct(cfg: RFTConfig, answer: str, golds) -> bool:
 def select_questions(cfg: RFTConfig, questions: list) -> list:
     """The questions sampled: all of them, or ``max_questions`` of them, drawn evenly over hop counts
     (hop_balanced) or the split's first ones."""
-    from prorag.algorithms.rl import hop_balanced_sample
-
     if not cfg.max_questions:
         return questions
     if not cfg.hop_balanced:
@@ -147,8 +147,6 @@ def kept_steps(cfg: RFTConfig, scores: list[list[float]], kinds: list[list[str]]
 
     scores [N][S_i]: the PRM logits of every step of the N correct trajectories (empty lists when ``scored`` is
     False: no PRM, every step of a format-valid trajectory kept); kinds [N][S_i]: each step's Step.kind."""
-    from prorag.algorithms.rl import center_per_kind, rft_keep, rft_kept_steps, rft_threshold
-
     if not scored:
         return [[ok] * len(ks) for ok, ks in zip(format_valid, kinds)], cfg.prm_threshold
     if cfg.prm_centering == "per_kind":
@@ -168,12 +166,6 @@ def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, d
     elsewhere) and counts of what was sampled, correct, PRM-approved and kept; steps kept of all the correct
     trajectories' steps per step kind (steps_kept_<kind>, steps_total_<kind>) and questions, correct and kept
     trajectories per hop count (questions_hops_<h>, correct_hops_<h>, kept_hops_<h>)."""
-    from prorag.algorithms.rl import step_loss_mask
-    from prorag.rpc.clients import PolicyClient, PRMClient
-    from prorag.data.loaders import load_split
-    from prorag.rpc.pbconv import step_from_pb, token_trace_from_pb
-    from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS, format_loss_weights
-
     qs = select_questions(cfg, load_split(paths.world_dir(cfg.world), cfg.split))
     hops = {q.id: q.hops for q in qs}
     tag_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in TAGS}
@@ -268,9 +260,7 @@ def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, d
 def replay_samples(cfg: RFTConfig, base: Path, tokenizer, n: int) -> list:
     """``n`` gold SFT trajectories, encoded as the SFT job that trained ``base`` encoded its own (its published
     config's format settings), for the train split's first ``n`` questions."""
-    from prorag.config import from_dict
     from prorag.registry import published_config
-    from services.trainer.stage_sft import SFTConfig, build_samples
 
     if n <= 0:
         return []

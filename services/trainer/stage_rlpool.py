@@ -26,7 +26,7 @@ from typing import Sequence
 
 from prorag import paths
 from prorag.algorithms.rl import ANSWER_CREDIT_F1, OUTCOME_REWARDS
-from prorag.config import cfg_field
+from prorag.config import ConfigError, cfg_field
 from prorag.data.loaders import load_split
 from prorag.data.world.config import RL_SPLIT, TEST_SPLITS
 from prorag.errors import FailedPrecondition
@@ -80,8 +80,6 @@ class RLPoolConfig:
     tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
 
     def validate(self) -> None:
-        from prorag.config import ConfigError
-
         if not self.policy_model:
             raise ConfigError("policy_model", "required: the start model the policy serves")
         if self.split in TEST_SPLITS:

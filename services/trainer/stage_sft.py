@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 
 from prorag import paths
-from prorag.config import cfg_field
+from prorag.config import ConfigError, cfg_field
+from prorag.data.loaders import Document, load_questions, load_split
 from prorag.errors import FailedPrecondition
 from prorag.methods import DOCS_PER_SEARCH, SFT_MODES
 from prorag.modeling import load_for_training
@@ -33,6 +34,7 @@ from prorag.training.distributed import from_main
 from prorag.training.lm import weighted_lm_loss
 from prorag.training.loop import run_loop
 from prorag.training.run_config import TrainRunConfig
+from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS
 from services.trainer.stages import publish_trained, register_stage
 
 
@@ -85,8 +87,6 @@ class SFTConfig(TrainRunConfig):
     publish_name: str = cfg_field("", help="publish the model as name@<job id> under data/models/<world> ('' = mode)")
 
     def validate(self) -> None:
-        from prorag.config import ConfigError
-
         super().validate()
         if not self.base_model:
             raise ConfigError("base_model", "required: the model directory to fine-tune")
@@ -100,10 +100,8 @@ class SFTConfig(TrainRunConfig):
 def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]:
     """Encoded samples (TokenTrajectory, one per question) for cfg.mode; documents come from the retriever."""
     from prorag.rpc.clients import RetrieverClient
-    from prorag.data.loaders import Document, load_questions, load_split
     from prorag.data.sft import (agent_prompt, agent_steps, baseline_prompt, baseline_steps, encode_segments,
                                  ensure_gold, hop_questions, template_thought)
-    from prorag.trajectory import FORMAT_LOSS_WEIGHTS, TAGS
 
     qs = load_questions(cfg.questions) if cfg.questions else load_split(paths.world_dir(cfg.world), "train")
     if cfg.max_questions:

@@ -38,12 +38,16 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from prorag import paths
-from prorag.config import cfg_field
-from prorag.data.loaders import load_split
+from prorag.algorithms.mcts import pair_kind, sibling_pairs
+from prorag.config import ConfigError, cfg_field
+from prorag.data.loaders import Document, load_split
 from prorag.data.world.config import TEST_SPLITS
 from prorag.data.world.files import entity_relations
+from prorag.errors import InvalidArgument
 from prorag.io import write_jsonl
+from prorag.metrics import normalize_answer
 from prorag.rpc.clients import JudgeClient, call_with_service_wait
+from prorag.search.mcts import pairable
 from prorag.search.pairs import StepPair
 from prorag.training.context import JobContext
 from services.trainer.search_env import SearchServices, resume_questions, run_questions
@@ -95,8 +99,6 @@ class SiblingsStageConfig(PolicySamplingConfig):
         min=0, max=32)
 
     def validate(self) -> None:
-        from prorag.config import ConfigError
-
         super().validate()
         if not self.judge:
             raise ConfigError("judge", "required: the judge service (host:port) that labels the sibling pairs; "
@@ -109,8 +111,6 @@ def without_sentences_naming(docs: list, name: str) -> list:
     """``docs`` with every sentence that names ``name`` (case-insensitive) taken out of their text; [] when no
     document names it, or nothing would be left. Where the policy read its sub-answer, it must then name something
     else the same documents say."""
-    from prorag.data.loaders import Document
-
     name = " ".join(name.split())
     if not name:
         return []
@@ -168,8 +168,6 @@ class RelationTemplates:
         """The templates to ask of document ``doc_id``'s entity, sorted (every template when its entity is unknown),
         less every phrasing of the relation ``asked`` asks of ``entity`` (known when one of its templates, filled
         with ``entity``, is ``asked`` under the answer normaliser): another phrasing would get the same answer."""
-        from prorag.metrics import normalize_answer
-
         known = self.entities.get(doc_id)
         groups = [(relation, ts) for (kind, relation), ts in self.by_kind_relation.items()
                   if known is None or (kind == known[0] and (not relation or relation in known[1]))]
@@ -209,8 +207,6 @@ def relation_question(templates: list, asked: str, entity: str, key: int) -> str
     ...                   "Ana Berg", 7)
     'Who directed Ana Berg?'
     """
-    from prorag.metrics import normalize_answer
-
     if not entity or entity not in asked:
         return ""
     asked_norm = normalize_answer(asked)
@@ -227,8 +223,6 @@ def bridge_name(decoy_answers: list, history: list) -> str:
     >>> bridge_name(["Ekroa", "Lasar"], [Step("subanswer", content="Yxine")])
     'Ekroa'
     """
-    from prorag.metrics import normalize_answer
-
     said = normalize_answer(history[-1].content)
     hop = sum(s.kind == "subanswer" for s in history) - 1
     names = [a for a in decoy_answers if a and normalize_answer(a) != said]
@@ -269,10 +263,7 @@ def sample_question(env, question_id: str, question: str, samples: int, max_step
 
     Returns (pairs [StepPair], stats {"prefixes", "sampled", "invalid", "duplicates", "tokens", "reading_sampled",
     "bridge_sampled", "relation_sampled", "steps", "f1"})."""
-    from prorag.algorithms.mcts import pair_kind, sibling_pairs
     from prorag.prm.evaluation import entity_surface
-    from prorag.search.mcts import pairable
-    from prorag.search.pairs import StepPair
 
     history, pairs = [], []
     stats = {"prefixes": 0, "sampled": 0, "invalid": 0, "duplicates": 0, "tokens": 0, "reading_sampled": 0,
@@ -338,8 +329,6 @@ def decoy_question(questions: list, question):
     the bridge samples carry forward."""
     others = [q for q in questions if q.id != question.id]
     if not others:
-        from prorag.errors import InvalidArgument
-
         raise InvalidArgument("reading_samples and bridge_samples need at least two questions (another question's "
                               "documents and hop answers are the decoy); raise max_questions")
     return others[hash_id(question.id) % len(others)]

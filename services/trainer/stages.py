@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from prorag.config import ConfigError, cfg_field, from_dict, to_dict
-from prorag.errors import FailedPrecondition, InvalidArgument
+from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
 from prorag.io import sha256_file
 from prorag.training.context import JobContext, manifest_path
 
@@ -89,8 +89,6 @@ class PolicySamplingConfig:
     tracking: str = cfg_field("", help="'wandb' or 'local'; '' = the trainer's default", choices=("", "wandb", "local"))
 
     def validate(self) -> None:
-        from prorag.config import ConfigError
-
         if not self.policy_model:
             raise ConfigError("policy_model", "required: the policy's model directory or name@version")
 
@@ -393,7 +391,6 @@ def load_stage_modules(names: Sequence[str] = ()) -> list[str]:
 def resolve_model(world: str, spec: str, field_name: str):
     """A stage's model setting -> its directory: a directory, or name[@version] in ``world``'s model registry.
     A missing one is the job config's mistake, named by its field."""
-    from prorag.errors import InvalidArgument, NotFound
     from prorag.registry import registry
 
     if not spec:
