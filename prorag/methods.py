@@ -93,6 +93,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 #: methods trained by the SFT stage (the pipeline's `Profile.methods`)
 SFT_METHODS = tuple(m.name for m in METHODS.values() if m.stage == "sft")
 
+#: the paired comparisons (A, B) that results.json and `prorag report` give, A minus B per question on 3+ hop
+#: questions, where both were evaluated; issue 19 names the first three
+COMPARISONS = (("prorag", "outcome_grpo"), ("outcome_grpo", "sft"), ("prorag", "sft"), ("rft", "sft"),
+               ("prorag", "rft"), ("prorag", "reasonrag"), ("reasonrag", "sft"), ("prorag", "prorag_no_rft"),
+               # issue 30: the oracle ceiling and the same-start headline
+               ("prorag_oracle", "outcome_grpo"), ("prorag_no_rft", "outcome_grpo"))
+
 
 def get_method(name: str) -> Method:
     """The table's entry for ``name``; InvalidArgument naming the known methods otherwise."""
@@ -113,5 +120,5 @@ def kind_of(name: str) -> str:
     return METHODS[name].kind if name in METHODS else "agent"
 
 
-__all__ = ["SFT_MODES", "KINDS", "Method", "METHODS", "SFT_METHODS", "AGENT_MAX_STEPS", "DOCS_PER_SEARCH", "base_method",
-           "get_method", "kind_of"]
+__all__ = ["SFT_MODES", "KINDS", "Method", "METHODS", "SFT_METHODS", "AGENT_MAX_STEPS", "COMPARISONS",
+           "DOCS_PER_SEARCH", "base_method", "get_method", "kind_of"]

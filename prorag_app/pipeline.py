@@ -33,7 +33,7 @@ from prorag.data.world import DEEP_SPLITS, HELDOUT_DEEP_SPLIT, ensure_deep_split
 from prorag.errors import InvalidArgument
 from prorag.evaluation import (MULTI_HOP_MIN, compare_methods, grouped_mean_ci, margin_beyond_cis, question_entity,
                                recall_at_k, retrieval_queries)
-from prorag.methods import base_method, get_method
+from prorag.methods import COMPARISONS, base_method, get_method
 from prorag.modeling import load_policy
 from prorag.probes import name_copy_accuracy
 from prorag.progress import progress_bars
@@ -51,7 +51,7 @@ from prorag_app.run_tables import (console, print_answer_errors, print_diagnosti
                                    print_stage34)
 from prorag_app.stack import OnDemand, ServiceStack, default_policy_replicas
 from prorag_app.stage2 import run_stage2
-from prorag_app.stage34 import COMPARISONS, per_question_f1, print_comparisons, run_stage34
+from prorag_app.stage34 import per_question_f1, print_comparisons, run_stage34
 from prorag_app.stage_settings import Stage2Settings, Stage34Settings
 from prorag_app.trainer_jobs import follow_job
 

@@ -25,10 +25,9 @@ from prorag.diagnosis import ANSWER_ERRORS, answer_error, gold_chain
 from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag.evaluation import COMPARISON_MIN_HOPS, compare_methods, score_records
 from prorag.io import write_json
-from prorag.methods import base_method
+from prorag.methods import COMPARISONS, base_method
 from prorag_app.report_html import write_html
 from prorag_app.report_parts import HOP_GROUPS, pct, svg_of
-from prorag_app.stage34 import COMPARISONS
 
 
 def _predictions(root: Path, methods) -> dict[str, dict[str, dict]]:

@@ -39,14 +39,11 @@ from prorag.registry import registry, weights_sha256
 from prorag_app.stack import OnDemand, ServiceStack
 from prorag_app.stage_settings import Stage34Settings
 from prorag_app.trainer_jobs import run_job, settings_job_id
+from services.trainer.stage_rl import ORACLE_SCORING_VERSION, PRM_SCORING_VERSION, adapter_version
+from services.trainer.stage_rlpool import POOL_VERSION
 
 console = Console()
 
-#: the comparisons results.json reports (A minus B on 3+ hop questions); issue 19 names the first three
-COMPARISONS = (("prorag", "outcome_grpo"), ("outcome_grpo", "sft"), ("prorag", "sft"), ("rft", "sft"),
-               ("prorag", "rft"), ("prorag", "reasonrag"), ("reasonrag", "sft"), ("prorag", "prorag_no_rft"),
-               # issue 30: the oracle ceiling and the same-start headline
-               ("prorag_oracle", "outcome_grpo"), ("prorag_no_rft", "outcome_grpo"))
 #: the stage 3-4 methods trained by the RL stage
 RL_METHODS = ("prorag", "outcome_grpo", "prorag_no_rft", "prorag_oracle")
 #: RL settings a question pool takes from the RL's shared ones, so it samples the candidates the RL draws from as
@@ -63,9 +60,6 @@ def _job_id(prefix: str, stage: str, cfg: dict, prm_sha256: str = "", pool_sha25
     sampling a split drawn after train (the RL split), that split's content."""
     extra = {"uses_prm": bool(cfg.get("prm"))}
     if cfg.get("step_scorer") == "oracle":  # the config says oracle; the version says which rules
-        # imports torch; `prorag report` reads COMPARISONS from this module without it
-        from services.trainer.stage_rl import ORACLE_SCORING_VERSION
-
         extra["oracle_scoring"] = ORACLE_SCORING_VERSION
     if cfg.get("question_pool"):  # the path names a job's artifact; its content is what the RL draws from
         extra["question_pool_sha256"] = pool_sha256
@@ -73,14 +67,10 @@ def _job_id(prefix: str, stage: str, cfg: dict, prm_sha256: str = "", pool_sha25
         # (rl_deep_17) then name other questions, so a job sampling it is named by the content it samples
         extra["split_sha256"] = sha256_file(paths.world_dir(cfg["world"]) / f"{cfg['split']}.jsonl")
     if stage == "rlpool":
-        from services.trainer.stage_rlpool import POOL_VERSION  # torch, as above
-
         extra["pool_version"] = POOL_VERSION
     if extra["uses_prm"]:
         extra["prm_sha256"] = prm_sha256
     if stage != "rft" and extra["uses_prm"]:
-        from services.trainer.stage_rl import PRM_SCORING_VERSION  # torch, as above
-
         extra["prm_scoring"] = PRM_SCORING_VERSION
     # the pool by its content alone, so a runs directory moved elsewhere still reuses the jobs
     return settings_job_id(prefix, stage, {k: v for k, v in cfg.items() if k != "question_pool"}, extra)
@@ -312,8 +302,6 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
                 timings["stage34_reasonrag_s"] = time.monotonic() - t
     timings["stage34_train_s"] = time.monotonic() - t0
     # the RL adapters after fewer iterations, evaluated like the final ones (every iteration published one)
-    from services.trainer.stage_rl import adapter_version  # torch, as above
-
     for m in [m for m in RL_METHODS if m in out["jobs"]]:
         final = out["rl"][m].get("iterations", 0)
         for i in settings.eval_iterations:
@@ -369,5 +357,5 @@ def print_rl(rl: dict) -> None:
     console.print(table)
 
 
-__all__ = ["COMPARISONS", "POOL_FROM_RL", "RL_METHODS", "per_question_f1", "pool_job_config",
+__all__ = ["POOL_FROM_RL", "RL_METHODS", "per_question_f1", "pool_job_config",
            "print_comparisons", "print_rl", "rl_job_config", "rl_summary", "run_stage34"]

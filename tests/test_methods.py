@@ -3,7 +3,7 @@
 import pytest
 
 from prorag.errors import InvalidArgument
-from prorag.methods import METHODS, SFT_METHODS, SFT_MODES, Method
+from prorag.methods import COMPARISONS, METHODS, SFT_METHODS, SFT_MODES, Method
 
 
 def test_every_method_trains_or_reads_with_a_trained_one():
@@ -23,3 +23,9 @@ def test_a_method_cannot_both_train_and_read_with_another():
         Method("x", "single_search", stage="")
     with pytest.raises(InvalidArgument, match="kind must be"):
         Method("x", "retrieval_only")
+
+
+def test_comparisons_name_the_oracle_ceiling_and_the_same_start_headline_among_known_methods():
+    assert ("prorag_oracle", "outcome_grpo") in COMPARISONS and ("prorag_no_rft", "outcome_grpo") in COMPARISONS
+    assert len(set(COMPARISONS)) == len(COMPARISONS)
+    assert {m for pair in COMPARISONS for m in pair} <= set(METHODS)

@@ -2,6 +2,8 @@
 pooled seeds, ProRAG's F1 against beta, RL curves from the jobs' journals, Markdown + JSON + PNG."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -284,3 +286,12 @@ def test_prorag_compare_prints_the_paired_difference(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["n"] == 4  # questions 2, 3, 6, 7 have 3+ hops
     assert cli_main(["compare", str(a), f"{a},{b}"]) == 2  # a caller's mistake: said, no traceback
     assert "give as many on each side" in capsys.readouterr().err
+
+
+def test_the_report_reads_runs_without_loading_torch_or_the_trainer():
+    """`prorag report` and `prorag compare` read run directories on any laptop: importing the report must not load
+    torch (seconds, and gigabytes where a CUDA build is installed) nor the trainer's stages."""
+    code = ("import sys, prorag_app.report\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('services.trainer')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[:500]

@@ -129,13 +129,6 @@ def test_rl_summary_reports_zero_variance_groups_and_reward_per_iteration(tmp_pa
     assert summary["per_iteration"][1]["start_f1_mean"] == 0.3
 
 
-def test_comparisons_name_the_oracle_ceiling_and_the_same_start_headline():
-    from prorag_app.stage34 import COMPARISONS
-
-    assert ("prorag_oracle", "outcome_grpo") in COMPARISONS and ("prorag_no_rft", "outcome_grpo") in COMPARISONS
-    assert len(set(COMPARISONS)) == len(COMPARISONS)
-
-
 class _Stack:
     """What run_stage34 asks of a running stack and of the serving stacks it starts: targets, a with-block."""
 
