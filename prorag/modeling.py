@@ -14,6 +14,7 @@ import torch
 
 from prorag.config import cfg_field, from_dict
 from prorag.errors import InvalidArgument, NotFound
+from prorag.init_circuits import induction_shape_problem, wire_induction_circuit
 from prorag.io import atomic_dir
 from prorag.trajectory import CHAT_TOKENS, ENDOFTEXT, IM_END, TAGS
 
@@ -107,7 +108,6 @@ class PolicyModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise InvalidArgument(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.init == "induction":  # refused with the config, not later as a bare ValueError from the wiring
-            from prorag.init_circuits import induction_shape_problem
 
             problem = induction_shape_problem(self.num_layers, self.head_dim, self.hidden_size)
             if problem:
@@ -173,8 +173,6 @@ def build_model(cfg: PolicyModelConfig | str | dict, tokenizer, seed: int = 0):
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(hf_cfg)
     if cfg.init == "induction":
-        from prorag.init_circuits import wire_induction_circuit
-
         wire_induction_circuit(model, seed=seed)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -13,7 +13,9 @@ from pathlib import Path
 
 from prorag import paths
 from prorag.config import cfg_field
+from prorag.data.loaders import iter_corpus
 from prorag.errors import FailedPrecondition, InvalidArgument
+from prorag.io import sha256_file, write_json, write_jsonl
 
 
 @dataclass
@@ -80,7 +82,6 @@ def _sha256_if_other(corpus: Path, docstore) -> str:
     """The corpus's sha256, read only when it is not the doc store's own file (a copy of it may sit elsewhere)."""
     if corpus.resolve() == docstore.corpus_path.resolve():
         return docstore.corpus_sha256
-    from prorag.io import sha256_file
 
     return sha256_file(corpus)
 
@@ -89,8 +90,6 @@ def run_import(args: DataImportArgs) -> dict:
     """Import one dataset file; writes the questions and their report atomically and returns the report."""
     from prorag.data.imports import ImportConfig, OpenAITeacher, format_report, import_records, index_titles, \
         read_records, title_key
-    from prorag.data.loaders import iter_corpus
-    from prorag.io import write_json, write_jsonl
     from services.retriever.docstore import DocStore
     from services.retriever.engine import BM25Retriever
 

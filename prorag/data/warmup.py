@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from prorag.data.loaders import parse_contents
+from prorag.trajectory import IM_END, IM_START, render_docs
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
@@ -130,8 +131,6 @@ def retrieved_reading_example(rng: random.Random, doc_id: str, docs: Mapping[str
     <|im_end|>), the layout every stage's prompt uses, as an instruction-tuned base has seen it.
     docs: doc id -> wiki-18 ``contents`` (quoted title line, then text).
     """
-    from prorag.trajectory import IM_END, IM_START, render_docs
-
     ids = [doc_id, *distractors]
     rng.shuffle(ids)
     rendered = render_docs([parse_contents(docs[i]) for i in ids])

@@ -15,7 +15,9 @@ from typing import Mapping, Sequence
 
 from prorag.algorithms.prm import score_positions, written_positions
 from prorag.data.loaders import Document
+from prorag.data.sft import agent_prompt, encode_segments
 from prorag.errors import InvalidArgument
+from prorag.io import read_jsonl
 from prorag.trajectory import KINDS, TAGS, Step
 
 
@@ -89,8 +91,6 @@ class StepPair:
 
 def load_pairs(path: str) -> list[StepPair]:
     """The pairs of a JSONL file (the MCTS stage's output); InvalidArgument when there is no such file."""
-    from prorag.io import read_jsonl
-
     if not path or not Path(path).is_file():
         raise InvalidArgument(f"pairs file {path!r} does not exist (the MCTS stage writes one)")
     return [StepPair.from_dict(row) for row in read_jsonl(path)]
@@ -112,8 +112,6 @@ def prm_rendering(tokenizer, question: str, steps: Sequence[Step]) -> tuple[list
     the policy wrote, prorag.algorithms.prm.written_positions) of ``steps`` after ``question``'s agent prompt;
     training renders context + candidate, scoring a whole trajectory; a step's ids and position are the same in
     both."""
-    from prorag.data.sft import agent_prompt, encode_segments
-
     if not steps:
         raise InvalidArgument("nothing to score: no steps")
     tag_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in TAGS}
@@ -129,8 +127,6 @@ def prm_inputs(tokenizer, question: str, steps: Sequence[Step]) -> tuple[list[in
 
 def prompt_length(tokenizer, question: str) -> int:
     """Tokens of ``question``'s agent prompt: what left truncation keeps before any step."""
-    from prorag.data.sft import agent_prompt
-
     return len(tokenizer.encode(agent_prompt(question), add_special_tokens=False))
 
 

@@ -30,6 +30,7 @@ import torch
 
 from prorag.errors import FailedPrecondition
 from prorag.io import atomic_dir, atomic_path
+from prorag.training.distributed import from_main
 
 log = logging.getLogger("prorag.trainer.checkpoint")
 
@@ -200,8 +201,6 @@ def save_launch(ckpt_dir: str | Path, accelerator, state: dict, step: int, keep:
     main process renames to ``step-<N>`` once every process is done (``state``, the loop's own part, e.g. the
     scheduler, written last as LOOP_STATE); then all but the last ``keep`` are dropped. A kill at any moment
     leaves the previous checkpoints complete and at most a temp directory, which the next resume removes."""
-    from prorag.training.distributed import from_main
-
     if keep < 1:
         raise ValueError("keep must be >= 1")
     d = Path(ckpt_dir)
@@ -230,8 +229,6 @@ def load_latest_launch(ckpt_dir: str | Path, accelerator) -> tuple[dict, Path] |
     load the same one) restored through accelerate's ``load_state`` (model, optimizer, this process's RNG
     states); returns (its LOOP_STATE, path), or None on a fresh start. The main process first removes the temp
     directories a killed launch left."""
-    from prorag.training.distributed import from_main
-
     def pick() -> str | None:
         cleanup_temp(ckpt_dir)
         found = list_launch_checkpoints(ckpt_dir)

@@ -35,6 +35,7 @@ from prorag.errors import FailedPrecondition
 from prorag.modeling import num_parameters
 from prorag.training.context import JobContext
 from prorag.training.devices import Placement, batch_shape, is_out_of_memory, out_of_memory, to_device
+from prorag.training.distributed import is_sharded, my_micro_batches
 from prorag.training.flops import model_flops_utilisation, peak_matmul_flops
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -209,8 +210,6 @@ class TrainingLoop:
                 self.sched.load_state_dict(state["scheduler"])
                 self.step = int(state["step"])
         else:
-            from prorag.training.distributed import is_sharded
-
             self.trained, self.opt = accelerator.prepare(_LossModule(model, loss_fn), self.opt)
             if is_sharded(accelerator):
                 attach_engine(model, self.trained)
@@ -277,8 +276,6 @@ class TrainingLoop:
         """Optimizer step ``self.step`` on micro-batches ``batch_at(i)`` (i = step * grad_accum + j, this process's
         share), a progress event when due; no checkpoint (:meth:`save_if_due`). grad_hook: this step's, instead of
         the loop's."""
-        from prorag.training.distributed import my_micro_batches
-
         cfg, accelerator, trained, placement = self.cfg, self.accelerator, self.trained, self.placement
         step, k, world = self.step, cfg.grad_accum, self.world
         metrics = {"lr": self.sched.get_last_lr()[0]}  # the rate this step uses

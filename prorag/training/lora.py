@@ -13,6 +13,7 @@ from pathlib import Path
 
 from prorag.algorithms import lookup
 from prorag.errors import AlreadyExists
+from prorag.registry import ArtifactRef, registry
 
 #: every attention and MLP projection of a decoder block (the default LoRA targets)
 ALL_PROJECTIONS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -36,8 +37,6 @@ def publish_adapter(model, world: str, name: str, version: str, *, base: Path, b
     state_dict: the PEFT model's full state dict gathered from a launch's shards (FSDP:
     prorag.training.distributed.full_state_dict), from which PEFT's save takes the adapter's weights; None = the
     model's own (one process, or DDP's replicated weights)."""
-    from prorag.registry import ArtifactRef, registry
-
     adapters = registry("adapter", world)
     scratch.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=scratch) as tmp:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from prorag.config import cfg_field
 from prorag.training.devices import ComputeConfig, Placement, resolve
+from prorag.training.loop import LoopConfig
 
 TRACKERS = ("", "wandb", "local")
 
@@ -51,8 +52,6 @@ class TrainRunConfig(StageRunConfig):
     def loop_config(self, steps: int, *, schedule: str = "warmup_cosine", grad_accum: int = 1,
                     beta2: float = 0.95, checkpoint_every: int | None = None, log_every: int | None = None):
         """The one loop's settings for ``steps`` optimizer steps from this config's fields."""
-        from prorag.training.loop import LoopConfig
-
         return LoopConfig(steps=steps, optimizer="adamw", lr=self.lr, beta1=0.9, beta2=beta2,
                           weight_decay=self.weight_decay, schedule=schedule,
                           warmup_steps=int(steps * self.warmup_ratio), grad_clip=self.grad_clip, grad_accum=grad_accum,

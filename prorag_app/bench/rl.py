@@ -10,14 +10,14 @@ import time
 
 from prorag import paths
 from prorag.config import from_dict
+from prorag.data.sft import agent_prompt
+from prorag.training.lora import RLSample, build_lora, collate_rl, length_chunks, rl_loss
 from prorag_app.bench.models import bench_model
 
 
 def _trajectory_lengths(tokenizer, limit: int = 500) -> list[int]:
     """Token lengths of the agent's greedy test trajectories that the last `prorag run` saved (prompt
     included); empty when there are none."""
-    from prorag.data.sft import agent_prompt
-
     path = paths.runs_dir() / "latest" / "sft" / "predictions.jsonl"
     if not path.is_file():
         return []
@@ -55,7 +55,6 @@ def bench_rl(args) -> dict:
     import torch
 
     from prorag.modeling import load_policy
-    from prorag.training.lora import RLSample, build_lora, collate_rl, length_chunks, rl_loss
     from services.trainer.stage_rl import RLConfig
 
     model_dir = bench_model(args.world, args.model)

@@ -7,7 +7,6 @@ import logging
 
 import numpy as np
 import torch
-from torch._dynamo.utils import counters
 from transformers import AttentionInterface, StaticCache
 from transformers.cache_utils import StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -212,6 +211,7 @@ class CompiledSteps:
         if self.device.type != "cuda":
             return
         # torch._dynamo's import takes seconds: paid only where CUDA graphs run
+        from torch._dynamo.utils import counters
 
         skips = counters["inductor"]["cudagraph_skips"]
         if skips != self._cudagraph_skips:

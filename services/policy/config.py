@@ -8,6 +8,7 @@ from pathlib import Path
 from prorag import paths
 from prorag.config import ConfigError, cfg_field
 from prorag.errors import ResourceExhausted
+from prorag.registry import registry
 
 
 @dataclass
@@ -97,7 +98,6 @@ class PolicyConfig:
             raise ConfigError("model", "the policy serves a model it is given: set model to a Hugging Face model "
                                        "directory or a published name[@version] (`prorag up` builds the embedded "
                                        "base and passes it)")
-        from prorag.registry import registry
 
         return registry("model", self.world).resolve(self.model)
 

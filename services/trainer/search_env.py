@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from prorag import paths
 from prorag.errors import FailedPrecondition, InvalidArgument
 from prorag.io import append_jsonl_synced, read_jsonl_journal
+from prorag.rollout import decode
 from prorag.rpc.clients import PolicyClient, RetrieverClient, call_with_service_wait
 from prorag.data.loaders import Document, load_split
 from prorag.data.world.config import TEST_SPLITS
@@ -130,8 +132,6 @@ class ServiceEnv:
 
     def _finish_step(self, gen_ids: list[int]) -> Step:
         """Parse a generated step, search when it is a subquery, and remember its ids with the glue."""
-        from prorag.rollout import decode
-
         step = parse_step(decode(self.tok, gen_ids))
         if step.kind == "subquery":
             t = time.monotonic()
@@ -154,8 +154,6 @@ class ServiceEnv:
     def _counterfactual(self, ids: list[int], n: int) -> tuple[list[Step], int]:
         """``n`` steps sampled after the token ids of a context the trajectory never had (parsed, not searched, not
         remembered as prefixes), and the tokens generated; none when the context is past the length limit."""
-        from prorag.rollout import decode
-
         if len(ids) >= self.max_len:
             return [], 0
         completions = self._generate(ids, n, self.temperature)
@@ -220,8 +218,6 @@ class ServiceEnv:
 def questions_to_search(cfg) -> list:
     """A searching stage's questions: the first ``cfg.max_questions`` (0 = all) of split ``cfg.split`` of world
     ``cfg.world``; never the test split, since what is found there becomes training data."""
-    from prorag import paths
-
     if cfg.split in TEST_SPLITS:
         raise InvalidArgument(f"split {cfg.split!r} is held out for evaluation; search the train (or dev) split")
     qs = load_split(paths.world_dir(cfg.world), cfg.split)

@@ -19,9 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from prorag.algorithms.rl import dpo_loss
 from prorag.config import ConfigError, cfg_field
+from prorag.data.sft import agent_prompt, encode_segments
 from prorag.errors import FailedPrecondition
+from prorag.modeling import load_for_training
+from prorag.registry import ArtifactRef, registry, weights_sha256
+from prorag.search.pairs import load_pairs
 from prorag.training.context import JobContext
+from prorag.training.distributed import full_state_dict, gather_lists, sum_over_processes
+from prorag.training.loop import accumulated_epochs, run_loop
 from prorag.training.lora import ALL_PROJECTIONS, build_lora, publish_adapter, token_logprobs
 from prorag.training.run_config import TrainRunConfig
 from services.trainer.stages import register_stage, resolve_model
@@ -67,8 +74,6 @@ def encode_preference(tokenizer, pair, choice: int) -> dict[str, list[int]]:
     prompt and the context steps with their documents and glue, as the policy read them; ``chosen_ids`` and
     ``rejected_ids`` the sibling steps' generated tokens, the ones whose log-probability DPO compares (the glue
     after a step is left out: it conditions nothing before it)."""
-    from prorag.data.sft import agent_prompt, encode_segments
-
     out: dict[str, list[int]] = {}
     for key, i in (("chosen_ids", choice), ("rejected_ids", 1 - choice)):
         traj = encode_segments(tokenizer, agent_prompt(pair.question), [*pair.context, pair.steps[i]], {}, {})
@@ -94,12 +99,6 @@ def run_dpo(ctx: JobContext) -> dict:
     import torch
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-    from prorag.algorithms.rl import dpo_loss
-    from prorag.modeling import load_for_training
-    from prorag.search.pairs import load_pairs
-    from prorag.registry import ArtifactRef, registry, weights_sha256
-    from prorag.training.distributed import full_state_dict, gather_lists, sum_over_processes
-    from prorag.training.loop import accumulated_epochs, run_loop
 
     cfg: DPOConfig = ctx.config
     cfg.apply_threads()

@@ -32,6 +32,7 @@ from prorag.data.loaders import load_split
 from prorag.data.world.config import TEST_SPLITS
 from prorag.errors import FailedPrecondition
 from prorag.metrics import exact_match, f1_score
+from prorag.registry import published_config
 from prorag.rpc.clients import PolicyClient, PRMClient
 from prorag.rpc.pbconv import step_from_pb, token_trace_from_pb
 from prorag.training.context import JobContext
@@ -260,8 +261,6 @@ def sample_and_filter(cfg: RFTConfig, tokenizer, progress=None) -> tuple[list, d
 def replay_samples(cfg: RFTConfig, base: Path, tokenizer, n: int) -> list:
     """``n`` gold SFT trajectories, encoded as the SFT job that trained ``base`` encoded its own (its published
     config's format settings), for the train split's first ``n`` questions."""
-    from prorag.registry import published_config
-
     if n <= 0:
         return []
     trained = published_config(base)

@@ -22,6 +22,8 @@ import torch
 from prorag import paths
 from prorag.config import ConfigError, cfg_field
 from prorag.data.loaders import Document, load_questions, load_split
+from prorag.data.thoughts import OpenAIThoughtWriter
+from prorag.data.world import canonical_question
 from prorag.errors import FailedPrecondition
 from prorag.methods import DOCS_PER_SEARCH, SFT_MODES
 from prorag.modeling import load_for_training
@@ -108,8 +110,6 @@ def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]
         qs = qs[:cfg.max_questions]
     thought = template_thought
     if cfg.thoughts == "openai":
-        from prorag.data.thoughts import OpenAIThoughtWriter
-
         thought = OpenAIThoughtWriter(cfg.openai_base_url, cfg.openai_model,
                                       cache_path=paths.data_dir() / "cache" / "thoughts.jsonl")
     tag_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in TAGS}
@@ -129,8 +129,6 @@ def build_samples(cfg: SFTConfig, tokenizer, progress=None) -> tuple[list, dict]
     samples, stats = [], {"questions": len(qs), "dropped_too_long": 0, "dropped_no_decomposition": 0}
     try:
         if cfg.mode == "agent":
-            from prorag.data.world import canonical_question
-
             subs = [s for q in qs for s in q.decomposition if s.doc_id]
             # each sub-question rewritten once, used for its retrieval and in every trajectory that holds it
             written = {s.question: canonical_question(s.question) if cfg.canonical_subqueries else s.question

@@ -46,6 +46,7 @@ from prorag.data.world.files import entity_relations
 from prorag.errors import InvalidArgument
 from prorag.io import write_jsonl
 from prorag.metrics import normalize_answer
+from prorag.prm.evaluation import entity_surface
 from prorag.rpc.clients import JudgeClient, call_with_service_wait
 from prorag.search.mcts import pairable
 from prorag.search.pairs import StepPair
@@ -184,8 +185,6 @@ def relation_templates(questions: list, entities: Mapping[str, tuple[str, frozen
     the entity replaced by :data:`ENTITY`, keyed by the kind of its document's entity in ``entities`` (doc id ->
     (kind, relations)) and the relation its question's chain asks there. Sorted and distinct, so a job picks the same
     ones again."""
-    from prorag.prm.evaluation import entity_surface
-
     entities = dict(entities or {})
     out: dict[tuple[str, str], set] = {}
     for q in questions:
@@ -263,8 +262,6 @@ def sample_question(env, question_id: str, question: str, samples: int, max_step
 
     Returns (pairs [StepPair], stats {"prefixes", "sampled", "invalid", "duplicates", "tokens", "reading_sampled",
     "bridge_sampled", "relation_sampled", "steps", "f1"})."""
-    from prorag.prm.evaluation import entity_surface
-
     history, pairs = [], []
     stats = {"prefixes": 0, "sampled": 0, "invalid": 0, "duplicates": 0, "tokens": 0, "reading_sampled": 0,
              "bridge_sampled": 0, "relation_sampled": 0}

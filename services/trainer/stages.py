@@ -40,10 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from prorag import validation as v
 from prorag.config import ConfigError, cfg_field, from_dict, to_dict
 from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
 from prorag.io import sha256_file
+from prorag.registry import ArtifactRef, registry, weights_sha256
 from prorag.training.context import JobContext, manifest_path
+from prorag.training.distributed import full_state_dict
 
 log = logging.getLogger("prorag.trainer.stages")
 
@@ -168,8 +171,6 @@ def check_job_config(stage: Stage, config: Mapping[str, Any], *, roots: Sequence
     """What the job config names, checked before anything runs (prorag.validation); InvalidArgument naming
     ``config.<field>``. ``config``: the caller's mapping or the built config's to_dict; nested configs are
     walked, and a field that is not a string (or is empty) is left to the config's own validation."""
-    from prorag import validation as v
-
     kinds = {**FIELD_CHECKS, **{n: "input" for n in stage.inputs}, **stage.checks}
 
     def walk(mapping: Mapping[str, Any], prefix: str) -> None:
@@ -235,8 +236,6 @@ def work_differences(stage: Stage, stored: Mapping[str, Any], submitted: Mapping
 
 def _check_model(field: str, value: str, roots: Sequence[str | Path]) -> None:
     # as resolve_model reads it: a directory when it looks like a path or is one, else name[@version]
-    from prorag import validation as v
-
     if "/" in value or value.startswith(".") or Path(value).is_dir():
         v.check_path(field, value, roots)
         return
@@ -391,8 +390,6 @@ def load_stage_modules(names: Sequence[str] = ()) -> list[str]:
 def resolve_model(world: str, spec: str, field_name: str):
     """A stage's model setting -> its directory: a directory, or name[@version] in ``world``'s model registry.
     A missing one is the job config's mistake, named by its field."""
-    from prorag.registry import registry
-
     if not spec:
         raise InvalidArgument(f"{field_name} is required: a model directory or a published name@version")
     try:
@@ -408,8 +405,6 @@ def publish_trained(ctx: JobContext, model, tokenizer, *, kind: str, world: str,
     from all of them. Returns (registry, ref) on the main process; None on the others, which publish nothing."""
     # torch and transformers: loaded only by the stages that train
     from prorag.modeling import save_pretrained
-    from prorag.registry import ArtifactRef, registry, weights_sha256
-    from prorag.training.distributed import full_state_dict
 
     weights = full_state_dict(ctx.accelerator, model)
     if not ctx.is_main:
