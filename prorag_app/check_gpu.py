@@ -131,7 +131,7 @@ def random_qwen3(shape: dict, device, dtype, seed: int = 0):
 
 
 def sft_throughput(shape: dict, placement, batch: int, seq_len: int, steps: int, compile: bool,
-                   fused_ce: bool = False) -> dict:
+                   fused_ce: bool = False, lr: float = 1e-4) -> dict:
     """Optimizer steps of the SFT loss (prorag.training.lm.weighted_lm_loss, every position trained) on synthetic
     sequences through the one training loop (placement's autocast, fused AdamW on a GPU, float32 master weights):
     tokens/s and MFU against the measured peak of the compute dtype, the first window (allocation, compilation)
@@ -149,19 +149,20 @@ def sft_throughput(shape: dict, placement, batch: int, seq_len: int, steps: int,
     window = max(1, steps // 3)
 
     def batch_at(i: int):
-        g = torch.Generator().manual_seed(i)
-        ids = torch.randint(16, vocab, (batch, seq_len), generator=g)
+        ids = synthetic_ids(i, batch, seq_len, vocab)
         return ids, torch.ones_like(ids), ids, torch.ones(batch, seq_len)
 
     def loss_fn(m, b):
         ids, attn, labels, w = b
         return weighted_lm_loss(m, ids, attn, labels, w, sum_ce=sum_ce)[0], int(attn.sum())
 
-    cfg = LoopConfig(steps=3 * window, optimizer="adamw", lr=1e-4, weight_decay=0.01, grad_clip=1.0,
-                     checkpoint_every=10 ** 6, log_every=window, compile=compile)
+    # a constant rate: the reference (sft_reference_throughput) then takes exactly the same optimizer steps
+    cfg = LoopConfig(steps=3 * window, optimizer="adamw", lr=lr, weight_decay=0.01, grad_clip=1.0,
+                     schedule="constant", checkpoint_every=10 ** 6, log_every=window, compile=compile)
     events: list[dict] = []
     if placement.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(placement.device)
+    start_norm = weights_norm(model)
     with tempfile.TemporaryDirectory() as work:
         run_loop(local_context(work, cfg, emit=events.append), model, batch_at, loss_fn, cfg, placement=placement)
     timed = [e for e in events if e.get("loss") is not None]
@@ -171,10 +172,77 @@ def sft_throughput(shape: dict, placement, batch: int, seq_len: int, steps: int,
            "dtype": placement.dtype_name, "attn_implementation": placement.attn_implementation,
            "tokens_per_s": statistics.median(e["tokens_per_s"] for e in later),
            "mfu": statistics.median(e["metrics"]["mfu"] for e in later),
-           "peak_flops": later[-1]["metrics"]["peak_flops"], "final_loss": float(timed[-1]["loss"])}
+           "peak_flops": later[-1]["metrics"]["peak_flops"], "final_loss": float(timed[-1]["loss"]),
+           "weights_norm_start": start_norm, "weights_norm_end": weights_norm(model)}
     if placement.device.type == "cuda":
         out["max_memory_gb"] = torch.cuda.max_memory_allocated(placement.device) / 1e9
     del model
+    return out
+
+
+def weights_norm(model) -> float:
+    """The L2 norm of all of ``model``'s parameters: after the same steps from the same weights, ours and the
+    reference's agree (tests/app/test_check_gpu.py)."""
+    import torch
+
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.detach().float())
+                                                       for p in model.parameters()])))
+
+
+def synthetic_ids(i: int, batch: int, seq_len: int, vocab: int):
+    """[batch, seq_len] token ids of step ``i`` (seeded by i; past the special tokens), the same for our loop and
+    the reference."""
+    import torch
+
+    return torch.randint(16, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(i))
+
+
+def sft_reference_throughput(shape: dict, placement, batch: int, seq_len: int, steps: int, compile: bool,
+                             lr: float = 1e-4) -> dict:
+    """The reference beside :func:`sft_throughput`: the loop a user writes with plain transformers and torch, with the
+    same numerics (float32 master weights, the placement's autocast, AdamW fused on a GPU, gradients clipped at 1,
+    the loss read every step) on the same batches and initial weights; ``compile`` compiles the whole model's
+    forward (``nn.Module.compile``), where our loop compiles each decoder block. Tokens/s and MFU by the same formula
+    (6 x parameters per token) against the same measured peak, the first window dropped, as our loop's."""
+    import torch  # in the phase: a broken CUDA build fails that phase, not the check
+
+    from prorag.modeling import num_parameters
+    from prorag.training.flops import model_flops_utilisation, peak_matmul_flops
+
+    device = placement.device
+    model = random_qwen3(shape, device, torch.float32).train()
+    if compile:
+        model.compile()
+    start_norm = weights_norm(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, fused=device.type == "cuda" or None)
+    window = max(1, steps // 3)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rates, loss = [], float("nan")
+    t, tokens = time.perf_counter(), 0
+    for i in range(3 * window):
+        ids = synthetic_ids(i, batch, seq_len, shape["vocab_size"]).to(device)
+        with placement.autocast():
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = out.loss.detach().item()
+        tokens += ids.numel()
+        if (i + 1) % window == 0:
+            sync()
+            now = time.perf_counter()
+            rates.append(tokens / (now - t))
+            t, tokens = now, 0
+    peak = peak_matmul_flops(device, placement.dtype)
+    rate = statistics.median(rates[1:] or rates)
+    out = {"shape": "qwen3-0.6b" if shape is QWEN3_0_6B else "cpu-stand-in", "num_parameters": num_parameters(model),
+           "batch": batch, "seq_len": seq_len, "steps": 3 * window, "compile": compile, "dtype": placement.dtype_name,
+           "tokens_per_s": rate, "mfu": model_flops_utilisation(rate, num_parameters(model), peak), "peak_flops": peak,
+           "final_loss": loss, "weights_norm_start": start_norm, "weights_norm_end": weights_norm(model)}
+    if device.type == "cuda":
+        out["max_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    del model, opt
     return out
 
 
@@ -405,6 +473,12 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
     check.phase("sft_eager", lambda: sft_throughput(shape, placement, batch, seq, steps, compile=False))
     if not quick or on_gpu:
         check.phase("sft_compiled", lambda: sft_throughput(shape, placement, batch, seq, steps, compile=True))
+    # the reference in the same run: plain transformers with the same numerics, eager and compiled
+    check.phase("sft_reference_eager",
+                lambda: sft_reference_throughput(shape, placement, batch, seq, steps, compile=False))
+    if not quick or on_gpu:
+        check.phase("sft_reference_compiled",
+                    lambda: sft_reference_throughput(shape, placement, batch, seq, steps, compile=True))
     # the LM head and cross-entropy fused (liger-kernel, Triton): CUDA only, so on a CPU the phases say why not
     fused_why = ""
     if not on_gpu:
@@ -432,10 +506,16 @@ def run_check(work: str | Path, *, quick: bool = False) -> dict:
 def _finish(report: dict, check: Check, t_start: float) -> dict:
     r = check.results
     figures: dict[str, Any] = {}
-    for key in ("sft_eager", "sft_compiled", "sft_fused_ce", "sft_compiled_fused_ce"):
+    for key in ("sft_eager", "sft_compiled", "sft_fused_ce", "sft_compiled_fused_ce", "sft_reference_eager",
+                "sft_reference_compiled"):
         if r.get(key, {}).get("ok") and r[key].get("ran", True):
             figures[f"{key}_tokens_per_s"] = r[key]["tokens_per_s"]
             figures[f"{key}_mfu"] = r[key]["mfu"]
+    # ours against the reference, compiled against compiled and eager against eager (1.0 = as fast)
+    for ours, ref in (("sft_eager", "sft_reference_eager"), ("sft_fused_ce", "sft_reference_eager"),
+                      ("sft_compiled", "sft_reference_compiled"), ("sft_compiled_fused_ce", "sft_reference_compiled")):
+        if f"{ours}_tokens_per_s" in figures and f"{ref}_tokens_per_s" in figures:
+            figures[f"{ours}_vs_reference"] = figures[f"{ours}_tokens_per_s"] / figures[f"{ref}_tokens_per_s"]
     d = r.get("decode", {})
     for key in ("engine_compile_off", "engine_compile_on"):
         if key in d:
@@ -452,4 +532,4 @@ def _finish(report: dict, check: Check, t_start: float) -> dict:
 
 
 __all__ = ["CPU_SHAPE", "GOALS", "QWEN3_0_6B", "decode_throughput", "measured_bandwidth", "random_qwen3",
-           "run_check", "sft_throughput"]
+           "run_check", "sft_reference_throughput", "sft_throughput", "synthetic_ids", "weights_norm"]

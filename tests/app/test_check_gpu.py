@@ -6,19 +6,39 @@ measured, positive number)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from prorag.training.devices import CPU_FP32
+from prorag_app.check_gpu import CPU_SHAPE, sft_reference_throughput, sft_throughput
+
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_sft_reference_takes_the_same_optimizer_steps_as_our_loop():
+    """The reference beside our SFT figure is the same optimisation written with plain transformers: from the same
+    weights on the same batches its six steps move the weights as ours do and end at our loss, so the two rates
+    compare like for like."""
+    ours = sft_throughput(CPU_SHAPE, CPU_FP32, 2, 32, 6, compile=False)
+    ref = sft_reference_throughput(CPU_SHAPE, CPU_FP32, 2, 32, 6, compile=False)
+    assert ref["num_parameters"] == ours["num_parameters"] and ref["steps"] == ours["steps"] == 6
+    assert ref["weights_norm_start"] == ours["weights_norm_start"]
+    moved = ours["weights_norm_end"] - ours["weights_norm_start"]
+    # the steps moved the weights, and the reference's moved them the same way (a learning rate 10% off moves the
+    # norm 8% more: measured)
+    assert abs(moved) > 1e-3
+    assert ref["weights_norm_end"] - ref["weights_norm_start"] == pytest.approx(moved, rel=0.01)
+    assert ref["final_loss"] == pytest.approx(ours["final_loss"], abs=3e-5)
+    assert ref["tokens_per_s"] > 0 and ref["mfu"] == pytest.approx(
+        ref["tokens_per_s"] * 6 * ref["num_parameters"] / ref["peak_flops"])
 
 
 @pytest.mark.slow
 def test_check_gpu_runs_every_phase_on_the_cpu_and_says_so(tmp_path):
-    import os
-
     env = {k: v for k, v in os.environ.items() if k not in ("PRORAG_HOME", "PRORAG_DATA", "PRORAG_RUNS")}
     env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run([sys.executable, "-m", "prorag_app.cli", "check", "gpu", "--json", "--quick",
@@ -39,7 +59,8 @@ def test_check_gpu_runs_every_phase_on_the_cpu_and_says_so(tmp_path):
     assert roll["scores_finite"] and roll["prm_steps_scored_per_call"] > 0
     fig = out["figures"]
     for key in ("sft_eager_tokens_per_s", "sft_eager_mfu", "prm_steps_per_s", "decode_bare_forward_tokens_per_s",
-                "decode_engine_compile_off_tokens_per_s", "decode_bandwidth_limit_tokens_per_s"):
+                "decode_engine_compile_off_tokens_per_s", "decode_bandwidth_limit_tokens_per_s",
+                "sft_reference_eager_tokens_per_s", "sft_reference_eager_mfu", "sft_eager_vs_reference"):
         assert fig[key] > 0, key
     assert 0 < fig["decode_engine_compile_off_fraction_of_bandwidth_limit"] < 1
     assert ph["sft_eager"]["peak_flops"] == pytest.approx(ph["peaks"]["matmul_flops"])
