@@ -22,8 +22,11 @@ def weighted_token_ce(logits: torch.Tensor, targets: torch.Tensor,
     token -> loss 0.
     """
     mask = targets != IGNORE_INDEX
-    ce = F.cross_entropy(logits[mask].float(), targets[mask], reduction="none")
-    w = weights[mask].to(ce.dtype)
+    # no boolean indexing of the logits: it copies the [..., V] block, and its backward scatters into a zero block
+    # of that size; cross_entropy skips ignored targets itself (CE 0 there) and their weight is zeroed
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                         ignore_index=IGNORE_INDEX, reduction="none")
+    w = torch.where(mask.reshape(-1), weights.reshape(-1).to(ce.dtype), 0.0)
     return (ce * w).sum() / w.sum().clamp(min=1e-8), int(mask.sum())
 
 

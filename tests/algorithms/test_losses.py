@@ -46,6 +46,16 @@ def test_gradient_of_a_single_token():
     assert torch.allclose(logits.grad, torch.tensor([[-0.5, 0.5]]))
 
 
+def test_an_ignored_position_gets_no_gradient_and_the_others_the_weighted_mean_s():
+    # [B=1, T=3, V=2]: position 0 ignored (large weight, extreme logits), positions 1 and 2 weighted 1 and 3
+    logits = torch.tensor([[[9.0, -9.0], [0.0, 0.0], [0.0, 0.0]]], requires_grad=True)
+    loss, _ = weighted_token_ce(logits, torch.tensor([[IGNORE_INDEX, 0, 1]]), torch.tensor([[100.0, 1.0, 3.0]]))
+    loss.backward()
+    # d loss / d logits_t = w_t / sum(w) * (softmax - onehot)
+    expected = torch.tensor([[[0.0, 0.0], [-0.5 / 4, 0.5 / 4], [3 * 0.5 / 4, -3 * 0.5 / 4]]])
+    assert torch.allclose(logits.grad, expected)
+
+
 def test_selected_by_name():
     assert lookup(LOSSES, "loss", "weighted_token_ce") is weighted_token_ce
     with pytest.raises(InvalidArgument, match="unknown loss 'dpo' \\(known: weighted_token_ce\\)"):
