@@ -106,12 +106,14 @@ def length_chunks(lengths: list[int], max_padded: int) -> list[list[int]]:
     return chunks
 
 
-def token_logprobs(model, ids, attn, mask):
+def token_logprobs(model, ids, attn, mask, temperature: float = 1.0):
     """log pi(ids[t] | ids[<t]) at the positions where mask [B,T] is set, 0 elsewhere -> [B,T].
 
     The LM head runs on the masked positions only (the generated tokens, a fraction of a trajectory), as the SFT
-    loss does. Raw log-probs (temperature 1), as the policy engines return them (services/policy/engine.py), so
-    the ratio to the sampling log-probs compares like with like."""
+    loss does. Raw log-probs (temperature 1) by default, as the policy engines return them
+    (services/policy/engine.py), so the ratio to the sampling log-probs compares like with like; ``temperature``:
+    those of the tempered distribution (logits / temperature), the one a rollout sampled at that temperature
+    was drawn from."""
     import torch
 
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -120,6 +122,8 @@ def token_logprobs(model, ids, attn, mask):
     hidden = hf.base_model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # [B,T,H]
     sel = mask[:, 1:] > 0  # position t-1 predicts token t; position 0 is the prompt
     logits = hf.get_output_embeddings()(hidden[:, :-1][sel]).float()  # [N,V]
+    if temperature != 1.0:
+        logits = logits / temperature
     lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1)
     out = torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device)
     out[:, 1:][sel] = lp
@@ -136,11 +140,12 @@ def rl_loss(model, batch, cfg):
 
     loss_fn = lookup(POLICY_LOSSES, "policy loss", cfg.policy_loss)
     ids, attn, adv, mask, old = batch
-    lp = token_logprobs(model, ids, attn, mask)
+    temperature = cfg.logprob_temperature()
+    lp = token_logprobs(model, ids, attn, mask, temperature)
     ref = None
     if cfg.kl_coef > 0:
         with torch.no_grad(), model.disable_adapter():
-            ref = token_logprobs(model, ids, attn, mask)
+            ref = token_logprobs(model, ids, attn, mask, temperature)
     return loss_fn(lp, old, adv, mask, clip=cfg.clip, kl_coef=cfg.kl_coef, ref_logprobs=ref)
 
 

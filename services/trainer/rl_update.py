@@ -38,12 +38,13 @@ def recompute_old_logprobs(run: RLRun, samples: list[RLSample]) -> None:
     with torch.no_grad(), run.placement.autocast():
         for s in samples:
             batch = collate_rl([s], run.tokenizer.pad_token_id)
-            s.old_logprobs = call_in_engine(model, partial(_sample_logprobs, batch))[0].tolist()
+            s.old_logprobs = call_in_engine(model, partial(_sample_logprobs, batch,
+                                                           run.cfg.logprob_temperature()))[0].tolist()
     model.train()
 
 
-def _sample_logprobs(batch, model):
-    return token_logprobs(model, batch[0], batch[1], batch[3])
+def _sample_logprobs(batch, temperature, model):
+    return token_logprobs(model, batch[0], batch[1], batch[3], temperature)
 
 
 def micro_batches(run: RLRun, samples: list[RLSample]) -> list[list]:

@@ -4,12 +4,14 @@ trajectories with zero advantage left out of the passes, with the same gradient.
 import random
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from prorag.config import from_dict
+from prorag.config import ConfigError, from_dict
 from prorag.modeling import load_policy
-from prorag.training.lora import RLSample, build_lora, collate_rl, length_chunks, rl_loss
-from services.trainer.rl_update import micro_batches, policy_loss
+from prorag.training.devices import CPU_FP32
+from prorag.training.lora import RLSample, build_lora, collate_rl, length_chunks, rl_loss, token_logprobs
+from services.trainer.rl_update import micro_batches, policy_loss, recompute_old_logprobs
 from services.trainer.stage_rl import RLConfig
 
 
@@ -107,3 +109,33 @@ def test_trajectories_without_advantage_are_skipped_and_the_gradient_is_the_whol
                                                       "kl_coef": 0.05}), tokenizer=tok, acc=None)
     (micro,) = micro_batches(kl_run, samples)
     assert sum(int(c[0].shape[0]) for part in micro for c in part[0]) == 10
+
+
+def test_tempered_log_probs_are_the_sampling_distribution_s_and_the_update_reads_them(tiny_policy):
+    """With tempered_logprobs the recomputed old log-probs and the update's new ones are those of logits / T, the
+    distribution a rollout at temperature T was drawn from (TRL's and verl's convention); off, the raw ones."""
+    model_dir, tok = tiny_policy
+    base = {"base_model": str(model_dir), "lora_r": 4, "lora_alpha": 8, "temperature": 0.5}
+    with pytest.raises(ConfigError, match="recompute_old_logprobs"):
+        from_dict(RLConfig, {**base, "tempered_logprobs": True})
+    tempered = from_dict(RLConfig, {**base, "tempered_logprobs": True, "recompute_old_logprobs": True})
+    raw = from_dict(RLConfig, base)
+    assert (tempered.logprob_temperature(), raw.logprob_temperature()) == (0.5, 1.0)
+    model = _lora_policy(model_dir, raw)
+    model.eval()
+    (sample,) = _samples(tok, 1, seed=3)
+    ids, attn, _, mask, _ = collate_rl([sample], tok.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits[0, :-1].float()
+        got = token_logprobs(model, ids, attn, mask, temperature=0.5)[0, 1:]
+    want = torch.log_softmax(logits / 0.5, -1).gather(-1, ids[0, 1:, None])[:, 0] * mask[0, 1:]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the recomputed old log-probs are the tempered ones, so before any step the ratio is 1 (no clipping)
+    run = SimpleNamespace(cfg=tempered, model=model, tokenizer=tok, placement=CPU_FP32)
+    recompute_old_logprobs(run, [sample])
+    torch.testing.assert_close(torch.tensor(sample.old_logprobs)[1:], want, rtol=1e-5, atol=1e-5)
+    _, stats = rl_loss(model, collate_rl([sample], tok.pad_token_id), tempered)
+    assert stats["clip_fraction"] == 0.0 and abs(stats["approx_kl"]) < 1e-6
+    # read raw, the same old log-probs are off by the temperature: the ratio leaves the clip range
+    _, stats = rl_loss(model, collate_rl([sample], tok.pad_token_id), raw)
+    assert stats["clip_fraction"] > 0.2
