@@ -183,7 +183,7 @@ def sft_throughput(shape: dict, placement, batch: int, seq_len: int, steps: int,
 def weights_norm(model) -> float:
     """The L2 norm of all of ``model``'s parameters: after the same steps from the same weights, ours and the
     reference's agree (tests/app/test_check_gpu.py)."""
-    import torch
+    import torch  # as in the phases: the check reports a broken CUDA build per phase
 
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.detach().float())
                                                        for p in model.parameters()])))
@@ -192,7 +192,7 @@ def weights_norm(model) -> float:
 def synthetic_ids(i: int, batch: int, seq_len: int, vocab: int):
     """[batch, seq_len] token ids of step ``i`` (seeded by i; past the special tokens), the same for our loop and
     the reference."""
-    import torch
+    import torch  # as in the phases
 
     return torch.randint(16, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(i))
 
