@@ -138,6 +138,7 @@ def sft_throughput(shape: dict, placement, batch: int, seq_len: int, steps: int,
     dropped. fused_ce: the LM head and cross-entropy through liger-kernel's fused kernel (CUDA only)."""
     import torch  # in the phase: a broken CUDA build fails that phase, not the check
 
+    # these load torch too: in the phase, for the same reason
     from prorag.modeling import num_parameters
     from prorag.training.lm import weighted_lm_loss
     from prorag.training.loop import LoopConfig, run_loop
@@ -206,6 +207,7 @@ def sft_reference_throughput(shape: dict, placement, batch: int, seq_len: int, s
     (6 x parameters per token) against the same measured peak, the first window dropped, as our loop's."""
     import torch  # in the phase: a broken CUDA build fails that phase, not the check
 
+    # these load torch too: in the phase, for the same reason
     from prorag.modeling import num_parameters
     from prorag.training.flops import model_flops_utilisation, peak_matmul_flops
 
