@@ -1,9 +1,10 @@
 """The generation-engine interface every engine implements (transformers, vLLM) and the rollout loop uses.
 
 Prompts and outputs are token ids: the rollout loop carries ids across turns and never
-re-encodes text. Every generated token comes with its raw log-prob (log-softmax of the model's
-logits at temperature 1, before top-p), which is what the RL loss needs and what vLLM returns
-by default.
+re-encodes text. Every generated token comes with its log-prob: the raw one by default (log-softmax of the model's
+logits at temperature 1, before top-p, what vLLM returns by default), or, when a call asks for tempered log-probs,
+that of the distribution it sampled from (log-softmax of logits / temperature after top-p), which RL reads when it
+samples at a temperature other than 1.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from prorag.errors import AlreadyExists, InvalidArgument, NotFound
+from prorag.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
@@ -29,6 +30,9 @@ class SamplingSpec:
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    #: log-probs of the distribution sampled from (logits / temperature, then top_p; vLLM's processed_logprobs)
+    #: instead of the raw logits' (greedy decoding draws from no distribution: raw)
+    tempered_logprobs: bool = False
 
     def validate(self) -> "SamplingSpec":
         if not isinstance(self.n, int) or self.n < 1:
@@ -44,7 +48,7 @@ class SamplingSpec:
 
 @dataclass
 class GeneratedSeq:
-    """One completion: ids (the stop token included), their raw log-probs, why it ended."""
+    """One completion: ids (the stop token included), their log-probs (raw, or tempered when asked), why it ended."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -103,11 +107,32 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_model_l
             raise InvalidArgument(f"prompt {i} has token id {lo if lo < 0 else hi} outside [0, {vocab_size})")
 
 
+#: the log-probs an engine can return: "both" (raw or tempered, as each call asks) or one kind engine-wide
+LOGPROBS_SERVED = ("both", "raw", "tempered")
+
+
+def check_logprobs_served(params: SamplingSpec, served: str, engine: str) -> None:
+    """FailedPrecondition when an engine that returns one kind of log-probs (``served``: "raw" or "tempered", vLLM's
+    logprobs_mode) is asked for the other; the two coincide at temperature 0 and at temperature 1 with top_p 1."""
+    if served not in LOGPROBS_SERVED:
+        raise ValueError(f"served must be one of {LOGPROBS_SERVED}, got {served!r}")
+    if served == "both":
+        return
+    same = params.temperature == 0 or (params.temperature == 1 and params.top_p == 1)
+    asked = "tempered" if params.tempered_logprobs else "raw"
+    if asked != served and not same:
+        raise FailedPrecondition(
+            f"this policy's {engine} engine returns {served} log-probs and the request asks for {asked} ones at "
+            f"temperature {params.temperature:g}: ask for {served} ones, or restart the policy with "
+            f"--set vllm_logprobs={asked}")
+
+
 def check_generate(prompts: Sequence[Sequence[int]], params: SamplingSpec, seeds: Sequence[int] | None,
-                   vocab_size: int, max_model_len: int) -> None:
-    """What every engine's ``generate`` checks before it samples: the sampling, each prompt against the model, and
-    one seed per prompt when seeds are given."""
+                   vocab_size: int, max_model_len: int, logprobs_served: str = "both", engine: str = "") -> None:
+    """What every engine's ``generate`` checks before it samples: the sampling (and that the engine returns the
+    log-probs it asks for), each prompt against the model, and one seed per prompt when seeds are given."""
     params.validate()
+    check_logprobs_served(params, logprobs_served, engine)
     check_prompts(prompts, vocab_size, max_model_len)
     if seeds is not None and len(seeds) != len(prompts):
         raise InvalidArgument(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
@@ -126,6 +151,8 @@ class GenerationEngine(abc.ABC):
     #: generate calls the service may have in flight at once: 1 for an engine that batches only within a call
     #: (concurrent callers are merged into its next call), more for one that batches across calls itself (vLLM)
     concurrent_calls: int = 1
+    #: which log-probs ``generate`` returns (LOGPROBS_SERVED): both kinds per call, or one chosen at start (vLLM)
+    logprobs_served: str = "both"
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingSpec, adapter: str | None = None,

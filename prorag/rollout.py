@@ -118,7 +118,8 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
     next_step_ids = tokenizer.encode(NEXT_STEP, add_special_tokens=False)
     tag_ids = _tag_ids(tokenizer)
     step_spec = SamplingSpec(n=1, temperature=params.temperature, top_p=params.top_p,
-                             max_tokens=params.max_tokens, stop_token_ids=stop_ids, seed=params.seed)
+                             max_tokens=params.max_tokens, stop_token_ids=stop_ids, seed=params.seed,
+                             tempered_logprobs=params.tempered_logprobs)
 
     results: list[TrajectoryResult] = []
     texts: list[list[str]] = []

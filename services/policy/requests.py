@@ -83,7 +83,8 @@ class RequestChecks:
         return tuple(out)
 
     def sampling(self, *, n: int, max_tokens: int, temperature: float, top_p: float, seed: int,
-                 stops: Sequence[str], field: str = "", default_hint: bool = False) -> SamplingSpec:
+                 stops: Sequence[str], field: str = "", default_hint: bool = False,
+                 tempered_logprobs: bool = False) -> SamplingSpec:
         """The sampling of a request; top_p 0 means 1. default_hint: the wire's 0 means the default (gRPC), so
         the message says so."""
         L = self.limits
@@ -103,7 +104,7 @@ class RequestChecks:
             raise InvalidArgument(f"{field}seed must be a 64-bit integer, got {_shown(seed)}")
         return SamplingSpec(n=int(n), temperature=float(temperature), top_p=float(top_p) or 1.0,
                             max_tokens=int(max_tokens), stop_token_ids=self.stop_ids(stops),
-                            seed=int(seed)).validate()
+                            seed=int(seed), tempered_logprobs=bool(tempered_logprobs)).validate()
 
 
 __all__ = ["CHARS_PER_TOKEN", "RequestChecks"]

@@ -1,4 +1,5 @@
-"""Drawing the next token from logits (pure torch): top-p filtering and per-row seeded sampling."""
+"""Drawing the next token from logits (pure torch): top-p filtering, per-row seeded sampling and the drawn tokens'
+log-probs."""
 
 from __future__ import annotations
 
@@ -45,3 +46,16 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
     cdf = probs.cumsum(-1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
     return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_p: float,
+                     tempered: bool) -> torch.Tensor:
+    """Log-prob of each row's drawn token. logits: [B, V] float32, tokens: [B] -> [B].
+
+    Raw: log-softmax of the logits. Tempered: of the distribution ``sample_tokens`` drew from (logits /
+    temperature, then top_p), what vLLM's processed_logprobs returns; greedy decoding (temperature 0) draws from
+    none, so it gets the raw ones either way.
+    """
+    if tempered and temperature > 0:
+        logits = top_p_filter(logits / temperature, top_p)
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)

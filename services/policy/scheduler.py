@@ -25,15 +25,17 @@ class GenerationScheduler:
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def _run(self, key, items: list) -> list:
-        adapter, n, temperature, top_p, max_tokens, stops = key
-        spec = SamplingSpec(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop_token_ids=stops)
+        adapter, n, temperature, top_p, max_tokens, stops, tempered = key
+        spec = SamplingSpec(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop_token_ids=stops,
+                            tempered_logprobs=tempered)
         out = self.engine.generate([p for p, _ in items], spec, adapter, seeds=[s for _, s in items])
         GENERATED_TOKENS.inc(sum(len(seq.token_ids) for seqs in out for seq in seqs))
         return out
 
     async def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, adapter: str | None,
                        seeds: Sequence[int], deadline: float | None = None) -> list[list[GeneratedSeq]]:
-        key = (adapter, spec.n, spec.temperature, spec.top_p, spec.max_tokens, tuple(spec.stop_token_ids))
+        key = (adapter, spec.n, spec.temperature, spec.top_p, spec.max_tokens, tuple(spec.stop_token_ids),
+               spec.tempered_logprobs)
         return await self.batcher.submit(key, list(zip([list(p) for p in prompts], seeds)), deadline)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -33,7 +33,8 @@ def build_engine(cfg: PolicyConfig, model_path: Path):
                           gpu_memory_utilization=cfg.gpu_memory_utilization,
                           enable_prefix_caching=cfg.enable_prefix_caching, enable_lora=cfg.enable_lora,
                           max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
-                          kv_cache_gb=cfg.vllm_kv_cache_gb)
+                          kv_cache_gb=cfg.vllm_kv_cache_gb,
+                          logprobs_mode={"raw": "raw_logprobs", "tempered": "processed_logprobs"}[cfg.vllm_logprobs])
     from prorag.training.devices import resolve
     from services.policy.engine import TransformersEngine
 

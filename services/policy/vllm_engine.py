@@ -133,8 +133,14 @@ def vllm_python() -> str | None:
     return str(venv) if venv.exists() else None
 
 
+#: vLLM's logprobs_mode -> the log-probs the engine returns (prorag.engine.LOGPROBS_SERVED); None = vLLM's default
+_LOGPROBS_SERVED = {"raw_logprobs": "raw", None: "raw", "processed_logprobs": "tempered"}
+
+
 class VLLMEngine(GenerationEngine):
-    """vLLM's ``AsyncLLM`` behind the synchronous interface; prompts go in as token ids, raw logprobs come back."""
+    """vLLM's ``AsyncLLM`` behind the synchronous interface; prompts go in as token ids, log-probs come back: raw
+    ones, or tempered ones when the engine is started with logprobs_mode="processed_logprobs" (vLLM chooses the kind
+    engine-wide, not per request)."""
 
     name = "vllm"
     #: the policy service's batcher hands vLLM this many calls at once (different adapters and sampling settings
@@ -148,11 +154,17 @@ class VLLMEngine(GenerationEngine):
                  kv_cache_gb: float = 0.0, **engine_kwargs):
         """max_loras >= 2 so the next adapter version loads while the current one still serves.
 
-        logprobs_mode: "raw_logprobs" = log-softmax of the unprocessed logits (what RL needs);
-        None leaves vLLM's default. kv_cache_gb: the KV cache's size in GiB (vLLM's kv_cache_memory_bytes; 0 =
+        logprobs_mode: "raw_logprobs" = log-softmax of the unprocessed logits (what RL at temperature 1 needs; vLLM's
+        default, also for None); "processed_logprobs" = of the distribution sampled from (logits / temperature, then
+        top_p: RL at another temperature with tempered log-probs). A request for the other kind is refused
+        (FailedPrecondition) where the two differ. kv_cache_gb: the KV cache's size in GiB (vLLM's kv_cache_memory_bytes; 0 =
         sized by vLLM from gpu_memory_utilization, which on a CPU is the fraction of the machine's memory vLLM
         claims). engine_kwargs: more ``AsyncEngineArgs`` fields, as they are.
         """
+        if logprobs_mode not in _LOGPROBS_SERVED:
+            raise InvalidArgument(f"logprobs_mode must be one of {', '.join(k for k in _LOGPROBS_SERVED if k)}, "
+                                  f"got {logprobs_mode!r}: the policy returns log-probs, not logits")
+        self.logprobs_served = _LOGPROBS_SERVED[logprobs_mode]
         if enable_lora and max_loras < 2:
             raise InvalidArgument(f"max_loras must be >= 2 (old and new adapter versions coexist), got {max_loras}")
         from transformers import AutoTokenizer
@@ -326,7 +338,7 @@ class VLLMEngine(GenerationEngine):
                  seeds: Sequence[int] | None = None) -> list[list[GeneratedSeq]]:
         from vllm.inputs import TokensPrompt
 
-        check_generate(prompts, params, seeds, self.vocab_size, self.max_model_len)
+        check_generate(prompts, params, seeds, self.vocab_size, self.max_model_len, self.logprobs_served, self.name)
         entry = self._adapters.get(adapter) if adapter is not None else None
         if adapter is not None and entry is None:
             raise NotFound(f"adapter {adapter!r} is not loaded (loaded: {', '.join(self._adapters) or 'none'})")

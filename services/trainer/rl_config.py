@@ -59,7 +59,7 @@ class RLConfig(TrainRunConfig):
     questions_per_iteration: int = cfg_field(16, help="questions rolled out per iteration", min=1, max=4096)
     group_size: int = cfg_field(8, help="trajectories per question, the GRPO group (ProRAG: 8)", min=2, max=64)
     temperature: float = cfg_field(1.0, help="sampling temperature (ProRAG: 1.0); log-probs, the policy's and the "
-                                             "recomputed ones alike, are the raw ones at temperature 1 unless "
+                                             "trainer's alike, are the raw ones at temperature 1 unless "
                                              "tempered_logprobs",
                                    min=0.01, max=5.0)
     max_step_tokens: int = step_tokens_field()
@@ -102,9 +102,9 @@ class RLConfig(TrainRunConfig):
                                                          "sampling log-probs (when the engine's numerics differ)")
     tempered_logprobs: bool = cfg_field(False, help="the ratio, the gradient and the KL read the log-probs of the "
                                                     "distribution sampled from (logits / temperature), as TRL and "
-                                                    "verl do; needs recompute_old_logprobs, since the policy "
-                                                    "engines return raw ones. Off: raw log-probs whatever the "
-                                                    "temperature")
+                                                    "verl do; the policy service returns them so (a vLLM policy "
+                                                    "needs vllm_logprobs=tempered). Off: raw log-probs whatever "
+                                                    "the temperature")
     max_policy_lag: int = cfg_field(0, help="oldest adapter a kept trajectory may come from, in iterations behind "
                                             "the one being trained (0 = strictly on-policy)", min=0, max=100)
     rollout_adapter: str = cfg_field("active", help="active = each replica samples with its active adapter (a "
@@ -160,10 +160,6 @@ class RLConfig(TrainRunConfig):
                                        f"(train on 'train' or {RL_SPLIT!r})")
         if not [t for t in self.lora_targets.split(",") if t.strip()]:
             raise ConfigError("lora_targets", "name at least one module")
-        if self.tempered_logprobs and not self.recompute_old_logprobs:
-            raise ConfigError("tempered_logprobs", "needs recompute_old_logprobs=true: the policy service returns "
-                                                   "raw log-probs (temperature 1), so the ratio would compare "
-                                                   "two distributions")
 
     def logprob_temperature(self) -> float:
         """The temperature the update's log-probs are read at: the sampling one with tempered_logprobs, else 1."""

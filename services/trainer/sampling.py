@@ -4,7 +4,8 @@ trajectories' steps. What each
 stage does with the trajectories (drop stale ones, count a pool, filter for RFT) stays in the stage.
 
 A config passed here is any object with the named fields (RLConfig, RLPoolConfig, RFTConfig): policy,
-temperature, max_step_tokens, max_steps, topk, retriever_index, service_wait_s, and prm for :func:`prm_logits`.
+temperature, max_step_tokens, max_steps, topk, retriever_index, service_wait_s, and prm for :func:`prm_logits`;
+tempered_logprobs where the config has it (RLConfig's; the others read no log-probs).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def rollout(policy, cfg, questions: list, n: int, seed: int, adapter: str, stats
     replicas. A policy that goes away (UNAVAILABLE) is waited for up to cfg.service_wait_s and the part made again
     with the same seed (after_back() first), so nothing is lost or counted twice. Returns the trajectories (pb)
     [q * n] question-major, sample-minor (the order of ``questions``), the stream's summary left out."""
-    sampling = policy.sampling(n=n, temperature=cfg.temperature, max_tokens=cfg.max_step_tokens, seed=seed)
+    sampling = policy.sampling(n=n, temperature=cfg.temperature, max_tokens=cfg.max_step_tokens, seed=seed,
+                               tempered_logprobs=getattr(cfg, "tempered_logprobs", False))
     parts = split_evenly(len(questions), replica_count(cfg.policy))
 
     def part(bounds: tuple[int, int]) -> list:

@@ -1,5 +1,6 @@
-"""TransformersEngine on a tiny random Qwen3: batching, stops, raw logprobs, seeds, LoRA adapters."""
+"""TransformersEngine on a tiny random Qwen3: batching, stops, raw and tempered logprobs, seeds, LoRA adapters."""
 
+import dataclasses
 import threading
 
 import pytest
@@ -106,6 +107,27 @@ def test_logprobs_match_full_forward(tiny_engine, prompts):
         for s in r:
             ref = full_logprobs(tiny_engine.base, p, s.token_ids)
             assert torch.allclose(ref, torch.tensor(s.logprobs), atol=1e-4)
+
+
+def test_tempered_logprobs_are_those_of_the_distribution_sampled_from(tiny_engine, prompts):
+    """Asked for tempered log-probs the engine returns log-softmax(top_p(logits / T)) of each drawn token, the
+    same tokens as a raw call with the same seed; greedy decoding returns raw ones either way."""
+    spec = SamplingSpec(n=2, temperature=0.6, top_p=0.95, max_tokens=20, seed=5)
+    raw = tiny_engine.generate(prompts, spec)
+    tempered = tiny_engine.generate(prompts, dataclasses.replace(spec, tempered_logprobs=True))
+    moved = 0
+    for p, r_raw, r_t in zip(prompts, raw, tempered):
+        for a, b in zip(r_raw, r_t):
+            assert a.token_ids == b.token_ids  # the kind of log-probs never changes the draw
+            with torch.no_grad():
+                logits = tiny_engine.base(torch.tensor([p + b.token_ids])).logits[0].float()
+            dist = torch.log_softmax(top_p_filter(logits / 0.6, 0.95), -1)[len(p) - 1:-1]
+            ref = dist.gather(-1, torch.tensor(b.token_ids)[:, None]).squeeze(-1)
+            assert torch.allclose(ref, torch.tensor(b.logprobs), atol=1e-4)
+            moved += sum(abs(x - y) > 1e-3 for x, y in zip(a.logprobs, b.logprobs))
+    assert moved > 10  # the two kinds differ at this temperature: the check above could fail
+    greedy = dataclasses.replace(GREEDY, tempered_logprobs=True)
+    assert tiny_engine.generate(prompts, greedy) == tiny_engine.generate(prompts, GREEDY)
 
 
 def test_seeds_reproduce_and_differ(tiny_engine, prompts):
@@ -393,8 +415,9 @@ def test_batch_bucket():
 
 
 @pytest.mark.parametrize("spec", [GREEDY, SamplingSpec(n=3, temperature=1.0, max_tokens=20, seed=3),
-                                  SamplingSpec(n=2, temperature=0.7, top_p=0.9, max_tokens=12, seed=9)],
-                         ids=["greedy", "seeded", "top-p"])
+                                  SamplingSpec(n=2, temperature=0.7, top_p=0.9, max_tokens=12, seed=9),
+                                  SamplingSpec(n=2, temperature=0.7, max_tokens=12, seed=9, tempered_logprobs=True)],
+                         ids=["greedy", "seeded", "top-p", "tempered"])
 def test_compiled_decode_matches_eager(tiny_engine, compiled_engine, prompts, spec):
     before = compiled_engine.stats["compiled_steps"]
     assert_same(compiled_engine.generate(prompts, spec), tiny_engine.generate(prompts, spec))

@@ -199,9 +199,10 @@ def test_the_served_engine_is_the_one_asked_for(stack):
     assert info.model_id == str(stack["model_dir"])
 
 
-def reference_logprobs(model_dir, prompt_ids, completions):
+def reference_logprobs(model_dir, prompt_ids, completions, temperature: float = 1.0):
     """Each completion's tokens scored by the model itself (transformers, float32, teacher-forced): the log-softmax
-    of the raw logits at each generated position, what RL's ratios need from whichever engine sampled them."""
+    of the raw logits (or of logits / temperature) at each generated position, what RL's ratios need from
+    whichever engine sampled them."""
     import torch
 
     from prorag.modeling import load_policy
@@ -211,7 +212,7 @@ def reference_logprobs(model_dir, prompt_ids, completions):
     with torch.no_grad():
         for ids in completions:
             seq = torch.tensor([list(prompt_ids) + list(ids)])
-            logp = torch.log_softmax(model(seq).logits[0].float(), -1)
+            logp = torch.log_softmax(model(seq).logits[0].float() / temperature, -1)
             start = len(prompt_ids)
             out.append([float(logp[start - 1 + k, t]) for k, t in enumerate(ids)])
     return out
@@ -245,6 +246,86 @@ def test_stop_tags_end_steps_and_logprobs_are_the_models_own(stack):
         for x, ref in zip(r.completions, reference_logprobs(stack["model_dir"], prompt_ids, comps)):
             assert list(x.logprobs) == pytest.approx(ref, abs=2e-3)
     assert stopped >= 1, "no completion met a stop tag: the check above tested nothing"
+
+
+def assert_tempered_logprobs(target, model_dir):
+    """GenerateSteps at temperature 0.7 with tempered log-probs returns log-softmax(logits / 0.7) of each drawn
+    token, and a Rollout carries them into its traces."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompt = "Who founded Kest?"
+    with PolicyClient(target) as c:
+        resp = c.generate_steps([prompt], c.sampling(n=4, temperature=0.7, max_tokens=24, seed=5,
+                                                      tempered_logprobs=True))
+        traj = [t for t in c.rollout([("q1", prompt)], c.sampling(n=2, temperature=0.7, max_tokens=16, seed=3,
+                                                                  tempered_logprobs=True))
+                if hasattr(t, "question_id")]
+    comps = [list(x.token_ids) for x in resp.results[0].completions]
+    prompt_ids = tok.encode(prompt, add_special_tokens=False)
+    tempered = reference_logprobs(model_dir, prompt_ids, comps, temperature=0.7)
+    raw = reference_logprobs(model_dir, prompt_ids, comps)
+    for x, ref, ref_raw in zip(resp.results[0].completions, tempered, raw):
+        assert list(x.logprobs) == pytest.approx(ref, abs=2e-3)
+        assert list(x.logprobs) != pytest.approx(ref_raw, abs=2e-3)  # the two kinds differ here: a real check
+    assert len(traj) == 2
+    for t in traj:  # a rollout's generated tokens, read in its whole sequence (retrieved documents included)
+        ids, mask = list(t.trace.token_ids), list(t.trace.generated_mask)
+        (whole,) = reference_logprobs(model_dir, ids[:1], [ids[1:]], temperature=0.7)
+        got = [lp for lp, m in zip(t.trace.logprobs, mask) if m]
+        assert got and got == pytest.approx([lp for lp, m in zip(whole, mask[1:]) if m], abs=2e-3)
+
+
+def test_tempered_logprobs_or_a_refusal_that_says_how_to_get_them(stack):
+    """The transformers engine returns either kind as each request asks. vLLM returns one kind, chosen at its start
+    (its logprobs_mode): the stack's vLLM policy serves raw ones and refuses tempered ones at temperature 0.7 with
+    FAILED_PRECONDITION naming the setting that serves them; at temperature 1 both kinds are the same numbers and
+    it serves them. Either way the service keeps serving."""
+    if stack["engine"] == "transformers":
+        assert_tempered_logprobs(stack["target"], stack["model_dir"])
+        return
+    with PolicyClient(stack["target"]) as c:
+        for call in (lambda: c.generate_steps(["x"], c.sampling(temperature=0.7, tempered_logprobs=True)),
+                     lambda: list(c.rollout([("q", "Who founded Kest?")],
+                                            c.sampling(temperature=0.7, tempered_logprobs=True)))):
+            with pytest.raises(grpc.RpcError) as ei:
+                call()
+            assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION, ei.value.details()
+            assert "vllm_logprobs=tempered" in ei.value.details()
+        ok = c.generate_steps(["x"], c.sampling(temperature=1.0, max_tokens=4, tempered_logprobs=True))
+        assert len(ok.results[0].completions[0].logprobs) >= 1
+
+
+def test_a_vllm_policy_started_for_tempered_logprobs_returns_them(loop, home, tmp_path):
+    """``vllm_logprobs=tempered`` starts vLLM with logprobs_mode=processed_logprobs: its log-probs are those of
+    logits / temperature, as the transformers engine computes them, and raw ones are refused where they differ."""
+    from prorag_app import procs
+    from prorag_app.embedded import ensure_indexes, ensure_policy_model
+    from services.retriever.server import RetrieverConfig
+    from services.retriever.server import start as start_retriever
+
+    python = vllm_python_or_skip()
+    preset, variant = ENGINE_MODELS["vllm"]
+    model = ensure_policy_model("tiny", preset=preset, vocab_size=2048, variant=variant)
+    ensure_indexes("tiny")
+    retr = run(loop, start_retriever(ServeConfig(port=0, http_port=-1), RetrieverConfig(world="tiny")))
+    sets = {"world": "tiny", "model": str(model), "vllm_logprobs": "tempered",
+            "retriever": f"127.0.0.1:{retr.grpc_port}", **LIMITS}
+    try:
+        proc, port, _ = start_vllm_policy(python, sets, tmp_path / "policy-vllm-tempered.log")
+    except BaseException:
+        run(loop, retr.stop())
+        raise
+    try:
+        assert_tempered_logprobs(f"127.0.0.1:{port}", model)
+        with PolicyClient(f"127.0.0.1:{port}") as c:
+            with pytest.raises(grpc.RpcError) as ei:
+                c.generate_steps(["x"], c.sampling(temperature=0.7))
+            assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "returns tempered log-probs" in ei.value.details()
+    finally:
+        procs.stop([proc])
+        run(loop, retr.stop())
 
 
 def test_generate_steps_returns_ids_logprobs_and_version(stack):

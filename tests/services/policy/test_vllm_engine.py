@@ -638,3 +638,26 @@ def test_rollout_runs_on_the_vllm_engine(engine):
                        lambda qs, k: [[] for _ in qs])
     assert [r.answer for r in res] == ["four", "four"] and all(r.format_valid for r in res), res[0]
     assert T.is_valid_format(res[0].steps)
+
+
+def test_tempered_logprobs_are_an_engine_wide_choice(fake_vllm, tiny_policy):
+    """vLLM chooses the log-probs' kind per engine (logprobs_mode): the policy config maps vllm_logprobs onto it,
+    and a request for the other kind is refused before vLLM sees it, where the two kinds differ."""
+    from prorag.engine import SamplingSpec
+    from services.policy.server import build_engine
+    from services.policy.vllm_engine import VLLMEngine
+
+    tempered = SamplingSpec(temperature=0.7, max_tokens=4, tempered_logprobs=True)
+    raw = SamplingSpec(temperature=0.7, max_tokens=4)
+    for choice, mode, refused in (("raw", "raw_logprobs", tempered), ("tempered", "processed_logprobs", raw)):
+        eng = build_engine(policy_config(tiny_policy[0], vllm_logprobs=choice), Path(tiny_policy[0]))
+        try:
+            assert llm().args.logprobs_mode == mode and eng.logprobs_served == choice
+            before = len(llm().requests)
+            with pytest.raises(FailedPrecondition, match=f"returns {choice} log-probs"):
+                eng.generate([[5, 6, 7]], refused)
+            assert len(llm().requests) == before  # refused before any request reached vLLM
+        finally:
+            eng.close()
+    with pytest.raises(InvalidArgument, match="log-probs, not logits"):
+        VLLMEngine(tiny_policy[0], logprobs_mode="raw_logits")

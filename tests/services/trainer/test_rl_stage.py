@@ -28,6 +28,7 @@ class RecordingGoldWalk(GoldWalkEngine):
         super().__init__(*a, **kw)
         self.calls: list[str | None] = []
         self.sampling: list[tuple[int, float]] = []  # (n, temperature) of each call
+        self.tempered: list[bool] = []  # whether each call asked for tempered log-probs
 
     def generate(self, prompts, params, adapter=None, seeds=None):
         from prorag.engine import GeneratedSeq
@@ -37,6 +38,7 @@ class RecordingGoldWalk(GoldWalkEngine):
             return [[GeneratedSeq([0], [-0.5], "length", 0)] * params.n for _ in prompts]  # the warm-up
         self.calls.append(adapter)
         self.sampling.append((params.n, params.temperature))
+        self.tempered.append(params.tempered_logprobs)
         return super().generate(prompts, params, adapter, seeds)
 
 
@@ -99,6 +101,24 @@ def test_each_iteration_publishes_pushes_and_samples_with_a_new_adapter_version(
     # old log-probs recomputed by the same weights: the first iteration's ratio is exactly 1, nothing clipped
     assert rows[0]["clip_fraction"] == 0.0 and abs(rows[0]["approx_kl"]) < 1e-5
     assert out["total_kept"] == 16.0
+
+
+def test_tempered_logprobs_are_asked_of_the_policy_and_need_no_recompute(services, tmp_path, one_thread):
+    """With tempered_logprobs the rollouts ask the policy for the log-probs of the distribution they sample from
+    (the policy engines return them; a vLLM policy started for raw ones refuses), so the trainer need not recompute
+    them; off, they ask for raw ones."""
+    from services.trainer.stage_rl import run_rl
+
+    engine = services["engine"]
+    for tempered in (True, False):
+        engine.tempered.clear()
+        engine.sampling.clear()
+        cfg = _config(services, iterations=1, temperature=0.5, tempered_logprobs=tempered)
+        assert not cfg.recompute_old_logprobs  # no longer required alongside
+        out = run_rl(local_context(tmp_path / f"rl-tempered-{tempered}", cfg, stage="rl"))
+        assert out["iterations"] == 1
+        assert engine.tempered and set(engine.tempered) == {tempered}
+        assert {t for _, t in engine.sampling} == {0.5}
 
 
 def test_a_trajectory_older_than_max_policy_lag_is_dropped(services, tmp_path, one_thread):

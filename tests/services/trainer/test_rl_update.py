@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prorag.config import ConfigError, from_dict
+from prorag.config import from_dict
 from prorag.modeling import load_policy
 from prorag.training.devices import CPU_FP32
 from prorag.training.lora import RLSample, build_lora, collate_rl, length_chunks, rl_loss, token_logprobs
@@ -116,8 +116,6 @@ def test_tempered_log_probs_are_the_sampling_distribution_s_and_the_update_reads
     distribution a rollout at temperature T was drawn from (TRL's and verl's convention); off, the raw ones."""
     model_dir, tok = tiny_policy
     base = {"base_model": str(model_dir), "lora_r": 4, "lora_alpha": 8, "temperature": 0.5}
-    with pytest.raises(ConfigError, match="recompute_old_logprobs"):
-        from_dict(RLConfig, {**base, "tempered_logprobs": True})
     tempered = from_dict(RLConfig, {**base, "tempered_logprobs": True, "recompute_old_logprobs": True})
     raw = from_dict(RLConfig, base)
     assert (tempered.logprob_temperature(), raw.logprob_temperature()) == (0.5, 1.0)
