@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+from functools import partial
 from pathlib import Path
 from typing import Iterable
 
@@ -36,6 +37,7 @@ from prorag.pb import common_pb2
 from prorag.prm.evaluation import (CORRUPTIONS, FAMILIES, HELD_OUT, auc_by_kind, centred_per_kind, prm_gate,
                                    validation_cases)
 from prorag.registry import MANIFEST, Manifest, registry
+from prorag.rpc.clients import call_with_service_wait
 from prorag.runs import new_run_dir, point_latest
 from prorag.trajectory import (ANSWER_END, ANY_TAG, IM_END, STOP_TAGS, SUBANSWER_END, TAGS, Step, extract_answer,
                                parse_step)
@@ -48,16 +50,25 @@ def _record(q, prediction: str | None, extra: dict) -> dict:
             "hops": q.hops, "type": q.qtype, **s, **extra}
 
 
+#: how long an evaluation waits for a policy that went away, or whose retriever did (the policy answers UNAVAILABLE),
+#: before it stops; what it finished is kept either way
+EVAL_SERVICE_WAIT_S = 600.0
+
+
 def run_agent(policy, questions, *, max_steps: int = AGENT_MAX_STEPS, topk: int = DOCS_PER_SEARCH, adapter: str = "",
-              chunk: int = 128, progress=None) -> list[dict]:
+              chunk: int = 128, progress=None, service_wait_s: float = EVAL_SERVICE_WAIT_S) -> list[dict]:
     """Greedy rollouts through the policy service (which calls the retriever); each record also says whether
-    the first step was a subquery naming the question's entity (the first hop's document title)."""
+    the first step was a subquery naming the question's entity (the first hop's document title).
+
+    A chunk whose rollouts fail for a service that is away or overloaded (UNAVAILABLE, DEADLINE_EXCEEDED: a
+    starved retriever on a busy machine) is made again once the service answers (call_with_service_wait); greedy
+    decoding makes the retried chunk's answers the same."""
     by_id = {q.id: q for q in questions}
     records = []
     for i in range(0, len(questions), chunk):
         part = questions[i:i + chunk]
-        for t in policy.rollout([(q.id, q.question) for q in part], policy.sampling(n=1, temperature=0.0),
-                                max_steps=max_steps, topk=topk, adapter=adapter):
+        request = partial(_rollout_chunk, policy, [(q.id, q.question) for q in part], max_steps, topk, adapter)
+        for t in call_with_service_wait(request, policy.target, "policy", service_wait_s):
             if not hasattr(t, "question_id"):
                 continue  # the summary
             q = by_id[t.question_id]
@@ -72,6 +83,12 @@ def run_agent(policy, questions, *, max_steps: int = AGENT_MAX_STEPS, topk: int 
             if progress:
                 progress(len(records), len(questions))
     return records
+
+
+def _rollout_chunk(policy, questions: list[tuple[str, str]], max_steps: int, topk: int, adapter: str) -> list:
+    """One chunk's greedy rollouts, the stream read whole (a retry makes the whole request again)."""
+    return list(policy.rollout(questions, policy.sampling(n=1, temperature=0.0), max_steps=max_steps, topk=topk,
+                               adapter=adapter))
 
 
 def run_baseline(policy, retriever, questions, mode: str, *, topk: int = DOCS_PER_SEARCH, chunk: int = 256,
