@@ -157,9 +157,9 @@ class VLLMEngine(GenerationEngine):
         logprobs_mode: "raw_logprobs" = log-softmax of the unprocessed logits (what RL at temperature 1 needs; vLLM's
         default, also for None); "processed_logprobs" = of the distribution sampled from (logits / temperature, then
         top_p: RL at another temperature with tempered log-probs). A request for the other kind is refused
-        (FailedPrecondition) where the two differ. kv_cache_gb: the KV cache's size in GiB (vLLM's kv_cache_memory_bytes; 0 =
-        sized by vLLM from gpu_memory_utilization, which on a CPU is the fraction of the machine's memory vLLM
-        claims). engine_kwargs: more ``AsyncEngineArgs`` fields, as they are.
+        (FailedPrecondition) where the two differ. kv_cache_gb: the KV cache's size in GiB (vLLM's
+        kv_cache_memory_bytes; 0 = sized by vLLM from gpu_memory_utilization, which on a CPU is the fraction of the
+        machine's memory vLLM claims). engine_kwargs: more ``AsyncEngineArgs`` fields, as they are.
         """
         if logprobs_mode not in _LOGPROBS_SERVED:
             raise InvalidArgument(f"logprobs_mode must be one of {', '.join(k for k in _LOGPROBS_SERVED if k)}, "
