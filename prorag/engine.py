@@ -30,9 +30,10 @@ class SamplingSpec:
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
-    #: log-probs of the distribution sampled from (logits / temperature, then top_p; vLLM's processed_logprobs)
-    #: instead of the raw logits' (greedy decoding draws from no distribution: raw)
-    tempered_logprobs: bool = False
+    #: True: log-probs of the distribution sampled from (logits / temperature, then top_p; vLLM's
+    #: processed_logprobs); False: the raw logits' (greedy decoding draws from no distribution: raw either way);
+    #: None: whichever the engine returns (raw where it can return both), for callers that do not read them
+    tempered_logprobs: bool | None = None
 
     def validate(self) -> "SamplingSpec":
         if not isinstance(self.n, int) or self.n < 1:
@@ -113,10 +114,11 @@ LOGPROBS_SERVED = ("both", "raw", "tempered")
 
 def check_logprobs_served(params: SamplingSpec, served: str, engine: str) -> None:
     """FailedPrecondition when an engine that returns one kind of log-probs (``served``: "raw" or "tempered", vLLM's
-    logprobs_mode) is asked for the other; the two coincide at temperature 0 and at temperature 1 with top_p 1."""
+    logprobs_mode) is asked for the other; the two coincide at temperature 0 and at temperature 1 with top_p 1. A
+    call that names no kind (tempered_logprobs None) takes the engine's."""
     if served not in LOGPROBS_SERVED:
         raise ValueError(f"served must be one of {LOGPROBS_SERVED}, got {served!r}")
-    if served == "both":
+    if served == "both" or params.tempered_logprobs is None:
         return
     same = params.temperature == 0 or (params.temperature == 1 and params.top_p == 1)
     asked = "tempered" if params.tempered_logprobs else "raw"

@@ -6,7 +6,7 @@ from prorag.engine import SamplingSpec, check_generate, check_logprobs_served
 from prorag.errors import FailedPrecondition, InvalidArgument
 
 
-def spec(temperature, top_p=1.0, tempered=False):
+def spec(temperature, top_p=1.0, tempered: bool | None = False):
     return SamplingSpec(temperature=temperature, top_p=top_p, tempered_logprobs=tempered)
 
 
@@ -26,6 +26,8 @@ def test_an_engine_serving_both_kinds_takes_any_request():
     ("tempered", spec(1.0), False),
     ("tempered", spec(1.0, 0.9), True),
     ("tempered", spec(0.0), False),
+    ("raw", spec(0.7, tempered=None), False),  # a caller that names no kind (it reads none) takes the engine's
+    ("tempered", spec(0.7, tempered=None), False),
 ])
 def test_an_engine_serving_one_kind_refuses_the_other_where_they_differ(served, request_spec, refused):
     if not refused:

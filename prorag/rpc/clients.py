@@ -197,9 +197,11 @@ class PolicyClient(_Client):
         self._stub = policy_pb2_grpc.PolicyStub(self._channel)
 
     def sampling(self, n: int = 1, temperature: float = 0.0, top_p: float = 1.0, max_tokens: int = 0,
-                 stop: list[str] | None = None, seed: int = 0, tempered_logprobs: bool = False):
+                 stop: list[str] | None = None, seed: int = 0, tempered_logprobs: bool | None = None):
+        """tempered_logprobs: the kind of log-probs a caller that reads them needs (None: the engine's own)."""
+        kind = {} if tempered_logprobs is None else {"tempered_logprobs": bool(tempered_logprobs)}
         return self._pb.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                       stop=stop or [], seed=seed, tempered_logprobs=tempered_logprobs)
+                                       stop=stop or [], seed=seed, **kind)
 
     def generate_steps(self, prefixes: list, sampling=None, adapter: str = "", timeout: float | None = None):
         """prefixes: list of str (text) or list[int] (token ids)."""

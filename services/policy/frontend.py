@@ -32,7 +32,7 @@ class SamplingRequest:
     top_p: float = 0.0
     seed: int = 0
     stops: tuple[str, ...] = ()
-    tempered_logprobs: bool = False
+    tempered_logprobs: bool | None = None  # None: the engine's own kind
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,9 @@ def make_app(frontend: PolicyFrontend, model_name: str, max_body_mb: int = 16) -
             stop = [stop]
         if not isinstance(stop, list):
             raise InvalidArgument(f'"stop" must be a string or a list of strings, got {type(stop).__name__}')
-        # the log-probs the engine returns, as vLLM's own server does: raw ones unless it serves tempered ones only
+        # no kind of log-probs named: the engine's own, as vLLM's own server returns
         return checks.sampling(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed or 0,
-                               stops=stop, tempered_logprobs=frontend.engine.logprobs_served == "tempered")
+                               stops=stop)
 
     async def run(prompts: list[list[int]], spec: SamplingSpec, adapter_req: str):
         limits.check_work(len(prompts) * spec.n * spec.max_tokens,

@@ -84,7 +84,7 @@ class RequestChecks:
 
     def sampling(self, *, n: int, max_tokens: int, temperature: float, top_p: float, seed: int,
                  stops: Sequence[str], field: str = "", default_hint: bool = False,
-                 tempered_logprobs: bool = False) -> SamplingSpec:
+                 tempered_logprobs: bool | None = None) -> SamplingSpec:
         """The sampling of a request; top_p 0 means 1. default_hint: the wire's 0 means the default (gRPC), so
         the message says so."""
         L = self.limits
@@ -104,7 +104,7 @@ class RequestChecks:
             raise InvalidArgument(f"{field}seed must be a 64-bit integer, got {_shown(seed)}")
         return SamplingSpec(n=int(n), temperature=float(temperature), top_p=float(top_p) or 1.0,
                             max_tokens=int(max_tokens), stop_token_ids=self.stop_ids(stops),
-                            seed=int(seed), tempered_logprobs=bool(tempered_logprobs)).validate()
+                            seed=int(seed), tempered_logprobs=tempered_logprobs).validate()
 
 
 __all__ = ["CHARS_PER_TOKEN", "RequestChecks"]

@@ -49,12 +49,12 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
 
 
 def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_p: float,
-                     tempered: bool) -> torch.Tensor:
+                     tempered: bool | None) -> torch.Tensor:
     """Log-prob of each row's drawn token. logits: [B, V] float32, tokens: [B] -> [B].
 
-    Raw: log-softmax of the logits. Tempered: of the distribution ``sample_tokens`` drew from (logits /
-    temperature, then top_p), what vLLM's processed_logprobs returns; greedy decoding (temperature 0) draws from
-    none, so it gets the raw ones either way.
+    Raw (tempered False or None): log-softmax of the logits. Tempered: of the distribution ``sample_tokens`` drew
+    from (logits / temperature, then top_p), what vLLM's processed_logprobs returns; greedy decoding (temperature 0)
+    draws from none, so it gets the raw ones either way.
     """
     if tempered and temperature > 0:
         logits = top_p_filter(logits / temperature, top_p)

@@ -14,7 +14,8 @@ from services.policy.rollouts import RolloutSummary
 
 def sampling_request(sp: policy_pb2.SamplingParams) -> SamplingRequest:
     return SamplingRequest(n=sp.n, max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                           seed=sp.seed, stops=tuple(sp.stop), tempered_logprobs=sp.tempered_logprobs)
+                           seed=sp.seed, stops=tuple(sp.stop),
+                           tempered_logprobs=sp.tempered_logprobs if sp.HasField("tempered_logprobs") else None)
 
 
 def trajectory_pb(t: TrajectoryResult, adapter_version: str) -> policy_pb2.Trajectory:

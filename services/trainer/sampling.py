@@ -5,7 +5,8 @@ stage does with the trajectories (drop stale ones, count a pool, filter for RFT)
 
 A config passed here is any object with the named fields (RLConfig, RLPoolConfig, RFTConfig): policy,
 temperature, max_step_tokens, max_steps, topk, retriever_index, service_wait_s, and prm for :func:`prm_logits`;
-tempered_logprobs where the config has it (RLConfig's; the others read no log-probs).
+tempered_logprobs where the config has it (RLConfig's: it reads the log-probs; the others, which do not, take the
+policy engine's own kind).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def rollout(policy, cfg, questions: list, n: int, seed: int, adapter: str, stats
     with the same seed (after_back() first), so nothing is lost or counted twice. Returns the trajectories (pb)
     [q * n] question-major, sample-minor (the order of ``questions``), the stream's summary left out."""
     sampling = policy.sampling(n=n, temperature=cfg.temperature, max_tokens=cfg.max_step_tokens, seed=seed,
-                               tempered_logprobs=getattr(cfg, "tempered_logprobs", False))
+                               tempered_logprobs=getattr(cfg, "tempered_logprobs", None))
     parts = split_evenly(len(questions), replica_count(cfg.policy))
 
     def part(bounds: tuple[int, int]) -> list:

@@ -294,11 +294,15 @@ def test_tempered_logprobs_or_a_refusal_that_says_how_to_get_them(stack):
             assert "vllm_logprobs=tempered" in ei.value.details()
         ok = c.generate_steps(["x"], c.sampling(temperature=1.0, max_tokens=4, tempered_logprobs=True))
         assert len(ok.results[0].completions[0].logprobs) >= 1
+        # naming no kind (a caller that reads no log-probs: RFT's and MCTS's samples) takes the engine's
+        ok = c.generate_steps(["x"], c.sampling(temperature=0.7, max_tokens=4))
+        assert len(ok.results[0].completions[0].logprobs) >= 1
 
 
 def test_a_vllm_policy_started_for_tempered_logprobs_returns_them(loop, home, tmp_path):
     """``vllm_logprobs=tempered`` starts vLLM with logprobs_mode=processed_logprobs: its log-probs are those of
-    logits / temperature, as the transformers engine computes them, and raw ones are refused where they differ."""
+    logits / temperature, as the transformers engine computes them, also for a request naming no kind; raw ones
+    are refused where they differ."""
     from prorag_app import procs
     from prorag_app.embedded import ensure_indexes, ensure_policy_model
     from services.retriever.server import RetrieverConfig
@@ -320,9 +324,18 @@ def test_a_vllm_policy_started_for_tempered_logprobs_returns_them(loop, home, tm
         assert_tempered_logprobs(f"127.0.0.1:{port}", model)
         with PolicyClient(f"127.0.0.1:{port}") as c:
             with pytest.raises(grpc.RpcError) as ei:
-                c.generate_steps(["x"], c.sampling(temperature=0.7))
+                c.generate_steps(["x"], c.sampling(temperature=0.7, tempered_logprobs=False))
             assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "returns tempered log-probs" in ei.value.details()
+            # a request naming no kind gets the engine's: tempered ones
+            prompt = "Who founded Kest?"
+            got = c.generate_steps([prompt], c.sampling(n=2, temperature=0.7, max_tokens=16, seed=5))
+        from transformers import AutoTokenizer
+
+        comps = [list(x.token_ids) for x in got.results[0].completions]
+        ids = AutoTokenizer.from_pretrained(str(model)).encode(prompt, add_special_tokens=False)
+        for x, ref in zip(got.results[0].completions, reference_logprobs(model, ids, comps, temperature=0.7)):
+            assert list(x.logprobs) == pytest.approx(ref, abs=2e-3)
     finally:
         procs.stop([proc])
         run(loop, retr.stop())

@@ -642,13 +642,14 @@ def test_rollout_runs_on_the_vllm_engine(engine):
 
 def test_tempered_logprobs_are_an_engine_wide_choice(fake_vllm, tiny_policy):
     """vLLM chooses the log-probs' kind per engine (logprobs_mode): the policy config maps vllm_logprobs onto it,
-    and a request for the other kind is refused before vLLM sees it, where the two kinds differ."""
+    and a request for the other kind is refused before vLLM sees it, where the two kinds differ; one naming no kind
+    is served."""
     from prorag.engine import SamplingSpec
     from services.policy.server import build_engine
     from services.policy.vllm_engine import VLLMEngine
 
     tempered = SamplingSpec(temperature=0.7, max_tokens=4, tempered_logprobs=True)
-    raw = SamplingSpec(temperature=0.7, max_tokens=4)
+    raw = SamplingSpec(temperature=0.7, max_tokens=4, tempered_logprobs=False)
     for choice, mode, refused in (("raw", "raw_logprobs", tempered), ("tempered", "processed_logprobs", raw)):
         eng = build_engine(policy_config(tiny_policy[0], vllm_logprobs=choice), Path(tiny_policy[0]))
         try:
@@ -657,6 +658,9 @@ def test_tempered_logprobs_are_an_engine_wide_choice(fake_vllm, tiny_policy):
             with pytest.raises(FailedPrecondition, match=f"returns {choice} log-probs"):
                 eng.generate([[5, 6, 7]], refused)
             assert len(llm().requests) == before  # refused before any request reached vLLM
+            # a call that names no kind (it reads no log-probs: RFT, MCTS) takes the engine's
+            eng.generate([[5, 6, 7]], SamplingSpec(temperature=0.7, max_tokens=4))
+            assert len(llm().requests) == before + 1
         finally:
             eng.close()
     with pytest.raises(InvalidArgument, match="log-probs, not logits"):
