@@ -156,10 +156,10 @@ def answer_error(steps: Sequence[Mapping], finish_reason: str, hops: Sequence[Ma
 
     steps: the trajectory's steps as the evaluation records them [{"kind": "STEP_KIND_SUBQUERY" | ..., "content",
     "retrieved": [{"document": {"id", "text"}}]}]; finish_reason: "answer" when it ended in an answer; hops: the
-    question's gold chain [{"doc_id", "title", "answer_aliases"}] (the world's ``decomposition``); f1: the final answer's F1.
-    A search resolves whichever unresolved hop's document it retrieved (so comparison questions, whose hops have
-    no order, are read too); a search that retrieved none is counted against the first unresolved hop. The
-    verdict is the first failure at the first hop left unresolved.
+    question's gold chain [{"doc_id", "title", "answer_aliases"}] (the world's ``decomposition``); f1: the final
+    answer's F1. A search resolves whichever unresolved hop's document it retrieved (so comparison questions, whose hops
+    have no order, are read too); a search that retrieved none is counted against the first unresolved hop. The verdict
+    is the first failure at the first hop left unresolved.
 
     >>> hops = [{"doc_id": "P1", "title": "Ann Lee", "answer_aliases": ["Oslo"]},
     ...         {"doc_id": "C1", "title": "Oslo", "answer_aliases": ["Norway"]}]

@@ -106,7 +106,8 @@ class PolicyModelConfig:
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise InvalidArgument(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise InvalidArgument(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                                  f"({self.num_kv_heads})")
         if self.init == "induction":  # refused with the config, not later as a bare ValueError from the wiring
 
             problem = induction_shape_problem(self.num_layers, self.head_dim, self.hidden_size)

@@ -198,7 +198,8 @@ class Registry:
         except OSError as e:  # e.g. a directory on the way that this process may not read
             raise FailedPrecondition(f"{self.kind} {ref}: cannot read {resolved}: {e.strerror}") from None
         if not is_dir:
-            raise NotFound(f"{self.kind} {ref} not found at {resolved}; publish it under {root}/{ref.name}/{ref.version}")
+            raise NotFound(f"{self.kind} {ref} not found at {resolved}; publish it under "
+                           f"{root}/{ref.name}/{ref.version}")
         if not (resolved / MANIFEST).is_file():
             raise FailedPrecondition(f"{self.kind} {ref} at {resolved} has no {MANIFEST}")
         _check_files(resolved, self.kind, f"{self.kind} {ref}")

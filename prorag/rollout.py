@@ -2,10 +2,11 @@
 
 All questions x n samples advance together in rounds. Each round makes one ``engine.generate``
 call for every unfinished trajectory and ``search_fn`` calls of at most ``search_batch`` of the
-round's subqueries each (a retriever refuses a request over its max_batch). Token ids are carried, never re-encoded: generated ids are appended as the engine
-returned them (mask 1, with their log-probs and format-aware loss weights) and the environment's
-glue and documents are tokenised on their own and appended (mask 0, log-prob 0), each step's
-span recorded in the trajectory's :class:`~prorag.tokens.TokenTrajectory`.
+round's subqueries each (a retriever refuses a request over its max_batch). Token ids are carried,
+never re-encoded: generated ids are appended as the engine returned them (mask 1, with their
+log-probs and format-aware loss weights) and the environment's glue and documents are tokenised on
+their own and appended (mask 0, log-prob 0), each step's span recorded in the trajectory's
+:class:`~prorag.tokens.TokenTrajectory`.
 """
 
 from __future__ import annotations
@@ -188,7 +189,8 @@ def run_rollouts(engine: GenerationEngine, tokenizer, questions: Sequence[tuple[
                 finish(k, "answer")
             elif step.kind == "invalid":
                 # a step cut by the context limit is a length stop, not a format error
-                hit_limit = len(r.tokens) >= limit and (seq.finish_reason == "length" or len(gen_ids) < len(seq.token_ids))
+                hit_limit = len(r.tokens) >= limit and (seq.finish_reason == "length"
+                                                        or len(gen_ids) < len(seq.token_ids))
                 finish(k, "length" if hit_limit else "invalid_format")
             elif step.kind == "subquery":
                 searches.append(k)
@@ -251,4 +253,5 @@ def summarize(results: Sequence[TrajectoryResult]) -> dict:
             "mean_steps": sum(len(t.steps) for t in results) / n}
 
 
-__all__ = ["TrajectoryResult", "SearchFn", "DEFAULT_SEARCH_BATCH", "FINISH_REASONS", "run_rollouts", "format_stop_ids", "decode", "summarize"]
+__all__ = ["TrajectoryResult", "SearchFn", "DEFAULT_SEARCH_BATCH", "FINISH_REASONS", "run_rollouts", "format_stop_ids",
+           "decode", "summarize"]

@@ -390,9 +390,9 @@ def group_step_advantages(rewards: Sequence[float], step_scores: Sequence[Sequen
 
     rewards [G]; step_scores [G][S_i] (step scores s_k, e.g. :func:`reference_step_scores` of the PRM logits),
     or None when there are none; step_tokens [G][S_i]: generated tokens of each step; std_floor and scored: the
-    process normalisation's floor under sigma and the steps it reads (:func:`process_advantages`). Returns [G][S_i]. With beta = 0 or no step
-    scores the process term is dropped entirely (outcome-only GRPO): every step of rollout i gets rollout i's
-    normalised outcome.
+    process normalisation's floor under sigma and the steps it reads (:func:`process_advantages`). Returns
+    [G][S_i]. With beta = 0 or no step scores the process term is dropped entirely (outcome-only GRPO): every step
+    of rollout i gets rollout i's normalised outcome.
 
     >>> [[round(a, 3) for a in ss] for ss in group_step_advantages([1.0, 0.0], None, [[3, 2], [4]], beta=0.3)]
     [[0.707, 0.707], [-0.707]]
@@ -522,7 +522,8 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
 
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "ANSWER_CREDIT_F1", "EPS", "OUTCOME_REWARDS", "POLICY_LOSSES", "PRM_CENTERINGS",
-           "adds_policy_gradient", "center_per_kind", "centered_step_advantages", "clipped_policy_loss", "credit_counts", "dpo_loss", "dual_granularity_advantages",
+           "adds_policy_gradient", "center_per_kind", "centered_step_advantages", "clipped_policy_loss",
+           "credit_counts", "dpo_loss", "dual_granularity_advantages",
            "group_centered", "group_normalized", "group_step_advantages", "hop_balanced_sample", "outcome_reward_f1",
            "outcome_reward_paper", "outcome_reward_reference", "process_advantages", "reference_step_scores",
            "rft_keep", "rft_kept_steps", "rft_threshold", "step_loss_mask", "STEP_SCORES", "step_score_reference",

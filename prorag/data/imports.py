@@ -286,7 +286,10 @@ def _musique(row: dict, where: str) -> SourceRecord:
             subject, _, relation = q.partition(">>")
             q = relation_question(subject.strip(), relation.strip())
         idx = s.get("paragraph_support_idx")
-        support = _paragraph(s["support_paragraph"]) if inline else paragraphs.get(idx) if isinstance(idx, int) else None
+        if inline:
+            support = _paragraph(s["support_paragraph"])
+        else:
+            support = paragraphs.get(idx) if isinstance(idx, int) else None
         aliases = _final_aliases(answer, answers) if i == len(steps) - 1 else ((answer,) if answer else ())
         hops.append(SourceHop(q, answer, aliases, support))
         sub_answers.append(answer)
@@ -303,7 +306,8 @@ def _two_wiki(row: dict, where: str) -> SourceRecord:
     source_type = str(row.get("type", ""))
     qtype = source_type if source_type in ("comparison", "bridge_comparison") else "compositional"
     evidences = row.get("evidences") or []
-    if isinstance(evidences, dict):  # the Hugging Face / FlashRAG copy: {"fact": [...], "relation": [...], "entity": [...]}
+    # the Hugging Face / FlashRAG copy: {"fact": [...], "relation": [...], "entity": [...]}
+    if isinstance(evidences, dict):
         cols = [evidences.get(k) for k in ("fact", "relation", "entity")]
         if not all(isinstance(c, list) and len(c) == len(cols[0]) for c in cols):
             raise InvalidArgument(f"{where}: 2wiki 'evidences' must hold 'fact', 'relation' and 'entity' lists of "
@@ -475,7 +479,7 @@ def parse_teacher_reply(text: str, max_steps: int = 6) -> tuple[list[tuple[str, 
         obj = json.loads(text[start:end + 1])
     except json.JSONDecodeError as e:
         raise ValueError(f"the reply's JSON does not parse ({e.msg})") from None
-    steps, answer = obj.get("steps") if isinstance(obj, dict) else None, obj.get("answer") if isinstance(obj, dict) else None
+    steps, answer = (obj.get("steps"), obj.get("answer")) if isinstance(obj, dict) else (None, None)
     if not isinstance(steps, list) or not steps or not isinstance(answer, (str, int, float)) or not str(answer).strip():
         raise ValueError("the reply needs a non-empty 'steps' list and an 'answer'")
     if len(steps) > max_steps:
@@ -696,11 +700,13 @@ def _row(r: SourceRecord, hops: Sequence[SourceHop] | None, alignments: Sequence
         # title: the corpus passage's (what the retriever shows); the dataset's own is kept beside it
         steps.append({"question": h.question, "answer": h.answer, "answer_aliases": list(h.answer_aliases),
                       "doc_id": a.doc_id, "title": a.title, "aligned_by": a.by,
-                      "source_title": h.support.title if h.support else "", **({"reason": a.reason} if a.reason else {})})
+                      "source_title": h.support.title if h.support else "",
+                      **({"reason": a.reason} if a.reason else {})})
     meta["alignment"] = steps
     meta["decomposition_source"] = source
     if full and steps:
-        decomposition = [{k: v for k, v in s.items() if k not in ("aligned_by", "source_title", "reason")} for s in steps]
+        decomposition = [{k: v for k, v in s.items() if k not in ("aligned_by", "source_title", "reason")}
+                         for s in steps]
         if r.type != "compositional":  # the final comparison: a reasoning step needing no retrieval
             decomposition.append({"question": r.question, "answer": r.answers[0], "answer_aliases": list(r.answers),
                                   "doc_id": "", "title": ""})

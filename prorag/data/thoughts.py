@@ -37,7 +37,8 @@ class OpenAIThoughtWriter:
                  max_retries: int = 3, timeout: float = 30.0, max_tokens: int = 48):
         import openai
 
-        self.client = openai.OpenAI(base_url=base_url or None, api_key=api_key or os.environ.get("OPENAI_API_KEY", "none"),
+        self.client = openai.OpenAI(base_url=base_url or None,
+                                    api_key=api_key or os.environ.get("OPENAI_API_KEY", "none"),
                                     max_retries=max_retries, timeout=timeout)
         self.model = model
         self.max_tokens = max_tokens

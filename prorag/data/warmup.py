@@ -218,5 +218,5 @@ def facts_by_doc(facts: Sequence[Fact], docs: Mapping[str, str]) -> dict[str, li
 
 
 __all__ = ["READING_SYSTEM_PROMPT", "Fact", "facts_from_questions", "sentences", "copy_batch", "reading_example",
-           "retrieved_reading_example", "facts_by_doc", "relation_key", "answer_pools", "counterfactual_swap", "paraphrase_groups",
-           "paraphrase_example"]
+           "retrieved_reading_example", "facts_by_doc", "relation_key", "answer_pools", "counterfactual_swap",
+           "paraphrase_groups", "paraphrase_example"]

@@ -395,7 +395,8 @@ def prm_gate(auc_report: Mapping, min_unsupported: float = 0.8, min_overall: flo
     if min_cases < 1:
         raise InvalidArgument(f"min_cases is at least 1 (an AUC needs a case); got {min_cases}")
     if not isinstance(auc_report, Mapping) or "overall" not in auc_report or "by_kind" not in auc_report:
-        raise InvalidArgument("prm_gate reads prorag.prm.evaluation.auc_by_kind's report ({'overall', 'by_kind', ...}); "
+        raise InvalidArgument("prm_gate reads prorag.prm.evaluation.auc_by_kind's report ({'overall', 'by_kind', "
+                              "...}); "
                               f"got {type(auc_report).__name__} with keys "
                               f"{sorted(auc_report) if isinstance(auc_report, Mapping) else '-'}")
     reasons = []
@@ -420,5 +421,6 @@ def prm_gate(auc_report: Mapping, min_unsupported: float = 0.8, min_overall: flo
     return not reasons, reasons
 
 
-__all__ = ["CORRUPTIONS", "FAMILIES", "HELD_OUT", "ProbeCase", "UNSUPPORTED_FAMILIES", "auc_by_kind", "centred_per_kind",
-           "corrupt", "corrupt_held_out", "document_names", "entity_surface", "prm_gate", "validation_cases"]
+__all__ = ["CORRUPTIONS", "FAMILIES", "HELD_OUT", "ProbeCase", "UNSUPPORTED_FAMILIES", "auc_by_kind",
+           "centred_per_kind", "corrupt", "corrupt_held_out", "document_names", "entity_surface", "prm_gate",
+           "validation_cases"]

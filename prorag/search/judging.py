@@ -170,5 +170,6 @@ def request_key(model: str, messages: Sequence[Mapping[str, str]], params: Mappi
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-__all__ = ["JUDGE_SYSTEM", "MalformedJudgeReply", "pair_messages", "parse_pair_reply", "request_key", "INVALID", "PairJudgement", "REDUNDANT_SEARCH", "UNSUPPORTED", "Verdict", "WRONG_ANSWER",
-           "WRONG_ENTITY", "judge_pair", "judge_step", "open_hop"]
+__all__ = ["JUDGE_SYSTEM", "MalformedJudgeReply", "pair_messages", "parse_pair_reply", "request_key", "INVALID",
+           "PairJudgement", "REDUNDANT_SEARCH", "UNSUPPORTED", "Verdict", "WRONG_ANSWER", "WRONG_ENTITY", "judge_pair",
+           "judge_step", "open_hop"]

@@ -130,5 +130,5 @@ def prompt_length(tokenizer, question: str) -> int:
     return len(tokenizer.encode(agent_prompt(question), add_special_tokens=False))
 
 
-__all__ = ["StepPair", "label_agreement", "load_pairs", "prm_inputs", "prm_rendering", "prompt_length", "step_from_dict",
-           "step_to_dict"]
+__all__ = ["StepPair", "label_agreement", "load_pairs", "prm_inputs", "prm_rendering", "prompt_length",
+           "step_from_dict", "step_to_dict"]

@@ -412,4 +412,5 @@ def accumulated_epochs(items, batch_size: int, grad_accum: int, epochs: float,
 
 
 __all__ = ["accumulated_epochs", "attach_engine", "call_in_engine", "compile_blocks", "LoopConfig", "LoopResult",
-           "NonFiniteLoss", "OPTIMIZERS", "StepResult", "TrainingLoop", "build_optimizer", "run_loop", "shuffled_epochs"]
+           "NonFiniteLoss", "OPTIMIZERS", "StepResult", "TrainingLoop", "build_optimizer", "run_loop",
+           "shuffled_epochs"]

@@ -1,9 +1,9 @@
 """The embedded base's warm-up as data and loss for the one training loop (why it exists: prorag.data.warmup).
 
-Phases, in order (prorag.modeling.WarmupConfig sets their lengths): copy task; reading with 1, 2, then 3
-sentences; whole documents; gap rows; paraphrase rows mixed with gap rows; reading among retrieved
-documents; the copy task again (restores what the reading phases wore down). Each step's rows are drawn from a generator seeded with (seed, step) alone, so a resumed
-warm-up trains on exactly the batches an uninterrupted one does.
+Phases, in order (prorag.modeling.WarmupConfig sets their lengths): copy task; reading with 1, 2, then 3 sentences;
+whole documents; gap rows; paraphrase rows mixed with gap rows; reading among retrieved documents; the copy task again
+(restores what the reading phases wore down). Each step's rows are drawn from a generator seeded with (seed, step)
+alone, so a resumed warm-up trains on exactly the batches an uninterrupted one does.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Callable
 
 from prorag.config import from_dict, to_dict
-from prorag.data.world.config import (DEEP_SPLIT, DEEP_SPLITS, DEV_DEEP_SPLIT, DRAWN_SPLITS, HELDOUT_DEEP_SPLIT, RL_SPLIT,
-                                      SPLITS, WORLD_VERSION, WorldConfig)
+from prorag.data.world.config import (DEEP_SPLIT, DEEP_SPLITS, DEV_DEEP_SPLIT, DRAWN_SPLITS, HELDOUT_DEEP_SPLIT,
+                                      RL_SPLIT, SPLITS, WORLD_VERSION, WorldConfig)
 from prorag.data.world.generate import generate_deep_splits, generate_world
 from prorag.io import read_jsonl, write_json, write_jsonl, write_text
 
@@ -175,7 +175,8 @@ def ensure_deep_split(out_dir: str | Path, n: int, split: str = "test", test_n: 
 def _check_reproduced(out_dir: Path, cfg: WorldConfig, w: dict, adding: str) -> None:
     """FailedPrecondition unless the world regenerated in memory (``w``) has the splits on disk: an extra split
     drawn after them is disjoint from them only if the generator still makes them."""
-    from prorag.errors import FailedPrecondition  # here: prorag.errors imports grpc, which world generation does not need
+    # here: prorag.errors imports grpc, which world generation does not need
+    from prorag.errors import FailedPrecondition
 
     for s in SPLITS:
         on_disk = [(r["id"], r["question"]) for r in read_jsonl(out_dir / f"{s}.jsonl")]
