@@ -400,7 +400,8 @@ def cmd_eval(args) -> int:
     services = ("policy",) if args.retriever else ("retriever", "policy")
     stack = ServiceStack(port_offset=args.port_offset, world=args.world, services=services,
                          log_dir=str(out / "logs"),
-                         overrides={"policy": {"model": model, **({"retriever": args.retriever} if args.retriever else {})}})
+                         overrides={"policy": {"model": model,
+                                               **({"retriever": args.retriever} if args.retriever else {})}})
     with stack:
         retr_target = args.retriever or stack.grpc_target("retriever")
         with PolicyClient(stack.grpc_target("policy")) as policy, RetrieverClient(retr_target, timeout=600) as retr:
@@ -503,7 +504,8 @@ def cmd_compare(args) -> int:
     print(f"{r['a']} ({len(r['runs_a'])} run(s)) - {r['b']} ({len(r['runs_b'])} run(s)), {r['group']}, "
           f"{r['n']} questions: {100 * r['f1_diff']:+.1f} F1 [{100 * r['ci'][0]:+.1f}, {100 * r['ci'][1]:+.1f}] "
           + (f"(seeds then questions resampled: [{100 * both[0]:+.1f}, {100 * both[1]:+.1f}]) " if both else "")
-          + f"{100 * r['a_mean']:.1f} vs {100 * r['b_mean']:.1f}, wins/losses/ties {r['wins']}/{r['losses']}/{r['ties']}")
+          + f"{100 * r['a_mean']:.1f} vs {100 * r['b_mean']:.1f}, "
+          + f"wins/losses/ties {r['wins']}/{r['losses']}/{r['ties']}")
     return 0
 
 

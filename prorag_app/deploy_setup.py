@@ -16,10 +16,10 @@ The world PRORAG_WORLD (the questions the judge and the stages read): an embedde
 is generated; a dataset folder (FlashRAG layout: train/dev/test.jsonl, e.g. the paper's hotpotqa-musique) is copied
 in from WORLD_IMPORT, and one already in the volume is used as it is (never overwritten by a generated world).
 
-Where the other inputs come from, first match wins: already in the volume; WIKI18_IMPORT (the corpus file, e.g. a
-bind mount at /import/wiki-18.jsonl[.gz]); PRORAG_MODELS_FROM (a directory holding <name>/ for each model, named as its target
-directory, and wiki-18.jsonl[.gz]), copied; PRORAG_DOWNLOAD=1, fetched with huggingface_hub. Nothing of these for a
-missing input: exit 3 with what to do, and the reason in data/.prorag-setup-failed-<mode> (the k8s init containers
+Where the other inputs come from, first match wins: already in the volume; WIKI18_IMPORT (the corpus file, e.g. a bind
+mount at /import/wiki-18.jsonl[.gz]); PRORAG_MODELS_FROM (a directory holding <name>/ for each model, named as its
+target directory, and wiki-18.jsonl[.gz]), copied; PRORAG_DOWNLOAD=1, fetched with huggingface_hub. Nothing of these for
+a missing input: exit 3 with what to do, and the reason in data/.prorag-setup-failed-<mode> (the k8s init containers
 print it instead of waiting forever).
 """
 

@@ -204,8 +204,8 @@ def format_table(methods: dict[str, dict], split: str = "test") -> "object":
     """A rich Table: F1 [95% CI] per hop count and type, one row per method."""
     cols = sorted({h for m in methods.values() for h in m["by_hops"]}, key=lambda h: int(h))
     types = sorted({t for m in methods.values() for t in m["by_type"]} - {"compositional"})
-    table = Table(title=f"{split.capitalize()} split: F1 (x100) [95% bootstrap CI]; EM and acc (FlashRAG acc = Search-R1 subem) "
-                        "overall")
+    table = Table(title=f"{split.capitalize()} split: F1 (x100) [95% bootstrap CI]; EM and acc (FlashRAG acc = "
+                        "Search-R1 subem) overall")
     table.add_column("method")
     table.add_column("EM", justify="right")
     table.add_column("acc", justify="right")

@@ -262,8 +262,9 @@ def stage34(prof: Profile, stack: ServiceStack, world: str, sft_ref: str, prm: d
             ) -> tuple[dict, dict[str, dict], dict[str, dict], dict[str, dict]]:
     """Stages 3-4 and the outcome-only baseline from the trained agent (prorag_app.stage34), then their evaluation
     side by side on ``questions``, and with the SFT agent on the ``deep`` questions (under run_dir/deep) and the
-    ``heldout`` ones (under run_dir/heldout); policy_replicas: processes of each policy the jobs sample from. Returns (what stage34 did, method -> evaluation, method -> evaluation
-    on the deep questions, the same on the held-out ones)."""
+    ``heldout`` ones (under run_dir/heldout); policy_replicas: processes of each policy the jobs sample from. Returns
+    (what stage34 did, method -> evaluation, method -> evaluation on the deep questions, the same on the held-out
+    ones)."""
     settings = from_dict(Stage34Settings, prof.stage34)
     prm_dir = (str(registry("prm", world).resolve(prm["model"])) if prm is not None and "model" in prm else None)
     sft_dir = str(registry("model", world).resolve(sft_ref))

@@ -98,8 +98,8 @@ class Profile:
             raise InvalidArgument("stage34.rl.pool_max_greedy_f1 selects on the pool's greedy rollouts: set "
                                   "stage34.pool.greedy=true too")
         if self.rl_questions and not self.deep_questions:
-            raise InvalidArgument(f"rl_questions: the {RL_SPLIT} split is drawn after the deep and held-out splits; set "
-                                  "deep_questions too")
+            raise InvalidArgument(f"rl_questions: the {RL_SPLIT} split is drawn after the deep and held-out splits; "
+                                  "set deep_questions too")
         check_fields(SFTConfig, self.sft, prefix="sft.")
         for m, settings in self.method_sft.items():
             check_fields(SFTConfig, settings, prefix=f"method_sft.{m}.")

@@ -482,9 +482,11 @@ def markdown(report: dict) -> str:
                   "| link | comparison | A - B | 95% CI | status |", "|---|---|---|---|---|"]
         for lk in claim["links"]:
             diff = f"{100 * lk['diff']:+.1f}" if "diff" in lk else "-"
-            bounds = (f"[{100 * lk['ci'][0]:+.1f}, {100 * lk['ci'][1]:+.1f}]"
-                      + (" (seeds and questions)" if lk.get("ci_includes_seeds") else " (questions)")) if "ci" in lk else \
-                "; ".join(lk.get("reasons") or []) or "-"
+            if "ci" in lk:
+                bounds = (f"[{100 * lk['ci'][0]:+.1f}, {100 * lk['ci'][1]:+.1f}]"
+                          + (" (seeds and questions)" if lk.get("ci_includes_seeds") else " (questions)"))
+            else:
+                bounds = "; ".join(lk.get("reasons") or []) or "-"
             lines.append(f"| {lk['link']} | {lk.get('comparison', 'PRM gate')} | {diff} | {bounds} | {lk['status']} |")
         lines += ["", f"First link that does not hold: **{claim['first_failed']}**." if claim["first_failed"]
                   else "Every link holds."]

@@ -8,8 +8,8 @@ fraction from its iterations.jsonl); a trajectory browser (the first run's evalu
 method) and an MCTS tree viewer (the first run's mcts job: trees.jsonl with its judged sibling pairs.jsonl).
 
 `prorag eval` saves no PRM score per step of an evaluated trajectory, so steps are coloured by their kind and by the
-reference judge's verdict (prorag.search.judging.judge_step against the world's gold decomposition), computed here where the
-world's split is on disk and the trajectory kept its retrieved documents (the agents'); never by an invented score.
+reference judge's verdict (prorag.search.judging.judge_step against the world's gold decomposition), computed here where
+the world's split is on disk and the trajectory kept its retrieved documents (the agents'); never by an invented score.
 
 Large runs are capped (MAX_* below) and the page says what it left out.
 """

@@ -93,7 +93,8 @@ def rl_job_config(method: str, common: dict, base_model: str, policy: str, prm: 
     if method not in RL_METHODS:
         raise ValueError(f"{method!r} is not an RL method ({', '.join(RL_METHODS)})")
     if "step_scorer" in common:  # shared settings would turn ProRAG itself into the oracle
-        raise ValueError("stage34.rl.step_scorer: the step scorer is the method's (prorag_oracle), not a shared setting")
+        raise ValueError("stage34.rl.step_scorer: the step scorer is the method's (prorag_oracle), not a shared "
+                         "setting")
     cfg = {**common, "base_model": base_model, "policy": policy, "adapter_name": method}
     if method == "outcome_grpo":
         cfg.update(prm="", beta=0.0)
@@ -136,7 +137,8 @@ def rl_summary(iterations_path: str | Path) -> dict:
         out[f"total_{key}"] = sum(float(r.get(key, 0.0)) for r in rows)
     out["questions"] = sum(int(r.get("questions", 0)) for r in rows)
     out["lag_max"] = max(float(r.get("lag_max", 0.0)) for r in rows)
-    out["reward_first"], out["reward_last"] = float(rows[0].get("reward_mean", 0.0)), float(rows[-1].get("reward_mean", 0.0))
+    out["reward_first"] = float(rows[0].get("reward_mean", 0.0))
+    out["reward_last"] = float(rows[-1].get("reward_mean", 0.0))
     out["f1_first"], out["f1_last"] = float(rows[0].get("f1_mean", 0.0)), float(rows[-1].get("f1_mean", 0.0))
     # one iteration's 16 questions make first/last a noisy pair: the halves' means say whether the rollouts rise
     half = len(rows) // 2
@@ -157,7 +159,8 @@ def rl_summary(iterations_path: str | Path) -> dict:
     # per iteration: the share of groups whose rollouts all earned one reward (zero variance: no outcome signal)
     # and the rollouts' mean reward, what shows whether RL is learning at all
     out["per_iteration"] = [{"iteration": int(r.get("iteration", i)),
-                             "groups_flat_fraction": float(r.get("groups_flat", 0)) / max(1.0, float(r.get("groups", 0))),
+                             "groups_flat_fraction": (float(r.get("groups_flat", 0))
+                                                      / max(1.0, float(r.get("groups", 0)))),
                              "reward_mean": float(r.get("reward_mean", 0.0)), "f1_mean": float(r.get("f1_mean", 0.0)),
                              **({"start_f1_mean": float(r["start_f1_mean"])} if "start_f1_mean" in r else {})}
                             for i, r in enumerate(rows)]
@@ -172,8 +175,8 @@ def run_stage34(stack, world: str, sft_ref: str, sft_dir: str, prm_dir: str | No
                 pairs_path: str | None = None, prm_gate: dict | None = None, policy_replicas: int = 1) -> dict:
     """Train what ``settings.methods`` asks through the stack's trainer (``pairs_path``: stage 2's sibling pairs,
     reasonrag's data; ``prm_gate``: stage 2's gate verdict on the PRM, {"passed", "reasons", ...}; policy_replicas:
-    processes of each policy the jobs sample from, prorag_app.stack.ServiceStack.replicas). Returns {"models": {method: {"model":
-    directory, "adapter": name@version or ""}}, "jobs", "rl": {method: rl_summary}, "skipped": {method: why},
+    processes of each policy the jobs sample from, prorag_app.stack.ServiceStack.replicas). Returns {"models": {method:
+    {"model": directory, "adapter": name@version or ""}}, "jobs", "rl": {method: rl_summary}, "skipped": {method: why},
     "settings", and "pool" ({"job", "path", "size", "samples", "counts"}) when ``settings.pool`` asked for one}."""
     wanted = tuple(settings.methods)
     prm_sha = weights_sha256(prm_dir) if prm_dir else ""

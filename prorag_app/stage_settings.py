@@ -55,14 +55,15 @@ class Stage34Settings:
                            factory=dict)
     beta: float = cfg_field(0.3, help="ProRAG's weight of the process advantage (outcome_grpo: 0)", min=0.0,
                             max=10.0)
-    left_out: dict = cfg_field(help="stage 3-4 methods this profile leaves out on purpose, {method: why}: reported under "
-                                    "results.json's stage34.skipped with the reason, so a reader sees that the method "
-                                    "was not run and where it is (one in methods runs all the same)", factory=dict)
-    prm_gate: str = cfg_field("report", help="what stage 2's PRM gate (prorag.prm.evaluation.prm_gate) decides: enforce = a "
-                                             "PRM below it guides nothing (rft, prorag, prorag_no_rft skipped with the "
-                                             "reasons; outcome_grpo, prorag_oracle and reasonrag still run); report = "
-                                             "the PRM-guided methods run and results.json carries the verdict beside "
-                                             "them", choices=("report", "enforce"))
+    left_out: dict = cfg_field(help="stage 3-4 methods this profile leaves out on purpose, {method: why}: reported "
+                                    "under results.json's stage34.skipped with the reason, so a reader sees that the "
+                                    "method was not run and where it is (one in methods runs all the same)",
+                               factory=dict)
+    prm_gate: str = cfg_field("report", help="what stage 2's PRM gate (prorag.prm.evaluation.prm_gate) decides: "
+                                             "enforce = a PRM below it guides nothing (rft, prorag, prorag_no_rft "
+                                             "skipped with the reasons; outcome_grpo, prorag_oracle and reasonrag "
+                                             "still run); report = the PRM-guided methods run and results.json "
+                                             "carries the verdict beside them", choices=("report", "enforce"))
 
 
 __all__ = ["Stage2Settings", "Stage34Settings"]

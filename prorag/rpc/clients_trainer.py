@@ -22,7 +22,8 @@ def state_name(state: int) -> str:
 
 
 class TrainerClient:
-    """``with TrainerClient("127.0.0.1:50055") as tc: job = tc.start("selftest", {"steps": 100}); tc.wait(job.job_id)``"""
+    """``with TrainerClient("127.0.0.1:50055") as tc: job = tc.start("selftest", {"steps": 100});
+    tc.wait(job.job_id)``"""
 
     def __init__(self, target: str, timeout: float = 30.0, max_message_mb: int = 64,
                  reconnect_backoff_s: float = 0.5, wait_for_ready: bool = False):

@@ -36,7 +36,8 @@ def _error_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if type(exc).__name__ == "OutOfMemoryError":  # torch's, matched by name so this module never imports torch
         return grpc.StatusCode.RESOURCE_EXHAUSTED, (f"out of memory on the accelerator serving this request: {exc}; "
                                                     "send a smaller request or retry later")
-    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}): {exc}; this is a server bug, please report it"
+    return grpc.StatusCode.INTERNAL, (f"internal error ({type(exc).__name__}): {exc}; this is a server bug, please "
+                                      "report it")
 
 
 #: most UTF-8 bytes of a status message: gRPC sends it percent-encoded in a header, and a header past 8 KiB

@@ -454,7 +454,8 @@ def generate_secrets(out_dir: str | Path, hosts: tuple[str, ...] = DEFAULT_TLS_H
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = (x509.CertificateBuilder().subject_name(name("prorag CA")).issuer_name(name("prorag CA"))
                .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(days=days))
                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
                                             content_commitment=False, key_encipherment=False, data_encipherment=False,

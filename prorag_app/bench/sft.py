@@ -58,7 +58,8 @@ def bench_sft(args) -> dict:
                      "mfu": statistics.median(e["metrics"]["mfu"] for e in later)})
     return {"target": "sft", "model": model_dir, "num_parameters": num_parameters(model), "batch": batch,
             "seq_len": seq_len, "steps_per_repeat": 3 * window, "repeats": args.repeats,
-            "threads": torch.get_num_threads(), "peak_matmul_flops": peak_matmul_flops(placement.device, placement.dtype),
+            "threads": torch.get_num_threads(),
+            "peak_matmul_flops": peak_matmul_flops(placement.device, placement.dtype),
             **placement.describe(), "compile": args.compile,
             "machine": machine(),
             **median_dicts(runs), "runs": runs}

@@ -69,4 +69,5 @@ def bench_swap(args) -> dict:
     return {"target": "swap", "model": model, "swaps": swaps, "clients": args.clients,
             "swap_p50_s": percentile(lat, 0.5), "swap_p95_s": percentile(lat, 0.95), "swap_max_s": max(lat),
             "failed_requests": len(failed), "ok_requests": ok[0],
-            "versions_seen": len(versions), "errors_sample": failed[:3], "goal": "swap_p50_s < 0.5, failed_requests == 0"}
+            "versions_seen": len(versions), "errors_sample": failed[:3],
+            "goal": "swap_p50_s < 0.5, failed_requests == 0"}

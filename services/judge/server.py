@@ -70,7 +70,8 @@ def api_key(cfg: JudgeConfig) -> str:
 def open_engine(cfg: JudgeConfig):
     if cfg.backend == "reference":
         return ReferenceJudge.from_world(paths.world_dir(cfg.world))
-    cache = cfg.cache_path or str(paths.data_dir() / "cache" / f"judge-{re.sub(r'[^A-Za-z0-9._-]', '_', cfg.model)}.jsonl")
+    safe_model = re.sub(r"[^A-Za-z0-9._-]", "_", cfg.model)
+    cache = cfg.cache_path or str(paths.data_dir() / "cache" / f"judge-{safe_model}.jsonl")
     return OpenAIJudge(cfg.base_url, cfg.model, JudgeCache(cache),
                        Budget(cfg.max_calls, cfg.max_cost_usd, cfg.usd_per_m_input, cfg.usd_per_m_output),
                        api_key=api_key(cfg), timeout_s=cfg.timeout_s,

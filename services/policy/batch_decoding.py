@@ -161,10 +161,10 @@ class BatchDecoder:
                          adapter: str | None) -> None:
         """_decode with the one-token step compiled: the same tokens, logprobs and cached prefixes.
 
-        What differs, invisibly in the outputs: the cache lives in the compiled steps' KV pool with its length rounded up to
-        CACHE_LEN_STEP and its batch padded to a batch_bucket (padding rows copy a real row; their tokens are never
-        read), so a graph serves many chunks; the attention mask is allocated at the cache's length; and tokens are
-        read back every stop_check_every steps, so finished rows may decode a few more tokens, which are dropped.
+        What differs, invisibly in the outputs: the cache lives in the compiled steps' KV pool with its length rounded
+        up to CACHE_LEN_STEP and its batch padded to a batch_bucket (padding rows copy a real row; their tokens are
+        never read), so a graph serves many chunks; the attention mask is allocated at the cache's length; and tokens
+        are read back every stop_check_every steps, so finished rows may decode a few more tokens, which are dropped.
         """
         dev = self.device
         T = max(r.max_new for r in rows)

@@ -78,10 +78,10 @@ class PolicyConfig:
                                                         "max_tokens (GenerateSteps, HTTP) or questions x n x "
                                                         "max_steps x max_tokens (Rollout)", min=1)
     restore_active: bool = cfg_field(True, help="at start, load and activate the adapter version last activated "
-                                                "in adapter_root for this base model (ACTIVE-<sha256[:16]>.json, written by "
-                                                "every ActivateAdapter), so a restarted replica serves what the "
-                                                "others of the same model serve; if it "
-                                                "cannot be loaded the start fails with the reason")
+                                                "in adapter_root for this base model (ACTIVE-<sha256[:16]>.json, "
+                                                "written by every ActivateAdapter), so a restarted replica serves "
+                                                "what the others of the same model serve; if it cannot be loaded the "
+                                                "start fails with the reason")
     http_timeout_s: float = cfg_field(300.0, help="deadline of one HTTP completion request (enforced between "
                                                   "engine calls and while queued)", min=0.1)
 

@@ -163,7 +163,8 @@ class TransformersEngine(GenerationEngine):
         t0 = time.perf_counter()
         with self._lock:
             if adapter is not None and adapter not in self.weights:
-                raise NotFound(f"adapter {adapter!r} is not loaded (loaded: {', '.join(self.weights.keys()) or 'none'})")
+                loaded = ", ".join(self.weights.keys()) or "none"
+                raise NotFound(f"adapter {adapter!r} is not loaded (loaded: {loaded})")
             found: dict[tuple, CachedPrefix | None] = {}
             for r in rows:
                 key = tuple(r.prompt)

@@ -98,7 +98,8 @@ class PolicyFrontend:
 
     def _completion(self, seq: GeneratedSeq) -> StepCompletion:
         # a stop that is no tag is reported as its token's text
-        stop = self._tag_of_stop.get(seq.stop_token_id) or ("" if seq.stop_token_id is None else decode(self.tokenizer, [seq.stop_token_id]))
+        stop = self._tag_of_stop.get(seq.stop_token_id) or (
+            "" if seq.stop_token_id is None else decode(self.tokenizer, [seq.stop_token_id]))
         return StepCompletion(list(seq.token_ids), list(seq.logprobs), decode(self.tokenizer, seq.token_ids),
                               seq.finish_reason, stop)
 

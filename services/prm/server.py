@@ -143,7 +143,8 @@ async def start(serve: ServeConfig, cfg: PRMServeConfig | None = None, engine=No
                                batch_wait_s=cfg.batch_wait_ms / 1e3, workers=workers)
     servicer = PRMServicer(frontend)
     spec = ServerSpec(name="prm",
-                      services=[(SERVICE, lambda s: prm_pb2_grpc.add_ProcessRewardModelServicer_to_server(servicer, s))],
+                      services=[(SERVICE,
+                                 lambda s: prm_pb2_grpc.add_ProcessRewardModelServicer_to_server(servicer, s))],
                       ready={SERVICE: engine is not None})
     running = await start_server(spec, serve.port, serve.host, serve.max_message_mb, serve.max_concurrent_rpcs,
                                  security=serve.security())

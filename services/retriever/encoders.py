@@ -28,7 +28,8 @@ MINILM_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 @dataclasses.dataclass
 class EncoderConfig:
-    model: str = cfg_field("minilm", help="'minilm' (bundled all-MiniLM-L6-v2) or a local Hugging Face encoder directory")
+    model: str = cfg_field("minilm", help="'minilm' (bundled all-MiniLM-L6-v2) or a local Hugging Face encoder "
+                                          "directory")
     pooling: str = cfg_field("mean", help="how token states become one vector", choices=("mean", "cls"))
     query_prefix: str = cfg_field("", help="prepended to every query ('query: ' for e5)")
     doc_prefix: str = cfg_field("", help="prepended to every passage ('passage: ' for e5)")
@@ -75,7 +76,8 @@ def _resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise FailedPrecondition("encoder device 'cuda' requested but torch sees no CUDA device; use device=auto or cpu")
+        raise FailedPrecondition("encoder device 'cuda' requested but torch sees no CUDA device; use device=auto or "
+                                 "cpu")
     return device
 
 

@@ -35,7 +35,8 @@ def make_app(frontend: SearchFrontend, default_topk: int = 3, max_body_mb: int =
                 raise InvalidArgument('body must be a JSON object like {"queries": ["..."], "topk": 3}')
             unknown = set(body) - {"queries", "topk", "return_scores", "index"}
             if unknown:
-                raise InvalidArgument(f"unknown field(s) {sorted(unknown)}; allowed: queries, topk, return_scores, index")
+                raise InvalidArgument(f"unknown field(s) {sorted(unknown)}; allowed: queries, topk, return_scores, "
+                                      "index")
             queries = body.get("queries")
             if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
                 raise InvalidArgument('"queries" must be a list of strings')

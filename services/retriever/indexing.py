@@ -177,7 +177,8 @@ def build_docstore(corpus_path: str | Path, out_dir: str | Path, progress: Progr
         raise InvalidArgument(f"corpus {corpus_path} repeats document id {first!r}; ids must be unique")
     meta = {"kind": "docstore", "format_version": FORMAT_VERSION, "n_docs": scan.n_docs,
             "corpus_path": str(scan.path), "corpus_relpath": _corpus_relpath(scan.path, out_dir),
-            "corpus_size": scan.size, "corpus_sha256": scan.sha256, "build_seconds": round(time.time() - t0, 3), "created_at": _now()}
+            "corpus_size": scan.size, "corpus_sha256": scan.sha256, "build_seconds": round(time.time() - t0, 3),
+            "created_at": _now()}
     with atomic_dir(out_dir) as tmp:
         np.save(tmp / "offsets.npy", scan.offsets)
         np.save(tmp / "ids.npy", arr)

@@ -23,7 +23,8 @@ SERVICE = "prorag.v1.Retriever"
 class RetrieverConfig:
     """What the retriever serves and the limits it enforces on callers."""
 
-    index_root: str = cfg_field("", help="directory holding dense*/, bm25/ and docstore/ (empty = the embedded world's)")
+    index_root: str = cfg_field("", help="directory holding dense*/, bm25/ and docstore/ (empty = the embedded "
+                                         "world's)")
     world: str = cfg_field("default", help="embedded world whose indexes are served when index_root is empty")
     default_index: str = cfg_field("hybrid", help="index used when a request names none")
     default_topk: int = cfg_field(3, help="HTTP topk when the request omits it (Search-R1 behaviour)", min=1)

@@ -113,7 +113,8 @@ def check_fits(stage_name: str, cfg, *, device=None) -> None:
         fixes.append("a LoRA stage instead (rl, dpo) on this GPU")
     raise FailedPrecondition(
         f"this {stage_name} job needs {est.describe()}; {name} has {total / GB:,.1f} GB, of which a job may plan for "
-        f"{ceil_gb(total * HEADROOM)} GB. It would fit with " + ("; or ".join(fixes) if fixes else "a larger GPU") + ".")
+        f"{ceil_gb(total * HEADROOM)} GB. It would fit with "
+        + ("; or ".join(fixes) if fixes else "a larger GPU") + ".")
 
 
 __all__ = ["STAGES", "StageMemory", "check_fits", "device_memory", "training_job"]

@@ -123,8 +123,8 @@ def oracle_step_logits(question, steps: list) -> list[float]:
     """The reference judge's verdict on each step of one trajectory, as a PRM-like logit.
 
     question: a Question with its gold decomposition; steps [S] (prorag.trajectory.Step, with the documents each
-    subquery retrieved). Returns [S]: +ORACLE_LOGIT where prorag.search.judging.judge_step finds step k, taken after steps
-    [:k], sound (right entity for the open hop, a sub-answer stated by the last search's documents, no repeated
+    subquery retrieved). Returns [S]: +ORACLE_LOGIT where prorag.search.judging.judge_step finds step k, taken after
+    steps [:k], sound (right entity for the open hop, a sub-answer stated by the last search's documents, no repeated
     search, a right final answer), -ORACLE_LOGIT otherwise. Pure: no service, no model."""
     return [ORACLE_LOGIT if judge_step(question, steps[:k], st).sound else -ORACLE_LOGIT
             for k, st in enumerate(steps)]

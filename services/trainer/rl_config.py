@@ -34,8 +34,8 @@ class RLConfig(TrainRunConfig):
                                                  "not used with step_scorer=oracle")
     step_scorer: str = cfg_field("prm", help="what scores each step for the process advantage: prm = the PRM "
                                              "service's logit; oracle = the reference judge's verdict on the gold "
-                                             "decomposition (prorag.search.judging.judge_step, as a +/-ORACLE_LOGIT logit): "
-                                             "a diagnostic ceiling, no PRM service needed",
+                                             "decomposition (prorag.search.judging.judge_step, as a +/-ORACLE_LOGIT "
+                                             "logit): a diagnostic ceiling, no PRM service needed",
                                  choices=("prm", "oracle"))
     question_pool: str = cfg_field("", help="a question pool artifact (trainer stage rlpool's pool.json): only its "
                                             "learnable questions are drawn, before min_hops and max_questions "

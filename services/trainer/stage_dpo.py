@@ -107,7 +107,8 @@ def run_dpo(ctx: JobContext) -> dict:
     base = Path(resolve_model(cfg.world, cfg.base_model, "base_model"))
     ctx.seed_everything(cfg.seed)
     # the base is frozen under the adapter: stored in the compute dtype, the LoRA weights in float32
-    model, tokenizer = load_for_training(base, placement, frozen=True, gradient_checkpointing=cfg.gradient_checkpointing)
+    model, tokenizer = load_for_training(base, placement, frozen=True,
+                                         gradient_checkpointing=cfg.gradient_checkpointing)
     model = build_lora(model, cfg)
     data, too_long = [], 0
     for p in pairs:

@@ -58,8 +58,8 @@ from services.trainer.rl_update import loop_config, policy_loss, recompute_old_l
 from services.trainer.sampling import select_questions
 from services.trainer.stages import register_stage, resolve_model
 
-#: bumped when what the PRM is asked to score changes (2, 3: empty and blank steps left out), so a caller that names jobs by
-#: their settings (the pipeline) does not reuse a job that ran, or failed, under the old behaviour
+#: bumped when what the PRM is asked to score changes (2, 3: empty and blank steps left out), so a caller that names
+#: jobs by their settings (the pipeline) does not reuse a job that ran, or failed, under the old behaviour
 PRM_SCORING_VERSION = 3
 
 # what callers read from the stage by name (the pipeline, diagnostics, tests)
@@ -197,7 +197,8 @@ def start_run(ctx: JobContext) -> RLRun:
     qs = rl_questions(cfg)
     ctx.seed_everything(cfg.seed)
     # the base is frozen under the adapter: stored in the compute dtype, the LoRA weights in float32
-    model, tokenizer = load_for_training(base, placement, frozen=True, gradient_checkpointing=cfg.gradient_checkpointing)
+    model, tokenizer = load_for_training(base, placement, frozen=True,
+                                         gradient_checkpointing=cfg.gradient_checkpointing)
     run = RLRun(ctx, qs, build_lora(model, cfg), tokenizer, placement, base, base_sha,
                 start_f1=pool_start_f1(cfg.question_pool) if cfg.question_pool else {})
     # On a launch of several processes every process trains on each iteration's rollouts, but only the main one

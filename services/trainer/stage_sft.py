@@ -69,8 +69,8 @@ class SFTConfig(TrainRunConfig):
     canonical_subqueries: bool = cfg_field(False, help="agent mode: write each subquery in its relation's one "
                                                         "phrasing (prorag.data.world.canonical_question) instead of "
                                                         "the decomposition's randomly drawn one; sub-questions in "
-                                                        "other phrasings are kept verbatim; measured to lift dev 2+ hop F1 "
-                                                        "32.1 -> 51.1 (docs/BENCHMARKS.md)")
+                                                        "other phrasings are kept verbatim; measured to lift dev 2+ "
+                                                        "hop F1 32.1 -> 51.1 (docs/BENCHMARKS.md)")
     hop_samples: bool = cfg_field(False, help="baselines: besides each whole question, train on one sample per gold "
                                                "hop (its sub-question, for standard_rag with that sub-question's "
                                                "top-k documents, the gold one among them, answered by its "

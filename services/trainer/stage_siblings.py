@@ -1,14 +1,14 @@
 """Stage "siblings": judged sibling pairs without a tree search, sampled along the policy's own trajectories.
 
-The reference judge labels a step on its own (right entity for the open hop, a sub-answer the documents
-support, no repeated search), so a pair needs no value estimate, only two alternatives under one context. For
-each train question this stage samples one on-policy trajectory step by step through the policy service and, at
-each of its prefixes, ``samples`` more next steps (one call of ``samples + 1`` completions: the first continues the
-trajectory, and is a sibling too). Subqueries are searched as the agent would (services.trainer.search_env.ServiceEnv).
-Invalid siblings are dropped and copies (same kind, same normalised content) removed (prorag.search.mcts.pairable); every
-pair of the rest is a StepPair (no values or visits, no value label, ``meta = {"step_kind", "source":
-"siblings"}``) that the judge service labels. The output is the MCTS stage's ``pairs.jsonl`` format, so the PRM
-stage trains on it as it is (alone, or with the MCTS pairs through its ``extra_pairs``).
+The reference judge labels a step on its own (right entity for the open hop, a sub-answer the documents support, no
+repeated search), so a pair needs no value estimate, only two alternatives under one context. For each train question
+this stage samples one on-policy trajectory step by step through the policy service and, at each of its prefixes,
+``samples`` more next steps (one call of ``samples + 1`` completions: the first continues the trajectory, and is a
+sibling too). Subqueries are searched as the agent would (services.trainer.search_env.ServiceEnv). Invalid siblings are
+dropped and copies (same kind, same normalised content) removed (prorag.search.mcts.pairable); every pair of the rest is
+a StepPair (no values or visits, no value label, ``meta = {"step_kind", "source": "siblings"}``) that the judge service
+labels. The output is the MCTS stage's ``pairs.jsonl`` format, so the PRM stage trains on it as it is (alone, or with
+the MCTS pairs through its ``extra_pairs``).
 
 On-policy siblings almost never hold the contrast a PRM most needs on deep questions: a name the documents do not
 support (the agent's wrong sub-answers are wrong names it read, rarely unsupported ones). With ``reading_samples``,
@@ -255,8 +255,8 @@ class Counterfactuals:
 
 def sample_question(env, question_id: str, question: str, samples: int, max_steps: int,
                     counterfactuals: Counterfactuals = Counterfactuals()):
-    """One question's pairs: walk one trajectory through ``env`` (a services.trainer.search_env.ServiceEnv, or anything with
-    its ``expand(history, n) -> (steps, tokens)`` and ``reward(steps)``), and at each prefix pair the trajectory's
+    """One question's pairs: walk one trajectory through ``env`` (a services.trainer.search_env.ServiceEnv, or anything
+    with its ``expand(history, n) -> (steps, tokens)`` and ``reward(steps)``), and at each prefix pair the trajectory's
     own step with ``samples`` more, keeping valid, distinct siblings (prorag.search.mcts.pairable), and the
     :class:`Counterfactuals` samples. The trajectory always continues with the real context's first sample.
 
