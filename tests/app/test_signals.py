@@ -2,9 +2,10 @@
 
 `prorag up`, `prorag bench policy` and `prorag run --profile tiny` are started as users start them, and once their
 service processes listen, stopped with SIGTERM or SIGKILL (nothing runs in the command then: the kernel's
-PR_SET_PDEATHSIG stops the servers); SIGINT (what Ctrl-C sends the command: its servers are in sessions of their
-own, out of the terminal's reach) takes the same handler, tested on a small command. Then every process the command started must be gone and every port they listened on closed.
-Processes and ports are read from /proc, so the test trusts no bookkeeping of the code under test."""
+PR_SET_PDEATHSIG stops the servers); SIGINT (what Ctrl-C sends the command: its servers are in sessions of their own,
+out of the terminal's reach) takes the same handler, tested on a small command. Then every process the command started
+must be gone and every port they listened on closed. Processes and ports are read from /proc, so the test trusts no
+bookkeeping of the code under test."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from tests.helpers import founder_pairs
 from tests.services.trainer.test_pairs_stages import pairs_job, run_logging_bfloat16
 
 def _pairs(n, seed=0):
-    """The chosen subanswer reads the founder from the document, the rejected one guesses (value-labelled only: ReasonRAG
-    has no judge)."""
+    """The chosen subanswer reads the founder from the document, the rejected one guesses (value-labelled only:
+    ReasonRAG has no judge)."""
     return founder_pairs(n, seed, judge=False)
 
 

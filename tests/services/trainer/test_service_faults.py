@@ -5,10 +5,10 @@ with UNAVAILABLE naming the service and its address, and the job's journal is in
 back, it ends as the uninterrupted run.
 
 The retriever, the PRM and the judge run as `prorag serve` processes; the policy as
-tests/services/trainer/fault_policy.py (the stage tests' scripted engine behind the real policy server, each engine call slowed so the kill lands
-inside a call). The stages run in process (local_context), as the stage tests run them; a killed *trainer* is
-test_rl_stage's and test_kill_resume's. A service is started again only once the job has been seen waiting for
-it (prorag.rpc.clients.wait_for_health, spied on), so every kill is sure to be noticed by the job."""
+tests/services/trainer/fault_policy.py (the stage tests' scripted engine behind the real policy server, each engine call
+slowed so the kill lands inside a call). The stages run in process (local_context), as the stage tests run them; a
+killed *trainer* is test_rl_stage's and test_kill_resume's. A service is started again only once the job has been seen
+waiting for it (prorag.rpc.clients.wait_for_health, spied on), so every kill is sure to be noticed by the job."""
 
 from __future__ import annotations
 

@@ -270,7 +270,8 @@ def test_the_trainer_knows_the_stage_and_refuses_a_bad_config():
 
 
 class _ScriptedEnv:
-    """expand/reward of services.trainer.search_env.ServiceEnv over a fixed script: at depth d, the steps of script[d]."""
+    """expand/reward of services.trainer.search_env.ServiceEnv over a fixed script: at depth d, the steps of
+    script[d]."""
 
     def __init__(self, script):
         self.script, self.calls = script, []
