@@ -12,8 +12,17 @@ import time
 
 import pytest
 
+from prorag import paths
+from prorag.data.loaders import load_split
 from prorag.errors import Unavailable
+from prorag.rpc.clients import PolicyClient
 from prorag.rpc.service import ServeConfig
+from prorag_app.embedded import ensure_indexes, ensure_policy_model
+from prorag_app.eval import run_agent
+from services.policy.server import PolicyConfig
+from services.policy.server import start as start_policy
+from services.retriever.server import RetrieverConfig
+from services.retriever.server import start as start_retriever
 from tests.helpers import LoopThread, env, tiny_data
 from tests.services.trainer.test_mcts_stage import GoldWalkEngine
 
@@ -23,26 +32,16 @@ def world(tmp_path_factory):
     data = tmp_path_factory.mktemp("eval-retry") / "data"
     tiny_data(data)
     with env("PRORAG_DATA", str(data)):
-        from prorag_app.embedded import ensure_indexes, ensure_policy_model
-
         ensure_indexes("tiny")
         yield str(ensure_policy_model("tiny"))
 
 
 def _start_retriever(loop, port: int = 0):
-    from services.retriever.server import RetrieverConfig, start
-
-    return loop.run(start(ServeConfig(port=port, http_port=-1), RetrieverConfig(world="tiny")))
+    return loop.run(start_retriever(ServeConfig(port=port, http_port=-1), RetrieverConfig(world="tiny")))
 
 
 def test_a_chunk_whose_retriever_went_away_is_made_again_once_it_is_back(world):
-    from transformers import AutoTokenizer
-
-    from prorag import paths
-    from prorag.data.loaders import load_split
-    from prorag.rpc.clients import PolicyClient
-    from prorag_app.eval import run_agent
-    from services.policy.server import PolicyConfig, start as start_policy
+    from transformers import AutoTokenizer  # here, as in the other tests: collecting the module stays light
 
     questions = load_split(paths.world_dir("tiny"), "train")[:6]
     loop = LoopThread()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -21,9 +22,26 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from prorag.rpc.clients import PolicyClient, push_adapter
+from prorag.config import ConfigError
+from prorag.data.sft import template_thought
+from prorag.data.thoughts import OpenAIThoughtWriter
+from prorag.errors import NotFound
+from prorag.registry import ArtifactRef, Registry, artifact_name, registry, weights_sha256
+from prorag.rpc.clients import PolicyClient, push_adapter, wait_for_health
 from prorag.rpc.service import ServeConfig
+from prorag.pb import common_pb2
+from prorag.trajectory import STOP_TAGS
+from prorag_app import procs
+from prorag_app.embedded import ensure_indexes, ensure_policy_model
+from prorag_app.stack import port_free
+from services.policy.server import PolicyConfig
+from services.policy.server import start as start_policy
+from services.policy.vllm_engine import vllm_python
+from services.retriever.server import RetrieverConfig
+from services.retriever.server import start as start_retriever
 from tests.helpers import LoopThread, env, tiny_data
+
+# torch, transformers and peft are imported inside the tests that use them: collecting this module stays light
 
 ENGINES = ("transformers", "vllm")
 #: the model each engine's cases serve: (preset, variant of the tiny world's base)
@@ -53,14 +71,11 @@ def home(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model_dir(home):
-    from prorag_app.embedded import ensure_policy_model
-
     return ensure_policy_model("tiny", preset="tiny", vocab_size=2048)
 
 
 def vllm_python_or_skip() -> str:
     """The Python the vLLM policy runs on; a skip (a failure under PRORAG_REQUIRE_VLLM=1) when there is none."""
-    from services.policy.vllm_engine import vllm_python
 
     python = vllm_python()
     if python is None:
@@ -82,8 +97,6 @@ def engine(request):
 
 @pytest.fixture(scope="module")
 def served_model(home, model_dir, engine):
-    from prorag_app.embedded import ensure_policy_model
-
     preset, variant = ENGINE_MODELS[engine]
     if not variant:
         return model_dir
@@ -110,19 +123,19 @@ def make_lora(model_dir, out, seed: int, rank: int = 4):
 
 @pytest.fixture(scope="module")
 def adapters(home, served_model, engine, tmp_path_factory):
-    from prorag.registry import ArtifactRef, Registry, weights_sha256
-
     model_dir = served_model
     root = home / "data" / "adapters" / f"tiny-{engine}"  # one root per engine: their base models differ
-    registry = Registry(root, "adapter")
+    adapter_registry = Registry(root, "adapter")
     sha = weights_sha256(model_dir)
     src = tmp_path_factory.mktemp("lora")
     for i, version in enumerate(("v1", "v2")):
         make_lora(model_dir, src / version, seed=i + 1)
-        registry.publish(src / version, ArtifactRef("pol", version), base_model=str(model_dir), base_model_sha256=sha)
+        adapter_registry.publish(src / version, ArtifactRef("pol", version), base_model=str(model_dir),
+                                 base_model_sha256=sha)
     # an adapter built for another base model
     make_lora(model_dir, src / "other", seed=9)
-    registry.publish(src / "other", ArtifactRef("other", "v1"), base_model="elsewhere", base_model_sha256="0" * 64)
+    adapter_registry.publish(src / "other", ArtifactRef("other", "v1"), base_model="elsewhere",
+                             base_model_sha256="0" * 64)
     return root
 
 
@@ -138,8 +151,6 @@ def start_vllm_policy(python: str, sets: dict, log_path):
 
     Ports chosen here and handed over would race: vLLM's engine process binds ports of its own (0 = any free)
     before the server binds its HTTP port, and in CI it was once handed the very port picked for HTTP."""
-    from prorag.rpc.clients import wait_for_health
-    from prorag_app import procs
 
     sets = {**sets, "engine": "vllm", "vllm_dtype": "float32", "vllm_kv_cache_gb": 1, "max_model_len": 2048}
     cmd = [python, "-m", "prorag_app.cli", "serve", "policy", "--port", "0", "--http-port", "0", "--metrics-port", "0"]
@@ -164,12 +175,6 @@ def start_vllm_policy(python: str, sets: dict, log_path):
 
 @pytest.fixture(scope="module")
 def stack(loop, home, engine, served_model, adapters):
-    from prorag_app.embedded import ensure_indexes
-    from services.policy.server import PolicyConfig
-    from services.policy.server import start as start_policy
-    from services.retriever.server import RetrieverConfig
-    from services.retriever.server import start as start_retriever
-
     ensure_indexes("tiny")
     retr = run(loop, start_retriever(ServeConfig(port=0, http_port=-1), RetrieverConfig(world="tiny")))
     sets = {"world": "tiny", "model": str(served_model), "retriever": f"127.0.0.1:{retr.grpc_port}",
@@ -183,8 +188,6 @@ def stack(loop, home, engine, served_model, adapters):
     yield {"policy": pol, "retriever": retr, "target": f"127.0.0.1:{pol.grpc_port}", "model_dir": served_model,
            "engine": engine}
     if proc is not None:
-        from prorag_app import procs
-
         procs.stop([proc])
     else:
         run(loop, pol.stop())
@@ -221,7 +224,6 @@ def reference_logprobs(model_dir, prompt_ids, completions, temperature: float = 
 def test_stop_tags_end_steps_and_logprobs_are_the_models_own(stack):
     """Steps end at the first stop tag (the tag is the step's last token, reported by name) or run to max_tokens with
     no tag in them; each token's log-prob is the model's own raw one (temperature 1), as transformers computes it."""
-    from prorag.trajectory import STOP_TAGS
 
     with PolicyClient(stack["target"]) as c:
         prompts = ["Who founded Kest?", "<step>\nI need the founder of Kest first.", "The capital of Red Harbour is"]
@@ -303,10 +305,6 @@ def test_a_vllm_policy_started_for_tempered_logprobs_returns_them(loop, home, tm
     """``vllm_logprobs=tempered`` starts vLLM with logprobs_mode=processed_logprobs: its log-probs are those of
     logits / temperature, as the transformers engine computes them, also for a request naming no kind; raw ones
     are refused where they differ."""
-    from prorag_app import procs
-    from prorag_app.embedded import ensure_indexes, ensure_policy_model
-    from services.retriever.server import RetrieverConfig
-    from services.retriever.server import start as start_retriever
 
     python = vllm_python_or_skip()
     preset, variant = ENGINE_MODELS["vllm"]
@@ -379,7 +377,6 @@ def test_rollout_with_untrained_model_ends_cleanly_and_streams(stack):
     trajs, summary = events[:-1], events[-1]
     assert len(trajs) == 4 and summary.num_trajectories == 4
     # the summary counts the subqueries and the searches they took (each distinct one once per request)
-    from prorag.v1 import common_pb2
 
     assert summary.searches_asked == sum(1 for t in trajs for s in t.steps
                                          if s.kind == common_pb2.STEP_KIND_SUBQUERY)
@@ -497,8 +494,6 @@ def test_corrupt_adapter_is_refused_and_active_keeps_serving(stack, adapters):
     WEIGHTS = "adapter_model.safetensors"
 
     corrupt = adapters / "pol" / "v3"
-    import shutil
-
     shutil.copytree(adapters / "pol" / "v2", corrupt)
     manifest = json.loads((corrupt / "manifest.json").read_text())
     manifest["version"] = "v3"
@@ -520,7 +515,6 @@ def test_openai_compatible_http_with_the_openai_client(stack):
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack['policy'].http_port}/v1", api_key="unused")
     models = client.models.list()
-    from prorag.registry import artifact_name
 
     assert models.data[0].id == artifact_name(stack["model_dir"])  # name@version, never a server path
     assert "/" not in models.data[0].id and "@" in models.data[0].id
@@ -538,7 +532,6 @@ def test_openai_compatible_http_with_the_openai_client(stack):
 
 def test_llm_thoughts_through_the_policy_openai_endpoint(stack, tmp_path):
     """SFT's thought rewriter against a real OpenAI-compatible server (this policy), with its cache."""
-    from prorag.data.thoughts import OpenAIThoughtWriter
 
     url = f"http://127.0.0.1:{stack['policy'].http_port}/v1"
     cache = tmp_path / "thoughts.jsonl"
@@ -552,10 +545,6 @@ def test_llm_thoughts_through_the_policy_openai_endpoint(stack, tmp_path):
 
 
 def test_llm_thoughts_fall_back_to_templates_when_the_endpoint_is_down(tmp_path):
-    from prorag.data.sft import template_thought
-    from prorag_app.stack import port_free
-    from prorag.data.thoughts import OpenAIThoughtWriter
-
     port = 1
     while not port_free("127.0.0.1", port + 40000):
         port += 1
@@ -569,11 +558,6 @@ def test_llm_thoughts_fall_back_to_templates_when_the_endpoint_is_down(tmp_path)
 def test_the_policy_refuses_to_start_without_a_model_and_resolves_published_names(home, model_dir, loop):
     """A policy server never builds a model itself: no model is a config error naming the field, an unknown
     published name is NOT_FOUND, and a published name@version serves that model."""
-    from prorag.config import ConfigError
-    from prorag.errors import NotFound
-    from prorag.registry import ArtifactRef, registry
-    from services.policy.server import PolicyConfig
-    from services.policy.server import start as start_policy
 
     with pytest.raises(ConfigError, match="model"):
         loop.run(start_policy(ServeConfig(port=0, http_port=-1), PolicyConfig(world="tiny")))
