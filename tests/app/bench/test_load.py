@@ -8,6 +8,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -17,9 +18,14 @@ from tests.helpers import env
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """The tiny world with its BM25 index only (the dense one is the slow one to build, and not needed here)."""
-    data = tmp_path_factory.mktemp("bench-load") / "data"
-    with env("PRORAG_DATA", str(data)):
+    """The tiny world with its BM25 index only (the dense one is the slow one to build, and not needed here).
+    The benchmarks keep their services' logs in a new temporary directory each (they print where): here that
+    directory is made under the test's own, so the suite leaves nothing behind in the system's."""
+    root = tmp_path_factory.mktemp("bench-load")
+    data = root / "data"
+    (root / "tmp").mkdir()
+    with env("PRORAG_DATA", str(data)), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tempfile, "tempdir", str(root / "tmp"))
         from prorag_app.embedded import ensure_indexes
 
         ensure_indexes("tiny", dense=False)
