@@ -53,7 +53,7 @@ from prorag_app.stack import OnDemand, ServiceStack, default_policy_replicas
 from prorag_app.stage2 import run_stage2
 from prorag_app.stage34 import per_question_f1, print_comparisons, run_stage34
 from prorag_app.stage_settings import Stage2Settings, Stage34Settings
-from prorag_app.trainer_jobs import follow_job
+from prorag_app.trainer_jobs import follow_job, trainer_gone
 
 KS = (1, 3, 5, 10)
 INDEXES = ("dense", "bm25", "hybrid")
@@ -132,7 +132,8 @@ def train_methods(stack: ServiceStack, methods, profile: Profile, base_model: st
             def watch(method: str) -> None:
                 try:
                     with TrainerClient(stack.grpc_target("trainer"), timeout=60, wait_for_ready=True) as own:
-                        seconds[method] = follow_job(own, ids[method], f"train {method}", progress)
+                        seconds[method] = follow_job(own, ids[method], f"train {method}", progress,
+                                                     gone=trainer_gone(stack))
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                     errors.append(exc)
 

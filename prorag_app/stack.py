@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -207,6 +208,20 @@ class ServiceStack:
             return f"; its log {log} could not be read: {e}"
         tail = "\n".join(text.rstrip().splitlines()[-lines:])
         return f"; the last lines of {log}:\n{tail}" if tail else f"; its log {log} is empty"
+
+    def exit_message(self, name: str) -> str | None:
+        """None while process ``name`` (a service, or a replica: policy-1) runs or is not this stack's; once it has
+        exited, how (its exit code, or the signal that ended it) with its log's last lines."""
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is None:
+            return None
+        code = proc.returncode
+        if code >= 0:
+            return f"its process exited with code {code}{self.log_tail(name)}"
+        how = f"its process was killed by {signal.Signals(-code).name}"
+        if code == -signal.SIGKILL:
+            how += " (what the kernel's out-of-memory killer sends: `dmesg` says whether it did)"
+        return how + self.log_tail(name)
 
     def dead(self) -> list[tuple[str, int]]:
         return [(svc, p.returncode) for svc, p in self.procs.items() if p.poll() is not None]

@@ -34,22 +34,29 @@ def run_job(stack, stage: str, config: dict, job_id: str, before_start=None) -> 
                 before_start()
             client.start(stage, config, job_id=job_id)
             with progress_bars() as progress:
-                follow_job(client, job_id, stage, progress)
+                follow_job(client, job_id, stage, progress, gone=trainer_gone(stack))
         job = client.get(job_id)
         if state_name(job.state) != "SUCCEEDED":
             raise SystemExit(f"{stage} job {job_id} ended {state_name(job.state)}: {job.error}")
         return {"job_id": job_id, "metrics": dict(job.metrics), "outputs": dict(job.outputs), "run_dir": job.run_dir}
 
 
-def follow_job(client, job_id: str, label: str, progress) -> float:
+def trainer_gone(stack):
+    """gone() for TrainerClient.watch: why ``stack``'s own trainer process is no longer running, else None; None in
+    place of gone() for a stack that only reaches services run elsewhere (nothing to ask: the watch waits)."""
+    exit_message = getattr(stack, "exit_message", None)
+    return None if exit_message is None else (lambda: exit_message("trainer"))
+
+
+def follow_job(client, job_id: str, label: str, progress, gone=None) -> float:
     """Show ``job_id``'s events (progress bar ``label``, messages) until the trainer ends the watch, which it
     does once the job is terminal; returns the seconds the job ran since it was last queued (0.0 if it never ran).
 
     The watch replays the job's past events first, and a job submitted again after it FAILED or was CANCELLED
     has that end among them: so the end is the stream's end, never a terminal event seen on the way (stopping
-    there left a resumed job running unwatched)."""
+    there left a resumed job running unwatched). gone: TrainerClient.watch's (trainer_gone)."""
     began = None
-    for ev in client.watch(job_id):
+    for ev in client.watch(job_id, gone=gone):
         state = state_name(ev.state)
         if state == "QUEUED":
             began = None  # (re-)queued: its running time starts when it next runs
@@ -69,4 +76,4 @@ def settings_job_id(prefix: str, stage: str, cfg: dict, extra: dict | None = Non
     return f"{prefix}-{stage}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]}"
 
 
-__all__ = ["ADDRESS_KEYS", "follow_job", "run_job", "settings_job_id"]
+__all__ = ["ADDRESS_KEYS", "follow_job", "run_job", "settings_job_id", "trainer_gone"]

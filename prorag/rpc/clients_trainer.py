@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 
+from prorag.errors import Unavailable
 from prorag.rpc.clients import FAST_RECONNECT, channel
 from prorag.pb import trainer_pb2, trainer_pb2_grpc
 
@@ -62,12 +63,18 @@ class TrainerClient:
 
     # -- streaming
     def watch(self, job_id: str, after_seq: int = 0, timeout: float | None = None,
-              retry_unavailable: bool = True) -> Iterator[trainer_pb2.JobEvent]:
+              retry_unavailable: bool = True,
+              gone: Callable[[], str | None] | None = None) -> Iterator[trainer_pb2.JobEvent]:
         """Events with seq > after_seq until the job is terminal.
 
         If the trainer goes away (UNAVAILABLE), the watch is re-opened from the last seq
         seen, so no event is lost or repeated, until ``timeout`` seconds have passed in
         all (None = no limit; then DEADLINE_EXCEEDED / TimeoutError ends it).
+
+        gone(): for a caller that runs the trainer process itself (`prorag run`), asked each time the trainer
+        cannot be reached: a message (the process exited, and how) ends the watch with Unavailable, where
+        waiting would wait for ever on a trainer that nothing starts again. Without it the watch waits for a
+        trainer that its supervisor restarts (compose, Kubernetes).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         seq = after_seq
@@ -75,8 +82,9 @@ class TrainerClient:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"watching job {job_id}: no terminal state within {timeout}s")
+            # with gone(), an unreachable trainer fails the call at once so that gone() is asked between retries
             stream = self._stub.WatchJob(trainer_pb2.WatchJobRequest(job_id=job_id, after_seq=seq), timeout=left,
-                                         wait_for_ready=retry_unavailable)
+                                         wait_for_ready=retry_unavailable and gone is None)
             try:
                 for ev in stream:
                     seq = ev.seq
@@ -87,6 +95,11 @@ class TrainerClient:
                     raise TimeoutError(f"watching job {job_id}: no terminal state within {timeout}s") from exc
                 if not retry_unavailable or exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
+                why = gone() if gone is not None else None
+                if why:
+                    raise Unavailable(f"watching job {job_id}: the trainer at {self.target} is gone: {why}. "
+                                      "Finished jobs are kept and an unfinished one resumes from its last "
+                                      "checkpoint: run the same command again") from exc
                 time.sleep(self.reconnect_backoff_s)
             finally:
                 stream.cancel()

@@ -3,15 +3,21 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from prorag.errors import Unavailable
 from prorag.rpc.clients import PolicyClient, resolve_replicas
+from prorag.rpc.clients_trainer import TrainerClient
 from prorag_app.stack import LOCAL_PORTS, ServiceStack, cpu_cores, pick_port, port_free, replica_port
-from tests.helpers import free_offset
+from prorag_app.trainer_jobs import trainer_gone
+from tests.helpers import env, free_offset
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -94,3 +100,36 @@ def test_a_busy_preferred_port_is_passed_over_for_a_free_one():
         port = pick_port("127.0.0.1", span=(1024, 65_536), preferred=busy)
     assert port != busy and 1024 <= port < 65_536
     assert pick_port("127.0.0.1", preferred=LOCAL_PORTS[0] + 5, taken={LOCAL_PORTS[0] + 5}) != LOCAL_PORTS[0] + 5
+
+
+def test_a_watch_on_the_stacks_own_trainer_ends_saying_why_once_its_process_is_killed(tmp_path):
+    """`prorag run` watches its jobs on the trainer its own stack started, which nothing restarts: a trainer
+    killed under it (the kernel's out-of-memory killer sends SIGKILL) ends the watch with Unavailable saying how,
+    where the watch used to wait for ever for a trainer to come back."""
+    with env("PRORAG_HOME", str(tmp_path / "home")), env("PRORAG_RUNS", str(tmp_path / "home" / "runs")):
+        stack = ServiceStack(services=("trainer",), port_offset=free_offset(), start_timeout=120,
+                             log_dir=str(tmp_path / "logs"))
+        with stack, TrainerClient(stack.grpc_target("trainer"), timeout=30) as client:
+            assert stack.exit_message("trainer") is None and stack.exit_message("policy") is None
+            client.start("selftest", {"steps": 100_000, "step_sleep_s": 0.01, "log_every": 10,
+                                      "tracking": "local"}, job_id="long")
+            events = client.watch("long", gone=trainer_gone(stack))
+            next(events)  # the stream is open
+            ended: list[BaseException] = []
+
+            def drain() -> None:
+                try:
+                    for _ in events:
+                        pass
+                except BaseException as exc:  # noqa: BLE001 - checked below, in the test's thread
+                    ended.append(exc)
+
+            os.kill(stack.procs["trainer"].pid, signal.SIGKILL)
+            watcher = threading.Thread(target=drain, daemon=True)
+            watcher.start()
+            watcher.join(120)  # a guard against a hang, not a timing claim: without gone() the watch never ends
+            assert not watcher.is_alive(), "the watch still waits for a trainer that nothing starts again"
+    assert len(ended) == 1 and isinstance(ended[0], Unavailable), ended
+    message = str(ended[0])
+    assert "watching job long" in message and "killed by SIGKILL" in message and "out-of-memory" in message
+    assert "trainer.log" in message and "run the same command again" in message

@@ -44,6 +44,11 @@ class Trainer:
             self.kill()
             pytest.fail(f"trainer did not become ready:\n{log.read_text()[-3000:]}")
 
+    def exited(self) -> str | None:
+        """gone() for TrainerClient.watch: why the trainer process is not running, else None."""
+        code = self.proc.poll() if self.proc else None
+        return None if code is None else f"exited with {code}"
+
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
@@ -78,8 +83,9 @@ def test_kill_dash_nine_then_resume_matches_uninterrupted_run(tmp_path, referenc
         with TrainerClient(f"127.0.0.1:{port}", timeout=10) as tc:
             tc.start("selftest", CONFIG, job_id="kill-me")
             events, killed_at_seq = [], None
-            # One watch across the kill: the client re-watches from the last seq once the trainer is back.
-            for ev in tc.watch("kill-me", timeout=120):
+            # One watch across the kill: the client re-watches from the last seq once the trainer is back (asking
+            # gone() between tries, as `prorag run` does: the restarted process is running, so it waits on)
+            for ev in tc.watch("kill-me", timeout=120, gone=trainer.exited):
                 events.append(ev)
                 if killed_at_seq is None and ev.message.startswith("checkpoint saved"):
                     assert ev.step < CONFIG["steps"]
