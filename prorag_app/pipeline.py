@@ -169,6 +169,35 @@ def training_parallelism(n_jobs: int, cores: int | None = None) -> tuple[int, in
     return parallel, max(1, cores // parallel)
 
 
+#: memory one evaluation's policy process may reach: the four-layer agent's held 1-2 GB serving an evaluation and
+#: `prorag diagnose rl`'s 2.0 GB (docs/BENCHMARKS.md, "How the dev read ran beside the research run")
+EVAL_PROCESS_BYTES = 2 * 2**30
+
+
+def evaluation_parallelism(n_models: int, available_bytes: int, per_process_bytes: int = EVAL_PROCESS_BYTES) -> int:
+    """How many evaluations (one policy process each) run side by side: all of them where memory allows, else as
+    many as fit in ``available_bytes`` at ``per_process_bytes`` each, and never fewer than one.
+
+    Why a cap: the research profile evaluates eleven models at once (six arms, their 15-iteration adapters and
+    SFT); ten at once beside another run took a 23 GB machine's memory and the kernel killed the trainer."""
+    return max(1, min(n_models, available_bytes // per_process_bytes))
+
+
+def available_memory_bytes() -> int:
+    """The memory new processes can take now without swapping (Linux's MemAvailable; free pages elsewhere).
+
+    Read here rather than through psutil, which only arrives through wandb: declaring it would re-resolve the four
+    hashed locks for one number."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def published_dir(world: str, job: dict) -> str:
     """The directory of the model a finished training job published."""
     return str(registry("model", world).resolve(job["model"]))
@@ -223,19 +252,26 @@ def evaluate_method(method: str, model_dir: str, world: str, stack: ServiceStack
 def evaluate_methods(models: dict[str, str], world: str, stack: ServiceStack, questions, run_dir,
                      port_offset: int, timings: dict | None = None,
                      adapters: dict[str, str] | None = None) -> dict[str, dict]:
-    """Evaluate every method at once, each served by its own policy process (ports port_offset + 10 * i).
+    """Evaluate the methods side by side, each served by its own policy process (ports port_offset + 10 * i), as
+    many at once as the memory available now holds (evaluation_parallelism).
 
     Why side by side: each evaluation starts a policy process (imports, model load) and waits on retrieval
     between decoding rounds; overlapped, three evaluations took less wall time than one after another
     (docs/BENCHMARKS.md). Returns method -> result in the order of ``models``; timings gets eval_<method>_s."""
     timings = {} if timings is None else timings
+    available = available_memory_bytes()
+    parallel = evaluation_parallelism(len(models), available)
+    if parallel < len(models):
+        console.print(f"[dim]evaluating {len(models)} models {parallel} at a time: the memory available "
+                      f"({available / 2**30:.1f} GiB) holds {parallel} policy processes of up to "
+                      f"{EVAL_PROCESS_BYTES / 2**30:.0f} GiB[/dim]")
 
     def one(i: int, method: str) -> dict:
         with timed(timings, f"eval_{method}_s"):
             return evaluate_method(method, models[method], world, stack, questions, run_dir, port_offset + 10 * i,
                                    adapter=(adapters or {}).get(method, ""))
 
-    with ThreadPoolExecutor(max_workers=len(models)) as pool:
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
         futures = {m: pool.submit(one, i, m) for i, m in enumerate(models)}
         return {m: f.result() for m, f in futures.items()}
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from prorag_app.pipeline import job_id_for, training_parallelism
+from prorag_app.pipeline import available_memory_bytes, evaluation_parallelism, job_id_for, training_parallelism
 
 
 def fake_model(path: Path, weights: bytes) -> str:
@@ -31,6 +31,20 @@ def test_training_parallelism_keeps_two_threads_per_job_and_shares_the_rest():
     assert training_parallelism(3, cores=16) == (3, 5)
     assert training_parallelism(1, cores=16) == (1, 16)
     assert training_parallelism(3, cores=1) == (1, 1)
+
+
+def test_evaluations_run_side_by_side_as_far_as_memory_holds_their_policy_processes():
+    gib = 2**30
+    assert evaluation_parallelism(3, 20 * gib) == 3  # make run's three: all at once
+    assert evaluation_parallelism(11, 20 * gib, per_process_bytes=2 * gib) == 10
+    assert evaluation_parallelism(11, 7 * gib, per_process_bytes=2 * gib) == 3  # a smaller machine, or a busy one
+    assert evaluation_parallelism(11, gib // 2, per_process_bytes=2 * gib) == 1  # one at a time, never none
+    assert evaluation_parallelism(11, 22 * gib) == 11  # the default budget per process: 2 GiB
+
+
+def test_available_memory_is_read_from_the_kernel():
+    total = Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]
+    assert 0 < available_memory_bytes() <= int(total) * 1024
 
 
 def test_a_method_trains_with_its_own_settings_and_is_evaluated_as_its_published_model_says(tmp_path, monkeypatch):
