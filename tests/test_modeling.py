@@ -38,7 +38,8 @@ def test_decode_round_trip(tiny_policy):
                       clean_up_tokenization_spaces=False) == text
 
 
-@pytest.mark.parametrize("text", ["a\nb", "a\n b", "a\n\n  b\n", "\n", " \n\t\nx", "<subanswer>\nfounded</subanswer>\n<step>\n"])
+@pytest.mark.parametrize("text", ["a\nb", "a\n b", "a\n\n  b\n", "\n", " \n\t\nx",
+                                  "<subanswer>\nfounded</subanswer>\n<step>\n"])
 def test_decode_round_trip_with_newlines(tiny_policy, text):
     _, tok = tiny_policy
     ids = tok.encode(text, add_special_tokens=False)

@@ -41,7 +41,8 @@ def test_qwen3_06b_at_batch_64_on_an_h200():
     assert limit == pytest.approx(64 * 4.8e12 / (weights + kv))
     assert 45_000 < limit < 55_000
     # more context per row: the KV reads grow and the limit falls; a bigger batch amortises the weights
-    longer, wider = decode_bandwidth_limit(model, 64, 4096, 2, 4.8e12), decode_bandwidth_limit(model, 128, 640, 2, 4.8e12)
+    longer, wider = (decode_bandwidth_limit(model, 64, 4096, 2, 4.8e12),
+                     decode_bandwidth_limit(model, 128, 640, 2, 4.8e12))
     assert longer < limit < wider
 
 

@@ -82,7 +82,8 @@ def test_process_advantages_token_weighted_vs_per_step():
     s = math.sqrt(2 / 3) + 1e-4
     assert step[0] == pytest.approx([-1 / s, 1 / s]) and step[1] == pytest.approx([0.0])
     # a step with no generated token does not move the statistics
-    assert process_advantages([[1.0, 3.0, 100.0]], [[1, 1, 0]], "step")[0][:2] == pytest.approx([-1 / 1.0001, 1 / 1.0001])
+    no_token_step = process_advantages([[1.0, 3.0, 100.0]], [[1, 1, 0]], "step")
+    assert no_token_step[0][:2] == pytest.approx([-1 / 1.0001, 1 / 1.0001])
     with pytest.raises(ValueError, match="'token' or 'step'"):
         process_advantages(scores, tokens, "sequence")
 

@@ -48,7 +48,8 @@ def test_up_serves_all_five_securely_and_stops_on_sigterm(tmp_path, monkeypatch)
     env.pop("PRORAG_DATA", None)
     env.pop("PRORAG_RUNS", None)
     log = open(tmp_path / "up.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "prorag_app.cli", "up", "--world", "tiny", "--port-offset", str(off)],
+    proc = subprocess.Popen([sys.executable, "-m", "prorag_app.cli", "up", "--world", "tiny",
+                             "--port-offset", str(off)],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         names = {"retriever": "Retriever", "policy": "Policy", "prm": "ProcessRewardModel", "judge": "Judge",
@@ -171,7 +172,8 @@ def test_up_serves_the_newest_prm_and_the_readme_examples_run_as_printed(two_prm
     off = free_offset()
     env = dict(os.environ, PRORAG_TRACKING="local", PYTHONUNBUFFERED="1")
     log = open(tmp_path / "up.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "prorag_app.cli", "up", "--world", "tiny", "--port-offset", str(off)],
+    proc = subprocess.Popen([sys.executable, "-m", "prorag_app.cli", "up", "--world", "tiny",
+                             "--port-offset", str(off)],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         prm_target = f"127.0.0.1:{paths.GRPC_PORTS['prm'] + off}"

@@ -218,5 +218,6 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     seed_runs = [json.loads((Path(d) / "results.json").read_text()) for d in report["runs"]]
     assert [r["profile"] for r in seed_runs] == ["ablation/seed1", "ablation/seed2"]
     jobs = [r["stage34"]["jobs"]["outcome_grpo"] for r in seed_runs]
-    assert len(set(jobs)) == 2 and all(r["jobs"]["sft"]["job_id"] == on_disk["jobs"]["sft"]["job_id"] for r in seed_runs)
+    assert len(set(jobs)) == 2 and all(r["jobs"]["sft"]["job_id"] == on_disk["jobs"]["sft"]["job_id"]
+                                       for r in seed_runs)
     assert (tmp_path / "runs" / "latest" / "report.md").is_file()

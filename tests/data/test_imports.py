@@ -49,7 +49,8 @@ def test_musique_hops_name_earlier_answers_and_relations_become_questions():
     recs = list(read_records(FIX / "musique.jsonl", "musique"))
     assert [r.id for r in recs] == ["2hop__101_102", "3hop1__201_202_203", "2hop__301_302", "2hop__401_402"]
     first = recs[0]
-    assert [h.question for h in first.hops] == ["Who is the performer of Green Fields?", "Who is the spouse of Lena Marsh?"]
+    assert [h.question for h in first.hops] == ["Who is the performer of Green Fields?",
+                                                "Who is the spouse of Lena Marsh?"]
     assert first.answers == ("Tom Hale", "Thomas Hale") and first.hops[-1].answer_aliases == ("Tom Hale", "Thomas Hale")
     assert [h.support.title for h in first.hops] == ["Green Fields", "Lena Marsh"]  # the distractor is no support
     assert [h.question for h in recs[1].hops][1:] == ["Where was Ada Quill born?", "What is the country of Port Verin?"]
@@ -86,7 +87,8 @@ def test_flashrag_layout_reads_like_the_original():
 def test_two_wiki_evidences_are_hops_and_comparisons_keep_their_type():
     recs = list(read_records(FIX / "2wiki.json", "2wiki"))
     comp, cmp_, inf = recs
-    assert [h.question for h in comp.hops] == ["Who is the director of Night Harbor?", "Who is the father of Ada Quill?"]
+    assert [h.question for h in comp.hops] == ["Who is the director of Night Harbor?",
+                                               "Who is the father of Ada Quill?"]
     assert [h.support.title for h in comp.hops] == ["Night Harbor", "Ada Quill"]
     assert (cmp_.type, [h.question for h in cmp_.hops]) == ("comparison", ["When was Night Harbor published?",
                                                                            "When was Silver Coast published?"])
@@ -155,7 +157,8 @@ def test_alignment_by_title_then_by_bm25_text(bm25):
     assert (got[night].doc_id, got[night].by, got[night].title) == ("c05", "text", "Night Harbor (film)")
     # a related passage ("Iven Tesk", sharing many words) is not taken for a missing one
     assert got[omar].doc_id == "" and "no corpus passage is titled 'Omar Tesk'" in got[omar].reason
-    assert got[lena_other].doc_id == "" and "none of the corpus's 2 passages titled 'Lena Marsh'" in got[lena_other].reason
+    assert got[lena_other].doc_id == "" and ("none of the corpus's 2 passages titled 'Lena Marsh'"
+                                             in got[lena_other].reason)
     assert text_overlap(omar.text, "Iven Tesk was a merchant of the Duchy of Arn. His father was the shipowner "
                                    "Dorn Tesk.") < 0.5 <= text_overlap(night.text, bm25.docstore.get(4).text)
 
@@ -171,7 +174,8 @@ def test_unaligned_hops_leave_the_question_without_a_decomposition(bm25):
     assert second["decomposition"][0]["title"] == "Night Harbor (film)"  # the corpus's title, as the retriever shows it
     assert third["decomposition"] == [] and [a["aligned_by"] for a in third["alignment"]] == ["", "title"]
     assert "Omar Tesk" in third["alignment"][0]["reason"]
-    assert (rep["hops"], rep["hops_aligned_by_title"], rep["hops_aligned_by_text"], rep["hops_unaligned"]) == (7, 4, 2, 1)
+    assert (rep["hops"], rep["hops_aligned_by_title"], rep["hops_aligned_by_text"],
+            rep["hops_unaligned"]) == (7, 4, 2, 1)
     assert (rep["alignment_rate"], rep["questions_with_decomposition"], rep["skipped_unanswerable"]) == (0.8571, 2, 1)
     assert rep["questions_without"] == {"unaligned_hop": 1, "no_decomposition": 0, "teacher_rejected": 0}
     assert rep["unaligned_examples"][0]["id"] == "2hop__301_302"
@@ -273,10 +277,12 @@ def test_a_failing_or_rambling_teacher_costs_its_questions_not_the_import(bm25):
     def down(messages):
         raise ConnectionError("endpoint down")
 
-    for teacher, counter in ((down, "failed_calls"), (lambda messages: "I would search for the director.", "unparsable")):
+    for teacher, counter in ((down, "failed_calls"),
+                             (lambda messages: "I would search for the director.", "unparsable")):
         rows, rep = import_records(recs, titled_for(recs), bm25.search, ImportConfig(dataset="hotpotqa"), teacher)
         assert len(rows) == 3 and all(r["metadata"]["decomposition"] == [] for r in rows)
-        assert (rep["teacher"]["asked"], rep["teacher"][counter], rep["teacher"]["skipped_unaligned_support"]) == (2, 2, 1)
+        assert (rep["teacher"]["asked"], rep["teacher"][counter],
+                rep["teacher"]["skipped_unaligned_support"]) == (2, 2, 1)
         assert rep["questions_without"] == {"unaligned_hop": 0, "no_decomposition": 1, "teacher_rejected": 2}
 
 

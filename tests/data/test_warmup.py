@@ -131,7 +131,8 @@ def test_gap_sits_between_every_question_and_its_answer():
 
 def test_paraphrase_groups_are_the_phrasings_of_facts_asked_more_than_one_way():
     facts = [Fact("O1", "Who founded Mai Brewery?", "Rasho Dry"), Fact("O1", "When did Mai Brewery open?", "1901"),
-             Fact("O1", "Who established Mai Brewery?", "Rasho Dry"), Fact("O1", "Who founded Mai Brewery?", "Rasho Dry"),
+             Fact("O1", "Who established Mai Brewery?", "Rasho Dry"),
+             Fact("O1", "Who founded Mai Brewery?", "Rasho Dry"),
              Fact("O2", "Who founded Open Tower?", "Rasho Dry")]  # same answer, other document: another fact
     assert paraphrase_groups(facts) == [["Who founded Mai Brewery?", "Who established Mai Brewery?"]]
 

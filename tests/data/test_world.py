@@ -16,9 +16,9 @@ import pytest
 
 from prorag.config import ConfigError, from_dict
 from prorag.data.loaders import load_corpus, load_split
-from prorag.data.world import (DEEP_SPLIT, DEV_DEEP_SPLIT, HELDOUT_DEEP_SPLIT, RL_SPLIT, SPLITS, WorldConfig, build_world,
-                               ensure_deep_split, ensure_drawn_split, ensure_heldout_split, ensure_rl_split,
-                               generate_deep_splits, load_summary)
+from prorag.data.world import (DEEP_SPLIT, DEV_DEEP_SPLIT, HELDOUT_DEEP_SPLIT, RL_SPLIT, SPLITS, WorldConfig,
+                               build_world, ensure_deep_split, ensure_drawn_split, ensure_heldout_split,
+                               ensure_rl_split, generate_deep_splits, load_summary)
 from prorag.errors import InvalidArgument
 from prorag.metrics import normalize_answer
 
@@ -270,7 +270,8 @@ def test_canonical_question_writes_every_sub_question_of_a_relation_one_way(worl
     assert canonical_question("What is Woshest's capital?") == "What is the capital of Woshest?"
     # a qualified mention that opened the question loses its capital; a name starting with "The" keeps it
     assert canonical_question("The city of Banflar is in which country?") == "In which country is the city of Banflar?"
-    assert canonical_question("The Silver Letter lies on which continent?") == "On which continent is The Silver Letter?"
+    assert (canonical_question("The Silver Letter lies on which continent?")
+            == "On which continent is The Silver Letter?")
     assert canonical_question("Who is older, A or B?") == "Who is older, A or B?"  # not a direct question: kept
     assert canonical_question("What is this?") == "What is this?"
     # over a generated world: every gold sub-question is recognised, keeps its entity, is idempotent, and
@@ -389,7 +390,8 @@ def test_the_heldout_split_is_drawn_after_both_deep_splits_and_changes_neither(w
     ensure_deep_split(out, 8, "dev")
     ensure_heldout_split(out, 20, test_n=12, dev_n=99)  # the dev size on disk wins too
     _, again = generate_deep_splits(tiny(0), [(DEEP_SPLIT, 12), (DEV_DEEP_SPLIT, 8), (HELDOUT_DEEP_SPLIT, 20)])
-    assert [q.question for q in load_split(out, HELDOUT_DEEP_SPLIT)] == [r["question"] for r in again[HELDOUT_DEEP_SPLIT]]
+    held_again = again[HELDOUT_DEEP_SPLIT]
+    assert [q.question for q in load_split(out, HELDOUT_DEEP_SPLIT)] == [r["question"] for r in held_again]
     assert (out / f"{HELDOUT_DEEP_SPLIT}.after").read_text().split() == ["12", "8"]
     with pytest.raises(InvalidArgument, match="at least 1"):
         ensure_heldout_split(out, 0, test_n=12, dev_n=8)

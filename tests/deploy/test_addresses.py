@@ -114,7 +114,8 @@ def test_what_the_trainer_fills_in_resolves_everywhere(deployments, rendered):
     for k, objs in rendered.items():
         args = _by_kind(objs, "Deployment")["prorag-trainer"]["spec"]["template"]["spec"]["containers"][0]["args"]
         assert json.loads(args[args.index("--set") + 1].split("=", 1)[1]) == SERVICE_ADDRESSES, k
-    errors = [f"{field}={t!r}: {e}" for field, t in SERVICE_ADDRESSES.items() for e in unresolved(field, t, deployments)]
+    errors = [f"{field}={t!r}: {e}" for field, t in SERVICE_ADDRESSES.items()
+              for e in unresolved(field, t, deployments)]
     assert not errors, "\n".join(errors)
 
 

@@ -381,8 +381,8 @@ def test_compose_images_and_builds(compose):
             gpu = "gpu" in svc["profiles"] and base_name(name) != "judge"
             assert args.get("FLAVOR") == ("gpu" if gpu else "cpu"), name
             assert (args["LOCK"] == "cuda-faiss-gpu.lock") == (name == "retriever"), name
-            assert args["LOCK"] == {"cpu": "cpu.lock", "gpu": {"policy": "vllm.lock", "retriever": "cuda-faiss-gpu.lock"}
-                                    .get(name, "cuda.lock")}[args["FLAVOR"]], name
+            gpu_lock = {"policy": "vllm.lock", "retriever": "cuda-faiss-gpu.lock"}.get(name, "cuda.lock")
+            assert args["LOCK"] == {"cpu": "cpu.lock", "gpu": gpu_lock}[args["FLAVOR"]], name
         if "cpu" in svc["profiles"] and "build" in svc:
             assert svc["build"]["args"]["BASE"] == "python:3.11-slim", name
     assert compose["services"]["policy"]["build"]["args"]["BASE"].startswith("vllm/vllm-openai:v")
@@ -975,7 +975,8 @@ def test_apply_twice_and_after_each_model_change(tmp_path, layout):
         (name,) = may_restart
         dep = _by_kind(now, "Deployment")[name]["spec"]["template"]["spec"]["containers"][0]
         cms = {n: cm["data"] for n, cm in _by_kind(now, "ConfigMap").items()}
-        env = {k: v for ref in dep["envFrom"] if "configMapRef" in ref for k, v in cms[ref["configMapRef"]["name"]].items()}
+        env = {k: v for ref in dep["envFrom"] if "configMapRef" in ref
+               for k, v in cms[ref["configMapRef"]["name"]].items()}
         for kv in change.values():
             assert all(env[k] == v for k, v in kv.items()), (name, kv)
         previous = now
@@ -1152,7 +1153,8 @@ def test_the_deploy_guides_cluster_overlay_renders_and_validates(tmp_path):
 
 
 def test_no_key_material_is_committed():
-    tracked = subprocess.run(["git", "ls-files", "k8s", "compose.yaml", "compose.secure.yaml", "scripts", "tests/deploy"],
+    tracked = subprocess.run(["git", "ls-files", "k8s", "compose.yaml", "compose.secure.yaml", "scripts",
+                              "tests/deploy"],
                              cwd=ROOT, capture_output=True, text=True).stdout.split()
     for f in (f for f in tracked if (ROOT / f).is_file()):
         text = (ROOT / f).read_text(errors="replace")

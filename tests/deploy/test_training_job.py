@@ -413,7 +413,8 @@ def test_the_checks_refuse_what_would_fail(tmp_path, monkeypatch):
 
 
 def test_the_launcher_refuses_a_process_count_that_does_not_divide_grad_accum(tmp_path, monkeypatch):
-    """Before any model is loaded: run_loop would refuse it only at its first step, after every node loaded the model."""
+    """Before any model is loaded: run_loop would refuse it only at its first step, after every node loaded the
+    model."""
     from types import SimpleNamespace
 
     from services.trainer.launch import run_stage

@@ -7,7 +7,8 @@ from prorag.trajectory import Step
 
 Q = Question(id="q1", question="In which country was the founder of Mai Brewery born?", golden_answers=["Edraand"],
              metadata={"decomposition": [
-                 {"question": "Who founded Mai Brewery?", "answer": "Tova Lunn", "doc_id": "d1", "title": "Mai Brewery"},
+                 {"question": "Who founded Mai Brewery?", "answer": "Tova Lunn", "doc_id": "d1",
+                  "title": "Mai Brewery"},
                  {"question": "Where was Tova Lunn born?", "answer": "Edraand", "doc_id": "d2", "title": "Tova Lunn"}]})
 
 DOC1 = Document(id="d1", title="Mai Brewery", text="Mai Brewery was founded by Tova Lunn.",

@@ -87,7 +87,8 @@ def _hints() -> dict:
         "temperature": st.sampled_from([0.0, 0.7, 1.0]), "top_p": st.sampled_from([0.0, 0.9, 1.0]),
         "stop": st.sampled_from(list(STOP_TAGS) + ["</step>", "stop"]), "max_steps": st.integers(0, 5),
         "adapter": st.sampled_from(["", "pol@v1", "pol", "a@b@c", "@", "../x@v1"]),
-        "name": st.sampled_from(["", "pol", "..", "a/b", "pol@v1"]), "version": st.sampled_from(["", "v1", "..", "v/1"]),
+        "name": st.sampled_from(["", "pol", "..", "a/b", "pol@v1"]),
+        "version": st.sampled_from(["", "v1", "..", "v/1"]),
         "path": st.sampled_from(["", "pol/v1", "../../x", "/etc", "."]),
         # judge and PRM
         "question_id": st.sampled_from(["", "q1", "nope"]), "golden_answers": st.sampled_from(["Edraand", ""]),
@@ -265,7 +266,8 @@ def _valid_requests(service: str) -> list[tuple[str, object, callable]]:
     """(method, request, check of the response) that a healthy service answers."""
     step = common_pb2.Step(text=SUBQUERY)
     return {
-        "retriever": [("Search", retriever_pb2.SearchRequest(queries=["Who founded Mai Brewery?"], topk=1, index="bm25"),
+        "retriever": [("Search", retriever_pb2.SearchRequest(queries=["Who founded Mai Brewery?"], topk=1,
+                                                             index="bm25"),
                        lambda r: r.results[0].documents[0].document.id == "d1")],
         "policy": [("GenerateSteps", policy_pb2.GenerateStepsRequest(
             prefixes=[policy_pb2.Prefix(text=QUESTION)], sampling=policy_pb2.SamplingParams(n=1, max_tokens=2)),
@@ -527,7 +529,8 @@ def test_every_job_config_field_with_every_wrong_value(stack):
         for body in hostile.MALFORMED_BODIES:  # config_json that breaks the JSON parser
             code, details, _ = _call(ch, "trainer", "StartJob", trainer_pb2.StartJobRequest(
                 stage="selftest", config_json=body.decode("utf-8", "replace")))
-            assert code == grpc.StatusCode.INVALID_ARGUMENT or (code == grpc.StatusCode.OK and body in (b"", b"null")), \
+            assert code == grpc.StatusCode.INVALID_ARGUMENT or (code == grpc.StatusCode.OK
+                                                                and body in (b"", b"null")), \
                 (body[:40], code, details)
             if code == grpc.StatusCode.OK:
                 _call(ch, "trainer", "CancelJob", trainer_pb2.CancelJobRequest(job_id=_.job_id))

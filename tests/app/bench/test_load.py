@@ -72,7 +72,8 @@ def test_bench_load_reports_levels_and_what_happens_past_capacity(data):
         assert lv["stuck_clients"] == 0 and lv["queue_samples"] > 0
         # the service's and the callers' CPU while the level ran, and the service's cost per item from it
         assert lv["server_cpu_s"] > 0 and lv["client_cpu_s"] > 0
-        assert lv["queries_per_server_cpu_s"] == pytest.approx(lv["queries_per_s"] * lv["seconds"] / lv["server_cpu_s"], rel=1e-3)
+        assert lv["queries_per_server_cpu_s"] == pytest.approx(lv["queries_per_s"] * lv["seconds"] / lv["server_cpu_s"],
+                                                               rel=1e-3)
     assert first["throughput_vs_level1"] == 1.0 and first["per_server_cpu_vs_level1"] == 1.0
     held = [lv["concurrency"] for lv in levels if lv["errors"] == 0]
     assert r["held_concurrency"] == max(held) >= 1

@@ -111,7 +111,8 @@ def make_lora(model_dir, out, seed: int, rank: int = 4):
     from prorag.modeling import load_policy
 
     model, _ = load_policy(model_dir)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "down_proj"]))
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank,
+                                                  target_modules=["q_proj", "v_proj", "down_proj"]))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -341,7 +342,8 @@ def test_a_vllm_policy_started_for_tempered_logprobs_returns_them(loop, home, tm
 
 def test_generate_steps_returns_ids_logprobs_and_version(stack):
     with PolicyClient(stack["target"]) as c:
-        resp = c.generate_steps(["Who founded Kest?", [5, 6, 7]], c.sampling(n=3, temperature=1.0, max_tokens=10, seed=7))
+        resp = c.generate_steps(["Who founded Kest?", [5, 6, 7]],
+                                c.sampling(n=3, temperature=1.0, max_tokens=10, seed=7))
         assert len(resp.results) == 2 and resp.adapter_version == ""
         for r in resp.results:
             assert len(r.completions) == 3
@@ -350,7 +352,8 @@ def test_generate_steps_returns_ids_logprobs_and_version(stack):
                 assert len(comp.logprobs) == len(comp.token_ids)
                 assert all(lp <= 0 for lp in comp.logprobs)
                 assert comp.finish_reason in ("stop", "length")
-        again = c.generate_steps(["Who founded Kest?", [5, 6, 7]], c.sampling(n=3, temperature=1.0, max_tokens=10, seed=7))
+        again = c.generate_steps(["Who founded Kest?", [5, 6, 7]],
+                                 c.sampling(n=3, temperature=1.0, max_tokens=10, seed=7))
         assert [list(x.token_ids) for x in again.results[0].completions] == \
             [list(x.token_ids) for x in resp.results[0].completions]  # seeded -> reproducible
 
@@ -413,7 +416,8 @@ def test_adapters_load_activate_list_swap_and_version(stack):
         # an explicit adapter on the request wins over the active one
         assert c.generate_steps(prompt, greedy, adapter="pol@v1").adapter_version == "pol@v1"
         listed = c.list_adapters()
-        assert listed.active == "pol@v2" and {f"{a.ref.name}@{a.ref.version}" for a in listed.adapters} >= {"pol@v1", "pol@v2"}
+        assert listed.active == "pol@v2" and {f"{a.ref.name}@{a.ref.version}"
+                                              for a in listed.adapters} >= {"pol@v1", "pol@v2"}
         assert all(len(a.manifest.sha256) == 64 for a in listed.adapters)
         with pytest.raises(grpc.RpcError) as ei:
             c.unload_adapter("pol", "v2")  # active

@@ -12,9 +12,11 @@ import pytest
 
 # (title, text, paraphrased query avoiding the text's key words, code only BM25 can match exactly)
 TOPICS = [
-    ("Velmora Lighthouse", "A stone tower on a rocky cape whose lamp has guided fishing boats through winter fog since 1871.",
+    ("Velmora Lighthouse", "A stone tower on a rocky cape whose lamp has guided fishing boats through winter fog "
+                           "since 1871.",
      "old coastal beacon that helps fishermen find their way when visibility is poor", "QV-2291"),
-    ("Hollin Street Bakery", "A family bakery famous for sourdough loaves raised with a starter culture kept alive for more than a century.",
+    ("Hollin Street Bakery", "A family bakery famous for sourdough loaves raised with a starter culture kept alive "
+                             "for more than a century.",
      "shop making bread from a fermentation culture that is over a hundred years old", "BK-3307"),
     ("Mount Cerrovan", "A volcano whose 1652 eruption buried the village at its foot under thick layers of ash.",
      "which mountain exploded and covered a settlement in volcanic dust", "VC-4418"),
@@ -22,9 +24,11 @@ TOPICS = [
      "child who became a top-ranked board game master as a young teenager", "CH-5529"),
     ("Glowing cave beetle", "A beetle species living deep in limestone caves whose abdomen emits a faint blue light.",
      "insect that shines in the dark underground", "BT-6631"),
-    ("Tarrow Gorge Bridge", "A suspension bridge whose main span crosses a deep river canyon, the longest of its kind when opened.",
+    ("Tarrow Gorge Bridge", "A suspension bridge whose main span crosses a deep river canyon, the longest of its "
+                            "kind when opened.",
      "hanging road crossing over a steep valley with a record length", "BR-7742"),
-    ("Nereid probe", "An uncrewed spacecraft that mapped the icy moons of a giant planet and found an ocean beneath one crust.",
+    ("Nereid probe", "An uncrewed spacecraft that mapped the icy moons of a giant planet and found an ocean beneath "
+                     "one crust.",
      "robotic space mission discovering water under frozen satellites", "SP-8853"),
     ("Abbey of Saint Oda", "A medieval monastery where the monks brewed dark ale and aged cheese in the cellars.",
      "religious community of brothers that made beer in the middle ages", "AB-9964"),
@@ -40,7 +44,8 @@ TOPICS = [
      "underwater ecosystem damaged by ocean warming turning white", "RF-5419"),
     ("Kestrel Line", "A high speed railway that links two capital cities in ninety minutes.",
      "fast trains connecting major cities in an hour and a half", "RL-6520"),
-    ("The Drowned Mariner", "An opera telling the story of a sailor lost at sea and the wife who waits for him on the shore.",
+    ("The Drowned Mariner", "An opera telling the story of a sailor lost at sea and the wife who waits for him on "
+                            "the shore.",
      "musical stage drama about a seaman who vanished in the ocean", "OP-7631"),
     ("Ferrand Glacier", "An alpine ice field that has retreated three kilometres as the climate warmed.",
      "mountain ice mass shrinking because of rising temperatures", "GL-8742"),

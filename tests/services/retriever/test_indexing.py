@@ -11,8 +11,8 @@ from prorag.config import ConfigError, from_dict
 from prorag.data.loaders import parse_contents
 from prorag.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.retriever.docstore import DocStore
-from services.retriever.indexing import (BM25Config, DenseIndexConfig, build_bm25_index, build_dense_index, build_docstore,
-                                         scan_corpus)
+from services.retriever.indexing import (BM25Config, DenseIndexConfig, build_bm25_index, build_dense_index,
+                                         build_docstore, scan_corpus)
 
 from .conftest import SHARD, codes, make_rows, paraphrases, topic_ids, write_corpus
 

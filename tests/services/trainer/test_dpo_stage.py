@@ -30,7 +30,8 @@ def test_a_preference_is_trls_example_of_the_shared_context_and_each_siblings_ge
     _, tok = tiny_policy
     pair = _pairs(1)[0]
     example = encode_preference(tok, pair, pair.value_choice)
-    for key, step in (("chosen_ids", pair.steps[pair.value_choice]), ("rejected_ids", pair.steps[1 - pair.value_choice])):
+    for key, step in (("chosen_ids", pair.steps[pair.value_choice]),
+                      ("rejected_ids", pair.steps[1 - pair.value_choice])):
         assert tok.decode(example[key], skip_special_tokens=False).strip() == step.text  # the step, no glue
         # the prompt is the token prefix the policy read before the step, documents and glue included
         whole = encode_segments(tok, agent_prompt(pair.question), [*pair.context, step], {}, {}).token_ids

@@ -361,7 +361,8 @@ def test_a_failed_or_cancelled_job_submitted_again_resumes_from_its_checkpoint(t
     job = m.wait("flaky", 60)
     assert job.state is JobState.SUCCEEDED and job.error == "" and job.resumed_from_step == 20
     messages = [e["message"] for e in m.events_after("flaky")]
-    assert any(msg.startswith("re-queued by a new submission of the same config (was FAILED: RuntimeError: selftest: failing")
+    assert any(msg.startswith("re-queued by a new submission of the same config "
+                              "(was FAILED: RuntimeError: selftest: failing")
                for msg in messages), messages
     seqs = [e["seq"] for e in m.events_after("flaky")]
     assert seqs == list(range(1, len(seqs) + 1))

@@ -89,7 +89,8 @@ def test_the_refusal_comes_before_the_job_is_queued(one_gpu_trainer):
     manager.start()
     try:
         with pytest.raises(FailedPrecondition, match="would fit with the multi-GPU launch"):
-            manager.submit("sft", paper_config("sft", base_model=str(model), retriever="127.0.0.1:50051", dtype="bfloat16"))
+            manager.submit("sft", paper_config("sft", base_model=str(model), retriever="127.0.0.1:50051",
+                                               dtype="bfloat16"))
         assert manager.list() == []
     finally:
         manager.stop(10)

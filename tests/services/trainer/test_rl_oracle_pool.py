@@ -37,7 +37,8 @@ DEAD_PRM = "127.0.0.1:9"
 
 DOC2 = Document(id="d2", title="Tova Lunn", text="Tova Lunn was born in Edraand.",
                 contents='"Tova Lunn"\nTova Lunn was born in Edraand.')
-DOC3 = Document(id="d3", title="Kest", text="Kest was founded by Aro Vell.", contents='"Kest"\nKest was founded by Aro Vell.')
+DOC3 = Document(id="d3", title="Kest", text="Kest was founded by Aro Vell.",
+                contents='"Kest"\nKest was founded by Aro Vell.')
 
 
 # ---------------------------------------------------------------- the oracle, pure
@@ -208,7 +209,8 @@ def test_rlpool_writes_the_learnable_questions_and_resumes_from_its_journal(serv
     assert len(rows) == 6 and all(len(r["correct"]) == 4 for r in rows)
     assert pool["pool"] == [r["id"] for r in rows if learnable(r["correct"])]
     c = pool["counts"]
-    assert c["candidates"] == 6 == c["all_right"] + c["all_wrong"] + c["learnable"] and c["learnable"] == out["learnable"]
+    assert (c["candidates"] == 6 == c["all_right"] + c["all_wrong"] + c["learnable"]
+            and c["learnable"] == out["learnable"])
     assert sum(h["learnable"] for h in c["by_hops"].values()) == c["learnable"]
     assert pool["pool"], "the scripted engine (right 60% of the time per step) should leave some questions learnable"
     for r in rows:

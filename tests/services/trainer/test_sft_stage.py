@@ -52,9 +52,9 @@ BASE: dict[str, str] = {}
 
 
 def _config(retriever: str, **kw) -> dict:
-    return {"mode": "agent", "world": "tiny", "retriever": retriever, "base_model": BASE["model"], "max_questions": 48, "max_steps": 12,
-            "batch_size": 4, "lr": 3e-3, "checkpoint_every": 3, "log_every": 1, "tracking": "local", "threads": 1,
-            **kw}
+    return {"mode": "agent", "world": "tiny", "retriever": retriever, "base_model": BASE["model"], "max_questions": 48,
+            "max_steps": 12, "batch_size": 4, "lr": 3e-3, "checkpoint_every": 3, "log_every": 1, "tracking": "local",
+            "threads": 1, **kw}
 
 
 class TrainerProc:
@@ -66,7 +66,8 @@ class TrainerProc:
         env = dict(os.environ, PRORAG_HOME=str(self.home), PRORAG_DATA=str(self.data), PYTHONUNBUFFERED="1")
         env.pop("PRORAG_RUNS", None)
         log = open(self.home / f"trainer-{time.monotonic_ns()}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "prorag_app.cli", "serve", "trainer", "--port", str(self.port)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "prorag_app.cli", "serve", "trainer",
+                                      "--port", str(self.port)],
                                      cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         assert wait_for_health(f"127.0.0.1:{self.port}", "prorag.v1.Trainer", timeout=90)
         return self
@@ -97,7 +98,8 @@ def test_bad_sft_config_is_refused_naming_the_field(tmp_path, data_dir, retrieve
             import grpc
 
             for bad, field in (({"lr": 5.0}, "lr"), ({"mode": "rlhf"}, "mode"), ({"epocs": 1}, "epocs"),
-                               ({"base_model": ""}, "base_model"), ({"base_model": str(tmp_path / "no")}, "base_model")):
+                               ({"base_model": ""}, "base_model"),
+                               ({"base_model": str(tmp_path / "no")}, "base_model")):
                 with pytest.raises(grpc.RpcError) as ei:
                     c.start("sft", _config(retriever, **bad))
                 assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -134,7 +136,8 @@ def test_sft_kill_dash_nine_resumes_to_the_same_weights(tmp_path, data_dir, retr
         with TrainerClient(f"127.0.0.1:{t.port}") as c:
             job = c.wait("kill-run", timeout=600)
             assert state_name(job.state) == "SUCCEEDED", job.error
-            events = [json.loads(l) for l in (home / "runs" / "jobs" / "kill-run" / "events.jsonl").read_text().splitlines()]
+            events = [json.loads(l)
+                      for l in (home / "runs" / "jobs" / "kill-run" / "events.jsonl").read_text().splitlines()]
             assert any(e.get("message", "").startswith("resumed from step") for e in events)
     finally:
         t.stop()
