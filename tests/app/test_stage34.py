@@ -293,9 +293,13 @@ def test_the_default_profile_runs_the_headline_and_says_where_rft_and_full_prora
     assert default_rl["process_answer_step"] is False
     # the PRM arms' logits centred per step kind (chosen on dev), in both profiles
     assert default_rl["prm_centering"] == research_rl["prm_centering"] == "per_kind"
-    # the research profile changes its size only
-    assert {k: v for k, v in research_rl.items() if k not in ("iterations", "questions_per_iteration", "kl_coef")} == \
-        {k: v for k, v in default_rl.items() if k not in ("iterations", "questions_per_iteration")}
+    # the research profile changes its size, and its rollouts' temperature (with log-probs of that distribution),
+    # which its budget chose on dev; nothing else
+    sized = ("iterations", "questions_per_iteration", "kl_coef", "temperature", "tempered_logprobs")
+    assert {k: v for k, v in research_rl.items() if k not in sized} == \
+        {k: v for k, v in default_rl.items() if k not in sized}
+    assert (research_rl["temperature"], research_rl["tempered_logprobs"]) == (0.7, True)
+    assert default_rl.get("temperature", 1.0) == 1.0
     # the data-efficiency point is a third of the RL questions
     assert PROFILES["research"].stage34["eval_iterations"] == (research_rl["iterations"] // 3,)
     # the research profile keeps its own MCTS size whatever the default's
