@@ -29,7 +29,8 @@ from pathlib import Path
 from prorag import paths
 from prorag.config import from_dict
 from prorag.data.loaders import load_split
-from prorag.data.world import DEEP_SPLITS, HELDOUT_DEEP_SPLIT, ensure_deep_split, ensure_heldout_split, ensure_rl_split
+from prorag.data.world import (DEEP_SPLITS, HELDOUT_DEEP_SPLIT, RL_SPLIT, ensure_deep_split, ensure_heldout_split,
+                               ensure_rl_split)
 from prorag.errors import InvalidArgument
 from prorag.evaluation import (MULTI_HOP_MIN, compare_methods, grouped_mean_ci, margin_beyond_cis, question_entity,
                                recall_at_k, retrieval_queries)
@@ -44,8 +45,8 @@ from prorag.runs import code_version, new_run_dir, point_latest, timed, write_re
 from prorag_app import memo
 from prorag_app.embedded import ensure_indexes, ensure_policy_model
 from prorag_app.eval import evaluate, format_table, print_prm_families, reader_settings
-from prorag_app.profiles import (ABLATION, HELDOUT_QUESTIONS, PROFILES, AblationPlan, Profile, with_overrides,
-                                 with_stage34)
+from prorag_app.profiles import (ABLATION, HELDOUT_QUESTIONS, PROFILES, RL_QUESTIONS, AblationPlan, Profile,
+                                 with_overrides, with_stage34)
 from prorag_app.report import answer_errors_of, build_report
 from prorag_app.run_tables import (console, print_answer_errors, print_diagnostics, print_figure, print_retrieval_table,
                                    print_stage34)
@@ -392,12 +393,13 @@ def heldout_questions(world: str, prof: Profile) -> list:
 
 
 def ensure_rl_questions(world: str, prof: Profile) -> None:
-    """The world's RL split (3+ hop questions held out of SFT) that ``prof`` trains RL on, built when missing after
-    the deep and held-out splits (with their sizes on disk, else the profile's); nothing when it asks for none."""
+    """The world's RL split (questions held out of SFT) that ``prof`` trains RL on, built when missing after the deep
+    and held-out splits (with their sizes on disk, else the profile's); nothing when it asks for none."""
     if prof.rl_questions:
         ensure_rl_split(paths.world_dir(world), prof.rl_questions, test_n=prof.deep_questions,
                         dev_n=prof.dev_deep_questions or prof.deep_questions,
-                        heldout_n=prof.heldout_questions or HELDOUT_QUESTIONS)
+                        heldout_n=prof.heldout_questions or HELDOUT_QUESTIONS,
+                        split=(prof.stage34 or {}).get("rl", {}).get("split", RL_SPLIT), rl_deep_n=RL_QUESTIONS)
 
 
 def run_main_job(profile: str = "default", world: str | None = None, port_offset: int = 0,

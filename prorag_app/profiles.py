@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 
 from prorag.config import check_fields
-from prorag.data.world.config import RL_SPLIT
+from prorag.data.world.config import RL_MIXED_SPLIT, RL_SPLIT, RL_SPLITS
 from prorag.errors import InvalidArgument
 from prorag.methods import base_method, get_method
 from prorag.modeling import WarmupConfig
@@ -62,9 +62,9 @@ class Profile:
     #: and dev deep splits, disjoint from every split), on which the SFT agent and the stage 3-4 methods are also
     #: evaluated and compared, apart, in test runs only (issue 47: read once, at the end); 0 = none
     heldout_questions: int = 0
-    #: questions of the world's RL split (prorag.data.world.ensure_rl_split: 3+ hops held out of SFT, drawn after the
-    #: held-out split) when stage34.rl.split names it: the question pool and the RL draw from questions the SFT agent
-    #: never saw; 0 = none (the RL draws from train)
+    #: questions of the world's RL split that stage34.rl.split names (prorag.data.world.ensure_rl_split: rl_deep, 3+
+    #: hops held out of SFT, drawn after the held-out split; or rl_mixed, every category, drawn after rl_deep): the
+    #: question pool and the RL draw from questions the SFT agent never saw; 0 = none (the RL draws from train)
     rl_questions: int = 0
     #: the split methods are evaluated and compared on: test for reported figures, dev for choosing settings
     #: (`prorag run --split dev`, with the dev deep split: drawn after the test one, sharing no question with it)
@@ -90,15 +90,20 @@ class Profile:
             raise InvalidArgument("heldout_questions: the held-out split is drawn after the test deep split; set "
                                   "deep_questions too")
         rl_split = (self.stage34 or {}).get("rl", {}).get("split", "train")
-        if self.stage34 is not None and (rl_split == RL_SPLIT) != bool(self.rl_questions):
-            raise InvalidArgument(f"rl_questions sizes the {RL_SPLIT} split that stage34.rl.split names: set both, or "
-                                  f"neither (rl_questions {self.rl_questions}, stage34.rl.split {rl_split!r})")
+        if self.stage34 is not None and (rl_split in RL_SPLITS) != bool(self.rl_questions):
+            raise InvalidArgument(f"rl_questions sizes the RL split ({' or '.join(RL_SPLITS)}) that stage34.rl.split "
+                                  f"names: set both, or neither (rl_questions {self.rl_questions}, stage34.rl.split "
+                                  f"{rl_split!r})")
+        if rl_split == RL_MIXED_SPLIT and (self.stage34 or {}).get("rl", {}).get("min_hops", 0) >= 3:
+            raise InvalidArgument(f"stage34.rl.split {RL_MIXED_SPLIT!r} with min_hops "
+                                  f"{self.stage34['rl']['min_hops']} keeps only its 3+ hop questions: set "
+                                  f"stage34.rl.min_hops=0 to draw on every hop count, or split {RL_SPLIT!r}")
         if (self.stage34 or {}).get("rl", {}).get("pool_max_greedy_f1", 1.0) < 1.0 and \
                 not (self.stage34 or {}).get("pool", {}).get("greedy"):
             raise InvalidArgument("stage34.rl.pool_max_greedy_f1 selects on the pool's greedy rollouts: set "
                                   "stage34.pool.greedy=true too")
         if self.rl_questions and not self.deep_questions:
-            raise InvalidArgument(f"rl_questions: the {RL_SPLIT} split is drawn after the deep and held-out splits; "
+            raise InvalidArgument(f"rl_questions: the {rl_split} split is drawn after the deep and held-out splits; "
                                   "set deep_questions too")
         check_fields(SFTConfig, self.sft, prefix="sft.")
         for m, settings in self.method_sft.items():

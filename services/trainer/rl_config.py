@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from prorag.algorithms.rl import ADVANTAGE_ESTIMATORS, OUTCOME_REWARDS, POLICY_LOSSES, PRM_CENTERINGS, STEP_SCORES
 from prorag.config import ConfigError, cfg_field
-from prorag.data.world.config import RL_SPLIT, TEST_SPLITS
+from prorag.data.world.config import RL_SPLITS, TEST_SPLITS
 from prorag.training.lora import ALL_PROJECTIONS
 from prorag.training.run_config import TrainRunConfig
 from services.trainer.sampling import rollout_index_field, rollout_topk_field, step_tokens_field
@@ -157,7 +157,7 @@ class RLConfig(TrainRunConfig):
             raise ConfigError("base_model", "required: the model the adapters train on")
         if self.split in TEST_SPLITS:
             raise ConfigError("split", f"RL never trains on {self.split!r}: the final figures are read on it "
-                                       f"(train on 'train' or {RL_SPLIT!r})")
+                                       f"(train on 'train' or one of {list(RL_SPLITS)})")
         if not [t for t in self.lora_targets.split(",") if t.strip()]:
             raise ConfigError("lora_targets", "name at least one module")
 

@@ -28,7 +28,7 @@ from prorag import paths
 from prorag.algorithms.rl import ANSWER_CREDIT_F1, OUTCOME_REWARDS
 from prorag.config import ConfigError, cfg_field
 from prorag.data.loaders import load_split
-from prorag.data.world.config import RL_SPLIT, TEST_SPLITS
+from prorag.data.world.config import RL_SPLITS, TEST_SPLITS
 from prorag.errors import FailedPrecondition
 from prorag.io import append_jsonl_synced, read_jsonl_journal
 from prorag.rpc.clients import PolicyClient
@@ -84,7 +84,7 @@ class RLPoolConfig:
             raise ConfigError("policy_model", "required: the start model the policy serves")
         if self.split in TEST_SPLITS:
             raise ConfigError("split", f"the RL question pool never draws on {self.split!r}: the final figures are "
-                                       f"read on it (draw on 'train' or {RL_SPLIT!r})")
+                                       f"read on it (draw on 'train' or one of {list(RL_SPLITS)})")
 
 
 # ---------------------------------------------------------------- pure parts

@@ -64,6 +64,15 @@ def test_profiles_are_checked_when_they_are_defined():
     with pytest.raises(InvalidArgument, match="set deep_questions too"):
         Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={}, rl_questions=100,
                 stage34={"rl": {"split": "rl_deep"}})
+    # the mixed RL split is sized by rl_questions as well; with min_hops 3 it would be the deep one's hop counts
+    Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={}, rl_questions=100, deep_questions=8,
+            stage34={"rl": {"split": "rl_mixed", "min_hops": 0}})
+    with pytest.raises(InvalidArgument, match="set both, or neither"):
+        Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={}, deep_questions=8,
+                stage34={"rl": {"split": "rl_mixed"}})
+    with pytest.raises(InvalidArgument, match="keeps only its 3\\+ hop questions: set stage34.rl.min_hops=0"):
+        Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={}, rl_questions=100, deep_questions=8,
+                stage34={"rl": {"split": "rl_mixed", "min_hops": 3}})
     # the RL's bound on the pool's greedy F1 reads the pool's greedy rollouts
     with pytest.raises(InvalidArgument, match="stage34.pool.greedy=true"):
         Profile(world="tiny", model_preset="tiny", vocab_size=2048, sft={},

@@ -16,9 +16,9 @@ import pytest
 
 from prorag.config import ConfigError, from_dict
 from prorag.data.loaders import load_corpus, load_split
-from prorag.data.world import (DEEP_SPLIT, DEV_DEEP_SPLIT, HELDOUT_DEEP_SPLIT, RL_SPLIT, SPLITS, WorldConfig,
-                               build_world, ensure_deep_split, ensure_drawn_split, ensure_heldout_split,
-                               ensure_rl_split, generate_deep_splits, load_summary)
+from prorag.data.world import (CATEGORIES, DEEP_SPLIT, DEV_DEEP_SPLIT, HELDOUT_DEEP_SPLIT, RL_MIXED_SPLIT, RL_SPLIT,
+                               SPLITS, WorldConfig, build_world, ensure_deep_split, ensure_drawn_split,
+                               ensure_heldout_split, ensure_rl_split, generate_drawn_splits, load_summary)
 from prorag.errors import InvalidArgument
 from prorag.metrics import normalize_answer
 
@@ -363,11 +363,11 @@ def test_the_heldout_split_is_drawn_after_both_deep_splits_and_changes_neither(w
     import shutil
 
     from prorag.data.world import (DEEP_SPLIT, DEV_DEEP_SPLIT, HELDOUT_DEEP_SPLIT, ensure_deep_split,
-                                   ensure_heldout_split, generate_deep_split, generate_deep_splits, generate_world)
+                                   ensure_heldout_split, generate_deep_split, generate_drawn_splits, generate_world)
     from prorag.errors import InvalidArgument
 
     _, test_rows, dev_rows = generate_deep_split(tiny(0), 12, dev=10)
-    w, drawn = generate_deep_splits(tiny(0), [(DEEP_SPLIT, 12), (DEV_DEEP_SPLIT, 10), (HELDOUT_DEEP_SPLIT, 20)])
+    w, drawn = generate_drawn_splits(tiny(0), [(DEEP_SPLIT, 12), (DEV_DEEP_SPLIT, 10), (HELDOUT_DEEP_SPLIT, 20)])
     assert w["splits"] == generate_world(tiny(0))["splits"]
     assert drawn[DEEP_SPLIT] == test_rows and drawn[DEV_DEEP_SPLIT] == dev_rows  # the existing splits unchanged
     held = drawn[HELDOUT_DEEP_SPLIT]
@@ -389,7 +389,7 @@ def test_the_heldout_split_is_drawn_after_both_deep_splits_and_changes_neither(w
     # a dev deep split redrawn with another size: the held-out split is drawn again after it, still disjoint
     ensure_deep_split(out, 8, "dev")
     ensure_heldout_split(out, 20, test_n=12, dev_n=99)  # the dev size on disk wins too
-    _, again = generate_deep_splits(tiny(0), [(DEEP_SPLIT, 12), (DEV_DEEP_SPLIT, 8), (HELDOUT_DEEP_SPLIT, 20)])
+    _, again = generate_drawn_splits(tiny(0), [(DEEP_SPLIT, 12), (DEV_DEEP_SPLIT, 8), (HELDOUT_DEEP_SPLIT, 20)])
     held_again = again[HELDOUT_DEEP_SPLIT]
     assert [q.question for q in load_split(out, HELDOUT_DEEP_SPLIT)] == [r["question"] for r in held_again]
     assert (out / f"{HELDOUT_DEEP_SPLIT}.after").read_text().split() == ["12", "8"]
@@ -399,8 +399,8 @@ def test_the_heldout_split_is_drawn_after_both_deep_splits_and_changes_neither(w
 
 def test_the_rl_split_is_drawn_after_every_evaluation_split_and_changes_none(world, tmp_path):
     sizes = [(DEEP_SPLIT, 12), (DEV_DEEP_SPLIT, 10), (HELDOUT_DEEP_SPLIT, 8)]
-    w, drawn = generate_deep_splits(tiny(0), sizes + [(RL_SPLIT, 15)])
-    assert generate_deep_splits(tiny(0), sizes)[1] == {k: drawn[k] for k, _ in sizes}  # none changed by it
+    w, drawn = generate_drawn_splits(tiny(0), sizes + [(RL_SPLIT, 15)])
+    assert generate_drawn_splits(tiny(0), sizes)[1] == {k: drawn[k] for k, _ in sizes}  # none changed by it
     rl = drawn[RL_SPLIT]
     before = [r for s in w["splits"].values() for r in s] + [r for k, _ in sizes for r in drawn[k]]
     chains, texts = {r["metadata"]["chain"] for r in before}, {r["question"] for r in before}
@@ -421,7 +421,7 @@ def test_the_rl_split_is_drawn_after_every_evaluation_split_and_changes_none(wor
     # a held-out split redrawn with another size: the RL split is drawn again after it, still disjoint from it
     ensure_heldout_split(out, 6, test_n=12, dev_n=10)
     ensure_rl_split(out, 15, test_n=12, dev_n=10, heldout_n=99)
-    _, again = generate_deep_splits(tiny(0), [(DEEP_SPLIT, 12), (DEV_DEEP_SPLIT, 10), (HELDOUT_DEEP_SPLIT, 6),
+    _, again = generate_drawn_splits(tiny(0), [(DEEP_SPLIT, 12), (DEV_DEEP_SPLIT, 10), (HELDOUT_DEEP_SPLIT, 6),
                                                (RL_SPLIT, 15)])
     assert [q.question for q in load_split(out, RL_SPLIT)] == [r["question"] for r in again[RL_SPLIT]]
     assert heldout.exists()
@@ -437,6 +437,36 @@ def test_the_rl_split_is_drawn_after_every_evaluation_split_and_changes_none(wor
         assert [q.question for q in load_split(fresh, split)] == [r["question"] for r in drawn[split]]
     with pytest.raises(InvalidArgument, match="no drawn split 'train'"):
         ensure_drawn_split(fresh, "train", 5, {})
+
+
+def test_the_mixed_rl_split_follows_the_worlds_category_mix_after_the_deep_rl_split(world, tmp_path):
+    sizes = [(DEEP_SPLIT, 12), (DEV_DEEP_SPLIT, 10), (HELDOUT_DEEP_SPLIT, 8), (RL_SPLIT, 15)]
+    w, drawn = generate_drawn_splits(tiny(0), sizes + [(RL_MIXED_SPLIT, 40)])
+    assert generate_drawn_splits(tiny(0), sizes)[1] == {k: drawn[k] for k, _ in sizes}  # none changed by it
+    mixed = drawn[RL_MIXED_SPLIT]
+    before = [r for s in w["splits"].values() for r in s] + [r for k, _ in sizes for r in drawn[k]]
+    chains, texts = {r["metadata"]["chain"] for r in before}, {r["question"] for r in before}
+    assert not any(r["metadata"]["chain"] in chains or r["question"] in texts for r in mixed)  # SFT, evals, RL
+    # the world's own mix (tiny(0)'s default fractions), as its train split has it, not 3+ hops only
+    want = dict(zip(CATEGORIES, [10, 12, 8, 4, 4, 2]))
+    category = lambda m: f"{m['hops']}hop" if m["type"] == "compositional" else m["type"]
+    assert Counter(category(r["metadata"]) for r in mixed) == Counter(want)
+    assert [r["id"] for r in mixed] == [f"{RL_MIXED_SPLIT}_{i}" for i in range(40)]
+    comparisons = [r["golden_answers"][0] for r in mixed if "comparison" in r["metadata"]["type"]]
+    assert abs(comparisons.count("yes") - comparisons.count("no")) <= 2  # yes / no balanced as in the world's splits
+
+    out = tmp_path / "w"
+    copytree(world["dir"], out)
+    for split, n in sizes[:3]:
+        ensure_drawn_split(out, split, n, dict(sizes))
+    path = ensure_rl_split(out, 40, test_n=12, dev_n=10, heldout_n=8, split=RL_MIXED_SPLIT, rl_deep_n=15)
+    assert [q.question for q in load_split(out, RL_MIXED_SPLIT)] == [r["question"] for r in mixed]
+    # the missing deep RL split was drawn and written before it, so the two never share a question
+    assert [q.question for q in load_split(out, RL_SPLIT)] == [r["question"] for r in drawn[RL_SPLIT]]
+    assert (out / f"{RL_MIXED_SPLIT}.after").read_text().split() == ["12", "10", "8", "15"]
+    assert ensure_rl_split(out, 40, 12, 10, 8, split=RL_MIXED_SPLIT).stat().st_mtime_ns == path.stat().st_mtime_ns
+    with pytest.raises(InvalidArgument, match="no RL split 'heldout_deep'"):
+        ensure_rl_split(out, 40, 12, 10, 8, split=HELDOUT_DEEP_SPLIT)
 
 
 def test_entity_relations_of_a_world_and_of_an_imported_corpus(tmp_path):

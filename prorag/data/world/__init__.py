@@ -29,19 +29,20 @@ Output files (all written atomically, ``DONE`` last)::
 Modules: ``config`` (WorldConfig, size presets, split names), ``names`` (invented names), ``graph`` (entities and
 their relations), ``documents`` (one per entity), ``questions`` (questions with their decompositions, their
 phrasings, :func:`canonical_question`), ``generate`` (the world and its splits in memory), ``files`` (the folder:
-:func:`build_world`, the 3+ hop splits drawn after train, summaries).
+:func:`build_world`, the splits drawn after train, summaries).
 """
 
 from prorag.data.world.config import (CATEGORIES, DEEP_SPLIT, DEEP_SPLITS, DEV_DEEP_SPLIT, DRAWN_SPLITS,
-                                      HELDOUT_DEEP_SPLIT, RL_SPLIT, SIZES, SPLITS, TEST_SPLITS,
-                                      WORLD_VERSION, WorldConfig)
+                                      HELDOUT_DEEP_SPLIT, MIXED_SPLITS, RL_MIXED_SPLIT, RL_SPLIT, RL_SPLITS,
+                                      SIZES, SPLITS, TEST_SPLITS, WORLD_VERSION, WorldConfig)
 from prorag.data.world.files import (WorldSummary, build_world, ensure_deep_split, ensure_drawn_split,
                                      ensure_heldout_split, ensure_rl_split, load_summary)
-from prorag.data.world.generate import generate_deep_split, generate_deep_splits, generate_world
+from prorag.data.world.generate import generate_deep_split, generate_drawn_splits, generate_world
 from prorag.data.world.questions import canonical_question
 
 __all__ = ["CATEGORIES", "DEEP_SPLIT", "DEEP_SPLITS", "DEV_DEEP_SPLIT", "DRAWN_SPLITS", "HELDOUT_DEEP_SPLIT",
-           "RL_SPLIT", "SIZES", "SPLITS", "TEST_SPLITS", "WORLD_VERSION", "WorldConfig", "WorldSummary",
+           "MIXED_SPLITS", "RL_MIXED_SPLIT", "RL_SPLIT", "RL_SPLITS", "SIZES", "SPLITS", "TEST_SPLITS",
+           "WORLD_VERSION", "WorldConfig", "WorldSummary",
            "build_world", "canonical_question", "ensure_deep_split", "ensure_drawn_split", "ensure_heldout_split",
-           "ensure_rl_split", "generate_deep_split", "generate_deep_splits",
+           "ensure_rl_split", "generate_deep_split", "generate_drawn_splits",
            "generate_world", "load_summary"]

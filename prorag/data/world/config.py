@@ -30,9 +30,17 @@ HELDOUT_DEEP_SPLIT = "heldout_deep"
 #: 3+ hop questions held out of SFT for RL's question pool (issue 47 item 3): drawn after the held-out split, so the
 #: RL trains on questions the SFT agent never saw and no evaluation reads
 RL_SPLIT = "rl_deep"
-#: the extra 3+ hop splits in the order they are drawn after train (prorag.data.world.files.ensure_drawn_split): each
-#: shares no chain or question with any split before it, and is the same whatever is drawn after it
-DRAWN_SPLITS = (DEEP_SPLIT, DEV_DEEP_SPLIT, HELDOUT_DEEP_SPLIT, RL_SPLIT)
+#: questions of every category in the world's mix (1-4 hops, comparisons) held out of SFT, for an RL pool that
+#: also asks 1- and 2-hop questions: a pool of 3+ hop questions alone taught the agent to search a third time on
+#: 2-hop ones (docs/BENCHMARKS.md, "Fifty-first session"). Drawn after the RL split, so no earlier split changes
+RL_MIXED_SPLIT = "rl_mixed"
+#: the splits a question pool and the RL may draw on besides train: questions SFT never saw
+RL_SPLITS = (RL_SPLIT, RL_MIXED_SPLIT)
+#: the extra splits in the order they are drawn after train (prorag.data.world.files.ensure_drawn_split): each
+#: shares no chain or question with any split before it, and is the same whatever is drawn after it. All hold 3+
+#: hop questions but those in MIXED_SPLITS, which follow the world's category mix
+DRAWN_SPLITS = (DEEP_SPLIT, DEV_DEEP_SPLIT, HELDOUT_DEEP_SPLIT, RL_SPLIT, RL_MIXED_SPLIT)
+MIXED_SPLITS = (RL_MIXED_SPLIT,)
 #: the splits the final figures are read on, which no training or search stage may sample
 TEST_SPLITS = ("test", DEEP_SPLIT, HELDOUT_DEEP_SPLIT)
 

@@ -12,8 +12,8 @@ from typing import Callable
 
 from prorag.config import from_dict, to_dict
 from prorag.data.world.config import (DEEP_SPLIT, DEEP_SPLITS, DEV_DEEP_SPLIT, DRAWN_SPLITS, HELDOUT_DEEP_SPLIT,
-                                      RL_SPLIT, SPLITS, WORLD_VERSION, WorldConfig)
-from prorag.data.world.generate import generate_deep_splits, generate_world
+                                      RL_SPLIT, RL_SPLITS, SPLITS, WORLD_VERSION, WorldConfig)
+from prorag.data.world.generate import generate_drawn_splits, generate_world
 from prorag.io import read_jsonl, write_json, write_jsonl, write_text
 
 
@@ -98,9 +98,10 @@ def build_world(cfg: WorldConfig, out_dir: str | Path, progress: Callable[[str, 
 
 
 def ensure_drawn_split(out_dir: str | Path, name: str, n: int, sizes: dict[str, int]) -> Path:
-    """``{out_dir}/{name}.jsonl``: ``n`` questions of 3+ hops, one of the extra splits a finished world is extended
-    with (:data:`DRAWN_SPLITS`: test deep, dev deep, held-out, RL, in that order). Each is drawn after the ones before
-    it (:func:`prorag.data.world.generate.generate_deep_splits`), so it shares no chain or question with them or with
+    """``{out_dir}/{name}.jsonl``: ``n`` questions of 3+ hops (of every category for :data:`MIXED_SPLITS`), one of
+    the extra splits a finished world is extended with (:data:`DRAWN_SPLITS`: test deep, dev deep, held-out, RL, mixed
+    RL, in that order). Each is drawn after the ones before
+    it (:func:`prorag.data.world.generate.generate_drawn_splits`), so it shares no chain or question with them or with
     the world's own splits. Written once (atomically) and reused.
 
     Every split but the first records the sizes of those it was drawn after (``{name}.after``, e.g. ``450 450`` for
@@ -139,7 +140,7 @@ def ensure_drawn_split(out_dir: str | Path, name: str, n: int, sizes: dict[str, 
         return path
     meta = json.loads((out_dir / "world.json").read_text())
     cfg = from_dict(WorldConfig, meta["config"])
-    w, rows = generate_deep_splits(cfg, drawn + [(name, n)])
+    w, rows = generate_drawn_splits(cfg, drawn + [(name, n)])
     _check_reproduced(out_dir, cfg, w, name)
     for i, (split, _) in enumerate(drawn + [(name, n)]):
         if split in stale or split == name:
@@ -197,12 +198,18 @@ def ensure_heldout_split(out_dir: str | Path, n: int, test_n: int, dev_n: int) -
     return ensure_drawn_split(out_dir, HELDOUT_DEEP_SPLIT, n, {DEEP_SPLIT: test_n, DEV_DEEP_SPLIT: dev_n})
 
 
-def ensure_rl_split(out_dir: str | Path, n: int, test_n: int, dev_n: int, heldout_n: int) -> Path:
-    """``{out_dir}/rl_deep.jsonl``: ``n`` questions of 3+ hops for RL's question pool, drawn after the test deep, dev
-    deep and held-out splits (:func:`ensure_drawn_split`; a missing one drawn with its size given here), so the RL
-    trains on questions that neither SFT (train) nor any evaluation reads."""
-    return ensure_drawn_split(out_dir, RL_SPLIT, n, {DEEP_SPLIT: test_n, DEV_DEEP_SPLIT: dev_n,
-                                                     HELDOUT_DEEP_SPLIT: heldout_n})
+def ensure_rl_split(out_dir: str | Path, n: int, test_n: int, dev_n: int, heldout_n: int, split: str = RL_SPLIT,
+                    rl_deep_n: int = 0) -> Path:
+    """``{out_dir}/{split}.jsonl``: ``n`` questions for RL's question pool, drawn after the test deep, dev deep and
+    held-out splits (:func:`ensure_drawn_split`; a missing one drawn with its size given here), so the RL trains on
+    questions that neither SFT (train) nor any evaluation reads. ``split``: :data:`RL_SPLIT` (3+ hops) or
+    :data:`RL_MIXED_SPLIT` (every category), which is drawn after the first (``rl_deep_n`` questions when missing)."""
+    from prorag.errors import InvalidArgument  # here: as above (grpc)
+
+    if split not in RL_SPLITS:
+        raise InvalidArgument(f"no RL split {split!r}: one of {list(RL_SPLITS)}")
+    return ensure_drawn_split(out_dir, split, n, {DEEP_SPLIT: test_n, DEV_DEEP_SPLIT: dev_n,
+                                                  HELDOUT_DEEP_SPLIT: heldout_n, RL_SPLIT: rl_deep_n})
 
 
 def load_summary(out_dir: str | Path) -> dict:

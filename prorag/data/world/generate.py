@@ -7,7 +7,7 @@ from collections import Counter
 from typing import Callable
 
 from prorag.data.loaders import format_contents
-from prorag.data.world.config import CATEGORIES, DEEP_SPLIT, DEV_DEEP_SPLIT, SPLITS, WorldConfig
+from prorag.data.world.config import CATEGORIES, DEEP_SPLIT, DEV_DEEP_SPLIT, MIXED_SPLITS, SPLITS, WorldConfig
 from prorag.data.world.documents import document
 from prorag.data.world.graph import EntityGraph
 from prorag.data.world.questions import QuestionMaker
@@ -31,22 +31,23 @@ def generate_deep_split(cfg: WorldConfig, n: int, min_hops: int = 3, dev: int = 
     chain or question is shared between the two.
     """
     sizes = [(DEEP_SPLIT, n)] + ([(DEV_DEEP_SPLIT, dev)] if dev else [])
-    w, drawn = generate_deep_splits(cfg, sizes, min_hops)
+    w, drawn = generate_drawn_splits(cfg, sizes, min_hops)
     return (w, *drawn.values())
 
 
-def generate_deep_splits(cfg: WorldConfig, sizes: list[tuple[str, int]], min_hops: int = 3
-                         ) -> tuple[dict, dict[str, list[dict]]]:
-    """(the world, {split name: its questions}) for extra splits of ``min_hops``+ hop compositional questions drawn
-    one after another in the order of ``sizes`` [(name, count)], after train: each split is the same whatever is
-    drawn after it, and no chain or question is shared with any split before it (the world's own included).
-    :func:`generate_deep_split` is its test / dev case; the held-out split (:data:`HELDOUT_DEEP_SPLIT`) comes third,
-    after both."""
+def generate_drawn_splits(cfg: WorldConfig, sizes: list[tuple[str, int]], min_hops: int = 3
+                          ) -> tuple[dict, dict[str, list[dict]]]:
+    """(the world, {split name: its questions}) for extra splits drawn one after another in the order of ``sizes``
+    [(name, count)], after train: each split is the same whatever is drawn after it, and no chain or question is
+    shared with any split before it (the world's own included). A split is of ``min_hops``+ hop compositional
+    questions, unless it is one of :data:`MIXED_SPLITS`, whose questions follow the config's category mix as the
+    world's own splits do. :func:`generate_deep_split` is its test / dev case; the held-out split
+    (:data:`HELDOUT_DEEP_SPLIT`) comes third, after both."""
     w, questions, seen_chains, seen_text = _generate(cfg, None)
     hops = [h for h in (3, 4) if h >= min_hops]
     weights = [{3: cfg.frac_3hop, 4: cfg.frac_4hop}[h] for h in hops]
 
-    def draw(count: int, name: str) -> list[dict]:
+    def draw_deep(count: int, name: str) -> list[dict]:
         rows: list[dict] = []
         for h, target in zip(hops, _split_counts(count, weights)):
             made, tries = 0, 0
@@ -62,7 +63,31 @@ def generate_deep_splits(cfg: WorldConfig, sizes: list[tuple[str, int]], min_hop
         questions.rng.shuffle(rows)
         return [_row(name, i, q) for i, q in enumerate(rows)]
 
-    return w, {name: draw(count, name) for name, count in sizes}
+    return w, {name: (_draw_mixed(questions, name, count, cfg.mix(), seen_chains, seen_text)
+                      if name in MIXED_SPLITS else draw_deep(count, name)) for name, count in sizes}
+
+
+def _draw_mixed(questions: QuestionMaker, name: str, count: int, mix: dict[str, float], seen_chains: set[str],
+                seen_text: set[str]) -> list[dict]:
+    """``count`` questions split over :data:`CATEGORIES` by ``mix``, yes/no answers of comparisons balanced, none
+    repeating a chain or question already seen (both sets updated), shuffled, as rows ``{name}_{i}``. A category
+    whose chains run out gives fewer."""
+    rows: list[dict] = []
+    for cat, target in zip(CATEGORIES, _split_counts(count, [mix[c] for c in CATEGORIES])):
+        made, tries = 0, 0
+        yes_no = Counter()
+        while made < target and tries < 60 * target + 500:
+            tries += 1
+            q = questions.make(cat, want_yes=yes_no["yes"] <= yes_no["no"])
+            if q is None or q["chain"] in seen_chains or q["question"] in seen_text:
+                continue
+            seen_chains.add(q["chain"])
+            seen_text.add(q["question"])
+            rows.append(q)
+            yes_no[q["golden_answers"][0]] += 1
+            made += 1
+    questions.rng.shuffle(rows)
+    return [_row(name, i, q) for i, q in enumerate(rows)]
 
 
 def _generate(cfg: WorldConfig, progress: Callable[[str, int, int], None] | None):
@@ -89,24 +114,8 @@ def _generate(cfg: WorldConfig, progress: Callable[[str, int, int], None] | None
     mix = cfg.mix()
     # evaluation splits first, so a small world fills them before train takes what is left
     for split in ("test", "dev", "train"):
-        rows: list[dict] = []
-        targets = _split_counts(counts[split], [mix[c] for c in CATEGORIES])
-        for cat, target in zip(CATEGORIES, targets):
-            made, tries = 0, 0
-            yes_no = Counter()
-            while made < target and tries < 60 * target + 500:
-                tries += 1
-                q = questions.make(cat, want_yes=yes_no["yes"] <= yes_no["no"])
-                if q is None or q["chain"] in seen_chains or q["question"] in seen_text:
-                    continue
-                seen_chains.add(q["chain"])
-                seen_text.add(q["question"])
-                rows.append(q)
-                yes_no[q["golden_answers"][0]] += 1
-                made += 1
-        rng.shuffle(rows)
-        splits[split] = [_row(split, i, q) for i, q in enumerate(rows)]
-        report(f"questions {split}", len(rows), counts[split])
+        splits[split] = _draw_mixed(questions, split, counts[split], mix, seen_chains, seen_text)
+        report(f"questions {split}", len(splits[split]), counts[split])
 
     entities = [{"id": e.id, "type": e.type, "kind": e.kind, "name": e.name, "title": e.title,
                  "shared_name": e.shared, "attrs": e.attrs, "rels": e.rels} for e in ents]
