@@ -249,7 +249,8 @@ RESEARCH_PROFILE = dataclasses.replace(
              "rl": {**RECIPE.stage34["rl"], "iterations": 45, "questions_per_iteration": 32, "kl_coef": 0.0,
                     # rollouts at temperature 0.7, the update reading the log-probs of that distribution: on dev at
                     # this budget outcome GRPO - SFT +4.2 [+2.4, +6.1] against +0.7 [-0.9, +2.5] at temperature 1
-                    # (one seed, `make run`'s agent; docs/BENCHMARKS.md, "Fiftieth session")
+                    # (one seed, `make run`'s agent; docs/BENCHMARKS.md, "Fiftieth session"); on a world built with
+                    # seed 1, where no choice was made, +5.7 [+3.8, +7.6] over two seeds ("Fifty-first session")
                     "temperature": 0.7, "tempered_logprobs": True},
              # a pool as large as the dev runs' that chose these settings
              "pool": {**RECIPE.stage34["pool"], "max_questions": 1500},
