@@ -100,9 +100,8 @@ def build_world(cfg: WorldConfig, out_dir: str | Path, progress: Callable[[str, 
 def ensure_drawn_split(out_dir: str | Path, name: str, n: int, sizes: dict[str, int]) -> Path:
     """``{out_dir}/{name}.jsonl``: ``n`` questions of 3+ hops (of every category for :data:`MIXED_SPLITS`), one of
     the extra splits a finished world is extended with (:data:`DRAWN_SPLITS`: test deep, dev deep, held-out, RL, mixed
-    RL, in that order). Each is drawn after the ones before
-    it (:func:`prorag.data.world.generate.generate_drawn_splits`), so it shares no chain or question with them or with
-    the world's own splits. Written once (atomically) and reused.
+    RL, in that order). Each is drawn after the ones before it (:func:`prorag.data.world.generate_drawn_splits`), so
+    it shares no chain or question with them or with the world's own splits. Written once (atomically) and reused.
 
     Every split but the first records the sizes of those it was drawn after (``{name}.after``, e.g. ``450 450`` for
     the held-out one). A split before ``name`` that is on disk and current (its record matches the splits before it,
