@@ -89,16 +89,17 @@ class Profile:
         if self.heldout_questions and not self.deep_questions:
             raise InvalidArgument("heldout_questions: the held-out split is drawn after the test deep split; set "
                                   "deep_questions too")
-        rl_split = (self.stage34 or {}).get("rl", {}).get("split", "train")
+        rl = (self.stage34 or {}).get("rl", {})
+        rl_split = rl.get("split", "train")
         if self.stage34 is not None and (rl_split in RL_SPLITS) != bool(self.rl_questions):
             raise InvalidArgument(f"rl_questions sizes the RL split ({' or '.join(RL_SPLITS)}) that stage34.rl.split "
                                   f"names: set both, or neither (rl_questions {self.rl_questions}, stage34.rl.split "
                                   f"{rl_split!r})")
-        if rl_split == RL_MIXED_SPLIT and (self.stage34 or {}).get("rl", {}).get("min_hops", 0) >= 3:
-            raise InvalidArgument(f"stage34.rl.split {RL_MIXED_SPLIT!r} with min_hops "
-                                  f"{self.stage34['rl']['min_hops']} keeps only its 3+ hop questions: set "
-                                  f"stage34.rl.min_hops=0 to draw on every hop count, or split {RL_SPLIT!r}")
-        if (self.stage34 or {}).get("rl", {}).get("pool_max_greedy_f1", 1.0) < 1.0 and \
+        if rl_split == RL_MIXED_SPLIT and rl.get("min_hops", 0) >= 3:
+            raise InvalidArgument(f"stage34.rl.split {RL_MIXED_SPLIT!r} with min_hops {rl['min_hops']} keeps only its "
+                                  f"3+ hop questions: set stage34.rl.min_hops=0 to draw on every hop count, or "
+                                  f"split {RL_SPLIT!r}")
+        if rl.get("pool_max_greedy_f1", 1.0) < 1.0 and \
                 not (self.stage34 or {}).get("pool", {}).get("greedy"):
             raise InvalidArgument("stage34.rl.pool_max_greedy_f1 selects on the pool's greedy rollouts: set "
                                   "stage34.pool.greedy=true too")
