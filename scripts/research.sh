@@ -68,11 +68,14 @@ pack)
   rm -rf "$tmp" && mkdir -p "$tmp"
   (cd "$home" && find . -path ./data/models/default/policy-base-4l -prune -o -name wandb -prune -o -name logs -prune \
       -o -path './runs/jobs/*/checkpoints' -prune -o -name '*.lock' -o -type f -print) | sed 's|^\./||' >"$tmp.list"
-  for job in "$home"/runs/jobs/*/; do  # an unfinished job keeps its checkpoints, less the data cache
+  for job in "$home"/runs/jobs/*/; do  # an unfinished job keeps its newest checkpoint and journals, not the data cache
     state=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["state"])' "$job/job.json" 2>/dev/null \
       || true)
     [ "$state" = SUCCEEDED ] || [ ! -d "$job/checkpoints" ] && continue
-    (cd "$home" && find "runs/jobs/$(basename "$job")/checkpoints" -type f ! -name sft_data.pt) >>"$tmp.list"
+    ckpt="runs/jobs/$(basename "$job")/checkpoints"
+    newest=$(cd "$home/$ckpt" && { ls -d step-* 2>/dev/null || true; } | sort | tail -n 1)
+    (cd "$home" && { find "$ckpt" -type f ! -name sft_data.pt | grep -vE '/step-[0-9]{9}(\.pt$|/)' || true
+                     [ -z "$newest" ] || find "$ckpt/$newest" -type f; }) >>"$tmp.list"
   done
   (cd "$home" && tar -cf - -T "$tmp.list") | tar -xf - -C "$tmp"
   rm -rf "$carried" "$tmp.list" && mv "$tmp" "$carried"

@@ -43,7 +43,11 @@ def research(tmp_path):
     _write(home / "runs" / "20261201T105257Z-run-research-seed1" / "results.json")
     _write(home / "runs" / "20261201T105257Z-run-research-seed1" / "logs" / "stack" / "policy.log")
     _job(home, "default-sft-done", "SUCCEEDED", ("model.safetensors", "optimizer.pt"))
-    _job(home, "default-rl-half", "RUNNING", ("model.safetensors", "optimizer.pt", "sft_data.pt"))
+    _job(home, "default-rl-half", "RUNNING", ("step-000000200.pt", "step-000000400.pt", "rl-iterations.jsonl",
+                                               "sft_data.pt"))
+    _job(home, "default-fsdp-half", "RUNNING", ("step-000000100/model.safetensors", "step-000000300/model.safetensors",
+                                               "step-000000300/optimizer.bin"))
+    _job(home, "default-rlpool-half", "RUNNING", ("rlpool-journal.jsonl",))
     return research, home
 
 
@@ -72,9 +76,19 @@ def test_pack_keeps_what_cannot_be_rebuilt_cheaply(research):
         "runs/jobs/default-rl-half/job.json",
         "runs/jobs/default-rl-half/events.jsonl",
         "runs/jobs/default-rl-half/run/metrics.jsonl",
-        # the unfinished job resumes from these; the finished one's outputs are its model
-        "runs/jobs/default-rl-half/checkpoints/model.safetensors",
-        "runs/jobs/default-rl-half/checkpoints/optimizer.pt",
+        "runs/jobs/default-fsdp-half/job.json",
+        "runs/jobs/default-fsdp-half/events.jsonl",
+        "runs/jobs/default-fsdp-half/run/metrics.jsonl",
+        "runs/jobs/default-rlpool-half/job.json",
+        "runs/jobs/default-rlpool-half/events.jsonl",
+        "runs/jobs/default-rlpool-half/run/metrics.jsonl",
+        "runs/jobs/default-rlpool-half/checkpoints/rlpool-journal.jsonl",
+        # an unfinished job resumes from its newest checkpoint (a file, or a launch's directory) and its journals;
+        # the finished one's outputs are its model
+        "runs/jobs/default-rl-half/checkpoints/step-000000400.pt",
+        "runs/jobs/default-rl-half/checkpoints/rl-iterations.jsonl",
+        "runs/jobs/default-fsdp-half/checkpoints/step-000000300/model.safetensors",
+        "runs/jobs/default-fsdp-half/checkpoints/step-000000300/optimizer.bin",
     }
 
 
